@@ -1,0 +1,32 @@
+# PYKERNELS_CUDA_COMPILE_CHECK: compile, never link, all CUDA code on a machine without a GPU.
+#  1. every csrc/*/*.cu with nvcc for each arch in PYKERNELS_CUDA_ARCHS (they include no torch);
+#  2. every csrc/*/*_cuda_torch.cpp with the host compiler against torch's headers. A CPU-only
+#     torch wheel ships c10/cuda but not the generated c10/cuda/impl/cuda_cmake_macros.h, so a
+#     stand-in is written to the build tree. The bindings must not include ATen/cuda headers that
+#     need cuBLAS (absent here); they take the stream from c10::cuda.
+
+enable_language(CUDA)
+set(CMAKE_CUDA_ARCHITECTURES ${PYKERNELS_CUDA_ARCHS})
+
+add_library(pykernels_cuda_check OBJECT ${PYKERNELS_CUDA_SOURCES})
+target_include_directories(pykernels_cuda_check PRIVATE ${CMAKE_SOURCE_DIR}/csrc ${CUTLASS_DIR})
+set_target_properties(pykernels_cuda_check PROPERTIES CUDA_ARCHITECTURES "${PYKERNELS_CUDA_ARCHS}")
+target_compile_options(pykernels_cuda_check PRIVATE
+  $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -Werror all-warnings>)
+
+find_package(Torch REQUIRED)
+find_package(CUDAToolkit REQUIRED)
+set(shim_dir "${CMAKE_BINARY_DIR}/c10_cuda_shim")
+file(WRITE "${shim_dir}/c10/cuda/impl/cuda_cmake_macros.h"
+  "#pragma once\n// Stand-in for the header a CUDA build of torch generates (compile check only).\n"
+  "#define C10_CUDA_BUILD_SHARED_LIBS\n")
+add_library(pykernels_cuda_binding_check OBJECT ${PYKERNELS_CUDA_BINDINGS})
+target_include_directories(pykernels_cuda_binding_check PRIVATE
+  ${CMAKE_SOURCE_DIR}/csrc ${shim_dir} ${TORCH_INCLUDE_DIRS} ${CUDAToolkit_INCLUDE_DIRS})
+target_compile_definitions(pykernels_cuda_binding_check PRIVATE PYKERNELS_WITH_CUDA)
+target_compile_options(pykernels_cuda_binding_check PRIVATE ${PYKERNELS_CXX_FLAGS} ${TORCH_CXX_FLAGS})
+
+list(LENGTH PYKERNELS_CUDA_SOURCES n_cu)
+list(LENGTH PYKERNELS_CUDA_BINDINGS n_bind)
+message(STATUS "pykernels: compile check of ${n_cu} .cu files for archs ${PYKERNELS_CUDA_ARCHS} "
+               "and ${n_bind} CUDA binding files")

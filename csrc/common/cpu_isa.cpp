@@ -1,0 +1,52 @@
+#include "common/cpu_isa.h"
+
+#include <atomic>
+#include <stdexcept>
+
+namespace pykernels {
+namespace {
+
+bool cpu_has_avx512() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  // The AVX-512 kernels use F (floats), BW (16-bit lanes), VL (256-bit forms) and DQ.
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#else
+  return false;
+#endif
+}
+
+std::atomic<int> forced_isa{-1};  // -1: auto
+
+}  // namespace
+
+CpuIsa detected_cpu_isa() {
+  static const CpuIsa detected = cpu_has_avx512() ? CpuIsa::kAvx512 : CpuIsa::kScalar;
+  return detected;
+}
+
+CpuIsa active_cpu_isa() {
+  const int forced = forced_isa.load(std::memory_order_relaxed);
+  return forced < 0 ? detected_cpu_isa() : static_cast<CpuIsa>(forced);
+}
+
+void force_cpu_isa(const std::string& name) {
+  if (name == "auto") {
+    forced_isa.store(-1);
+  } else if (name == "scalar") {
+    forced_isa.store(static_cast<int>(CpuIsa::kScalar));
+  } else if (name == "avx512") {
+    if (detected_cpu_isa() != CpuIsa::kAvx512) {
+      throw std::invalid_argument("cpu isa 'avx512' requested but this CPU lacks AVX-512 F/BW/VL/DQ");
+    }
+    forced_isa.store(static_cast<int>(CpuIsa::kAvx512));
+  } else {
+    throw std::invalid_argument("cpu isa must be 'auto', 'scalar' or 'avx512', got '" + name + "'");
+  }
+}
+
+std::string cpu_isa_name(CpuIsa isa) {
+  return isa == CpuIsa::kAvx512 ? "avx512" : "scalar";
+}
+
+}  // namespace pykernels

@@ -1,0 +1,67 @@
+// pykernels._C: importing it registers every op (TORCH_LIBRARY in torch_bindings.cpp and the
+// per-family implementations); the functions here describe what this build contains.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <vector>
+
+#include "common/cpu_isa.h"
+
+namespace py = pybind11;
+
+namespace {
+
+std::vector<std::string> split_csv(const std::string& csv) {
+  std::vector<std::string> parts;
+  size_t start = 0;
+  while (start < csv.size()) {
+    const size_t comma = csv.find(',', start);
+    const size_t end = comma == std::string::npos ? csv.size() : comma;
+    if (end > start) parts.push_back(csv.substr(start, end - start));
+    start = end + 1;
+  }
+  return parts;
+}
+
+bool has_cuda() {
+#ifdef PYKERNELS_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::vector<std::string> cuda_archs() {
+#ifdef PYKERNELS_WITH_CUDA
+  return split_csv(PYKERNELS_CUDA_ARCHS);
+#else
+  return {};
+#endif
+}
+
+py::dict build_info() {
+  py::dict info;
+  info["families"] = split_csv(PYKERNELS_FAMILIES);
+  info["cuda"] = has_cuda();
+  info["cuda_archs"] = cuda_archs();
+  const std::string cutlass = PYKERNELS_CUTLASS_VERSION;
+  info["cutlass_version"] = cutlass.empty() ? py::object(py::none()) : py::object(py::str(cutlass));
+  info["torch_version"] = PYKERNELS_TORCH_VERSION;
+  info["cpu_isa"] = pykernels::cpu_isa_name(pykernels::active_cpu_isa());
+  info["cpu_isa_detected"] = pykernels::cpu_isa_name(pykernels::detected_cpu_isa());
+  return info;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "pykernels compiled kernels; ops are registered under torch.ops.pykernels";
+  m.def("build_info", &build_info,
+        "Compiled kernel families, CUDA on/off, CUDA archs, CUTLASS and torch versions, CPU SIMD path");
+  m.def("has_cuda", &has_cuda, "True when CUDA kernels were compiled into this build");
+  m.def("cuda_archs", &cuda_archs, "CUDA architectures compiled into this build");
+  m.def(
+      "set_cpu_isa", [](const std::string& name) { pykernels::force_cpu_isa(name); }, py::arg("name"),
+      "Force the CPU SIMD path: 'auto' (default), 'scalar' or 'avx512'");
+}

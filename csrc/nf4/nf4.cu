@@ -1,0 +1,317 @@
+// NF4 CUDA kernels. Memory-bound: each thread moves 8 (quantize) or 16 (dequantize) values with
+// 16-byte loads/stores; the aim is >= 80% of HBM bandwidth. Results are bit-identical to the CPU
+// kernels (and so to bitsandbytes 0.50 on CPU): every rounding step is an explicit _rn
+// intrinsic, so nvcc's default multiply-add contraction cannot change a bit.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "nf4/nf4.h"
+
+namespace pykernels::nf4 {
+namespace {
+
+using Packed4 = uint32_t;  // 8 codes = 4 bytes: one quantize thread's output
+
+constexpr int kQuantValuesPerThread = 8;     // 32 B of fp32 / 16 B of bf16 per thread
+constexpr int kDequantValuesPerThread = 16;  // 8 packed bytes in, 64 B fp32 / 32 B bf16 out
+constexpr int kThreads = 256;
+
+__constant__ float c_code[16] = {
+    kCode[0], kCode[1], kCode[2],  kCode[3],  kCode[4],  kCode[5],  kCode[6],  kCode[7],
+    kCode[8], kCode[9], kCode[10], kCode[11], kCode[12], kCode[13], kCode[14], kCode[15],
+};
+__constant__ float c_midpoint[15] = {
+    kMidpoint[0], kMidpoint[1], kMidpoint[2],  kMidpoint[3],  kMidpoint[4],
+    kMidpoint[5], kMidpoint[6], kMidpoint[7],  kMidpoint[8],  kMidpoint[9],
+    kMidpoint[10], kMidpoint[11], kMidpoint[12], kMidpoint[13], kMidpoint[14],
+};
+
+// ------------------------------------------------------------------ element conversions
+template <typename T> __device__ __forceinline__ float to_float(T v);
+template <> __device__ __forceinline__ float to_float(float v) { return v; }
+template <> __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ float from_float(float v) { return v; }
+template <> __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+
+__device__ __forceinline__ float nan_propagating_max(float a, float b) {
+  return (a > b || isnan(a)) ? a : b;
+}
+
+__device__ __forceinline__ uint32_t nf4_code_of(float v) {
+  v = v < -1.0f ? -1.0f : (v > 1.0f ? 1.0f : v);  // NaN stays NaN
+  uint32_t code = 0;
+#pragma unroll
+  for (int i = 0; i < 15; ++i) code += !(c_midpoint[i] >= v);  // NaN counts every midpoint: 15
+  return code;
+}
+
+// ------------------------------------------------------------------ quantize
+// A group of blocksize / 8 consecutive threads owns one quantization block; groups of up to 32
+// threads reduce absmax with warp shuffles, larger groups (blocksize >= 512) through shared memory.
+template <typename T>
+__global__ void __launch_bounds__(512) quantize_kernel(const T* __restrict__ x,  // [numel]
+                                                       int64_t numel, int blocksize,
+                                                       uint8_t* __restrict__ packed,   // [ceil(numel/2)]
+                                                       float* __restrict__ absmax) {   // [num_blocks]
+  __shared__ float warp_max[16];
+  const int group_threads = blocksize / kQuantValuesPerThread;
+  const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t first = thread * kQuantValuesPerThread;
+  const int64_t block = first / blocksize;
+
+  float values[kQuantValuesPerThread];
+  const bool vector_ok = first + kQuantValuesPerThread <= numel &&
+                         (reinterpret_cast<uintptr_t>(x) % 16 == 0);
+  if (vector_ok) {
+    if constexpr (sizeof(T) == 4) {
+      const float4 a = reinterpret_cast<const float4*>(x + first)[0];
+      const float4 b = reinterpret_cast<const float4*>(x + first)[1];
+      values[0] = a.x; values[1] = a.y; values[2] = a.z; values[3] = a.w;
+      values[4] = b.x; values[5] = b.y; values[6] = b.z; values[7] = b.w;
+    } else {
+      const uint4 raw = *reinterpret_cast<const uint4*>(x + first);
+      const T* halves = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int i = 0; i < kQuantValuesPerThread; ++i) values[i] = to_float(halves[i]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kQuantValuesPerThread; ++i)
+      values[i] = first + i < numel ? to_float(x[first + i]) : 0.0f;  // pad: |0| leaves absmax as is
+  }
+
+  float local_max = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kQuantValuesPerThread; ++i) local_max = nan_propagating_max(fabsf(values[i]), local_max);
+  const int warp_width = group_threads < 32 ? group_threads : 32;
+  for (int offset = warp_width / 2; offset > 0; offset /= 2)
+    local_max = nan_propagating_max(__shfl_xor_sync(0xffffffffu, local_max, offset), local_max);
+  float block_max = local_max;
+  if (group_threads > 32) {
+    const int warp = threadIdx.x / 32;
+    if (threadIdx.x % 32 == 0) warp_max[warp] = local_max;
+    __syncthreads();
+    const int warps_per_group = group_threads / 32;
+    const int group_first_warp = warp - warp % warps_per_group;
+    block_max = warp_max[group_first_warp];
+    for (int w = 1; w < warps_per_group; ++w) block_max = nan_propagating_max(warp_max[group_first_warp + w], block_max);
+  }
+  if (first >= numel) return;
+
+  const bool partial = (block + 1) * blocksize > numel;
+  const float clamped = block_max < kAbsmaxFloor ? kAbsmaxFloor : block_max;  // NaN passes
+  const float reciprocal = __frcp_rn(clamped);
+  if (first % blocksize == 0) absmax[block] = partial ? clamped : block_max;
+
+  Packed4 codes = 0;
+#pragma unroll
+  for (int i = 0; i < kQuantValuesPerThread; ++i) {
+    const float scaled = partial ? __fdiv_rn(values[i], clamped) : __fmul_rn(values[i], reciprocal);
+    const uint32_t code = first + i < numel ? nf4_code_of(scaled) : kPadCode;
+    codes |= code << (4 * (i ^ 1));  // byte k holds values 2k (high nibble) and 2k+1 (low)
+  }
+  const int64_t byte = first / 2;
+  if (first + kQuantValuesPerThread <= numel && reinterpret_cast<uintptr_t>(packed) % 4 == 0) {
+    *reinterpret_cast<Packed4*>(packed + byte) = codes;
+  } else {
+    for (int64_t k = 0; k < kQuantValuesPerThread / 2 && byte + k < (numel + 1) / 2; ++k)
+      packed[byte + k] = static_cast<uint8_t>(codes >> (8 * k));
+  }
+}
+
+// ------------------------------------------------------------------ dequantize
+__device__ __forceinline__ float block_scale(const BlockScales& s, int64_t block) {
+  if (s.absmax != nullptr) return s.absmax[block];
+  const float product = __fmul_rn(s.nested_code[s.absmax_q[block]], s.nested_absmax[block / s.nested_blocksize]);
+  return __fadd_rn(product, *s.nested_offset);
+}
+
+template <typename T>
+__device__ __forceinline__ void store16(T* out, const float* v, bool aligned) {
+  if (aligned) {
+    if constexpr (sizeof(T) == 4) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        reinterpret_cast<float4*>(out)[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
+    } else {
+      uint4 raw[2];
+      T* halves = reinterpret_cast<T*>(raw);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) halves[i] = from_float<T>(v[i]);
+      reinterpret_cast<uint4*>(out)[0] = raw[0];
+      reinterpret_cast<uint4*>(out)[1] = raw[1];
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) out[i] = from_float<T>(v[i]);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t* __restrict__ packed,
+                                                              BlockScales scales, int64_t numel,
+                                                              int blocksize, T* __restrict__ out) {
+  __shared__ float code[16];
+  if (threadIdx.x < 16) code[threadIdx.x] = c_code[threadIdx.x];
+  __syncthreads();
+  const int64_t chunks = (numel + kDequantValuesPerThread - 1) / kDequantValuesPerThread;
+  const bool packed_aligned = reinterpret_cast<uintptr_t>(packed) % 8 == 0;
+  const bool out_aligned = reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  for (int64_t chunk = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; chunk < chunks;
+       chunk += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t first = chunk * kDequantValuesPerThread;
+    // 16 divides blocksize, so a chunk never straddles two blocks.
+    const float scale = block_scale(scales, first / blocksize);
+    if (first + kDequantValuesPerThread <= numel) {
+      uint8_t bytes[8];
+      if (packed_aligned) {
+        *reinterpret_cast<uint2*>(bytes) = *reinterpret_cast<const uint2*>(packed + first / 2);
+      } else {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) bytes[k] = packed[first / 2 + k];
+      }
+      float v[kDequantValuesPerThread];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        v[2 * k] = __fmul_rn(code[bytes[k] >> 4], scale);
+        v[2 * k + 1] = __fmul_rn(code[bytes[k] & 0x0F], scale);
+      }
+      store16(out + first, v, out_aligned);
+    } else {
+      for (int64_t i = first; i < numel; ++i) {
+        const uint8_t byte = packed[i / 2];
+        out[i] = from_float<T>(__fmul_rn(code[(i % 2 == 0) ? (byte >> 4) : (byte & 0x0F)], scale));
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------ 8-bit dynamic (absmax)
+// One CTA per block. Reproduces bitsandbytes' CPU table lookup without the table: entry i of the
+// table is the number of code midpoints below -1 + 2i / 65535, computed here directly.
+__global__ void __launch_bounds__(kThreads) dynamic8_quantize_kernel(const float* __restrict__ x,
+                                                                     const float* __restrict__ code,
+                                                                     int64_t numel, int64_t blocksize,
+                                                                     uint8_t* __restrict__ q,
+                                                                     float* __restrict__ absmax) {
+  __shared__ float midpoints[255];
+  __shared__ float warp_max[kThreads / 32];
+  for (int i = threadIdx.x; i < 255; i += blockDim.x)
+    midpoints[i] = __fmul_rn(0.5f, __fadd_rn(code[i], code[i + 1]));
+  const int64_t begin = int64_t(blockIdx.x) * blocksize;
+  const int64_t end = begin + blocksize < numel ? begin + blocksize : numel;
+  float local_max = 0.0f;  // bitsandbytes: NaN never wins and the result is at least 0
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) local_max = fmaxf(local_max, fabsf(x[i]));
+  for (int offset = 16; offset > 0; offset /= 2) local_max = fmaxf(local_max, __shfl_xor_sync(0xffffffffu, local_max, offset));
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = local_max;
+  __syncthreads();
+  float block_max = 0.0f;
+  for (int w = 0; w < kThreads / 32; ++w) block_max = fmaxf(block_max, warp_max[w]);
+  if (threadIdx.x == 0) absmax[blockIdx.x] = block_max;
+  const float reciprocal = __frcp_rn(block_max);
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    if (block_max == 0.0f) {
+      q[i] = 0;
+      continue;
+    }
+    float v = __fmul_rn(x[i], reciprocal);
+    v = v < -1.0f ? -1.0f : (v > 1.0f ? 1.0f : v);
+    const float position = __fmaf_rn(__fmul_rn(__fadd_rn(v, 1.0f), 0.5f), float(kDynamicLutSize - 1), 0.5f);
+    const int index = isnan(position) ? 0 : static_cast<int>(position) & 0xFFFF;
+    const float grid = __fadd_rn(__fdiv_rn(2.0f * float(index), float(kDynamicLutSize - 1)), -1.0f);
+    int lo = 0, hi = 255;  // first midpoint that is not below grid
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (midpoints[mid] < grid) lo = mid + 1; else hi = mid;
+    }
+    q[i] = static_cast<uint8_t>(lo);
+  }
+}
+
+__global__ void dynamic8_dequantize_kernel(const uint8_t* __restrict__ q, const float* __restrict__ absmax,
+                                           const float* __restrict__ code, int64_t numel, int64_t blocksize,
+                                           float* __restrict__ out) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < numel; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = __fmul_rn(code[q[i]], absmax[i / blocksize]);
+}
+
+const char* launch_status(const char* what) {
+  const cudaError_t status = cudaGetLastError();
+  return status == cudaSuccess ? nullptr : what;
+}
+
+int grid_for(int64_t work_items, int threads) {
+  const int64_t blocks = (work_items + threads - 1) / threads;
+  return static_cast<int>(blocks < (int64_t{1} << 20) ? (blocks > 0 ? blocks : 1) : (int64_t{1} << 20));
+}
+
+}  // namespace
+
+const char* launch_quantize(const QuantizeParams& p, cudaStream_t stream) {
+  if (p.blocksize < 32 || p.blocksize > 4096 || (p.blocksize & (p.blocksize - 1)) != 0)
+    return "nf4 quantize: blocksize must be a power of two in [32, 4096]";
+  // Threads cover whole blocks so every group sees its full block; CTAs hold whole groups.
+  const int group_threads = static_cast<int>(p.blocksize / kQuantValuesPerThread);
+  const int threads = group_threads > kThreads ? group_threads : kThreads;
+  const int64_t total_threads = num_blocks(p.numel, p.blocksize) * group_threads;
+  const int64_t ctas = (total_threads + threads - 1) / threads;
+  if (ctas > INT32_MAX) return "nf4 quantize: tensor too large for one launch";
+  const dim3 grid(static_cast<unsigned>(ctas));
+  switch (p.x_dtype) {
+    case DType::kFloat32:
+      quantize_kernel<float><<<grid, threads, 0, stream>>>(static_cast<const float*>(p.x), p.numel,
+                                                           int(p.blocksize), p.packed, p.absmax);
+      break;
+    case DType::kFloat16:
+      quantize_kernel<__half><<<grid, threads, 0, stream>>>(static_cast<const __half*>(p.x), p.numel,
+                                                            int(p.blocksize), p.packed, p.absmax);
+      break;
+    case DType::kBFloat16:
+      quantize_kernel<__nv_bfloat16><<<grid, threads, 0, stream>>>(
+          static_cast<const __nv_bfloat16*>(p.x), p.numel, int(p.blocksize), p.packed, p.absmax);
+      break;
+  }
+  return launch_status("nf4 quantize: kernel launch failed");
+}
+
+const char* launch_dequantize(const DequantizeParams& p, cudaStream_t stream) {
+  const int grid = grid_for((p.numel + kDequantValuesPerThread - 1) / kDequantValuesPerThread, kThreads);
+  switch (p.out_dtype) {
+    case DType::kFloat32:
+      dequantize_kernel<float><<<grid, kThreads, 0, stream>>>(p.packed, p.scales, p.numel, int(p.blocksize),
+                                                              static_cast<float*>(p.out));
+      break;
+    case DType::kFloat16:
+      dequantize_kernel<__half><<<grid, kThreads, 0, stream>>>(p.packed, p.scales, p.numel, int(p.blocksize),
+                                                               static_cast<__half*>(p.out));
+      break;
+    case DType::kBFloat16:
+      dequantize_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(
+          p.packed, p.scales, p.numel, int(p.blocksize), static_cast<__nv_bfloat16*>(p.out));
+      break;
+  }
+  return launch_status("nf4 dequantize: kernel launch failed");
+}
+
+const char* launch_dynamic8_quantize(const Dynamic8QuantizeParams& p, cudaStream_t stream) {
+  const int64_t blocks = num_blocks(p.numel, p.blocksize);
+  if (blocks > INT32_MAX) return "dynamic8 quantize: too many blocks for one launch";
+  dynamic8_quantize_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p.x, p.code, p.numel,
+                                                                                  p.blocksize, p.q, p.absmax);
+  return launch_status("dynamic8 quantize: kernel launch failed");
+}
+
+const char* launch_dynamic8_dequantize(const Dynamic8DequantizeParams& p, cudaStream_t stream) {
+  dynamic8_dequantize_kernel<<<grid_for(p.numel, kThreads), kThreads, 0, stream>>>(p.q, p.absmax, p.code, p.numel,
+                                                                                   p.blocksize, p.out);
+  return launch_status("dynamic8 dequantize: kernel launch failed");
+}
+
+}  // namespace pykernels::nf4

@@ -1,0 +1,292 @@
+// NF4 CPU kernels: a portable scalar path that states the arithmetic, and an AVX-512 path that
+// must produce the same bits (compiled with a target attribute, chosen at run time).
+//
+// Arithmetic contract (torch / bitsandbytes 0.50 on CPU, see pykernels/reference/nf4.py):
+//   full block:    absmax = max|x| (NaN wins); v = x * (1 / max(absmax, floor))
+//   partial block: absmax = max(max|x|, floor);  v = x / absmax
+//   v = clamp(v, -1, 1) (NaN stays NaN); code = #{i : !(midpoint[i] >= v)}
+// The build uses -ffp-contract=off so no multiply-add is fused behind our back.
+#include "nf4/nf4_cpu_kernels.h"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "common/cpu_isa.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define PYKERNELS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#endif
+
+namespace pykernels::nf4::cpu {
+namespace {
+
+// ---------------------------------------------------------------- scalar helpers
+template <typename T>
+inline float to_float(T value) {
+  return static_cast<float>(value);
+}
+
+template <typename T>
+inline T from_float(float value) {
+  return static_cast<T>(value);  // c10::Half / c10::BFloat16: round to nearest even
+}
+
+inline float nan_propagating_max(float a, float b) { return (a > b || std::isnan(a)) ? a : b; }
+inline float clamp_unit(float v) { return v < -1.0f ? -1.0f : (v > 1.0f ? 1.0f : v); }
+
+inline uint8_t nf4_code_of(float v) {
+  uint8_t code = 0;
+  for (float m : kMidpoint) code += !(m >= v);
+  return code;
+}
+
+inline float block_scale(const BlockScales& s, int64_t block) {
+  if (s.absmax != nullptr) return s.absmax[block];
+  const float product = s.nested_code[s.absmax_q[block]] * s.nested_absmax[block / s.nested_blocksize];
+  return product + *s.nested_offset;
+}
+
+// One block of `count` values starting at flat index `begin` (even).
+template <typename T>
+void quantize_block_scalar(const T* x, int64_t begin, int64_t count, bool partial,
+                           uint8_t* packed, float* absmax_out) {
+  float absmax = 0.0f;
+  for (int64_t i = 0; i < count; ++i) absmax = nan_propagating_max(std::fabs(to_float(x[begin + i])), absmax);
+  float clamped = absmax < kAbsmaxFloor ? kAbsmaxFloor : absmax;  // NaN passes through
+  const float reciprocal = 1.0f / clamped;
+  *absmax_out = partial ? clamped : absmax;
+
+  uint8_t* out = packed + begin / 2;
+  for (int64_t i = 0; i < count; i += 2) {
+    uint8_t pair[2] = {kPadCode, kPadCode};
+    for (int64_t j = 0; j < 2 && i + j < count; ++j) {
+      const float value = to_float(x[begin + i + j]);
+      pair[j] = nf4_code_of(clamp_unit(partial ? value / clamped : value * reciprocal));
+    }
+    out[i / 2] = static_cast<uint8_t>((pair[0] << 4) | pair[1]);
+  }
+}
+
+template <typename T>
+void dequantize_block_scalar(const uint8_t* packed, float scale, int64_t begin, int64_t count, T* out) {
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t index = begin + i;
+    const uint8_t byte = packed[index / 2];
+    const uint8_t code = (index % 2 == 0) ? (byte >> 4) : (byte & 0x0F);
+    out[index] = from_float<T>(kCode[code] * scale);
+  }
+}
+
+#if defined(__x86_64__)
+// ---------------------------------------------------------------- AVX-512 path
+template <typename T>
+PYKERNELS_AVX512 inline __m512 load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+}
+
+template <typename T>
+PYKERNELS_AVX512 inline void store16(T* p, __m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_storeu_ps(p, v);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    // Round to nearest even like c10::BFloat16, NaN -> 0x7FC0.
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+  } else {
+    const __m256i half = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), half);
+  }
+}
+
+// 16 NF4 codes of v by branch-free binary search over the 15 midpoints (lane 15 is +inf and never
+// probed). _CMP_NGE_UQ is "!(midpoint >= v)", true for NaN, so NaN ends at 15 like bucketize.
+PYKERNELS_AVX512 inline __m512i nf4_codes16(__m512 v, __m512 midpoints) {
+  __m512i code = _mm512_setzero_si512();
+  for (int step : {8, 4, 2, 1}) {
+    const __m512i probe_index = _mm512_add_epi32(code, _mm512_set1_epi32(step - 1));
+    const __m512 probe = _mm512_permutexvar_ps(probe_index, midpoints);
+    const __mmask16 below = _mm512_cmp_ps_mask(probe, v, _CMP_NGE_UQ);
+    code = _mm512_mask_add_epi32(code, below, code, _mm512_set1_epi32(step));
+  }
+  return code;
+}
+
+// A full block (blocksize % 32 == 0) starting at flat index `begin`.
+template <typename T>
+PYKERNELS_AVX512 void quantize_block_avx512(const T* x, int64_t begin, int64_t blocksize,
+                                            uint8_t* packed, float* absmax_out) {
+  const T* block = x + begin;
+  __m512 running_max = _mm512_setzero_ps();
+  __mmask16 has_nan = 0;
+  for (int64_t i = 0; i < blocksize; i += 16) {
+    const __m512 v = load16(block + i);
+    has_nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    running_max = _mm512_max_ps(running_max, _mm512_abs_ps(v));
+  }
+  uint8_t* out = packed + begin / 2;
+  if (has_nan) {  // torch: NaN absmax, every value scales to NaN, bucketize gives code 15
+    *absmax_out = std::numeric_limits<float>::quiet_NaN();
+    std::memset(out, 0xFF, blocksize / 2);
+    return;
+  }
+  const float absmax = _mm512_reduce_max_ps(running_max);
+  *absmax_out = absmax;
+  const __m512 reciprocal = _mm512_set1_ps(1.0f / std::max(absmax, kAbsmaxFloor));
+  const __m512 midpoints = _mm512_setr_ps(
+      kMidpoint[0], kMidpoint[1], kMidpoint[2], kMidpoint[3], kMidpoint[4], kMidpoint[5],
+      kMidpoint[6], kMidpoint[7], kMidpoint[8], kMidpoint[9], kMidpoint[10], kMidpoint[11],
+      kMidpoint[12], kMidpoint[13], kMidpoint[14], std::numeric_limits<float>::infinity());
+  const __m512 one = _mm512_set1_ps(1.0f), minus_one = _mm512_set1_ps(-1.0f);
+  for (int64_t i = 0; i < blocksize; i += 32) {
+    __m512i codes[2];
+    for (int half = 0; half < 2; ++half) {
+      __m512 v = _mm512_mul_ps(load16(block + i + 16 * half), reciprocal);
+      // max/min return their second operand when one is NaN: keeps NaN (inf * 0) as NaN.
+      v = _mm512_min_ps(one, _mm512_max_ps(minus_one, v));
+      codes[half] = nf4_codes16(v, midpoints);
+    }
+    // 32 codes -> 16-bit lanes (even code low byte, odd code high byte) -> one byte per pair.
+    const __m256i bytes = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm512_cvtepi32_epi8(codes[0])), _mm512_cvtepi32_epi8(codes[1]), 1);
+    const __m256i high_nibbles = _mm256_and_si256(_mm256_slli_epi16(bytes, 4), _mm256_set1_epi16(0x00F0));
+    const __m256i pairs = _mm256_or_si256(high_nibbles, _mm256_srli_epi16(bytes, 8));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i / 2), _mm256_cvtepi16_epi8(pairs));
+  }
+}
+
+// A full block: 16 products code[i] * scale form a lookup table, so each output is exactly the
+// scalar path's fp32 product before rounding to T.
+template <typename T>
+PYKERNELS_AVX512 void dequantize_block_avx512(const uint8_t* packed, float scale, int64_t begin,
+                                              int64_t blocksize, T* out) {
+  const __m512 table = _mm512_mul_ps(_mm512_loadu_ps(kCode), _mm512_set1_ps(scale));
+  const __m128i low_mask = _mm_set1_epi8(0x0F);
+  const uint8_t* bytes = packed + begin / 2;
+  T* dst = out + begin;
+  for (int64_t j = 0; j < blocksize / 2; j += 16) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + j));
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(raw, 4), low_mask);
+    const __m128i low = _mm_and_si128(raw, low_mask);
+    // Interleave so codes come out in element order: high nibble first.
+    const __m128i first = _mm_unpacklo_epi8(high, low);
+    const __m128i second = _mm_unpackhi_epi8(high, low);
+    store16(dst + 2 * j, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(first), table));
+    store16(dst + 2 * j + 16, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(second), table));
+  }
+}
+#endif  // __x86_64__
+
+template <typename T>
+void quantize_typed(const QuantizeParams& p, int64_t block_begin, int64_t block_end) {
+  const T* x = static_cast<const T*>(p.x);
+  const bool avx512 = active_cpu_isa() == CpuIsa::kAvx512;
+  for (int64_t b = block_begin; b < block_end; ++b) {
+    const int64_t begin = b * p.blocksize;
+    const int64_t count = std::min(p.blocksize, p.numel - begin);
+    const bool partial = count < p.blocksize;
+#if defined(__x86_64__)
+    if (avx512 && !partial) {
+      quantize_block_avx512(x, begin, p.blocksize, p.packed, p.absmax + b);
+      continue;
+    }
+#endif
+    quantize_block_scalar(x, begin, count, partial, p.packed, p.absmax + b);
+  }
+}
+
+template <typename T>
+void dequantize_typed(const DequantizeParams& p, int64_t block_begin, int64_t block_end) {
+  T* out = static_cast<T*>(p.out);
+  const bool avx512 = active_cpu_isa() == CpuIsa::kAvx512;
+  for (int64_t b = block_begin; b < block_end; ++b) {
+    const int64_t begin = b * p.blocksize;
+    const int64_t count = std::min(p.blocksize, p.numel - begin);
+    const float scale = block_scale(p.scales, b);
+#if defined(__x86_64__)
+    if (avx512 && count == p.blocksize) {
+      dequantize_block_avx512(p.packed, scale, begin, p.blocksize, out);
+      continue;
+    }
+#endif
+    dequantize_block_scalar(p.packed, scale, begin, count, out);
+  }
+}
+
+}  // namespace
+
+void quantize_blocks(const QuantizeParams& p, int64_t block_begin, int64_t block_end) {
+  switch (p.x_dtype) {
+    case DType::kFloat32: return quantize_typed<float>(p, block_begin, block_end);
+    case DType::kFloat16: return quantize_typed<c10::Half>(p, block_begin, block_end);
+    case DType::kBFloat16: return quantize_typed<c10::BFloat16>(p, block_begin, block_end);
+  }
+}
+
+void dequantize_blocks(const DequantizeParams& p, int64_t block_begin, int64_t block_end) {
+  switch (p.out_dtype) {
+    case DType::kFloat32: return dequantize_typed<float>(p, block_begin, block_end);
+    case DType::kFloat16: return dequantize_typed<c10::Half>(p, block_begin, block_end);
+    case DType::kBFloat16: return dequantize_typed<c10::BFloat16>(p, block_begin, block_end);
+  }
+}
+
+void build_dynamic_lut(const float* code, uint8_t* lut) {
+  float midpoints[255];
+  for (int i = 0; i < 255; ++i) midpoints[i] = 0.5f * (code[i] + code[i + 1]);
+  int below = 0;
+  for (int i = 0; i < kDynamicLutSize; ++i) {
+    const float grid = (2.0f * static_cast<float>(i)) / static_cast<float>(kDynamicLutSize - 1) - 1.0f;
+    while (below < 255 && midpoints[below] < grid) ++below;
+    lut[i] = static_cast<uint8_t>(below);
+  }
+}
+
+void dynamic8_quantize_blocks(const Dynamic8QuantizeParams& p, const uint8_t* lut,
+                              int64_t block_begin, int64_t block_end) {
+  for (int64_t b = block_begin; b < block_end; ++b) {
+    const int64_t begin = b * p.blocksize;
+    const int64_t end = std::min(begin + p.blocksize, p.numel);
+    float absmax = 0.0f;  // bitsandbytes: NaN never wins, and the result is at least 0
+    for (int64_t i = begin; i < end; ++i) {
+      const float magnitude = std::fabs(p.x[i]);
+      if (absmax < magnitude) absmax = magnitude;
+    }
+    p.absmax[b] = absmax;
+    if (absmax == 0.0f) {
+      std::memset(p.q + begin, 0, end - begin);
+      continue;
+    }
+    const float reciprocal = 1.0f / absmax;
+    for (int64_t i = begin; i < end; ++i) {
+      const float v = std::clamp(p.x[i] * reciprocal, -1.0f, 1.0f);
+      // bitsandbytes computes this index with one fused multiply-add, truncates, keeps 16 bits.
+      const float position = std::fma((v + 1.0f) * 0.5f, static_cast<float>(kDynamicLutSize - 1), 0.5f);
+      const int index = std::isnan(position) ? 0 : static_cast<int>(position) & 0xFFFF;
+      p.q[i] = lut[index];
+    }
+  }
+}
+
+void dynamic8_dequantize_range(const Dynamic8DequantizeParams& p, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) p.out[i] = p.code[p.q[i]] * p.absmax[i / p.blocksize];
+}
+
+}  // namespace pykernels::nf4::cpu

@@ -1,0 +1,1 @@
+"""PEFT and transformers integrations (fused LoRA, MoE experts) land with their kernel families."""

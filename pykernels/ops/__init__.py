@@ -1,0 +1,1 @@
+"""Public op functions with their fake implementations, one module per kernel family."""

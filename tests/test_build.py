@@ -1,0 +1,40 @@
+"""The compiled extension describes itself and registers every op of the families it reports."""
+
+import pytest
+import torch
+
+import pykernels
+from pykernels import _C
+
+OPS_BY_FAMILY = {"nf4": ["nf4_quantize", "nf4_dequantize", "dynamic8_quantize", "dynamic8_dequantize"]}
+
+
+def test_build_info_fields():
+    info = pykernels.build_info()
+    assert set(info) >= {"families", "cuda", "cuda_archs", "cutlass_version", "torch_version", "cpu_isa"}
+    assert "nf4" in info["families"]
+    assert info["cuda"] == _C.has_cuda()
+    assert info["cuda_archs"] == (_C.cuda_archs() if info["cuda"] else [])
+    assert info["torch_version"].split("+")[0] == torch.__version__.split("+")[0], "rebuild: _C was built for another torch"
+
+
+def test_cutlass_version_is_reported():
+    version = pykernels.build_info()["cutlass_version"]
+    assert version is None or version.count(".") == 2
+
+
+@pytest.mark.parametrize("family", sorted(OPS_BY_FAMILY))
+def test_family_ops_are_registered(family):
+    if family not in pykernels.build_info()["families"]:
+        pytest.fail(f"family {family} has tests but is not in the build")
+    for name in OPS_BY_FAMILY[family]:
+        assert hasattr(torch.ops.pykernels, name), name
+
+
+def test_cpu_isa_switch_rejects_unknown_names():
+    with pytest.raises(ValueError, match="cpu isa must be 'auto', 'scalar' or 'avx512', got 'sse9'"):
+        _C.set_cpu_isa("sse9")
+    _C.set_cpu_isa("scalar")
+    assert pykernels.build_info()["cpu_isa"] == "scalar"
+    _C.set_cpu_isa("auto")
+    assert pykernels.build_info()["cpu_isa"] == pykernels.build_info()["cpu_isa_detected"]

@@ -1,0 +1,156 @@
+"""NF4 quantize/dequantize are bit-exact with bitsandbytes 0.50 on CPU (every SIMD path)."""
+
+import random
+
+import pytest
+import torch
+
+import bnb_oracle
+import pykernels.nf4 as nf4
+from pykernels.reference import nf4 as reference
+
+SHAPES = [(1,), (2,), (7,), (83,), (769,), (5125,), (7, 769), (3, 5, 83), (64, 4096), (2, 4127)]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+BLOCKSIZES = reference.BLOCKSIZES
+
+
+def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{what}: {m}")
+
+
+def assert_matches_bitsandbytes(x: torch.Tensor, blocksize: int, double_quant: bool) -> None:
+    ours = nf4.quantize(x, blocksize=blocksize, double_quant=double_quant)
+    packed, state = bnb_oracle.quantize(x, blocksize, double_quant)
+    assert_bits_equal(ours.packed, packed, "packed")
+    if double_quant:
+        assert_bits_equal(ours.absmax_q, state.absmax, "absmax_q")
+        assert_bits_equal(ours.nested_absmax, state.state2.absmax, "nested_absmax")
+        assert_bits_equal(ours.nested_offset, state.offset, "nested_offset")
+        assert_bits_equal(ours.nested_code, state.state2.code, "nested_code")
+    else:
+        assert_bits_equal(ours.absmax, state.absmax, "absmax")
+    for dtype in DTYPES:
+        assert_bits_equal(nf4.dequantize(ours, dtype), bnb_oracle.dequantize(packed, state, dtype), f"dequantize {dtype}")
+    if bnb_oracle.native_dequantize_is_correct(x.shape, blocksize):
+        expected = bnb_oracle.dequantize_public(packed.reshape(-1, 1), state)
+        assert_bits_equal(nf4.dequantize(ours), expected, "dequantize vs bitsandbytes' native kernel")
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize("blocksize", BLOCKSIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matches_bitsandbytes(shape, dtype, blocksize, double_quant, cpu_isa):
+    generator = torch.Generator().manual_seed(hash((shape, blocksize)) % 2**31)
+    x = (torch.randn(shape, generator=generator) * 3).to(dtype)
+    assert_matches_bitsandbytes(x, blocksize, double_quant)
+
+
+def test_random_shapes_match_bitsandbytes(cpu_isa):
+    rng = random.Random(1234)
+    for _ in range(150):
+        shape = tuple(rng.randint(1, 97) for _ in range(rng.randint(1, 3)))
+        dtype = rng.choice(DTYPES)
+        scale = 10 ** rng.uniform(-4, 4)
+        x = (torch.randn(shape, generator=torch.Generator().manual_seed(rng.getrandbits(31))) * scale).to(dtype)
+        assert_matches_bitsandbytes(x, rng.choice(BLOCKSIZES), rng.random() < 0.5)
+
+
+def special_values(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    base = torch.randn(1000, generator=generator)
+    with_inf, with_nan, half_zero = base.clone(), base.clone(), base.clone()
+    with_inf[5] = float("inf")
+    with_inf[300] = -float("inf")
+    with_nan[70] = float("nan")
+    half_zero[:500] = 0
+    finfo = torch.finfo(dtype)
+    return {
+        "zeros": torch.zeros(1000),
+        "constant": torch.full((1000,), 0.37),
+        "half zero": half_zero,
+        "inf": with_inf,
+        "nan": with_nan,
+        "huge": base * finfo.max / 8,
+        "tiny": base * finfo.tiny,
+        "midpoints": torch.cat([reference.nf4_midpoints(), -reference.nf4_midpoints(), torch.ones(2)]),
+        "zero tail block": torch.cat([base[:128], torch.zeros(37)]),
+    }
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", list(special_values(torch.float32)))
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_special_values_match_bitsandbytes(case, dtype, double_quant, cpu_isa):
+    x = special_values(dtype)[case].to(dtype)
+    for blocksize in (32, 64, 256):
+        assert_matches_bitsandbytes(x, blocksize, double_quant)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "strided", "offset"])
+def test_non_contiguous_input_is_quantized_in_logical_order(layout, cpu_isa):
+    base = torch.randn(96, 130, dtype=torch.bfloat16)
+    x = {"transposed": base.t(), "strided": base[:, ::3], "offset": base[5:, 7:]}[layout]
+    assert not x.is_contiguous()
+    assert_matches_bitsandbytes(x, 64, double_quant=True)
+
+
+def test_scalar_and_avx512_paths_agree():
+    from pykernels import _C
+
+    if pykernels_isa_detected() != "avx512":
+        pytest.skip("CPU has no AVX-512")
+    x = torch.randn(3, 4096 + 96, dtype=torch.bfloat16)
+    results = {}
+    for isa in ("scalar", "avx512"):
+        _C.set_cpu_isa(isa)
+        w = nf4.quantize(x, 128, double_quant=True)
+        results[isa] = (w.packed, w.absmax_q, nf4.dequantize(w, torch.float32))
+    _C.set_cpu_isa("auto")
+    for a, b in zip(results["scalar"], results["avx512"]):
+        assert torch.equal(a, b)
+
+
+def pykernels_isa_detected() -> str:
+    import pykernels
+
+    return pykernels.build_info()["cpu_isa_detected"]
+
+
+@pytest.mark.parametrize("blocksize", [64, 256, 1024])
+def test_dynamic8_matches_bitsandbytes_quantize_blockwise(blocksize, cpu_isa):
+    import bitsandbytes.functional as F
+
+    from pykernels._extension import ops
+
+    code = reference.dynamic_map()
+    assert torch.equal(code, F.create_dynamic_map())
+    generator = torch.Generator().manual_seed(blocksize)
+    for x in (torch.randn(5000, generator=generator), torch.rand(777, generator=generator) - 0.3,
+              torch.zeros(blocksize + 3), code.clone()):
+        q, absmax = ops.dynamic8_quantize(x, code, blocksize)
+        expected_q, state = F.quantize_blockwise(x, blocksize=blocksize)
+        assert_bits_equal(q, expected_q.reshape(-1), "q")
+        assert_bits_equal(absmax, state.absmax, "absmax")
+        assert_bits_equal(ops.dynamic8_dequantize(q, absmax, code, blocksize), F.dequantize_blockwise(expected_q, state), "dequantize")
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize("shape", [(1,), (769,), (7, 769)])
+def test_reference_matches_bitsandbytes(shape, double_quant):
+    """The pure-torch reference (fallback and benchmark baseline) is itself bit-exact."""
+    x = torch.randn(shape, dtype=torch.bfloat16)
+    packed, state = bnb_oracle.quantize(x, 64, double_quant)
+    ref_packed, ref_absmax = reference.quantize_nf4(x, 64)
+    assert_bits_equal(ref_packed, packed, "packed")
+    if double_quant:
+        absmax_q, nested_absmax, offset = reference.quantize_absmax(ref_absmax, reference.dynamic_map())
+        assert_bits_equal(absmax_q, state.absmax, "absmax_q")
+        assert_bits_equal(nested_absmax, state.state2.absmax, "nested_absmax")
+        ref_absmax = reference.dequantize_absmax(absmax_q, nested_absmax, offset, reference.dynamic_map())
+    else:
+        assert_bits_equal(ref_absmax, state.absmax, "absmax")
+    assert_bits_equal(reference.dequantize_nf4(ref_packed, ref_absmax, 64, x.shape, x.dtype),
+                      bnb_oracle.dequantize(packed, state), "dequantize")
