@@ -26,6 +26,8 @@
 namespace pykernels::nf4::cpu {
 namespace {
 
+constexpr int64_t kStreamingStoreBytes = int64_t{16} << 20;
+
 // ---------------------------------------------------------------- scalar helpers
 template <typename T>
 inline float to_float(T value) {
@@ -97,22 +99,43 @@ PYKERNELS_AVX512 inline __m512 load16(const T* p) {
   }
 }
 
+// 16 values rounded to a 16-bit type (bf16: nearest even like c10::BFloat16, NaN -> 0x7FC0).
 template <typename T>
-PYKERNELS_AVX512 inline void store16(T* p, __m512 v) {
-  if constexpr (std::is_same_v<T, float>) {
-    _mm512_storeu_ps(p, v);
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    // Round to nearest even like c10::BFloat16, NaN -> 0x7FC0.
+PYKERNELS_AVX512 inline __m256i to_16bit(__m512 v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
     const __m512i bits = _mm512_castps_si512(v);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     __m512i rounded = _mm512_srli_epi32(
         _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
     const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     rounded = _mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(0x7FC0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+    return _mm512_cvtepi32_epi16(rounded);
   } else {
-    const __m256i half = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), half);
+    return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+}
+
+// Stores 32 consecutive values (one or two cache lines). kStream uses non-temporal stores, which
+// skip the read-for-ownership of each destination line: a large output then costs one memory
+// pass instead of two. They need a 64-byte aligned destination and an sfence before other
+// threads read it.
+template <typename T, bool kStream>
+PYKERNELS_AVX512 inline void store32(T* dst, __m512 first, __m512 second) {
+  if constexpr (std::is_same_v<T, float>) {
+    if constexpr (kStream) {
+      _mm512_stream_ps(dst, first);
+      _mm512_stream_ps(dst + 16, second);
+    } else {
+      _mm512_storeu_ps(dst, first);
+      _mm512_storeu_ps(dst + 16, second);
+    }
+  } else {
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(to_16bit<T>(first)), to_16bit<T>(second), 1);
+    if constexpr (kStream) {
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), both);
+    } else {
+      _mm512_storeu_si512(dst, both);
+    }
   }
 }
 
@@ -174,7 +197,7 @@ PYKERNELS_AVX512 void quantize_block_avx512(const T* x, int64_t begin, int64_t b
 
 // A full block: 16 products code[i] * scale form a lookup table, so each output is exactly the
 // scalar path's fp32 product before rounding to T.
-template <typename T>
+template <typename T, bool kStream>
 PYKERNELS_AVX512 void dequantize_block_avx512(const uint8_t* packed, float scale, int64_t begin,
                                               int64_t blocksize, T* out) {
   const __m512 table = _mm512_mul_ps(_mm512_loadu_ps(kCode), _mm512_set1_ps(scale));
@@ -188,8 +211,8 @@ PYKERNELS_AVX512 void dequantize_block_avx512(const uint8_t* packed, float scale
     // Interleave so codes come out in element order: high nibble first.
     const __m128i first = _mm_unpacklo_epi8(high, low);
     const __m128i second = _mm_unpackhi_epi8(high, low);
-    store16(dst + 2 * j, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(first), table));
-    store16(dst + 2 * j + 16, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(second), table));
+    store32<T, kStream>(dst + 2 * j, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(first), table),
+                        _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(second), table));
   }
 }
 #endif  // __x86_64__
@@ -216,18 +239,31 @@ template <typename T>
 void dequantize_typed(const DequantizeParams& p, int64_t block_begin, int64_t block_end) {
   T* out = static_cast<T*>(p.out);
   const bool avx512 = active_cpu_isa() == CpuIsa::kAvx512;
+#if defined(__x86_64__)
+  // Streaming stores pay off once the output is far larger than the caches (and its consumer
+  // will not find it there anyway); below that, keep it cache-resident for the next op.
+  const bool stream = avx512 && p.numel * int64_t(sizeof(T)) >= kStreamingStoreBytes &&
+                      reinterpret_cast<uintptr_t>(out) % 64 == 0;
+#endif
   for (int64_t b = block_begin; b < block_end; ++b) {
     const int64_t begin = b * p.blocksize;
     const int64_t count = std::min(p.blocksize, p.numel - begin);
     const float scale = block_scale(p.scales, b);
 #if defined(__x86_64__)
     if (avx512 && count == p.blocksize) {
-      dequantize_block_avx512(p.packed, scale, begin, p.blocksize, out);
+      if (stream) {
+        dequantize_block_avx512<T, true>(p.packed, scale, begin, p.blocksize, out);
+      } else {
+        dequantize_block_avx512<T, false>(p.packed, scale, begin, p.blocksize, out);
+      }
       continue;
     }
 #endif
     dequantize_block_scalar(p.packed, scale, begin, count, out);
   }
+#if defined(__x86_64__)
+  if (stream) _mm_sfence();  // make the non-temporal stores visible before the op returns
+#endif
 }
 
 }  // namespace

@@ -1,0 +1,128 @@
+"""Shared benchmark machinery: device choice, peak bandwidth, and timing with extra_info.
+
+Every case times ours and its baselines in the same run and records, in extra_info:
+family, op, case, impl, device_class, bytes per call, GB/s and % of the device's peak bandwidth.
+benchmarks/gate.py reads those to compare speedups against per-device floors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+
+def pin_fresh_allocations() -> None:
+    """Make every CPU allocation of 1 MiB or more a fresh mmap, for every implementation alike.
+
+    glibc's default threshold is dynamic: a freed 32 MiB buffer may be recycled on the next call
+    (no page faults) in one run and mapped afresh (one fault per 4 KiB) in another, which moved a
+    baseline's time 10x between runs. Pinned, each call pays first-touch cost, as it does by
+    default for any tensor over 32 MiB.
+    """
+    if sys.platform.startswith("linux"):
+        M_MMAP_THRESHOLD = -3
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 1 << 20)
+
+
+pin_fresh_allocations()
+
+# Published HBM bandwidth (bytes/s) by device name; anything else uses a measured copy.
+PEAK_BANDWIDTH = {"H100 80GB HBM3": 3.35e12, "H100 PCIe": 2.0e12, "H100": 3.35e12, "H200": 4.8e12}
+TARGET_SECONDS_PER_CASE = 1.0  # total timed wall time per benchmark, split into rounds
+
+
+def bench_device() -> torch.device:
+    """CUDA when present (GPU numbers are what matter there), else CPU; PYKERNELS_BENCH_DEVICE overrides."""
+    name = os.environ.get("PYKERNELS_BENCH_DEVICE")
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def device_class(device: torch.device) -> str:
+    if device.type == "cpu":
+        return "cpu"
+    name = torch.cuda.get_device_name(device)
+    for known in ("H200", "H100"):
+        if known in name:
+            return known.lower()
+    return "cuda"
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measured_copy_bandwidth(device: torch.device) -> float:
+    """Read+write bytes/s of a large device-to-device copy into a preallocated buffer."""
+    n = 64 * 2**20 if device.type == "cpu" else 512 * 2**20
+    src = torch.ones(n, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * src.element_size() / best
+
+
+@dataclass
+class Device:
+    torch_device: torch.device
+    device_class: str
+    peak_bandwidth: float  # bytes/s
+    peak_source: str
+
+
+@pytest.fixture(scope="session")
+def device() -> Device:
+    dev = bench_device()
+    if dev.type == "cuda":
+        name = torch.cuda.get_device_name(dev)
+        for key, peak in PEAK_BANDWIDTH.items():
+            if key in name:
+                return Device(dev, device_class(dev), peak, f"published ({name})")
+    return Device(dev, device_class(dev), measured_copy_bandwidth(dev), "measured copy")
+
+
+@pytest.fixture
+def measure(benchmark, device):
+    """measure(fn, bytes_moved, family=..., op=..., case=..., impl=...) times fn and records extra_info."""
+
+    def run(fn, bytes_moved: int, **labels: str) -> None:
+        dev = device.torch_device
+        fn()  # warm-up: first-call allocations, lazy init
+        synchronize(dev)
+        start = time.perf_counter()
+        fn()
+        synchronize(dev)
+        once = max(time.perf_counter() - start, 1e-7)
+        # On a GPU a single launch is too short to time with a wall clock: repeat inside one call.
+        repeats = 1 if dev.type == "cpu" else max(1, int(2e-3 / once))
+
+        def timed():
+            for _ in range(repeats):
+                fn()
+            synchronize(dev)
+
+        rounds = max(3, min(50, int(TARGET_SECONDS_PER_CASE / (once * repeats))))
+        benchmark.group = f"{labels['family']}.{labels['op']}.{labels['case']}"
+        benchmark.extra_info.update(labels, device_class=device.device_class, repeats=repeats,
+                                    bytes_per_call=bytes_moved, peak_bandwidth=device.peak_bandwidth,
+                                    peak_source=device.peak_source)
+        benchmark.pedantic(timed, rounds=rounds, iterations=1, warmup_rounds=1)
+        if benchmark.stats is not None:
+            seconds = benchmark.stats.stats.min / repeats  # best round: interference only adds time
+            benchmark.extra_info["gbps"] = bytes_moved / seconds / 1e9
+            benchmark.extra_info["pct_peak"] = 100 * bytes_moved / seconds / device.peak_bandwidth
+
+    return run

@@ -1,0 +1,148 @@
+"""Benchmark gate: fail when ours falls below a speedup floor against a baseline.
+
+    python -m benchmarks.gate build/bench.json [--thresholds benchmarks/thresholds.toml]
+
+Speedup = baseline time / ours time, per case, both the best round of the same run. Each rule
+"<family>.<op>.<baseline>" in the section of the run's device class sets
+  geomean  floor on the geometric mean of the speedups over all cases of that op (the regression
+           guard: one noisy case cannot fail it, a 2x slowdown of ours halves it), and optionally
+  each     floor every single case must meet (hard targets, e.g. "never slower than X").
+A rule with no measured case fails: a benchmark that silently stopped running must not pass.
+Ratios, never absolute times: the machines are shared and noisy, two codes timed side by side are
+affected alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.results_file import Result, load_results
+
+DEFAULT_THRESHOLDS = Path(__file__).with_name("thresholds.toml")
+
+
+@dataclass(frozen=True)
+class Floor:
+    geomean: float
+    each: float | None = None
+
+
+@dataclass(frozen=True)
+class CaseRatio:
+    case: str
+    ours_s: float | None
+    baseline_s: float | None
+
+    @property
+    def speedup(self) -> float | None:
+        if self.ours_s is None or self.baseline_s is None:
+            return None
+        return self.baseline_s / self.ours_s
+
+
+@dataclass(frozen=True)
+class Check:
+    rule: str
+    floor: Floor
+    cases: tuple[CaseRatio, ...]
+
+    @property
+    def geomean(self) -> float | None:
+        speedups = [c.speedup for c in self.cases]
+        if not speedups or any(s is None for s in speedups):
+            return None
+        return math.exp(sum(math.log(s) for s in speedups) / len(speedups))
+
+    def case_passed(self, case: CaseRatio) -> bool:
+        return case.speedup is not None and (self.floor.each is None or case.speedup >= self.floor.each)
+
+    @property
+    def passed(self) -> bool:
+        return (self.geomean is not None and self.geomean >= self.floor.geomean
+                and all(self.case_passed(c) for c in self.cases))
+
+
+def evaluate(results: list[Result], floors: dict[str, Floor]) -> list[Check]:
+    by_key = {(r.family, r.op, r.case, r.impl): r for r in results}
+    checks = []
+    for rule, floor in sorted(floors.items()):
+        family, op, baseline = rule.rsplit(".", 2)
+        cases = sorted({r.case for r in results if (r.family, r.op) == (family, op)})
+        ratios = []
+        for case in cases:
+            ours = by_key.get((family, op, case, "ours"))
+            base = by_key.get((family, op, case, baseline))
+            ratios.append(CaseRatio(case, ours and ours.min_s, base and base.min_s))
+        checks.append(Check(rule, floor, tuple(ratios)))
+    return checks
+
+
+def load_floors(path: Path, device_class: str) -> dict[str, Floor]:
+    thresholds = tomllib.loads(path.read_text())
+    if device_class not in thresholds:
+        raise SystemExit(f"gate: {path} has no [{device_class}] section; add floors for this device class")
+    floors = {}
+    for rule, value in thresholds[device_class].items():
+        if isinstance(value, (int, float)):
+            value = {"geomean": value}
+        if rule.count(".") != 2 or not isinstance(value, dict) or set(value) - {"geomean", "each"} \
+                or not isinstance(value.get("geomean"), (int, float)):
+            raise SystemExit(f"gate: {path} [{device_class}] {rule} = {value!r}: expected "
+                             "\"<family>.<op>.<baseline>\" = <geomean floor> or { geomean = x, each = y }")
+        floors[rule] = Floor(float(value["geomean"]), None if "each" not in value else float(value["each"]))
+    return floors
+
+
+def format_checks(checks: list[Check]) -> str:
+    def ms(seconds):
+        return "-" if seconds is None else f"{seconds * 1e3:.3f}"
+
+    def ratio(value):
+        return "-" if value is None else f"{value:.2f}x"
+
+    lines = [f"{'rule / case':<44} {'ours ms':>10} {'base ms':>10} {'speedup':>9} {'floor':>7}  result"]
+    for check in checks:
+        floor = check.floor
+        verdict = "ok" if check.passed else ("MISSING" if check.geomean is None else "FAIL")
+        lines.append(f"{check.rule:<44} {'':>10} {'':>10} {ratio(check.geomean):>9} "
+                     f"{ratio(floor.geomean):>7}  {verdict} (geometric mean of {len(check.cases)} cases)")
+        for case in check.cases:
+            verdict = "ok" if check.case_passed(case) else ("MISSING" if case.speedup is None else "FAIL")
+            lines.append(f"  {case.case:<42} {ms(case.ours_s):>10} {ms(case.baseline_s):>10} "
+                         f"{ratio(case.speedup):>9} {ratio(floor.each):>7}  {verdict}")
+        if not check.cases:
+            lines.append("  (no results)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", type=Path, help="pytest-benchmark JSON (--benchmark-json)")
+    parser.add_argument("--thresholds", type=Path, default=DEFAULT_THRESHOLDS)
+    args = parser.parse_args(argv)
+
+    if not args.results.exists():
+        print(f"gate: {args.results} does not exist; run `pytest benchmarks --benchmark-only "
+              f"--benchmark-json={args.results}` first", file=sys.stderr)
+        return 2
+    results = load_results(args.results)
+    classes = {r.device_class for r in results}
+    if len(classes) != 1:
+        print(f"gate: expected results from one device class, found {sorted(classes) or 'none'}", file=sys.stderr)
+        return 2
+    device_class = classes.pop()
+    checks = evaluate(results, load_floors(args.thresholds, device_class))
+    print(f"benchmark gate [{device_class}] ({args.thresholds})")
+    print(format_checks(checks))
+    failed = [c for c in checks if not c.passed]
+    print(f"\n{len(checks) - len(failed)}/{len(checks)} rules passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""Reading a pytest-benchmark JSON file written by this suite (see conftest.measure)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Result:
+    family: str
+    op: str
+    case: str
+    impl: str
+    device_class: str
+    min_s: float  # best round, per call: interference on a shared machine only ever adds time
+    median_s: float  # per call
+    gbps: float | None
+    pct_peak: float | None
+
+    @property
+    def rule_key(self) -> str:
+        return f"{self.family}.{self.op}"
+
+
+def load_results(path: str | Path) -> list[Result]:
+    data = json.loads(Path(path).read_text())
+    results = []
+    for bench in data.get("benchmarks", []):
+        info = bench.get("extra_info", {})
+        if not {"family", "op", "case", "impl", "device_class"} <= info.keys():
+            raise ValueError(f"{path}: benchmark {bench.get('name')} lacks family/op/case/impl labels "
+                             "(was it timed through the `measure` fixture?)")
+        repeats = info.get("repeats", 1)
+        stats = bench["stats"]
+        results.append(Result(info["family"], info["op"], info["case"], info["impl"], info["device_class"],
+                              stats["min"] / repeats, stats["median"] / repeats, info.get("gbps"),
+                              info.get("pct_peak")))
+    return results

@@ -1,0 +1,89 @@
+"""NF4 quantize/dequantize: ours vs bitsandbytes vs the pure-torch reference.
+
+Shapes come from real models: a 4096x4096 attention projection, a 4096x14336 MLP projection
+(Llama-3-8B / Mistral-7B) and the stacked down_proj experts of Qwen3-30B-A3B (128 experts of
+2048x768; 32 experts on CPU so one case stays within seconds). Inputs are bf16, blocksize 64 with
+double quantization: what QLoRA uses.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pykernels.nf4 as nf4
+from pykernels.reference import nf4 as reference
+
+try:
+    import bitsandbytes.functional as bnb_functional
+except ImportError:  # the GPU image may lack it: those cases skip, and the gate reports them missing
+    bnb_functional = None
+
+BLOCKSIZE = 64
+SHAPES = {
+    "4096x4096": (4096, 4096),
+    "4096x14336": (4096, 14336),
+    "experts-Ex2048x768": (128, 2048, 768),
+}
+CPU_SHAPES = {**SHAPES, "experts-Ex2048x768": (32, 2048, 768)}
+IMPLS = ["ours", "bitsandbytes", "torch_reference"]
+
+
+def shape_for(case: str, device) -> tuple[int, ...]:
+    return (CPU_SHAPES if device.torch_device.type == "cpu" else SHAPES)[case]
+
+
+def quantize_fn(impl: str, x: torch.Tensor):
+    if impl == "ours":
+        return lambda: nf4.quantize(x, BLOCKSIZE, double_quant=True)
+    if impl == "bitsandbytes":
+        return lambda: bnb_functional.quantize_4bit(x, blocksize=BLOCKSIZE, compress_statistics=True, quant_type="nf4")
+
+    def torch_reference():
+        packed, absmax = reference.quantize_nf4(x, BLOCKSIZE)
+        return packed, reference.quantize_absmax(absmax, code)
+
+    code = reference.dynamic_map(x.device)
+    return torch_reference
+
+
+def dequantize_fn(impl: str, x: torch.Tensor):
+    if impl == "ours":
+        weight = nf4.quantize(x, BLOCKSIZE, double_quant=True)
+        return lambda: nf4.dequantize(weight)
+    if impl == "bitsandbytes":
+        packed, state = bnb_functional.quantize_4bit(x, blocksize=BLOCKSIZE, compress_statistics=True, quant_type="nf4")
+        return lambda: bnb_functional.dequantize_4bit(packed, state)
+    weight = nf4.quantize(x, BLOCKSIZE, double_quant=True)
+    code = weight.nested_code
+
+    def torch_reference():
+        absmax = reference.dequantize_absmax(weight.absmax_q, weight.nested_absmax, weight.nested_offset, code)
+        return reference.dequantize_nf4(weight.packed, absmax, BLOCKSIZE, weight.shape, weight.dtype)
+
+    return torch_reference
+
+
+def packed_bytes(numel: int) -> int:
+    blocks = -(-numel // BLOCKSIZE)
+    return (numel + 1) // 2 + blocks + 4 * (-(-blocks // 256))  # codes + absmax_q + nested absmax
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", list(SHAPES))
+def test_quantize(measure, device, case, impl):
+    if impl == "bitsandbytes" and bnb_functional is None:
+        pytest.skip("bitsandbytes is not installed")
+    x = torch.randn(shape_for(case, device), dtype=torch.bfloat16, device=device.torch_device)
+    measure(quantize_fn(impl, x), x.numel() * 2 + packed_bytes(x.numel()),
+            family="nf4", op="quantize", case=case, impl=impl, shape="x".join(map(str, x.shape)))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", list(SHAPES))
+def test_dequantize(measure, device, case, impl):
+    if impl == "bitsandbytes" and bnb_functional is None:
+        pytest.skip("bitsandbytes is not installed")
+    x = torch.randn(shape_for(case, device), dtype=torch.bfloat16, device=device.torch_device)
+    measure(dequantize_fn(impl, x), packed_bytes(x.numel()) + x.numel() * 2,
+            family="nf4", op="dequantize", case=case, impl=impl, shape="x".join(map(str, x.shape)))

@@ -1,0 +1,100 @@
+"""The benchmark gate passes on healthy ratios and fails on a 2x slowdown or missing results."""
+
+import json
+
+import pytest
+
+from benchmarks import gate
+
+CASES = ("4096x4096", "4096x14336")
+
+
+def write_results(path, ours_ms: float, bnb_ms: float, device_class: str = "cpu", impls=("ours", "bitsandbytes")):
+    benchmarks = []
+    for case in CASES:
+        for impl in impls:
+            seconds = (ours_ms if impl == "ours" else bnb_ms) / 1e3
+            benchmarks.append({
+                "name": f"test_dequantize[{case}-{impl}]",
+                "extra_info": {"family": "nf4", "op": "dequantize", "case": case, "impl": impl,
+                               "device_class": device_class, "repeats": 1},
+                "stats": {"min": seconds, "median": seconds * 1.1},
+            })
+    path.write_text(json.dumps({"benchmarks": benchmarks}))
+    return path
+
+
+@pytest.fixture
+def thresholds(tmp_path):
+    path = tmp_path / "thresholds.toml"
+    path.write_text('[cpu]\n"nf4.dequantize.bitsandbytes" = { geomean = 2.5, each = 1.0 }\n')
+    return path
+
+
+def test_passes_when_every_case_meets_its_floor(tmp_path, thresholds, capsys):
+    results = write_results(tmp_path / "ok.json", ours_ms=3.0, bnb_ms=12.0)
+    assert gate.main([str(results), "--thresholds", str(thresholds)]) == 0
+    assert "1/1 rules passed" in capsys.readouterr().out
+
+
+def test_fails_on_a_planted_2x_slowdown(tmp_path, thresholds, capsys):
+    results = write_results(tmp_path / "slow.json", ours_ms=6.0, bnb_ms=12.0)
+    assert gate.main([str(results), "--thresholds", str(thresholds)]) == 1
+    out = capsys.readouterr().out
+    assert "2.00x   2.50x  FAIL (geometric mean of 2 cases)" in out
+
+
+def test_one_case_below_its_hard_target_fails_even_with_a_good_mean(tmp_path, capsys):
+    thresholds = tmp_path / "t.toml"
+    thresholds.write_text('[cpu]\n"nf4.dequantize.bitsandbytes" = { geomean = 1.5, each = 1.0 }\n')
+    results = write_results(tmp_path / "r.json", 3.0, 12.0)
+    data = json.loads(results.read_text())
+    data["benchmarks"][1]["stats"]["min"] = 0.0029  # bitsandbytes faster than ours on one case
+    results.write_text(json.dumps(data))
+    assert gate.main([str(results), "--thresholds", str(thresholds)]) == 1
+    assert "0.97x   1.00x  FAIL" in capsys.readouterr().out
+
+
+def test_bare_number_sets_the_geomean_floor(tmp_path):
+    thresholds = tmp_path / "t.toml"
+    thresholds.write_text('[cpu]\n"nf4.dequantize.bitsandbytes" = 4.5\n')
+    assert gate.load_floors(thresholds, "cpu") == {"nf4.dequantize.bitsandbytes": gate.Floor(4.5, None)}
+    assert gate.main([str(write_results(tmp_path / "r.json", 3.0, 12.0)), "--thresholds", str(thresholds)]) == 1
+
+
+def test_malformed_rule_is_a_clear_error(tmp_path):
+    thresholds = tmp_path / "t.toml"
+    thresholds.write_text('[cpu]\n"nf4.dequantize" = 2\n')
+    with pytest.raises(SystemExit, match="expected"):
+        gate.load_floors(thresholds, "cpu")
+
+
+def test_fails_when_the_baseline_was_not_measured(tmp_path, thresholds, capsys):
+    results = write_results(tmp_path / "nobase.json", 3.0, 12.0, impls=("ours",))
+    assert gate.main([str(results), "--thresholds", str(thresholds)]) == 1
+    assert "MISSING" in capsys.readouterr().out
+
+
+def test_fails_when_a_rule_has_no_results(tmp_path, capsys):
+    thresholds = tmp_path / "t.toml"
+    thresholds.write_text('[cpu]\n"nf4.dequantize.bitsandbytes" = 2.5\n"nf4.quantize.bitsandbytes" = 40\n')
+    results = write_results(tmp_path / "r.json", 3.0, 12.0)
+    assert gate.main([str(results), "--thresholds", str(thresholds)]) == 1
+    assert "(no results)" in capsys.readouterr().out
+
+
+def test_unknown_device_class_is_a_clear_error(tmp_path, thresholds):
+    results = write_results(tmp_path / "r.json", 3.0, 12.0, device_class="mi300")
+    with pytest.raises(SystemExit, match=r"has no \[mi300\] section"):
+        gate.main([str(results), "--thresholds", str(thresholds)])
+
+
+def test_missing_results_file_is_reported(tmp_path, thresholds, capsys):
+    assert gate.main([str(tmp_path / "none.json"), "--thresholds", str(thresholds)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_repository_thresholds_parse_for_every_device_class():
+    for device_class in ("cpu", "h100", "h200"):
+        floors = gate.load_floors(gate.DEFAULT_THRESHOLDS, device_class)
+        assert floors and all(floor.geomean >= 1.0 for floor in floors.values())
