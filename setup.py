@@ -10,6 +10,7 @@ Environment knobs:
 """
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,16 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).parent.resolve()
+
+
+def build_tool(name: str) -> str:
+    """cmake / ninja from the building interpreter's environment first (pip installs them there;
+    the system's may be too old), then PATH."""
+    beside_python = Path(sys.executable).parent / name
+    found = str(beside_python) if beside_python.exists() else shutil.which(name)
+    if found is None:
+        raise RuntimeError(f"{name} not found: `pip install {name}` into the build environment")
+    return found
 
 
 class CMakeExtension(Extension):
@@ -30,11 +41,13 @@ class CMakeBuild(build_ext):
         output_dir = Path(self.get_ext_fullpath(ext.name)).parent.resolve()
         build_dir = Path(self.build_temp).resolve() / ext.name
         build_dir.mkdir(parents=True, exist_ok=True)
+        cmake = build_tool("cmake")
         configure = [
-            "cmake",
+            cmake,
             str(ROOT),
             "-G",
             "Ninja",
+            f"-DCMAKE_MAKE_PROGRAM={build_tool('ninja')}",
             f"-DCMAKE_BUILD_TYPE={os.environ.get('PYKERNELS_BUILD_TYPE', 'Release')}",
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-DPYKERNELS_OUTPUT_DIR={output_dir}",
@@ -46,7 +59,7 @@ class CMakeBuild(build_ext):
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
         subprocess.run(configure, cwd=build_dir, check=True)
         subprocess.run(
-            ["cmake", "--build", ".", "--target", "_C", "-j", jobs], cwd=build_dir, check=True
+            [cmake, "--build", ".", "--target", "_C", "-j", jobs], cwd=build_dir, check=True
         )
 
 
