@@ -17,9 +17,11 @@ TORCH_LIBRARY(pykernels, m) {
       "Tensor? nested_absmax=None, Tensor? nested_code=None, Tensor? nested_offset=None, "
       "int nested_blocksize=256) -> Tensor");
 
-  // bitsandbytes' 8-bit blockwise quantization of fp32 x with a 256-entry code (used for
-  // absmax): q uint8 [numel], absmax fp32 [ceil(numel/blocksize)]. https://arxiv.org/abs/1511.04561
-  m.def("dynamic8_quantize(Tensor x, Tensor code, int blocksize) -> (Tensor q, Tensor absmax)");
+  // bitsandbytes' 8-bit blockwise quantization of fp32 (x - offset) with a 256-entry code (double
+  // quantization of absmax): q uint8 [numel], absmax fp32 [ceil(numel/blocksize)].
+  // https://arxiv.org/abs/1511.04561
+  m.def(
+      "dynamic8_quantize(Tensor x, Tensor code, int blocksize, Tensor? offset=None) -> (Tensor q, Tensor absmax)");
 
   // code[q] * absmax[block] as fp32 [numel].
   m.def("dynamic8_dequantize(Tensor q, Tensor absmax, Tensor code, int blocksize) -> Tensor");

@@ -197,6 +197,7 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t* __r
 // One CTA per block. Reproduces bitsandbytes' CPU table lookup without the table: entry i of the
 // table is the number of code midpoints below -1 + 2i / 65535, computed here directly.
 __global__ void __launch_bounds__(kThreads) dynamic8_quantize_kernel(const float* __restrict__ x,
+                                                                     const float* __restrict__ offset,  // [1] or null
                                                                      const float* __restrict__ code,
                                                                      int64_t numel, int64_t blocksize,
                                                                      uint8_t* __restrict__ q,
@@ -207,8 +208,10 @@ __global__ void __launch_bounds__(kThreads) dynamic8_quantize_kernel(const float
     midpoints[i] = __fmul_rn(0.5f, __fadd_rn(code[i], code[i + 1]));
   const int64_t begin = int64_t(blockIdx.x) * blocksize;
   const int64_t end = begin + blocksize < numel ? begin + blocksize : numel;
+  const float shift = offset != nullptr ? *offset : 0.0f;
+  const auto value = [&](int64_t i) { return offset != nullptr ? __fsub_rn(x[i], shift) : x[i]; };
   float local_max = 0.0f;  // bitsandbytes: NaN never wins and the result is at least 0
-  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) local_max = fmaxf(local_max, fabsf(x[i]));
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) local_max = fmaxf(local_max, fabsf(value(i)));
   for (int offset = 16; offset > 0; offset /= 2) local_max = fmaxf(local_max, __shfl_xor_sync(0xffffffffu, local_max, offset));
   if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = local_max;
   __syncthreads();
@@ -221,7 +224,7 @@ __global__ void __launch_bounds__(kThreads) dynamic8_quantize_kernel(const float
       q[i] = 0;
       continue;
     }
-    float v = __fmul_rn(x[i], reciprocal);
+    float v = __fmul_rn(value(i), reciprocal);
     v = v < -1.0f ? -1.0f : (v > 1.0f ? 1.0f : v);
     const float position = __fmaf_rn(__fmul_rn(__fadd_rn(v, 1.0f), 0.5f), float(kDynamicLutSize - 1), 0.5f);
     const int index = isnan(position) ? 0 : static_cast<int>(position) & 0xFFFF;
@@ -303,7 +306,7 @@ const char* launch_dequantize(const DequantizeParams& p, cudaStream_t stream) {
 const char* launch_dynamic8_quantize(const Dynamic8QuantizeParams& p, cudaStream_t stream) {
   const int64_t blocks = num_blocks(p.numel, p.blocksize);
   if (blocks > INT32_MAX) return "dynamic8 quantize: too many blocks for one launch";
-  dynamic8_quantize_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p.x, p.code, p.numel,
+  dynamic8_quantize_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p.x, p.offset, p.code, p.numel,
                                                                                   p.blocksize, p.q, p.absmax);
   return launch_status("dynamic8 quantize: kernel launch failed");
 }

@@ -85,8 +85,9 @@ struct DequantizeParams {
 
 // bitsandbytes' 8-bit blockwise quantization with a 256-entry code (used for absmax).
 struct Dynamic8QuantizeParams {
-  const float* x;     // [numel]
-  const float* code;  // [256], ascending
+  const float* x;       // [numel]
+  const float* offset;  // [1] or null: quantize x - *offset (one fp32 subtraction, as torch does)
+  const float* code;    // [256], ascending
   int64_t numel;
   int64_t blocksize;
   uint8_t* q;         // [numel]

@@ -3,8 +3,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <vector>
-
 #include "common/cpu_memory.h"
 #include "nf4/nf4_cpu_kernels.h"
 #include "nf4/nf4_torch_checks.h"
@@ -46,18 +44,13 @@ at::Tensor nf4_dequantize_cpu(const at::Tensor& packed, const at::Tensor& absmax
 }
 
 std::tuple<at::Tensor, at::Tensor> dynamic8_quantize_cpu(const at::Tensor& x, const at::Tensor& code,
-                                                         int64_t blocksize) {
-  check_dynamic8_quantize(x, code, blocksize);
-  const at::Tensor code_contiguous = code.contiguous();
-  std::vector<uint8_t> lut(kDynamicLutSize);
-  cpu::build_dynamic_lut(code_contiguous.data_ptr<float>(), lut.data());
-  const int64_t blocks = num_blocks(x.numel(), blocksize);
-  at::Tensor q = at::empty({x.numel()}, x.options().dtype(at::kByte));
-  at::Tensor absmax = at::empty({blocks}, x.options());
-  const Dynamic8QuantizeParams p{x.data_ptr<float>(), code_contiguous.data_ptr<float>(), x.numel(),
-                                 blocksize, q.data_ptr<uint8_t>(), absmax.data_ptr<float>()};
-  at::parallel_for(0, blocks, grain_blocks(blocksize), [&](int64_t begin, int64_t end) {
-    cpu::dynamic8_quantize_blocks(p, lut.data(), begin, end);
+                                                         int64_t blocksize,
+                                                         const std::optional<at::Tensor>& offset) {
+  at::Tensor q, absmax;
+  const Dynamic8QuantizeParams p = dynamic8_quantize_params(x, code, blocksize, offset, q, absmax);
+  const std::shared_ptr<const cpu::DynamicLut> lut = cpu::dynamic_lut(p.code);
+  at::parallel_for(0, absmax.numel(), grain_blocks(blocksize), [&](int64_t begin, int64_t end) {
+    cpu::dynamic8_quantize_blocks(p, lut->data(), begin, end);
   });
   return {q, absmax};
 }

@@ -15,6 +15,9 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <mutex>
+#include <utility>
+#include <vector>
 
 #include "common/cpu_isa.h"
 
@@ -284,15 +287,29 @@ void dequantize_blocks(const DequantizeParams& p, int64_t block_begin, int64_t b
   }
 }
 
-void build_dynamic_lut(const float* code, uint8_t* lut) {
+std::shared_ptr<const DynamicLut> dynamic_lut(const float* code) {
+  // Double quantization always uses the same map, so one or two cached tables serve every call;
+  // building one costs 64K steps, as much as quantizing the absmax of a 4096x4096 weight.
+  static std::mutex mutex;
+  static std::vector<std::pair<std::array<float, 256>, std::shared_ptr<const DynamicLut>>> cache;
+  std::array<float, 256> key;
+  std::memcpy(key.data(), code, sizeof(key));
+  const std::lock_guard<std::mutex> lock(mutex);
+  for (const auto& [cached_code, lut] : cache)
+    if (std::memcmp(cached_code.data(), key.data(), sizeof(key)) == 0) return lut;
+
+  auto lut = std::make_shared<DynamicLut>();
   float midpoints[255];
   for (int i = 0; i < 255; ++i) midpoints[i] = 0.5f * (code[i] + code[i + 1]);
   int below = 0;
   for (int i = 0; i < kDynamicLutSize; ++i) {
     const float grid = (2.0f * static_cast<float>(i)) / static_cast<float>(kDynamicLutSize - 1) - 1.0f;
     while (below < 255 && midpoints[below] < grid) ++below;
-    lut[i] = static_cast<uint8_t>(below);
+    (*lut)[i] = static_cast<uint8_t>(below);
   }
+  if (cache.size() >= 4) cache.erase(cache.begin());
+  cache.emplace_back(key, lut);
+  return lut;
 }
 
 void dynamic8_quantize_blocks(const Dynamic8QuantizeParams& p, const uint8_t* lut,
@@ -300,9 +317,11 @@ void dynamic8_quantize_blocks(const Dynamic8QuantizeParams& p, const uint8_t* lu
   for (int64_t b = block_begin; b < block_end; ++b) {
     const int64_t begin = b * p.blocksize;
     const int64_t end = std::min(begin + p.blocksize, p.numel);
+    const float offset = p.offset != nullptr ? *p.offset : 0.0f;
+    const auto value = [&](int64_t i) { return p.offset != nullptr ? p.x[i] - offset : p.x[i]; };
     float absmax = 0.0f;  // bitsandbytes: NaN never wins, and the result is at least 0
     for (int64_t i = begin; i < end; ++i) {
-      const float magnitude = std::fabs(p.x[i]);
+      const float magnitude = std::fabs(value(i));
       if (absmax < magnitude) absmax = magnitude;
     }
     p.absmax[b] = absmax;
@@ -312,7 +331,7 @@ void dynamic8_quantize_blocks(const Dynamic8QuantizeParams& p, const uint8_t* lu
     }
     const float reciprocal = 1.0f / absmax;
     for (int64_t i = begin; i < end; ++i) {
-      const float v = std::clamp(p.x[i] * reciprocal, -1.0f, 1.0f);
+      const float v = std::clamp(value(i) * reciprocal, -1.0f, 1.0f);
       // bitsandbytes computes this index with one fused multiply-add, truncates, keeps 16 bits.
       const float position = std::fma((v + 1.0f) * 0.5f, static_cast<float>(kDynamicLutSize - 1), 0.5f);
       const int index = std::isnan(position) ? 0 : static_cast<int>(position) & 0xFFFF;

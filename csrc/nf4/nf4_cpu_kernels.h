@@ -2,7 +2,9 @@
 // callers split the block index space across threads (blocks own disjoint bytes: blocksize is even).
 #pragma once
 
+#include <array>
 #include <cstdint>
+#include <memory>
 
 #include "nf4/nf4.h"
 
@@ -13,8 +15,10 @@ void quantize_blocks(const QuantizeParams& p, int64_t block_begin, int64_t block
 void dequantize_blocks(const DequantizeParams& p, int64_t block_begin, int64_t block_end);
 
 // bitsandbytes' CPU 8-bit quantizer maps a value v in [-1, 1] to lut[index(v)], where entry i
-// holds the number of code midpoints below -1 + 2i / 65535. `lut` has kDynamicLutSize entries.
-void build_dynamic_lut(const float* code, uint8_t* lut);
+// holds the number of code midpoints below -1 + 2i / 65535.
+using DynamicLut = std::array<uint8_t, kDynamicLutSize>;
+// The table for this 256-entry code, built once per distinct code and shared (thread-safe).
+std::shared_ptr<const DynamicLut> dynamic_lut(const float* code);
 void dynamic8_quantize_blocks(const Dynamic8QuantizeParams& p, const uint8_t* lut,
                               int64_t block_begin, int64_t block_end);
 // Elements [begin, end).

@@ -44,13 +44,11 @@ at::Tensor nf4_dequantize_cuda(const at::Tensor& packed, const at::Tensor& absma
 }
 
 std::tuple<at::Tensor, at::Tensor> dynamic8_quantize_cuda(const at::Tensor& x, const at::Tensor& code,
-                                                          int64_t blocksize) {
-  check_dynamic8_quantize(x, code, blocksize);
+                                                          int64_t blocksize,
+                                                          const std::optional<at::Tensor>& offset) {
   const c10::cuda::CUDAGuard guard(x.device());
-  at::Tensor q = at::empty({x.numel()}, x.options().dtype(at::kByte));
-  at::Tensor absmax = at::empty({num_blocks(x.numel(), blocksize)}, x.options());
-  const Dynamic8QuantizeParams p{x.data_ptr<float>(), code.data_ptr<float>(), x.numel(), blocksize,
-                                 q.data_ptr<uint8_t>(), absmax.data_ptr<float>()};
+  at::Tensor q, absmax;
+  const Dynamic8QuantizeParams p = dynamic8_quantize_params(x, code, blocksize, offset, q, absmax);
   check_launch(launch_dynamic8_quantize(p, current_stream(x)));
   return {q, absmax};
 }

@@ -91,12 +91,21 @@ inline DequantizeParams dequantize_params(const at::Tensor& packed, const at::Te
   return p;
 }
 
-inline void check_dynamic8_quantize(const at::Tensor& x, const at::Tensor& code, int64_t blocksize) {
+inline Dynamic8QuantizeParams dynamic8_quantize_params(const at::Tensor& x, const at::Tensor& code,
+                                                       int64_t blocksize,
+                                                       const std::optional<at::Tensor>& offset,
+                                                       at::Tensor& q, at::Tensor& absmax) {
   TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat, "x must be float32, got ", x.scalar_type());
   TORCH_CHECK_VALUE(x.numel() > 0, "x must not be empty");
   TORCH_CHECK_VALUE(x.is_contiguous(), "x must be contiguous");
   TORCH_CHECK_VALUE(blocksize > 0, "blocksize must be positive, got ", blocksize);
   check_tensor(code, "code", at::kFloat, 256, x.device());
+  if (offset.has_value()) check_tensor(*offset, "offset", at::kFloat, 1, x.device());
+  q = at::empty({x.numel()}, x.options().dtype(at::kByte));
+  absmax = at::empty({num_blocks(x.numel(), blocksize)}, x.options());
+  return Dynamic8QuantizeParams{x.data_ptr<float>(), offset.has_value() ? offset->data_ptr<float>() : nullptr,
+                                code.data_ptr<float>(), x.numel(), blocksize, q.data_ptr<uint8_t>(),
+                                absmax.data_ptr<float>()};
 }
 
 inline void check_dynamic8_dequantize(const at::Tensor& q, const at::Tensor& absmax,

@@ -41,7 +41,7 @@ def _nf4_dequantize_fake(
 
 
 @torch.library.register_fake("pykernels::dynamic8_quantize")
-def _dynamic8_quantize_fake(x, code, blocksize):
+def _dynamic8_quantize_fake(x, code, blocksize, offset=None):
     numel = x.numel()
     q = x.new_empty((numel,), dtype=torch.uint8)
     absmax = x.new_empty(((numel + blocksize - 1) // blocksize,), dtype=torch.float32)
@@ -80,7 +80,7 @@ def quantize(x: torch.Tensor, blocksize: int = 64, double_quant: bool = False) -
         return NF4Weight(packed=packed, absmax=absmax, shape=x.shape, dtype=x.dtype, blocksize=blocksize)
     offset = absmax.mean()
     code = _DYNAMIC_CODE.to(x.device)
-    absmax_q, nested_absmax = ops.dynamic8_quantize(absmax - offset, code, NESTED_BLOCKSIZE)
+    absmax_q, nested_absmax = ops.dynamic8_quantize(absmax, code, NESTED_BLOCKSIZE, offset)
     return NF4Weight(
         packed=packed, shape=x.shape, dtype=x.dtype, blocksize=blocksize, absmax_q=absmax_q,
         nested_absmax=nested_absmax, nested_offset=offset, nested_code=code,
