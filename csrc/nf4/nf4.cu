@@ -91,8 +91,8 @@ __global__ void __launch_bounds__(512) quantize_kernel(const T* __restrict__ x, 
 #pragma unroll
   for (int i = 0; i < kQuantValuesPerThread; ++i) local_max = nan_propagating_max(fabsf(values[i]), local_max);
   const int warp_width = group_threads < 32 ? group_threads : 32;
-  for (int offset = warp_width / 2; offset > 0; offset /= 2)
-    local_max = nan_propagating_max(__shfl_xor_sync(0xffffffffu, local_max, offset), local_max);
+  for (int lane_mask = warp_width / 2; lane_mask > 0; lane_mask /= 2)
+    local_max = nan_propagating_max(__shfl_xor_sync(0xffffffffu, local_max, lane_mask), local_max);
   float block_max = local_max;
   if (group_threads > 32) {
     const int warp = threadIdx.x / 32;
@@ -208,11 +208,12 @@ __global__ void __launch_bounds__(kThreads) dynamic8_quantize_kernel(const float
     midpoints[i] = __fmul_rn(0.5f, __fadd_rn(code[i], code[i + 1]));
   const int64_t begin = int64_t(blockIdx.x) * blocksize;
   const int64_t end = begin + blocksize < numel ? begin + blocksize : numel;
-  const float shift = offset != nullptr ? *offset : 0.0f;
-  const auto value = [&](int64_t i) { return offset != nullptr ? __fsub_rn(x[i], shift) : x[i]; };
+  const float shift = offset != nullptr ? *offset : 0.0f;  // x - 0 is x, bit for bit
+  const auto value = [&](int64_t i) { return __fsub_rn(x[i], shift); };
   float local_max = 0.0f;  // bitsandbytes: NaN never wins and the result is at least 0
   for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) local_max = fmaxf(local_max, fabsf(value(i)));
-  for (int offset = 16; offset > 0; offset /= 2) local_max = fmaxf(local_max, __shfl_xor_sync(0xffffffffu, local_max, offset));
+  for (int lane_mask = 16; lane_mask > 0; lane_mask /= 2)
+    local_max = fmaxf(local_max, __shfl_xor_sync(0xffffffffu, local_max, lane_mask));
   if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = local_max;
   __syncthreads();
   float block_max = 0.0f;

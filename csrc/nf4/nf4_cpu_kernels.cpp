@@ -63,7 +63,7 @@ void quantize_block_scalar(const T* x, int64_t begin, int64_t count, bool partia
                            uint8_t* packed, float* absmax_out) {
   float absmax = 0.0f;
   for (int64_t i = 0; i < count; ++i) absmax = nan_propagating_max(std::fabs(to_float(x[begin + i])), absmax);
-  float clamped = absmax < kAbsmaxFloor ? kAbsmaxFloor : absmax;  // NaN passes through
+  const float clamped = absmax < kAbsmaxFloor ? kAbsmaxFloor : absmax;  // NaN passes through
   const float reciprocal = 1.0f / clamped;
   *absmax_out = partial ? clamped : absmax;
 
@@ -317,8 +317,8 @@ void dynamic8_quantize_blocks(const Dynamic8QuantizeParams& p, const uint8_t* lu
   for (int64_t b = block_begin; b < block_end; ++b) {
     const int64_t begin = b * p.blocksize;
     const int64_t end = std::min(begin + p.blocksize, p.numel);
-    const float offset = p.offset != nullptr ? *p.offset : 0.0f;
-    const auto value = [&](int64_t i) { return p.offset != nullptr ? p.x[i] - offset : p.x[i]; };
+    const float offset = p.offset != nullptr ? *p.offset : 0.0f;  // x - 0 is x, bit for bit
+    const auto value = [&](int64_t i) { return p.x[i] - offset; };
     float absmax = 0.0f;  // bitsandbytes: NaN never wins, and the result is at least 0
     for (int64_t i = begin; i < end; ++i) {
       const float magnitude = std::fabs(value(i));
