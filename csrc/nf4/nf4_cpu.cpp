@@ -57,10 +57,8 @@ std::tuple<at::Tensor, at::Tensor> dynamic8_quantize_cpu(const at::Tensor& x, co
 
 at::Tensor dynamic8_dequantize_cpu(const at::Tensor& q, const at::Tensor& absmax, const at::Tensor& code,
                                    int64_t blocksize) {
-  check_dynamic8_dequantize(q, absmax, code, blocksize);
-  at::Tensor out = at::empty({q.numel()}, q.options().dtype(at::kFloat));
-  const Dynamic8DequantizeParams p{q.data_ptr<uint8_t>(), absmax.data_ptr<float>(), code.data_ptr<float>(),
-                                   q.numel(), blocksize, out.data_ptr<float>()};
+  at::Tensor out;
+  const Dynamic8DequantizeParams p = dynamic8_dequantize_params(q, absmax, code, blocksize, out);
   at::parallel_for(0, q.numel(), int64_t{1} << 16,
                    [&](int64_t begin, int64_t end) { cpu::dynamic8_dequantize_range(p, begin, end); });
   return out;

@@ -55,11 +55,9 @@ std::tuple<at::Tensor, at::Tensor> dynamic8_quantize_cuda(const at::Tensor& x, c
 
 at::Tensor dynamic8_dequantize_cuda(const at::Tensor& q, const at::Tensor& absmax, const at::Tensor& code,
                                     int64_t blocksize) {
-  check_dynamic8_dequantize(q, absmax, code, blocksize);
   const c10::cuda::CUDAGuard guard(q.device());
-  at::Tensor out = at::empty({q.numel()}, q.options().dtype(at::kFloat));
-  const Dynamic8DequantizeParams p{q.data_ptr<uint8_t>(), absmax.data_ptr<float>(), code.data_ptr<float>(),
-                                   q.numel(), blocksize, out.data_ptr<float>()};
+  at::Tensor out;
+  const Dynamic8DequantizeParams p = dynamic8_dequantize_params(q, absmax, code, blocksize, out);
   check_launch(launch_dynamic8_dequantize(p, current_stream(q)));
   return out;
 }

@@ -91,6 +91,7 @@ inline DequantizeParams dequantize_params(const at::Tensor& packed, const at::Te
   return p;
 }
 
+// Checks the inputs and allocates `q` and `absmax`.
 inline Dynamic8QuantizeParams dynamic8_quantize_params(const at::Tensor& x, const at::Tensor& code,
                                                        int64_t blocksize,
                                                        const std::optional<at::Tensor>& offset,
@@ -108,13 +109,18 @@ inline Dynamic8QuantizeParams dynamic8_quantize_params(const at::Tensor& x, cons
                                 absmax.data_ptr<float>()};
 }
 
-inline void check_dynamic8_dequantize(const at::Tensor& q, const at::Tensor& absmax,
-                                      const at::Tensor& code, int64_t blocksize) {
+// Checks the inputs and allocates `out` (fp32 [numel]).
+inline Dynamic8DequantizeParams dynamic8_dequantize_params(const at::Tensor& q, const at::Tensor& absmax,
+                                                           const at::Tensor& code, int64_t blocksize,
+                                                           at::Tensor& out) {
   TORCH_CHECK_VALUE(q.scalar_type() == at::kByte, "q must be uint8, got ", q.scalar_type());
   TORCH_CHECK_VALUE(q.is_contiguous(), "q must be contiguous");
   TORCH_CHECK_VALUE(blocksize > 0, "blocksize must be positive, got ", blocksize);
   check_tensor(absmax, "absmax", at::kFloat, num_blocks(q.numel(), blocksize), q.device());
   check_tensor(code, "code", at::kFloat, 256, q.device());
+  out = at::empty({q.numel()}, q.options().dtype(at::kFloat));
+  return Dynamic8DequantizeParams{q.data_ptr<uint8_t>(), absmax.data_ptr<float>(), code.data_ptr<float>(),
+                                  q.numel(), blocksize, out.data_ptr<float>()};
 }
 
 }  // namespace pykernels::nf4
