@@ -154,3 +154,50 @@ def test_reference_matches_bitsandbytes(shape, double_quant):
         assert_bits_equal(ref_absmax, state.absmax, "absmax")
     assert_bits_equal(reference.dequantize_nf4(ref_packed, ref_absmax, 64, x.shape, x.dtype),
                       bnb_oracle.dequantize(packed, state), "dequantize")
+
+
+def values_straddling(boundaries: torch.Tensor, scale: float, ulps: int = 3) -> torch.Tensor:
+    """fp32 values within a few ulps of each boundary * scale, where one rounding decides the code."""
+    centers = (boundaries.double() * scale).float()
+    values = [centers]
+    up, down = centers.clone(), centers.clone()
+    for _ in range(ulps):
+        up = torch.nextafter(up, torch.full_like(up, float("inf")))
+        down = torch.nextafter(down, torch.full_like(down, -float("inf")))
+        values += [up, down]
+    return torch.cat(values)
+
+
+@pytest.mark.parametrize("blocksize", [32, 64, 4096])
+def test_values_at_nf4_decision_boundaries_match_bitsandbytes(blocksize, cpu_isa):
+    """Full blocks scale by x * (1 / absmax), the partial last block by x / absmax: at the
+    midpoints the two differ by an ulp and pick different codes, so both are pinned here."""
+    generator = torch.Generator().manual_seed(blocksize)
+    for absmax in (1.0, 0.37, 3.0e-3, 123.456, *(torch.rand(8, generator=generator) * 10).tolist()):
+        edges = values_straddling(torch.cat([reference.nf4_midpoints(), -reference.nf4_midpoints()]), absmax)
+        block = torch.cat([torch.tensor([absmax], dtype=torch.float32), edges])
+        full = block.repeat(-(-blocksize // block.numel()))[:blocksize]
+        full[0] = absmax
+        for x in (torch.cat([full, block]), torch.cat([full, full])):  # partial tail / all full
+            assert_matches_bitsandbytes(x, blocksize, double_quant=False)
+
+
+def test_values_at_dynamic8_table_edges_match_bitsandbytes():
+    """bitsandbytes indexes its 65536-entry table with trunc(fma((v + 1) / 2, 65535, 0.5)): values
+    whose index sits on an integer boundary pin that rounding (offset, truncation)."""
+    import bitsandbytes.functional as F
+
+    from pykernels._extension import ops
+
+    steps = torch.arange(1, 65535, 7, dtype=torch.float64)
+    boundaries = ((steps - 0.5) / 65535 * 2 - 1).float()
+    x = torch.cat([torch.ones(1), values_straddling(boundaries, 1.0, ulps=2)])
+    code = reference.dynamic_map()
+    for blocksize in (256, 4096):
+        q, absmax = ops.dynamic8_quantize(x, code, blocksize)
+        expected_q, state = F.quantize_blockwise(x, blocksize=blocksize)
+        padded = torch.cat([x[: blocksize - 1], torch.ones(1)])  # one block with absmax exactly 1
+        assert_bits_equal(q, expected_q, "q")
+        assert_bits_equal(absmax, state.absmax, "absmax")
+        assert_bits_equal(ops.dynamic8_quantize(padded, code, blocksize)[0],
+                          F.quantize_blockwise(padded, blocksize=blocksize)[0], "q (absmax 1)")
