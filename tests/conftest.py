@@ -4,12 +4,6 @@ import torch
 CUDA = torch.cuda.is_available()
 
 
-def cuda_build() -> bool:
-    import pykernels
-
-    return pykernels.build_info()["cuda"]
-
-
 requires_cuda = pytest.mark.skipif(
     not CUDA, reason="needs a CUDA device (run on the GPU machine, see README)"
 )
