@@ -98,3 +98,32 @@ def test_bad_input_shapes_are_named():
         nf4_linear(torch.randn(2, 64), nf4.quantize(torch.randn(2, 4, 64)))
     with pytest.raises(ValueError, match=r"bias must have shape \(32,\), got \(31,\)"):
         NF4Linear(nf4.quantize(torch.randn(32, 64)), torch.zeros(31))
+
+
+def test_is_an_nn_linear_and_dtype_casts_leave_the_quantized_weight_alone():
+    layer = NF4Linear.from_linear(torch.nn.Linear(128, 64), double_quant=True)
+    assert isinstance(layer, torch.nn.Linear)
+    before = {name: tensor.clone() for name, tensor in layer.weight.tensors().items()}
+    layer = layer.to(torch.bfloat16)
+    assert layer.bias.dtype == torch.bfloat16
+    for name, tensor in layer.weight.tensors().items():
+        assert tensor.dtype == before[name].dtype and torch.equal(tensor, before[name]), name
+
+
+def test_peft_wraps_nf4linear_and_trains_only_the_adapter():
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.add_module("proj", NF4Linear.from_linear(torch.nn.Linear(64, 32)))
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["proj"], init_lora_weights=False))
+    x = torch.randn(3, 64)
+    y = peft_model(x)
+    lora = peft_model.base_model.model.proj
+    expected = layer_output = lora.base_layer(x)
+    expected = layer_output + lora.scaling["default"] * (x @ lora.lora_A["default"].weight.T) @ lora.lora_B["default"].weight.T
+    torch.testing.assert_close(y, expected)
+    y.sum().backward()
+    trainable = [name for name, p in peft_model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in name for name in trainable)
+    assert all(p.grad is not None for name, p in peft_model.named_parameters() if p.requires_grad)

@@ -53,11 +53,13 @@ def nf4_linear(x: torch.Tensor, weight: NF4Weight, bias: torch.Tensor | None = N
     return _NF4LinearFunction.apply(x, weight, bias)
 
 
-class NF4Linear(nn.Module):
+class NF4Linear(nn.Linear):
     """``nn.Linear`` with a frozen NF4 weight.
 
     Build one with :meth:`from_linear` (quantizes) or :meth:`from_bnb` (takes a bitsandbytes
-    ``Linear4bit`` as is). The bias, if any, keeps its dtype and ``requires_grad``.
+    ``Linear4bit`` as is). The bias, if any, keeps its dtype and ``requires_grad``. It subclasses
+    ``nn.Linear`` (as bitsandbytes' Linear4bit does) so PEFT and transformers treat it as a linear
+    layer; ``weight`` is the NF4Weight, never a Parameter.
 
     Example:
         >>> layer = NF4Linear.from_linear(torch.nn.Linear(512, 256), double_quant=True)
@@ -66,7 +68,7 @@ class NF4Linear(nn.Module):
     """
 
     def __init__(self, weight: NF4Weight, bias: torch.Tensor | None = None) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Linear.__init__: it would allocate a dense weight
         if len(weight.shape) != 2:
             raise ValueError(f"weight must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}")
         self.out_features, self.in_features = weight.shape
@@ -106,6 +108,16 @@ class NF4Linear(nn.Module):
             self.register_buffer(f"weight_{name}", getattr(weight, name), persistent=False)
         self._weight_meta = dict(shape=weight.shape, dtype=weight.dtype, blocksize=weight.blocksize,
                                  nested_blocksize=weight.nested_blocksize)
+
+    def _apply(self, fn, recurse=True):
+        # .to(device) moves the quantized tensors; a dtype cast (.half(), .to(bf16)) must not touch
+        # them: rounding absmax would change every dequantized value.
+        quantized = {name: self._buffers.pop(f"weight_{name}") for name in _WEIGHT_FIELDS}
+        super()._apply(fn, recurse)
+        device = fn(torch.empty(0, device=quantized["packed"].device)).device
+        for name, tensor in quantized.items():
+            self._buffers[f"weight_{name}"] = None if tensor is None else tensor.to(device)
+        return self
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)

@@ -1,0 +1,78 @@
+"""Checkpoints: everything needed to continue a run bit for bit.
+
+output_dir/checkpoints/step-000012/
+    adapter/               PEFT format (adapter_config.json, adapter_model.safetensors)
+    trainer_state.pt       optimizer, scheduler, RNG states, data position, step
+Written to a temporary directory and renamed, so a crash never leaves half a checkpoint.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+STATE_FILE = "trainer_state.pt"
+
+
+def checkpoint_dir(output_dir: Path, step: int) -> Path:
+    return output_dir / "checkpoints" / f"step-{step:06d}"
+
+
+def rng_state() -> dict:
+    return {"torch": torch.random.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.random.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+def save_checkpoint(output_dir: Path, step: int, policy, optimizer, scheduler, prompts, keep: int) -> Path:
+    target = checkpoint_dir(output_dir, step)
+    staging = target.with_name(target.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    policy.save_adapter(staging / "adapter")
+    torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "rng": rng_state(), "data": prompts.state_dict()}, staging / STATE_FILE)
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    for old in sorted(target.parent.glob("step-*[0-9]"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def find_checkpoint(output_dir: Path, resume: str) -> Path:
+    if resume != "latest":
+        path = Path(resume)
+        if not (path / STATE_FILE).is_file():
+            raise FileNotFoundError(f"checkpoint.resume: {path} is not a checkpoint (no {STATE_FILE})")
+        return path
+    candidates = sorted((output_dir / "checkpoints").glob("step-*[0-9]"))
+    candidates = [c for c in candidates if (c / STATE_FILE).is_file()]
+    if not candidates:
+        raise FileNotFoundError(f"checkpoint.resume: latest requested but {output_dir / 'checkpoints'} has none")
+    return candidates[-1]
+
+
+def load_checkpoint(path: Path, policy, optimizer, scheduler, prompts) -> int:
+    """Restore the adapter weights and all trainer state; returns the step the checkpoint ends."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    adapter = load_file(path / "adapter" / "adapter_model.safetensors")
+    result = set_peft_model_state_dict(policy.model, adapter)
+    unexpected = getattr(result, "unexpected_keys", [])
+    if unexpected:
+        raise ValueError(f"{path}: adapter has weights this model lacks: {unexpected[:3]}")
+    state = torch.load(path / STATE_FILE, weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    prompts.load_state_dict(state["data"])
+    set_rng_state(state["rng"])
+    return int(state["step"])

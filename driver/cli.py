@@ -1,0 +1,169 @@
+"""Command line: `python -m driver.train [cfg.yaml] [--section.key=value ...] [--help]`.
+
+Every config mistake (unknown key, wrong type, missing file, unimportable function) becomes one
+message naming the key and exits with status 2 — no traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from typing import Any, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from driver.config import Config
+
+USAGE = "usage: python -m driver.train [config.yaml] [--section.key=value ...] [--help]"
+
+
+class ConfigError(Exception):
+    """A user-facing config problem; main() prints it and exits with status 2."""
+
+
+def parse_args(argv: list[str]) -> tuple[Path | None, dict[str, str], bool]:
+    config_path, overrides, show_help = None, {}, False
+    for arg in argv:
+        if arg in ("-h", "--help"):
+            show_help = True
+        elif arg.startswith("--"):
+            key, sep, value = arg[2:].partition("=")
+            if not sep or not key:
+                raise ConfigError(f"override {arg!r} must look like --section.key=value\n{USAGE}")
+            overrides[key] = value
+        elif config_path is None:
+            config_path = Path(arg)
+        else:
+            raise ConfigError(f"unexpected argument {arg!r} (one config file only)\n{USAGE}")
+    return config_path, overrides, show_help
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path} is not valid YAML: {error}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections (model:, train:, ...), got {type(data).__name__}")
+    return data
+
+
+def apply_override(data: dict[str, Any], dotted_key: str, raw_value: str) -> None:
+    """Set data[a][b][c] = value for "a.b.c"; the value is parsed as YAML (so 1e-4, true, [a, b] work)."""
+    parts = dotted_key.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--{dotted_key}: '{part}' is a value, not a section")
+        node = child
+    try:
+        node[parts[-1]] = yaml.safe_load(raw_value) if raw_value != "" else None
+    except yaml.YAMLError:
+        node[parts[-1]] = raw_value
+
+
+def format_validation_error(error: ValidationError) -> str:
+    lines = []
+    for problem in error.errors():
+        key = ".".join(str(part) for part in problem["loc"]) or "config"
+        message = problem["msg"]
+        if problem["type"] == "extra_forbidden":
+            message = "unknown key (see `python -m driver.train --help` for the keys)"
+        elif "input" in problem and problem["type"] not in ("missing",):
+            message += f" (got {problem['input']!r})"
+        lines.append(f"  {key}: {message}")
+    return "invalid config:\n" + "\n".join(lines)
+
+
+def import_dotted(path: str, what: str):
+    module_name, _, attribute = path.rpartition(".")
+    if not module_name:
+        raise ConfigError(f"{what}: {path!r} must be a dotted path like package.module.function")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ConfigError(f"{what}: cannot import module '{module_name}' ({error})") from None
+    if not hasattr(module, attribute):
+        raise ConfigError(f"{what}: module '{module_name}' has no '{attribute}'")
+    function = getattr(module, attribute)
+    if not callable(function):
+        raise ConfigError(f"{what}: {path} is not callable")
+    return function
+
+
+def check_references(config: Config) -> None:
+    """Files and dotted paths the config names must exist before anything heavy starts."""
+    for index, function in enumerate(config.rewards.functions):
+        import_dotted(function.path, f"rewards.functions[{index}].path")
+    if config.data.transform:
+        import_dotted(config.data.transform, "data.transform")
+    source = config.data.source
+    if not source.startswith("toy:") and not Path(source).is_file():
+        raise ConfigError(f"data.source: dataset file {source} does not exist")
+    model_path = config.model.path
+    if not model_path.startswith("tiny://") and not Path(model_path).is_dir():
+        raise ConfigError(f"model.path: {model_path} is not a local model directory (no downloads at run "
+                          "time: use a local directory or tiny://qwen2)")
+
+
+def load_config(path: Path | None, overrides: dict[str, str]) -> Config:
+    data = read_yaml(path) if path is not None else {}
+    for key, value in overrides.items():
+        apply_override(data, key, value)
+    try:
+        config = Config.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error)) from None
+    check_references(config)
+    return config
+
+
+def help_text() -> str:
+    lines = [USAGE, "", "Config keys (YAML sections; override any with --section.key=value):"]
+    _describe(Config, "", lines)
+    return "\n".join(lines)
+
+
+def _describe(model: type[BaseModel], prefix: str, lines: list[str]) -> None:
+    for name, field in model.model_fields.items():
+        key = prefix + name
+        annotation = field.annotation
+        nested = _nested_model(annotation)
+        if nested is not None and get_origin(annotation) is not list:
+            lines.append(f"\n  {key}: {field.description}")
+            _describe(nested, key + ".", lines)
+            continue
+        default = field.get_default(call_default_factory=True)
+        if isinstance(default, list) and default and isinstance(default[0], BaseModel):
+            default = [item.model_dump(exclude_none=True) for item in default]
+        lines.append(f"    {key} = {default!r}\n        {field.description}")
+        if nested is not None:
+            for sub_name, sub_field in nested.model_fields.items():
+                lines.append(f"        - {sub_name}: {sub_field.description}")
+
+
+def _nested_model(annotation) -> type[BaseModel] | None:
+    candidates = (annotation, *get_args(annotation))
+    for candidate in candidates:
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def config_from_argv(argv: list[str]) -> Config | None:
+    """The validated config, or None when --help was printed. Raises ConfigError."""
+    path, overrides, show_help = parse_args(argv)
+    if show_help:
+        print(help_text())
+        return None
+    return load_config(path, overrides)
+
+
+def exit_on_config_error(error: ConfigError) -> None:
+    print(f"error: {error}", file=sys.stderr)
+    sys.exit(2)

@@ -1,0 +1,94 @@
+"""The policy: a transformers causal LM with a PEFT LoRA adapter, optionally on an NF4 base (QLoRA).
+
+The reference model for the KL term is the same network with the adapter disabled, so no second
+copy of the weights exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from driver.config import Config
+from driver.tiny_model import resolve_model_path
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Layers never quantized for QLoRA: the output head and MoE routers stay in full precision, as in
+# bitsandbytes' defaults (a 4-bit router changes which experts tokens go to).
+UNQUANTIZED_SUFFIXES = ("lm_head", ".gate", ".router")
+
+
+@dataclass
+class Policy:
+    model: nn.Module  # peft.PeftModel
+    tokenizer: object
+    model_dir: str  # local directory of the base model (what vLLM loads)
+
+    @property
+    def causal_lm(self) -> nn.Module:
+        return self.model.get_base_model()
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def reference(self):
+        """Context in which the model is the frozen base (adapter disabled)."""
+        return self.model.disable_adapter()
+
+    def save_adapter(self, directory: Path) -> Path:
+        """PEFT format (adapter_config.json + adapter_model.safetensors), loadable by PEFT and vLLM."""
+        self.model.save_pretrained(directory, safe_serialization=True)
+        return directory
+
+
+def load_policy(config: Config) -> Policy:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = resolve_model_path(config.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    with seeded(config.train.seed):
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=DTYPES[config.model.dtype], attn_implementation=config.model.attention)
+        model.config.use_cache = False
+        if config.model.qlora:
+            quantize_linears(model, config.model.qlora_blocksize)
+        lora = LoraConfig(
+            r=config.lora.r, lora_alpha=config.lora.alpha, lora_dropout=config.lora.dropout,
+            target_modules=list(config.lora.targets) or None,
+            target_parameters=list(config.lora.expert_targets) or None,
+            use_rslora=config.lora.rslora, bias="none", task_type="CAUSAL_LM")
+        model = get_peft_model(model, lora)
+    return Policy(model=model, tokenizer=tokenizer, model_dir=model_dir)
+
+
+def quantize_linears(model: nn.Module, blocksize: int) -> int:
+    """Replace every nn.Linear except the head and routers by an NF4Linear (double-quantized)."""
+    from pykernels.nn import NF4Linear
+
+    replaced = 0
+    for name, module in list(model.named_modules()):
+        if type(module) is not nn.Linear or name.endswith(UNQUANTIZED_SUFFIXES):
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, NF4Linear.from_linear(module, blocksize=blocksize, double_quant=True))
+        replaced += 1
+    return replaced
+
+
+@contextlib.contextmanager
+def seeded(seed: int):
+    """Seed torch's global generator inside the block (LoRA init), restoring it after."""
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(state)

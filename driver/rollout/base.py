@@ -1,0 +1,34 @@
+"""What every generation backend returns and must be able to do."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]  # the engine's sampling logprobs (after temperature), one per token
+    finish_reason: str  # "stop" (end of sequence) or "length" (hit max_tokens)
+
+
+class SyncError(RuntimeError):
+    """The inference engine does not serve the weights the trainer just saved."""
+
+
+class Generator(Protocol):
+    adapter_version: int  # version of the adapter the engine currently serves (0: none yet)
+
+    def generate(self, prompts: list[list[int]], n: int, seed: int) -> list[list[Completion]]:
+        """n completions per prompt (token ids), with the adapter of the last sync."""
+
+    def sync(self, adapter_dir: Path, version: int) -> None:
+        """Serve the PEFT adapter saved in adapter_dir from now on."""
+
+    def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """logprob of token_ids[i] given token_ids[:i] for i >= 1 (temperature 1), current adapter."""
+
+    def close(self) -> None:
+        ...

@@ -1,0 +1,51 @@
+"""Adapter sync: save the trainer's adapter as a new version, make the engine serve it, and verify
+with a probe that it does (driver/rollout/sync_check.py)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import torch
+
+from driver.config import Config
+from driver.model import Policy
+from driver.rollout.base import Generator
+from driver.rollout.sync_check import PROBE_TEXT, SyncVerifier
+from driver.scoring import completion_logprobs, pack
+
+ADAPTERS_KEPT = 2  # the version being served and the one before it
+
+
+def make_verifier(config: Config, policy: Policy) -> SyncVerifier | None:
+    if not config.rollout.verify_sync:
+        return None
+    probe = policy.tokenizer(PROBE_TEXT, add_special_tokens=False).input_ids
+    return SyncVerifier(probe, config.rollout.sync_tolerance, "delta" if config.model.qlora else "absolute")
+
+
+@torch.no_grad()
+def trainer_probe(policy: Policy, token_ids: list[int]) -> torch.Tensor:
+    was_training = policy.model.training
+    policy.model.eval()
+    try:
+        logps, _, _ = completion_logprobs(policy.model, pack([token_ids[:1]], [token_ids[1:]]), temperature=1.0)
+    finally:
+        policy.model.train(was_training)
+    return logps[0]
+
+
+def push_adapter(config: Config, policy: Policy, generator: Generator, verifier: SyncVerifier | None,
+                 version: int) -> dict[str, float]:
+    started = time.perf_counter()
+    adapters = config.output_dir / "adapters"
+    directory = policy.save_adapter(adapters / f"v{version:06d}")
+    generator.sync(directory, version)
+    metrics = {}
+    if verifier is not None:
+        metrics = verifier.check(generator.prompt_logprobs(verifier.probe_ids),
+                                 trainer_probe(policy, verifier.probe_ids), version)
+    for old in sorted(adapters.glob("v*"))[:-ADAPTERS_KEPT]:
+        shutil.rmtree(old, ignore_errors=True)
+    metrics["time/sync"] = time.perf_counter() - started
+    return metrics

@@ -1,0 +1,48 @@
+"""Built-in toy datasets and their rewards, small enough for a tiny random model to learn on CPU.
+
+`toy:digits`: prompts ask for digits; the reward is the fraction of the completion's visible
+characters that are digits. A random model starts near 10/384 per token and GRPO can push the
+whole output distribution towards the ten digit tokens within a few dozen steps, so "the reward
+went up" is a sharp end-to-end check of the loop (generation, rewards, advantages, loss, sync).
+
+Reward functions follow TRL's signature: fn(prompts, completions, **columns) -> list[float | None].
+"""
+
+from __future__ import annotations
+
+import random
+
+WORDS = ("apple river stone cloud green seven light house music paper table window garden "
+         "number letter quiet silver orange simple little water dream train").split()
+TASKS = {"digits": "Write digits:"}
+
+
+def toy_dataset(name: str, size: int = 256, seed: int = 0) -> list[dict]:
+    if name not in TASKS:
+        raise ValueError(f"unknown toy dataset 'toy:{name}'; choose one of "
+                         + ", ".join(f"toy:{n}" for n in TASKS))
+    rng = random.Random(seed)
+    rows = []
+    for index in range(size):
+        words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 5)))
+        rows.append({"prompt": f"{TASKS[name]} {words}", "id": index})
+    return rows
+
+
+def digit_fraction(prompts: list[str], completions: list[str], **columns) -> list[float | None]:
+    """Fraction of non-space characters that are ASCII digits (None for an empty completion)."""
+    rewards: list[float | None] = []
+    for completion in completions:
+        visible = [c for c in completion if not c.isspace()]
+        rewards.append(sum(c.isdigit() for c in visible) / len(visible) if visible else None)
+    return rewards
+
+
+def corpus() -> list[str]:
+    """Text the tiny models' tokenizer is trained on (fixed: same tokenizer every build)."""
+    rng = random.Random(42)
+    lines = [f"{prompt} {rng.randint(0, 10**6)}" for prompt in TASKS.values() for _ in range(50)]
+    lines += [" ".join(rng.choice(WORDS) for _ in range(8)) for _ in range(300)]
+    lines += ["The quick brown fox jumps over the lazy dog. 0123456789 " * 3,
+              "Question: what is 12 + 30? Answer: 42. #### 42"]
+    return lines

@@ -1,0 +1,105 @@
+"""GRPO with LoRA / QLoRA against vLLM: `python -m driver.train cfg.yaml [--section.key=value ...]`.
+
+One step: prompts -> vLLM samples num_generations completions each (with their logprobs) ->
+rewards -> group advantages (DeepSeekMath GRPO, https://arxiv.org/abs/2402.03300) -> clipped,
+importance-corrected loss on packed sequences -> optimizer update(s) -> adapter sync to vLLM,
+verified with a logprob probe.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from driver import sync
+from driver.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from driver.cli import ConfigError, config_from_argv, exit_on_config_error
+from driver.collect import collect
+from driver.config import Config
+from driver.data import PromptSource
+from driver.interrupt import GracefulInterrupt
+from driver.metrics import MetricsLogger
+from driver.model import load_policy
+from driver.optim import build_optimizer, build_scheduler
+from driver.plots import plot_metrics
+from driver.rewards import RewardFunctions
+from driver.rollout import make_generator
+from driver.update import merge, optimize
+
+
+def run(config: Config) -> Path:
+    output_dir = config.output_dir
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    torch.manual_seed(config.train.seed)
+
+    policy = load_policy(config)
+    prompts = PromptSource(config.data, policy.tokenizer, config.train.seed)
+    rewards = RewardFunctions(config.rewards)
+    optimizer = build_optimizer(policy.trainable_parameters(), config.train)
+    scheduler = build_scheduler(optimizer, config.train, config.train.steps * config.algo.num_iterations)
+    step = 0
+    if config.checkpoint.resume:
+        step = load_checkpoint(find_checkpoint(output_dir, config.checkpoint.resume), policy, optimizer, scheduler, prompts)
+
+    generator = make_generator(config, policy.model_dir)
+    verifier = sync.make_verifier(config, policy)
+    logger = MetricsLogger(output_dir, total_steps=config.train.steps, start_step=step,
+                           tensorboard=config.logging.tensorboard, progress=config.logging.progress)
+    try:
+        sync.push_adapter(config, policy, generator, verifier, version=step)
+        with GracefulInterrupt() as interrupt:
+            while step < config.train.steps and not interrupt.requested:
+                started, position = time.perf_counter(), prompts.state_dict()
+                try:
+                    batches = [collect(config, generator, prompts, rewards, policy.tokenizer, step + 1, round_)
+                               for round_ in range(config.train.gradient_accumulation_steps)]
+                except Exception:
+                    if not interrupt.requested:
+                        raise
+                    prompts.load_state_dict(position)  # abandoned step: its prompts come first on resume
+                    break
+                generated = time.perf_counter()
+                batch = merge(batches)
+                metrics = {**batches[0].metrics, **optimize(config, policy, batch, optimizer, scheduler)}
+                step += 1
+                metrics.update(sync.push_adapter(config, policy, generator, verifier, version=step))
+                metrics.update({"time/generation": generated - started, "time/step": time.perf_counter() - started})
+                logger.log(step, metrics)
+                show_samples(logger, batch, config.logging.log_completions)
+                if config.checkpoint.every and step % config.checkpoint.every == 0:
+                    save_checkpoint(output_dir, step, policy, optimizer, scheduler, prompts, config.checkpoint.keep)
+        save_checkpoint(output_dir, step, policy, optimizer, scheduler, prompts, config.checkpoint.keep)
+        policy.save_adapter(output_dir / "adapter")
+        if interrupt.requested:
+            logger.print(f"interrupted: checkpoint of step {step} saved in {output_dir / 'checkpoints'}")
+    finally:
+        logger.close()
+        generator.close()
+    if config.logging.plots:
+        plot_metrics(output_dir / "metrics.jsonl", output_dir)
+    return output_dir
+
+
+def show_samples(logger: MetricsLogger, batch, count: int) -> None:
+    for prompt, completion, reward in batch.samples[:count]:
+        logger.print(f"[dim]{prompt!r}[/dim] -> {completion!r}  reward {reward:.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = config_from_argv(sys.argv[1:] if argv is None else argv)
+    except ConfigError as error:
+        exit_on_config_error(error)
+    if config is None:
+        return 0
+    run(config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""driver.metrics: the jsonl record, resume truncation, TensorBoard scalars and console output."""
+
+import io
+import json
+import math
+import time
+
+import numpy as np
+import pytest
+import torch
+from rich.console import Console
+
+from driver.metrics import MetricsLogger, step_summary
+
+TAGS = ("reward", "kl", "rewards/digit_fraction/mean", "sampling/importance_sampling_ratio/max")
+
+
+def strict_json(line: str) -> dict:
+    """json.loads that rejects the bare NaN / Infinity tokens Python's json would otherwise accept."""
+    def reject(token):
+        raise ValueError(f"non-standard JSON token {token}")
+    return json.loads(line, parse_constant=reject)
+
+
+def read_rows(output_dir) -> list[dict]:
+    return [strict_json(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def quiet_logger(output_dir, **kwargs) -> MetricsLogger:
+    return MetricsLogger(output_dir, total_steps=kwargs.pop("total_steps", 10), tensorboard=False,
+                         progress=False, **kwargs)
+
+
+def scalars(tensorboard_dir) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(tensorboard_dir))
+    accumulator.Reload()
+    return {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
+            for tag in accumulator.Tags()["scalars"]}
+
+
+def test_jsonl_lines_are_flushed_before_close(tmp_path):
+    logger = quiet_logger(tmp_path)
+    logger.log(1, {"reward": 0.25, "kl": 0.001})
+    logger.log(2, {"reward": 0.5, "kl": 0.002})
+    rows = read_rows(tmp_path)  # read while the logger is still open: a crash now must lose nothing
+    assert [row["step"] for row in rows] == [1, 2]
+    assert rows[1]["reward"] == 0.5 and rows[1]["kl"] == 0.002
+    logger.close()
+
+
+def test_time_and_step_time(tmp_path):
+    before = time.time()
+    with quiet_logger(tmp_path) as logger:
+        time.sleep(0.02)
+        logger.log(1, {"reward": 0.0})
+        logger.log(2, {"reward": 0.0})
+    rows = read_rows(tmp_path)
+    assert all(row["step_time"] >= 0 for row in rows)
+    assert rows[0]["step_time"] >= 0.015  # measured from construction for the first step
+    assert all(before <= row["time"] <= time.time() for row in rows)
+
+
+def test_non_finite_values_become_null(tmp_path):
+    with quiet_logger(tmp_path) as logger:
+        logger.log(1, {"reward": math.nan, "kl": math.inf, "loss": -math.inf, "entropy": 1.5})
+    row = read_rows(tmp_path)[0]  # strict_json raises on NaN / Infinity tokens
+    assert row["reward"] is None and row["kl"] is None and row["loss"] is None
+    assert row["entropy"] == 1.5
+
+
+def test_tensor_and_numpy_values_become_floats(tmp_path):
+    metrics = {"reward": torch.tensor(0.5), "kl": torch.tensor([0.25], dtype=torch.float64),
+               "entropy": np.float32(0.125), "clip_ratio/region_mean": np.array(0.75), "count": torch.tensor(3)}
+    with quiet_logger(tmp_path) as logger:
+        logger.log(1, metrics)
+    row = read_rows(tmp_path)[0]
+    assert row["reward"] == 0.5 and row["kl"] == 0.25 and row["entropy"] == 0.125
+    assert row["clip_ratio/region_mean"] == 0.75 and row["count"] == 3.0
+    assert all(type(row[key]) is float for key in metrics)
+
+
+def test_non_scalar_metric_names_the_key(tmp_path):
+    with quiet_logger(tmp_path) as logger, pytest.raises(TypeError, match="'advantages'"):
+        logger.log(1, {"advantages": torch.ones(3)})
+
+
+def test_reserved_metric_names_are_rejected(tmp_path):
+    with quiet_logger(tmp_path) as logger, pytest.raises(ValueError, match="step_time"):
+        logger.log(1, {"step_time": 1.0})
+
+
+def test_none_is_null_in_jsonl_and_skipped_in_tensorboard(tmp_path):
+    with MetricsLogger(tmp_path, total_steps=2, progress=False) as logger:
+        logger.log(1, {"reward": None, "kl": 0.5})
+        logger.log(2, {"reward": 0.75, "kl": None})
+    rows = read_rows(tmp_path)
+    assert rows[0]["reward"] is None and rows[1]["kl"] is None
+    written = scalars(tmp_path / "tensorboard")
+    assert written["reward"] == [(2, 0.75)]
+    assert written["kl"] == [(1, 0.5)]
+
+
+def test_tensorboard_keeps_slash_tags(tmp_path):
+    with MetricsLogger(tmp_path, total_steps=3, progress=False) as logger:
+        for step in (1, 2, 3):
+            logger.log(step, {tag: step / 10 for tag in TAGS})
+    written = scalars(tmp_path / "tensorboard")
+    for tag in TAGS:
+        assert [step for step, _ in written[tag]] == [1, 2, 3]
+        assert written[tag][-1][1] == pytest.approx(0.3)
+    assert "step_time" in written
+
+
+def test_resume_drops_steps_after_the_checkpoint(tmp_path):
+    with quiet_logger(tmp_path) as crashed_run:
+        for step in range(1, 6):
+            crashed_run.log(step, {"reward": float(step)})
+    with quiet_logger(tmp_path, start_step=3) as resumed_run:
+        assert [row["step"] for row in read_rows(tmp_path)] == [1, 2, 3]  # truncated at construction
+        resumed_run.log(4, {"reward": 40.0})
+        resumed_run.log(5, {"reward": 50.0})
+    rows = read_rows(tmp_path)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5]
+    assert [row["reward"] for row in rows] == [1.0, 2.0, 3.0, 40.0, 50.0]
+
+
+def test_resume_skips_a_torn_last_line(tmp_path):
+    with quiet_logger(tmp_path) as crashed_run:
+        crashed_run.log(1, {"reward": 1.0})
+    with (tmp_path / "metrics.jsonl").open("a") as file:
+        file.write('{"step": 2, "rew')  # the crash hit mid-write
+    with quiet_logger(tmp_path, start_step=2) as resumed_run:
+        resumed_run.log(3, {"reward": 3.0})
+    assert [row["step"] for row in read_rows(tmp_path)] == [1, 3]
+
+
+def test_fresh_run_starts_a_new_file(tmp_path):
+    with quiet_logger(tmp_path) as first_run:
+        first_run.log(1, {"reward": 1.0})
+    with quiet_logger(tmp_path) as second_run:
+        second_run.log(1, {"reward": 2.0})
+    assert [row["reward"] for row in read_rows(tmp_path)] == [2.0]
+
+
+def test_resume_purges_tensorboard_steps_after_the_checkpoint(tmp_path):
+    with MetricsLogger(tmp_path, total_steps=5, progress=False) as crashed_run:
+        for step in range(1, 6):
+            crashed_run.log(step, {"reward": float(step)})
+    time.sleep(1.1)  # event files are named by the second; the resumed run's must sort after
+    with MetricsLogger(tmp_path, total_steps=5, start_step=3, progress=False) as resumed_run:
+        resumed_run.log(4, {"reward": 40.0})
+    assert scalars(tmp_path / "tensorboard")["reward"] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
+
+
+def test_progress_disabled_prints_only_through_print(tmp_path, capsys):
+    with quiet_logger(tmp_path) as logger:
+        for step in range(1, 4):
+            logger.log(step, {"reward": 0.5, "kl": 0.01})
+        assert capsys.readouterr().out == ""
+        logger.print("sample completion: 0123")
+    assert capsys.readouterr().out == "sample completion: 0123\n"
+
+
+def test_progress_bar_shows_step_reward_and_kl(tmp_path):
+    console = Console(file=io.StringIO(), force_terminal=True, width=160, record=True)
+    with MetricsLogger(tmp_path, total_steps=10, tensorboard=False, console=console) as logger:
+        logger.log(1, {"reward": 0.412, "kl": 0.003})
+        logger.print("above the bar")
+    text = console.export_text()
+    assert "above the bar" in text
+    assert "1/10" in text and "reward 0.412  kl 0.003" in text and "s/step" in text
+
+
+def test_step_summary_format():
+    assert step_summary({"reward": 0.412, "kl": 0.003}, 2.1) == "reward 0.412  kl 0.003  2.1 s/step"
+    assert step_summary({"reward": 0.5, "kl": 2e-5}, 0.25) == "reward 0.500  kl 2.0e-05  0.25 s/step"
+    assert step_summary({"reward": 0.5, "kl": None}, 1.0) == "reward 0.500  1.0 s/step"
