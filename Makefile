@@ -1,6 +1,6 @@
 # Two commands do everything on a fresh machine (see README):
-#   make demo   the main job (until the GRPO driver lands: the kernel benchmark report + gate)
-#   make test   set-up, build, unit tests, and the CUDA compile check when nvcc is present
+#   make demo   the main job: GRPO + LoRA on a tiny model with vLLM (examples/tiny-grpo.yaml)
+#   make test   set-up, build, unit/end-to-end tests, and the CUDA compile check when nvcc is present
 # Other targets: install, build, bench, cuda-check, gpu (on the GPU machine), clean.
 
 PYTHON_BOOTSTRAP ?= python3
@@ -23,7 +23,10 @@ BUILT := $(VENV)/.built
 
 .PHONY: demo test install build bench cuda-check gpu clean
 
-demo: bench
+DEMO_CONFIG := examples/tiny-grpo.yaml
+
+demo: $(BUILT)
+	$(PY) -m driver.train $(DEMO_CONFIG)
 
 test: $(BUILT)
 	$(PY) -m pytest tests -q

@@ -147,6 +147,25 @@ def _describe(model: type[BaseModel], prefix: str, lines: list[str]) -> None:
                 lines.append(f"        - {sub_name}: {sub_field.description}")
 
 
+def markdown_reference() -> str:
+    """docs/config.md: every key, its default and its help, one table per section."""
+    lines = ["# Config reference", "",
+             "Generated from driver/config.py by `python -m driver.cli > docs/config.md` (a test keeps it in sync).",
+             "Override any key on the command line with `--section.key=value`."]
+    for name, field in Config.model_fields.items():
+        lines += ["", f"## {name}", "", field.description + ".", "", "| key | default | meaning |", "|---|---|---|"]
+        rows: list[str] = []
+        _describe(_nested_model(field.annotation), name + ".", rows)
+        lines += [_markdown_row(row) for row in rows if " = " in row]
+    return "\n".join(lines) + "\n"
+
+
+def _markdown_row(entry: str) -> str:
+    head, _, meaning = entry.partition("\n")
+    key, _, default = head.strip().partition(" = ")
+    return f"| `{key}` | `{default}` | {meaning.strip().replace('|', '/')} |"
+
+
 def _nested_model(annotation) -> type[BaseModel] | None:
     candidates = (annotation, *get_args(annotation))
     for candidate in candidates:
@@ -167,3 +186,7 @@ def config_from_argv(argv: list[str]) -> Config | None:
 def exit_on_config_error(error: ConfigError) -> None:
     print(f"error: {error}", file=sys.stderr)
     sys.exit(2)
+
+
+if __name__ == "__main__":
+    print(markdown_reference(), end="")

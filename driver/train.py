@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 import yaml
 
+import pykernels.backend
+
 from driver import sync
 from driver.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from driver.cli import ConfigError, config_from_argv, exit_on_config_error
@@ -26,16 +28,21 @@ from driver.metrics import MetricsLogger
 from driver.model import load_policy
 from driver.optim import build_optimizer, build_scheduler
 from driver.plots import plot_metrics
-from driver.rewards import RewardFunctions
-from driver.rollout import make_generator
+from driver.rewards import RewardError, RewardFunctions
+from driver.rollout import SyncError, make_generator
 from driver.update import merge, optimize
 
 
-def run(config: Config) -> Path:
+INTERRUPTED_EXIT_CODE = 130  # the shell's convention for a run stopped by SIGINT
+
+
+def run(config: Config) -> bool:
+    """Train; returns False when stopped early by Ctrl-C (after saving a checkpoint)."""
     output_dir = config.output_dir
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
     torch.manual_seed(config.train.seed)
+    pykernels.backend.set_kernels(config.train.kernels)
 
     policy = load_policy(config)
     prompts = PromptSource(config.data, policy.tokenizer, config.train.seed)
@@ -82,7 +89,7 @@ def run(config: Config) -> Path:
         generator.close()
     if config.logging.plots:
         plot_metrics(output_dir / "metrics.jsonl", output_dir)
-    return output_dir
+    return not interrupt.requested
 
 
 def show_samples(logger: MetricsLogger, batch, count: int) -> None:
@@ -97,8 +104,11 @@ def main(argv: list[str] | None = None) -> int:
         exit_on_config_error(error)
     if config is None:
         return 0
-    run(config)
-    return 0
+    try:
+        return 0 if run(config) else INTERRUPTED_EXIT_CODE
+    except (SyncError, RewardError) as error:  # failures of the run, not bugs: say what, not where
+        print(f"error: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

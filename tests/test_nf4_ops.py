@@ -161,3 +161,24 @@ def test_cuda_tensor_is_accepted_or_rejected_clearly():
     else:
         with pytest.raises(RuntimeError, match="no CUDA kernels"):
             nf4.quantize(x)
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_reference_switch_gives_the_same_bits(double_quant):
+    from pykernels.backend import kernels_mode
+
+    x = torch.randn(7, 769, dtype=torch.bfloat16)
+    compiled = nf4.quantize(x, 64, double_quant)
+    with kernels_mode("reference"):
+        reference_weight = nf4.quantize(x, 64, double_quant)
+        reference_dense = nf4.dequantize(compiled, torch.float32)
+    for name, tensor in compiled.tensors().items():
+        assert torch.equal(getattr(reference_weight, name), tensor), name
+    assert torch.equal(reference_dense, nf4.dequantize(compiled, torch.float32))
+
+
+def test_kernel_switch_rejects_unknown_modes():
+    from pykernels.backend import set_kernels
+
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        set_kernels("fast")

@@ -83,12 +83,16 @@ class ColocatedGenerator:
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
-        if llm is not None:
-            engine = getattr(llm, "llm_engine", None)
+        if llm is None:
+            return
+        engine = getattr(llm, "llm_engine", None)
+        try:
             if engine is not None and hasattr(engine, "engine_core"):
                 engine.engine_core.shutdown()
-            del llm
-            gc.collect()
+        except Exception:  # the engine may already be gone (e.g. it received the Ctrl-C too)
+            pass
+        del llm
+        gc.collect()
 
 
 def _completion(sample) -> Completion:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from pykernels import backend
 from pykernels._extension import check_device, ops
 from pykernels.nf4_weight import NF4Weight
+from pykernels.reference import nf4 as reference
 from pykernels.reference.nf4 import NESTED_BLOCKSIZE, dynamic_map
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -74,6 +76,8 @@ def quantize(x: torch.Tensor, blocksize: int = 64, double_quant: bool = False) -
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if backend.use_reference():
+        return _quantize_reference(x, blocksize, double_quant)
     check_device(x, "x")
     packed, absmax = ops.nf4_quantize(x.contiguous(), blocksize)
     if not double_quant:
@@ -100,8 +104,28 @@ def dequantize(weight: NF4Weight, dtype: torch.dtype | None = None) -> torch.Ten
     dtype = weight.dtype if dtype is None else dtype
     if dtype not in _FLOAT_DTYPES:
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    if backend.use_reference():
+        return _dequantize_reference(weight, dtype)
     absmax = weight.absmax_q if weight.double_quant else weight.absmax
     return ops.nf4_dequantize(
         weight.packed, absmax, weight.blocksize, list(weight.shape), dtype,
         weight.nested_absmax, weight.nested_code, weight.nested_offset, weight.nested_blocksize,
     )
+
+
+def _quantize_reference(x: torch.Tensor, blocksize: int, double_quant: bool) -> NF4Weight:
+    packed, absmax = reference.quantize_nf4(x, blocksize)
+    if not double_quant:
+        return NF4Weight(packed=packed, absmax=absmax, shape=x.shape, dtype=x.dtype, blocksize=blocksize)
+    code = _DYNAMIC_CODE.to(x.device)
+    absmax_q, nested_absmax, offset = reference.quantize_absmax(absmax, code)
+    return NF4Weight(packed=packed, shape=x.shape, dtype=x.dtype, blocksize=blocksize, absmax_q=absmax_q,
+                     nested_absmax=nested_absmax, nested_offset=offset, nested_code=code)
+
+
+def _dequantize_reference(weight: NF4Weight, dtype: torch.dtype) -> torch.Tensor:
+    absmax = weight.absmax
+    if weight.double_quant:
+        absmax = reference.dequantize_absmax(weight.absmax_q, weight.nested_absmax, weight.nested_offset,
+                                             weight.nested_code, weight.nested_blocksize)
+    return reference.dequantize_nf4(weight.packed, absmax, weight.blocksize, weight.shape, dtype)

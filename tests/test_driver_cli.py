@@ -1,0 +1,147 @@
+"""Config and CLI: every key documented, overrides, and config mistakes as one message + exit 2."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from pydantic import BaseModel
+
+from driver.cli import ConfigError, apply_override, help_text, load_config
+from driver.config import Config
+
+
+def leaf_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            keys += leaf_keys(annotation, prefix + name + ".")
+        else:
+            keys.append(prefix + name)
+    return keys
+
+
+def test_help_lists_every_key_with_its_description():
+    text = help_text()
+    for key in leaf_keys(Config):
+        assert f"{key} = " in text, key
+    assert all(field.description for field in Config.model_fields.values())
+
+
+def test_every_field_has_help_text():
+    def walk(model):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name} has no description"
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+                walk(field.annotation)
+    walk(Config)
+
+
+def test_defaults_validate_and_examples_load():
+    assert Config().train.steps > 0
+    config = load_config(__import__("pathlib").Path("examples/tiny-grpo.yaml"), {})
+    assert config.model.path == "tiny://qwen2"
+
+
+def test_dotted_overrides_are_parsed_as_yaml(tmp_path):
+    config = load_config(None, {"train.lr": "1e-4", "lora.targets": "[q_proj, v_proj]", "model.qlora": "true",
+                                "algo.epsilon_high": "0.28", "rollout.sampling.max_tokens": "64"})
+    assert config.train.lr == 1e-4 and config.lora.targets == ["q_proj", "v_proj"] and config.model.qlora
+    assert config.algo.epsilon_high == 0.28 and config.rollout.sampling.max_tokens == 64
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"train.lrr": "1"}, "train.lrr: unknown key"),
+    ({"train.lr": "fast"}, "train.lr: Input should be a valid number"),
+    ({"algo.loss_type": "ppo"}, "algo.loss_type: Input should be 'grpo', 'bnpo', 'dr_grpo' or 'dapo'"),
+    ({"model.qlora_blocksize": "48"}, "model.qlora_blocksize: Value error, must be a power of two"),
+    ({"rewards.functions": "[{path: no_such_module.reward}]"}, "rewards.functions[0].path: cannot import module"),
+    ({"rewards.functions": "[{path: driver.toy_tasks.nope}]"}, "module 'driver.toy_tasks' has no 'nope'"),
+    ({"data.source": "/nonexistent/prompts.jsonl"}, "data.source: dataset file /nonexistent/prompts.jsonl does not exist"),
+    ({"model.path": "/nonexistent/model"}, "model.path: /nonexistent/model is not a local model directory"),
+    ({"algo.epsilon": "0.3", "algo.epsilon_high": "0.1"}, "algo.epsilon_high must be >= algo.epsilon"),
+])
+def test_config_mistakes_name_the_key(overrides, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(None, overrides)
+    assert message in str(error.value)
+
+
+def test_override_into_a_value_is_rejected():
+    with pytest.raises(ConfigError, match="'lr' is a value, not a section"):
+        apply_override({"train": {"lr": 1.0}}, "train.lr.x", "1")
+
+
+def run_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "driver.train", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=120)
+
+
+def test_cli_exit_code_2_without_traceback(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(textwrap.dedent("""
+        train:
+          lr: not-a-number
+        logging:
+          colour: blue
+    """))
+    result = run_cli(str(bad))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "train.lr:" in result.stderr and "logging.colour: unknown key" in result.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["missing.yaml"], "config file missing.yaml does not exist"),
+    (["--train.steps"], "must look like --section.key=value"),
+    (["a.yaml", "b.yaml"], "one config file only"),
+])
+def test_cli_argument_mistakes(args, message):
+    result = run_cli(*args)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_cli_rejects_yaml_that_is_not_a_mapping(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- a\n- b\n")
+    result = run_cli(str(path))
+    assert result.returncode == 2 and "must hold a mapping of sections" in result.stderr
+
+
+def test_cli_help_exits_zero():
+    result = run_cli("--help")
+    assert result.returncode == 0 and "train.lr = " in result.stdout and "rollout.backend" in result.stdout
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-1.5b-gsm8k-lora.yaml", "qwen3-30b-a3b-qlora.yaml"])
+def test_gpu_examples_are_valid_configs(name):
+    """They cannot run here (no GPU, no model download) but must validate and name real functions."""
+    from pathlib import Path
+
+    from driver.cli import import_dotted, read_yaml
+
+    config = Config.model_validate(read_yaml(Path("examples") / name))
+    for function in config.rewards.functions:
+        import_dotted(function.path, "rewards")
+    import_dotted(config.data.transform, "data.transform")
+
+
+def test_gsm8k_reward():
+    from driver.reward_functions import boxed_format, gsm8k_correct, gsm8k_prompt
+
+    answers = ["Natalia sold 48/2 = 24 clips in May.\n#### 72", "#### 1,000"]
+    completions = ["so the answer is \\boxed{72}", "It is 1000 dollars. Wait, 999."]
+    assert gsm8k_correct(["p", "p"], completions, answer=answers) == [1.0, 0.0]
+    assert gsm8k_correct(["p"], ["Total: 1,000"], answer=["#### 1000"]) == [1.0]
+    assert boxed_format(["p", "p"], completions) == [1.0, 0.0]
+    assert "\\boxed{number}" in gsm8k_prompt({"question": "2+2?", "answer": "#### 4"})["prompt"]
+
+
+def test_config_reference_doc_is_current():
+    from pathlib import Path
+
+    from driver.cli import markdown_reference
+
+    assert Path("docs/config.md").read_text() == markdown_reference(), \
+        "docs/config.md is stale: regenerate with `python -m driver.cli > docs/config.md`"

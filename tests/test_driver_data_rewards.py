@@ -1,0 +1,120 @@
+"""Prompt sources (toy, jsonl/csv/parquet, transform, resumable order) and reward tables."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from driver.cli import ConfigError
+from driver.config import DataConfig, RewardFunction, RewardsConfig
+from driver.data import PromptSource, load_rows
+from driver.rewards import RewardError, RewardFunctions
+from driver.tiny_model import resolve_model_path
+from driver.toy_tasks import digit_fraction
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path("tiny://qwen2"))
+
+
+def write_rows(path, rows):
+    if path.suffix == ".jsonl":
+        path.write_text("\n".join(json.dumps(r) for r in rows))
+    elif path.suffix == ".csv":
+        keys = list(rows[0])
+        path.write_text("\n".join([",".join(keys)] + [",".join(str(r[k]) for k in keys) for r in rows]))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".parquet"])
+def test_local_files(tmp_path, suffix):
+    path = write_rows(tmp_path / f"data{suffix}", [{"question": f"q{i}", "answer": str(i)} for i in range(5)])
+    rows = load_rows(DataConfig(source=str(path), prompt_field="question"))
+    assert [r["question"] for r in rows] == [f"q{i}" for i in range(5)]
+
+
+def build_prompt(example: dict) -> dict:
+    return {**example, "prompt": f"Q: {example['question']} A:"}
+
+
+def test_transform_and_missing_prompt_field(tmp_path):
+    path = write_rows(tmp_path / "d.jsonl", [{"question": "2+2", "answer": "4"}])
+    rows = load_rows(DataConfig(source=str(path), transform="tests.test_driver_data_rewards.build_prompt"))
+    assert rows[0]["prompt"] == "Q: 2+2 A:"
+    with pytest.raises(ConfigError, match="data.prompt_field: 1 rows .* have no text column 'prompt'"):
+        load_rows(DataConfig(source=str(path)))
+
+
+def test_unknown_toy_set_and_format(tmp_path):
+    with pytest.raises(ValueError, match="unknown toy dataset 'toy:chess'"):
+        load_rows(DataConfig(source="toy:chess"))
+    bad = tmp_path / "d.txt"
+    bad.write_text("x")
+    with pytest.raises(ConfigError, match="must end with one of"):
+        load_rows(DataConfig(source=str(bad)))
+
+
+def test_order_is_seeded_epoch_shuffled_and_resumable(tokenizer):
+    source = PromptSource(DataConfig(), tokenizer, seed=3)
+    first = [p.index for p in source.next_batch(300)]  # crosses the 256-row epoch boundary
+    assert sorted(first[:256]) == list(range(256)) and first[:256] != list(range(256))
+    state = source.state_dict()
+    expected = [p.index for p in source.next_batch(20)]
+    resumed = PromptSource(DataConfig(), tokenizer, seed=3)
+    resumed.load_state_dict(state)
+    assert [p.index for p in resumed.next_batch(20)] == expected
+    assert [p.index for p in PromptSource(DataConfig(), tokenizer, seed=4).next_batch(10)] != first[:10]
+
+
+def test_prompts_are_cut_from_the_left(tokenizer):
+    source = PromptSource(DataConfig(max_prompt_length=3), tokenizer, seed=0)
+    prompt = source.prompts[0]
+    assert prompt.token_ids == tokenizer(prompt.text, add_special_tokens=False).input_ids[-3:]
+
+
+def test_digit_fraction():
+    assert digit_fraction(["p"] * 3, ["12 a", "", "abc"]) == [2 / 3, None, 0.0]
+
+
+def constant_rewards(prompts, completions, **columns):
+    return [float(len(c)) if c else None for c in completions]
+
+
+def uses_columns(prompts, completions, answer, **columns):
+    return [1.0 if c == a else 0.0 for c, a in zip(completions, answer)]
+
+
+def wrong_length(prompts, completions, **columns):
+    return [1.0]
+
+
+def not_a_number(prompts, completions, **columns):
+    return ["yes" for _ in completions]
+
+
+def test_reward_table_nan_for_none_and_columns_passed():
+    config = RewardsConfig(functions=[RewardFunction(path="tests.test_driver_data_rewards.constant_rewards"),
+                                      RewardFunction(path="tests.test_driver_data_rewards.uses_columns", weight=2.0,
+                                                     name="exact")])
+    rewards = RewardFunctions(config)
+    table = rewards(prompts=["a", "b"], completions=["xy", ""], columns=[{"answer": "xy"}, {"answer": "z"}],
+                    completion_ids=[[1, 2], []])
+    assert rewards.names == ["constant_rewards", "exact"] and rewards.weights.tolist() == [1.0, 2.0]
+    assert table[0].tolist() == [2.0, 1.0] and math.isnan(table[1, 0]) and table[1, 1] == 0.0
+
+
+@pytest.mark.parametrize("name,message", [("wrong_length", "returned list of length 1 for 2 completions"),
+                                          ("not_a_number", "returned 'yes' for completion 0")])
+def test_reward_errors_name_the_function(name, message):
+    rewards = RewardFunctions(RewardsConfig(functions=[RewardFunction(path=f"tests.test_driver_data_rewards.{name}")]))
+    with pytest.raises(RewardError, match=message):
+        rewards(prompts=["a", "b"], completions=["x", "y"], columns=[{}, {}], completion_ids=[[1], [2]])

@@ -1,0 +1,184 @@
+"""driver.rollout.server.ServerGenerator against a real vLLM OpenAI server on the tiny fp32 Qwen2.
+
+One server serves the whole module (it takes ~50 s to start on a 2-core CPU). The oracle is the
+trainer: the PEFT policy scores the same tokens with driver.scoring.completion_logprobs at the
+sampling temperature, and driver.sync.trainer_probe for the sync probe. The two launch-failure
+tests come first, so their short-lived servers never run beside the module's.
+"""
+
+import json
+
+import psutil
+import pytest
+import requests
+import torch
+
+from driver.config import Config
+from driver.model import load_policy
+from driver.rollout.colocate import engine_kwargs
+from driver.rollout.server import LOG_NAME, ServerError, ServerGenerator, cli_flags
+from driver.rollout.sync_check import PROBE_TEXT
+from driver.scoring import completion_logprobs, pack
+from driver.sync import trainer_probe
+from driver.tiny_model import resolve_model_path
+
+pytestmark = pytest.mark.slow
+
+TEMPERATURE = 0.7  # not 1, so a server reporting raw (unscaled) logprobs fails
+NUM_GENERATIONS = 4
+MAX_TOKENS = 8
+PROMPTS = ("Write digits: 12", "apple river", "The quick brown fox jumps over")  # unequal lengths
+LOGPROB_ATOL = 1e-4  # fp32 engine vs fp32 trainer: measured ~3e-6
+LORA_B_SCALE = 0.05  # random lora_B at this scale moves the probe's logprobs by ~1.5 nats
+MIN_PROBE_CHANGE = 0.1  # two adapters must differ by more than this, or the sync checks have no teeth
+
+
+def make_config(output_dir, **rollout) -> Config:
+    config = Config()
+    config.logging.output_dir = str(output_dir)
+    config.rollout.sampling.temperature = TEMPERATURE
+    config.rollout.sampling.max_tokens = MAX_TOKENS
+    config.rollout.server_timeout = 300.0
+    for key, value in rollout.items():
+        setattr(config.rollout, key, value)
+    return config
+
+
+def server_processes_for(model_dir) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if "vllm.entrypoints.openai.api_server" in cmdline and str(model_dir) in cmdline:
+            found.append(process)
+    return found
+
+
+def save_random_adapter(policy, seed: int, directory):
+    """Random lora_B (PEFT initializes it to zero, i.e. the base model) and save the adapter."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in policy.model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(LORA_B_SCALE * torch.randn(parameter.shape, generator=generator))
+    return policy.save_adapter(directory)
+
+
+def served_names(url: str) -> list[str]:
+    return [model["id"] for model in requests.get(f"{url}/v1/models", timeout=30).json()["data"]]
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return resolve_model_path("tiny://qwen2")
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    return load_policy(make_config(tmp_path_factory.mktemp("policy")))
+
+
+@pytest.fixture(scope="module")
+def probe_ids(policy):
+    return policy.tokenizer(PROBE_TEXT, add_special_tokens=False).input_ids
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, policy):
+    generator = ServerGenerator(make_config(tmp_path_factory.mktemp("server")), policy.model_dir)
+    process = generator._server.process
+    yield generator
+    generator.close()
+    assert process.poll() is not None, "close() left the launched server running"
+    assert not server_processes_for(policy.model_dir), "close() left server processes behind"
+
+
+def test_cli_flags_carry_the_colocated_engine_settings():
+    flags = " ".join(cli_flags(engine_kwargs(Config(), "/models/m")))
+    for expected in ("--model /models/m", "--dtype float32", "--enable-lora", "--max-lora-rank 8",
+                     "--logprobs-mode processed_logprobs", "--gpu-memory-utilization 0.3"):
+        assert expected in flags
+    assert cli_flags({"enforce_eager": False, "max_num_seqs": None}) == ["--no-enforce-eager"]
+
+
+def test_failed_launch_quotes_the_server_log(tmp_path):
+    bogus = tmp_path / "bogus-model"
+    bogus.mkdir()
+    (bogus / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+    with pytest.raises(ServerError, match="exited with code") as raised:
+        ServerGenerator(make_config(tmp_path / "out"), str(bogus))
+    message = str(raised.value)
+    assert str(tmp_path / "out" / LOG_NAME) in message
+    assert "no-such-architecture" in message  # vLLM's own words, from the log
+    assert not server_processes_for(bogus)
+
+
+def test_launch_timeout_stops_the_server(tmp_path, model_dir):
+    with pytest.raises(ServerError, match=r"not healthy after 3 s \(rollout.server_timeout\)"):
+        ServerGenerator(make_config(tmp_path, server_timeout=3.0), model_dir)
+    assert not server_processes_for(model_dir)
+
+
+def test_generate_matches_trainer_logprobs(server, policy, tmp_path):
+    server.sync(save_random_adapter(policy, seed=1, directory=tmp_path / "adapter"), version=1)
+    prompts = [policy.tokenizer(text, add_special_tokens=False).input_ids for text in PROMPTS]
+    groups = server.generate(prompts, n=NUM_GENERATIONS, seed=0)
+    assert [len(group) for group in groups] == [NUM_GENERATIONS] * len(prompts)
+    completions = [completion for group in groups for completion in group]
+    for completion in completions:
+        assert 1 <= len(completion.token_ids) <= MAX_TOKENS
+        assert len(completion.logprobs) == len(completion.token_ids)
+        if completion.finish_reason == "stop":
+            assert completion.token_ids[-1] == policy.tokenizer.eos_token_id  # the EOS token is kept, as colocated
+        else:
+            assert completion.finish_reason == "length" and len(completion.token_ids) == MAX_TOKENS
+
+    repeated = [prompt for prompt in prompts for _ in range(NUM_GENERATIONS)]
+    with torch.no_grad():
+        trainer, _, mask = completion_logprobs(policy.model.eval(), pack(repeated, [c.token_ids for c in completions]),
+                                               temperature=TEMPERATURE)
+    engine = torch.zeros_like(trainer)
+    for row, completion in enumerate(completions):
+        engine[row, :len(completion.logprobs)] = torch.tensor(completion.logprobs)
+    assert float(((engine - trainer) * mask).abs().max()) < LOGPROB_ATOL
+
+    again = server.generate(prompts, n=NUM_GENERATIONS, seed=0)  # per-request seeds: batching-independent
+    assert [[c.token_ids for c in group] for group in again] == [[c.token_ids for c in group] for group in groups]
+
+
+def test_sync_serves_each_new_adapter_and_unloads_the_old(server, policy, probe_ids, tmp_path):
+    server.sync(save_random_adapter(policy, seed=2, directory=tmp_path / "a"), version=2)
+    first_name, first_trainer = server.served_model, trainer_probe(policy, probe_ids)
+    first_engine = torch.tensor(server.prompt_logprobs(probe_ids))
+    assert float((first_engine - first_trainer).abs().max()) < LOGPROB_ATOL
+
+    server.sync(save_random_adapter(policy, seed=3, directory=tmp_path / "b"), version=3)
+    second_trainer = trainer_probe(policy, probe_ids)
+    assert float((second_trainer - first_trainer).abs().max()) > MIN_PROBE_CHANGE
+    second_engine = torch.tensor(server.prompt_logprobs(probe_ids))
+    assert float((second_engine - second_trainer).abs().max()) < LOGPROB_ATOL  # not the stale first adapter
+
+    assert server.adapter_version == 3 and server.served_model.startswith("adapter-v3-")
+    names = served_names(server.url)
+    assert server.served_model in names and first_name not in names
+    stale = requests.post(f"{server.url}/v1/completions", json={"model": first_name, "prompt": probe_ids,
+                                                                "max_tokens": 1}, timeout=30)
+    assert stale.status_code == 404
+
+
+def test_connect_to_running_server_and_close_leaves_it_running(server, policy, probe_ids, tmp_path):
+    config = make_config(tmp_path, server_url=server.url + "/v1", api_key="unused")
+    client = ServerGenerator(config, "model dir unused: the server has its own")
+    assert client.base_model == server.base_model and not (tmp_path / LOG_NAME).exists()
+    assert client._session.headers["Authorization"] == "Bearer unused"
+    client.sync(save_random_adapter(policy, seed=4, directory=tmp_path / "adapter"), version=7)
+    engine = torch.tensor(client.prompt_logprobs(probe_ids))
+    assert float((engine - trainer_probe(policy, probe_ids)).abs().max()) < LOGPROB_ATOL
+    assert [len(group) for group in client.generate([probe_ids[:5]], n=2, seed=0)] == [2]
+
+    client_adapter = client.served_model
+    client.close()
+    assert server._server.process.poll() is None
+    assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
+    names = served_names(server.url)
+    assert client_adapter not in names and server.served_model in names  # ours freed, the other kept
+    assert len(server.generate([probe_ids[:5]], n=2, seed=0)[0]) == 2
