@@ -28,7 +28,7 @@ class RolloutBatch:
         return len(self.completion_ids)
 
 
-def request_seed(seed: int, step: int, round_: int) -> int:
+def step_seed(seed: int, step: int, round_: int) -> int:
     """vLLM sampling seed of a step: a pure function of the config, so a resumed run samples the same."""
     return zlib.crc32(f"{seed}:{step}:{round_}".encode()) & 0x7FFFFFFF
 
@@ -37,7 +37,7 @@ def collect(config: Config, generator: Generator, source: PromptSource, rewards:
             step: int, round_: int) -> RolloutBatch:
     group = config.algo.num_generations
     prompts = source.next_batch(config.train.prompts_per_step)
-    groups = generator.generate([p.token_ids for p in prompts], n=group, seed=request_seed(config.train.seed, step, round_))
+    groups = generator.generate([p.token_ids for p in prompts], n=group, seed=step_seed(config.train.seed, step, round_))
     per_completion: list[tuple[Prompt, Completion]] = [(p, c) for p, g in zip(prompts, groups) for c in g]
     completion_texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for _, c in per_completion]
     table = rewards(prompts=[p.text for p, _ in per_completion], completions=completion_texts,

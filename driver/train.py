@@ -93,8 +93,10 @@ def run(config: Config) -> bool:
 
 
 def show_samples(logger: MetricsLogger, batch, count: int) -> None:
+    from rich.markup import escape
+
     for prompt, completion, reward in batch.samples[:count]:
-        logger.print(f"[dim]{prompt!r}[/dim] -> {completion!r}  reward {reward:.3f}")
+        logger.print(f"[dim]{escape(repr(prompt))}[/dim] -> {escape(repr(completion))}  reward {reward:.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:

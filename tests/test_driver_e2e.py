@@ -50,7 +50,9 @@ def test_tiny_grpo_learns_and_writes_its_outputs(tmp_path):
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last > first + 0.3, f"reward did not rise: first 10 steps {first:.3f}, last 10 {last:.3f}"
     assert max(row["sync/probe_max_abs_diff"] for row in rows) < 1e-3
-    assert max(row["sampling/sampling_logp_difference/max"] for row in rows) < 1e-3
+    # (steps whose micro-batches were all skipped for zero advantage score nothing, so no gap)
+    gaps = [row["sampling/sampling_logp_difference/max"] for row in rows if "sampling/sampling_logp_difference/max" in row]
+    assert len(gaps) >= 20 and max(gaps) < 1e-3
     for name in ("config.yaml", "adapter/adapter_config.json", "adapter/adapter_model.safetensors",
                  "plots/reward.png", "plots/overview.png"):
         assert (output_dir / name).is_file(), name
@@ -125,3 +127,11 @@ def test_stale_adapter_sync_is_detected(tmp_path):
     result = train(tmp_path / "run", "--train.steps=3", *QUIET, script=["tests/e2e/plant_stale_sync.py"])
     assert result.returncode != 0
     assert "the engine is not serving the weights just saved" in result.stderr
+
+
+def test_server_backend_learns_the_same_way(tmp_path):
+    output_dir = tmp_path / "run"
+    assert_ok(train(output_dir, "--rollout.backend=server", "--train.steps=4", *QUIET))
+    rows = metrics(output_dir)
+    assert len(rows) == 4 and max(row["sync/probe_max_abs_diff"] for row in rows) < 1e-3
+    assert (output_dir / "vllm-server.log").stat().st_size > 0

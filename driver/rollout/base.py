@@ -14,6 +14,12 @@ class Completion:
     finish_reason: str  # "stop" (end of sequence) or "length" (hit max_tokens)
 
 
+def request_seed(seed: int, prompt_index: int, n: int) -> int:
+    """vLLM seeds sample j of a request with seed + j, so prompts get seeds n apart: with seed +
+    prompt_index, sample j of prompt i and sample j - 1 of prompt i + 1 would draw the same numbers."""
+    return seed + prompt_index * n
+
+
 class SyncError(RuntimeError):
     """The inference engine does not serve the weights the trainer just saved."""
 

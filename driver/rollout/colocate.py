@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from driver.config import Config
-from driver.rollout.base import Completion, SyncError
+from driver.rollout.base import Completion, SyncError, request_seed
 
 # vLLM accepts only these LoRA ranks as the engine's maximum.
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
@@ -35,15 +35,17 @@ def engine_kwargs(config: Config, model_dir: str) -> dict:
 
 
 def set_cpu_defaults() -> None:
-    """KV cache size on CPU (GiB): vLLM's default takes a large share of memory."""
+    """KV cache size on CPU (GiB): vLLM's default takes a large share of memory. vLLM's INFO logs
+    would bury the progress bar; VLLM_LOGGING_LEVEL=INFO brings them back."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 class ColocatedGenerator:
     def __init__(self, config: Config, model_dir: str) -> None:
+        set_cpu_defaults()  # before vllm is imported: it reads these at import
         from vllm import LLM
 
-        set_cpu_defaults()
         self.config = config
         self.adapter_version = 0
         self._lora = None
@@ -59,7 +61,7 @@ class ColocatedGenerator:
     def generate(self, prompts: list[list[int]], n: int, seed: int) -> list[list[Completion]]:
         from vllm.inputs import TokensPrompt
 
-        params = [self._sampling_params(n, seed + i) for i in range(len(prompts))]
+        params = [self._sampling_params(n, request_seed(seed, i, n)) for i in range(len(prompts))]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                                     lora_request=self._lora, use_tqdm=False)
         return [[_completion(sample) for sample in output.outputs] for output in outputs]

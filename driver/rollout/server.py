@@ -23,7 +23,7 @@ import requests
 from requests.adapters import HTTPAdapter
 
 from driver.config import Config
-from driver.rollout.base import Completion
+from driver.rollout.base import Completion, request_seed
 from driver.rollout.colocate import engine_kwargs, set_cpu_defaults
 
 LOG_NAME = "vllm-server.log"  # in config.output_dir
@@ -259,9 +259,9 @@ class ServerGenerator:
                        return_tokens_as_token_ids=True, **NEUTRAL_SAMPLING)
 
         def complete(index: int) -> list[Completion]:
-            # seed + prompt index: the colocated engine's convention, so both backends draw alike.
+            # request_seed(): the colocated engine's convention, so both backends draw alike.
             body = self._request("POST", "/v1/completions",
-                                 {**request, "prompt": prompts[index], "seed": seed + index}).json()
+                                 {**request, "prompt": prompts[index], "seed": request_seed(seed, index, n)}).json()
             return _completions(body, n)
 
         with ThreadPoolExecutor(max_workers=min(len(prompts), MAX_CONCURRENT_REQUESTS)) as pool:
