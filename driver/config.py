@@ -90,6 +90,9 @@ class RolloutConfig(Section):
                                           "NUMA node's memory)")
     max_model_len: int = Field(512, ge=16, description="vLLM context length")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="sampling parameters")
+    sync: Literal["auto", "lora", "weights"] = Field(
+        "auto", description="how vLLM gets new weights: load each adapter version (lora), or merge it and "
+        "overwrite the engine's weights in place (weights; colocate only); auto = weights for MoE on CPU")
     verify_sync: bool = Field(True, description="after every adapter sync, score a probe with vLLM and the "
                               "trainer and fail when vLLM still serves old weights")
     sync_tolerance: float = Field(1e-3, gt=0, description="largest probe logprob difference accepted as in sync")

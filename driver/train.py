@@ -53,7 +53,7 @@ def run(config: Config) -> bool:
     if config.checkpoint.resume:
         step = load_checkpoint(find_checkpoint(output_dir, config.checkpoint.resume), policy, optimizer, scheduler, prompts)
 
-    generator = make_generator(config, policy.model_dir)
+    generator = make_generator(config, policy)
     verifier = sync.make_verifier(config, policy)
     logger = MetricsLogger(output_dir, total_steps=config.train.steps, start_step=step,
                            tensorboard=config.logging.tensorboard, progress=config.logging.progress)

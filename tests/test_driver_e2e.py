@@ -135,3 +135,11 @@ def test_server_backend_learns_the_same_way(tmp_path):
     rows = metrics(output_dir)
     assert len(rows) == 4 and max(row["sync/probe_max_abs_diff"] for row in rows) < 1e-3
     assert (output_dir / "vllm-server.log").stat().st_size > 0
+
+
+def test_moe_model_runs_with_weight_sync(tmp_path):
+    output_dir = tmp_path / "run"
+    assert_ok(train(output_dir, "--model.path=tiny://qwen3-moe", "--train.steps=4",
+                    "--lora.expert_targets=[mlp.experts.gate_up_proj, mlp.experts.down_proj]", *QUIET))
+    rows = metrics(output_dir)
+    assert len(rows) == 4 and max(row["sync/probe_max_abs_diff"] for row in rows) < 1e-3

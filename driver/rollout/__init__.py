@@ -6,14 +6,35 @@ from driver.config import Config
 from driver.rollout.base import Completion, Generator, SyncError
 
 
-def make_generator(config: Config, model_dir: str) -> Generator:
+def sync_method(config: Config, model_config) -> str:
+    """'lora' (the engine loads each adapter version) or 'weights' (merged weights pushed in place).
+
+    auto picks 'weights' for MoE models on CPU, where vLLM's LoRA path for expert layers does not
+    run (it is Triton-only), and 'lora' everywhere else."""
+    if config.rollout.sync != "auto":
+        return config.rollout.sync
+    import torch
+
+    is_moe = any(getattr(model_config, key, None) for key in ("num_local_experts", "num_experts", "n_routed_experts"))
+    return "weights" if is_moe and not torch.cuda.is_available() else "lora"
+
+
+def make_generator(config: Config, policy) -> Generator:
+    method = sync_method(config, policy.causal_lm.config)
+    if method == "weights":
+        if config.rollout.backend != "colocate" or config.model.qlora:
+            raise SyncError("rollout.sync = weights (used for MoE models on CPU) needs rollout.backend = colocate "
+                            "and a dense base (model.qlora = false)")
+        from driver.rollout.colocate_weights import WeightSyncGenerator
+
+        return WeightSyncGenerator(config, policy.model_dir, policy.model)
     if config.rollout.backend == "colocate":
         from driver.rollout.colocate import ColocatedGenerator
 
-        return ColocatedGenerator(config, model_dir)
+        return ColocatedGenerator(config, policy.model_dir)
     from driver.rollout.server import ServerGenerator
 
-    return ServerGenerator(config, model_dir)
+    return ServerGenerator(config, policy.model_dir)
 
 
 __all__ = ["Completion", "Generator", "SyncError", "make_generator"]
