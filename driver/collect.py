@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -26,6 +26,10 @@ class RolloutBatch:
 
     def __len__(self) -> int:
         return len(self.completion_ids)
+
+    def to(self, device: torch.device) -> RolloutBatch:
+        return replace(self, sampling_logprobs=self.sampling_logprobs.to(device), mask=self.mask.to(device),
+                       advantages=self.advantages.to(device))
 
 
 def step_seed(seed: int, step: int, round_: int) -> int:

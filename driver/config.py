@@ -25,6 +25,8 @@ class ModelConfig(Section):
     qlora_blocksize: int = Field(64, description="NF4 block size for qlora (power of two, 32..4096)")
     attention: Literal["sdpa", "eager", "flash_attention_2"] = Field(
         "sdpa", description="transformers attention backend of the trainer")
+    device: str = Field("auto", description="where the trainer runs: auto (cuda if available, else cpu), cpu, "
+                        "cuda, cuda:1, ...")
 
     @field_validator("qlora_blocksize")
     @classmethod

@@ -32,6 +32,10 @@ class Policy:
     def causal_lm(self) -> nn.Module:
         return self.model.get_base_model()
 
+    @property
+    def device(self) -> torch.device:
+        return self.causal_lm.get_output_embeddings().weight.device
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
@@ -65,7 +69,16 @@ def load_policy(config: Config) -> Policy:
             target_parameters=list(config.lora.expert_targets) or None,
             use_rslora=config.lora.rslora, bias="none", task_type="CAUSAL_LM")
         model = get_peft_model(model, lora)
+    # Loaded (and NF4-quantized) on the CPU, then moved: a large model never has to fit on the GPU
+    # in 16-bit before quantization.
+    model.to(resolve_device(config.model.device))
     return Policy(model=model, tokenizer=tokenizer, model_dir=model_dir)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
 
 
 def quantize_linears(model: nn.Module, blocksize: int) -> int:

@@ -29,7 +29,8 @@ def trainer_probe(policy: Policy, token_ids: list[int]) -> torch.Tensor:
     was_training = policy.model.training
     policy.model.eval()
     try:
-        logps, _, _ = completion_logprobs(policy.model, pack([token_ids[:1]], [token_ids[1:]]), temperature=1.0)
+        packed = pack([token_ids[:1]], [token_ids[1:]], device=policy.device)
+        logps, _, _ = completion_logprobs(policy.model, packed, temperature=1.0)
     finally:
         policy.model.train(was_training)
     return logps[0]

@@ -29,7 +29,7 @@ from driver.model import load_policy
 from driver.optim import build_optimizer, build_scheduler
 from driver.plots import plot_metrics
 from driver.rewards import RewardError, RewardFunctions
-from driver.rollout import SyncError, make_generator
+from driver.rollout import RolloutError, make_generator
 from driver.update import merge, optimize
 
 
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return 0 if run(config) else INTERRUPTED_EXIT_CODE
-    except (SyncError, RewardError) as error:  # failures of the run, not bugs: say what, not where
+    except (RolloutError, RewardError) as error:  # failures of the run, not bugs: say what, not where
         print(f"error: {error}", file=sys.stderr)
         return 1
 

@@ -45,7 +45,7 @@ def frozen_logprobs(policy: Policy, batch: RolloutBatch, parts: list[slice], tem
     out = torch.zeros_like(batch.mask)
     try:
         for part in parts:
-            packed = pack(batch.prompt_ids[part], batch.completion_ids[part])
+            packed = pack(batch.prompt_ids[part], batch.completion_ids[part], device=policy.device)
             if reference:
                 with policy.reference():
                     logps, _, _ = completion_logprobs(policy.model, packed, temperature)
@@ -59,6 +59,7 @@ def frozen_logprobs(policy: Policy, batch: RolloutBatch, parts: list[slice], tem
 
 def optimize(config: Config, policy: Policy, batch: RolloutBatch, optimizer, scheduler) -> dict[str, float]:
     algo, temperature = config.algo, config.rollout.sampling.temperature
+    batch = batch.to(policy.device)
     parts = micro_batches(config.train.micro_batch_size, len(batch))
     normalizers = StepNormalizers(num_sequences=len(batch), num_tokens=int(batch.mask.sum()),
                                   num_micro_batches=len(parts),
@@ -96,7 +97,7 @@ def optimize(config: Config, policy: Policy, batch: RolloutBatch, optimizer, sch
 def micro_batch_loss(config: Config, policy: Policy, batch: RolloutBatch, part: slice, normalizers: StepNormalizers,
                      old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None) -> dict[str, float]:
     algo = config.algo
-    packed = pack(batch.prompt_ids[part], batch.completion_ids[part])
+    packed = pack(batch.prompt_ids[part], batch.completion_ids[part], device=policy.device)
     logps, entropy, mask = completion_logprobs(policy.model, packed, config.rollout.sampling.temperature,
                                                return_entropy=True)
     width = logps.shape[1]

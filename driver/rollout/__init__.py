@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from driver.config import Config
-from driver.rollout.base import Completion, Generator, SyncError
+from driver.rollout.base import Completion, Generator, RolloutError, SyncError
 
 
 def sync_method(config: Config, model_config) -> str:
@@ -37,4 +37,4 @@ def make_generator(config: Config, policy) -> Generator:
     return ServerGenerator(config, policy.model_dir)
 
 
-__all__ = ["Completion", "Generator", "SyncError", "make_generator"]
+__all__ = ["Completion", "Generator", "RolloutError", "SyncError", "make_generator"]

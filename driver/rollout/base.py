@@ -20,7 +20,11 @@ def request_seed(seed: int, prompt_index: int, n: int) -> int:
     return seed + prompt_index * n
 
 
-class SyncError(RuntimeError):
+class RolloutError(RuntimeError):
+    """Generation failed in a way the user can act on (reported without a traceback)."""
+
+
+class SyncError(RolloutError):
     """The inference engine does not serve the weights the trainer just saved."""
 
 

@@ -23,7 +23,7 @@ import requests
 from requests.adapters import HTTPAdapter
 
 from driver.config import Config
-from driver.rollout.base import Completion, request_seed
+from driver.rollout.base import Completion, RolloutError, request_seed
 from driver.rollout.colocate import engine_kwargs, set_cpu_defaults
 
 LOG_NAME = "vllm-server.log"  # in config.output_dir
@@ -44,7 +44,7 @@ MODE_CHECK_MIN_GAP = 0.5  # nats between the likeliest and the sampled token: fa
 NEUTRAL_SAMPLING = dict(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_p=0.0)
 
 
-class ServerError(RuntimeError):
+class ServerError(RolloutError):
     """The vLLM server failed to start or answered a request with an error."""
 
     def __init__(self, message: str, status: int | None = None) -> None:
