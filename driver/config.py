@@ -149,7 +149,8 @@ class LoggingConfig(Section):
     progress: bool = Field(True, description="rich progress bar on the terminal")
     tensorboard: bool = Field(True, description="write TensorBoard events to output_dir/tensorboard")
     plots: bool = Field(True, description="write PNG plots of the main curves at the end")
-    log_completions: int = Field(2, ge=0, description="sample completions printed every logging step")
+    log_completions: int = Field(2, ge=0, description="sample completions printed every log_completions_every steps")
+    log_completions_every: int = Field(10, ge=1, description="steps between printed sample completions")
 
 
 class CheckpointConfig(Section):

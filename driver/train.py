@@ -77,7 +77,8 @@ def run(config: Config) -> bool:
                 metrics.update(sync.push_adapter(config, policy, generator, verifier, version=step))
                 metrics.update({"time/generation": generated - started, "time/step": time.perf_counter() - started})
                 logger.log(step, metrics)
-                show_samples(logger, batch, config.logging.log_completions)
+                if step % config.logging.log_completions_every == 0:
+                    show_samples(logger, batch, config.logging.log_completions)
                 if config.checkpoint.every and step % config.checkpoint.every == 0:
                     save_checkpoint(output_dir, step, policy, optimizer, scheduler, prompts, config.checkpoint.keep)
         save_checkpoint(output_dir, step, policy, optimizer, scheduler, prompts, config.checkpoint.keep)
