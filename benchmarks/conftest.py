@@ -32,8 +32,10 @@ def pin_fresh_allocations() -> None:
 
 pin_fresh_allocations()
 
-# Published HBM bandwidth (bytes/s) by device name; anything else uses a measured copy.
+# Published HBM bandwidth (bytes/s) and dense bf16 tensor-core throughput (FLOP/s) by device
+# name; anything else uses a measured copy / a measured large bf16 matmul.
 PEAK_BANDWIDTH = {"H100 80GB HBM3": 3.35e12, "H100 PCIe": 2.0e12, "H100": 3.35e12, "H200": 4.8e12}
+PEAK_BF16_FLOPS = {"H100 80GB HBM3": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12}
 TARGET_SECONDS_PER_CASE = 1.0  # total timed wall time per benchmark, split into rounds
 
 
@@ -75,12 +77,28 @@ def measured_copy_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() * src.element_size() / best
 
 
+def measured_bf16_flops(device: torch.device) -> float:
+    """FLOP/s of torch's own large bf16 matmul: the practical peak on a machine without a spec sheet."""
+    n = 2048 if device.type == "cpu" else 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    best = float("inf")
+    for _ in range(3):
+        synchronize(device)
+        start = time.perf_counter()
+        a @ a
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
 @dataclass
 class Device:
     torch_device: torch.device
     device_class: str
     peak_bandwidth: float  # bytes/s
     peak_source: str
+    peak_flops: float  # bf16 FLOP/s
+    flops_source: str
 
 
 @pytest.fixture(scope="session")
@@ -90,15 +108,19 @@ def device() -> Device:
         name = torch.cuda.get_device_name(dev)
         for key, peak in PEAK_BANDWIDTH.items():
             if key in name:
-                return Device(dev, device_class(dev), peak, f"published ({name})")
-    return Device(dev, device_class(dev), measured_copy_bandwidth(dev), "measured copy")
+                return Device(dev, device_class(dev), peak, f"published ({name})", PEAK_BF16_FLOPS[key],
+                              f"published bf16 dense ({name})")
+    return Device(dev, device_class(dev), measured_copy_bandwidth(dev), "measured copy", measured_bf16_flops(dev),
+                  "measured torch bf16 matmul")
 
 
 @pytest.fixture
 def measure(benchmark, device):
-    """measure(fn, bytes_moved, family=..., op=..., case=..., impl=...) times fn and records extra_info."""
+    """measure(fn, bytes_moved=..., flops=..., family=..., op=..., case=..., impl=...) times fn and
+    records extra_info: GB/s and % of peak bandwidth for memory-bound ops (bytes_moved), TFLOP/s
+    and % of peak bf16 throughput for compute-bound ones (flops)."""
 
-    def run(fn, bytes_moved: int, **labels: str) -> None:
+    def run(fn, bytes_moved: int = 0, flops: float = 0.0, **labels: str) -> None:
         dev = device.torch_device
         fn()  # warm-up: first-call allocations, lazy init
         synchronize(dev)
@@ -122,7 +144,11 @@ def measure(benchmark, device):
         benchmark.pedantic(timed, rounds=rounds, iterations=1, warmup_rounds=1)
         if benchmark.stats is not None:
             seconds = benchmark.stats.stats.min / repeats  # best round: interference only adds time
-            benchmark.extra_info["gbps"] = bytes_moved / seconds / 1e9
-            benchmark.extra_info["pct_peak"] = 100 * bytes_moved / seconds / device.peak_bandwidth
+            if bytes_moved:
+                benchmark.extra_info["gbps"] = bytes_moved / seconds / 1e9
+                benchmark.extra_info["pct_peak"] = 100 * bytes_moved / seconds / device.peak_bandwidth
+            if flops:
+                benchmark.extra_info["tflops"] = flops / seconds / 1e12
+                benchmark.extra_info["pct_peak_flops"] = 100 * flops / seconds / device.peak_flops
 
     return run

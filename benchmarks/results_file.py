@@ -17,7 +17,9 @@ class Result:
     min_s: float  # best round, per call: interference on a shared machine only ever adds time
     median_s: float  # per call
     gbps: float | None
-    pct_peak: float | None
+    pct_peak: float | None  # of the device's bandwidth
+    tflops: float | None = None
+    pct_peak_flops: float | None = None  # of the device's bf16 throughput
 
     @property
     def rule_key(self) -> str:
@@ -36,5 +38,5 @@ def load_results(path: str | Path) -> list[Result]:
         stats = bench["stats"]
         results.append(Result(info["family"], info["op"], info["case"], info["impl"], info["device_class"],
                               stats["min"] / repeats, stats["median"] / repeats, info.get("gbps"),
-                              info.get("pct_peak")))
+                              info.get("pct_peak"), info.get("tflops"), info.get("pct_peak_flops")))
     return results

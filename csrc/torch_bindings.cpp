@@ -25,4 +25,36 @@ TORCH_LIBRARY(pykernels, m) {
 
   // code[q] * absmax[block] as fp32 [numel].
   m.def("dynamic8_dequantize(Tensor q, Tensor absmax, Tensor code, int blocksize) -> Tensor");
+
+  // ---- Fused LoRA linear (Hu et al. 2021, https://arxiv.org/abs/2106.09685); x [M, K], weight [N, K],
+  //      lora_A [r, K], lora_B [N, r]; x_lora (LoRA's input after dropout) defaults to x.
+
+  // y = x W^T + bias + scaling * (x_lora A^T) B^T in x's dtype, and xa = x_lora A^T accumulated
+  // and kept in fp32 [M, r] (saved for backward).
+  m.def(
+      "lora_linear(Tensor x, Tensor weight, Tensor lora_A, Tensor lora_B, float scaling, Tensor? bias=None, "
+      "Tensor? x_lora=None) -> (Tensor y, Tensor xa)");
+
+  // The same with an NF4 weight [out_features, K] dequantized a chunk of rows at a time inside
+  // (never materialized in full); absmax as in nf4_dequantize.
+  m.def(
+      "lora_linear_nf4(Tensor x, Tensor packed, Tensor absmax, int blocksize, SymInt out_features, "
+      "Tensor lora_A, Tensor lora_B, float scaling, Tensor? bias=None, Tensor? x_lora=None, "
+      "Tensor? nested_absmax=None, Tensor? nested_code=None, Tensor? nested_offset=None, "
+      "int nested_blocksize=256) -> (Tensor y, Tensor xa)");
+
+  // Gradients of lora_linear: grad_x = dy W (+ dxa A when x_lora is absent, fused into that GEMM),
+  // grad_x_lora = dxa A (empty when x_lora is absent), grad_A, grad_B, with dxa = scaling dy B in
+  // fp32. grad_x is empty when compute_grad_x is false.
+  m.def(
+      "lora_linear_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor lora_A, Tensor lora_B, Tensor xa, "
+      "float scaling, Tensor? x_lora=None, bool compute_grad_x=True) "
+      "-> (Tensor grad_x, Tensor grad_x_lora, Tensor grad_A, Tensor grad_B)");
+
+  // Gradients of lora_linear_nf4 (the NF4 weight dequantized a chunk of rows at a time).
+  m.def(
+      "lora_linear_nf4_backward(Tensor grad_y, Tensor x, Tensor packed, Tensor absmax, int blocksize, "
+      "Tensor lora_A, Tensor lora_B, Tensor xa, float scaling, Tensor? x_lora=None, bool compute_grad_x=True, "
+      "Tensor? nested_absmax=None, Tensor? nested_code=None, Tensor? nested_offset=None, "
+      "int nested_blocksize=256) -> (Tensor grad_x, Tensor grad_x_lora, Tensor grad_A, Tensor grad_B)");
 }

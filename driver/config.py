@@ -140,8 +140,8 @@ class TrainConfig(Section):
     warmup_steps: int = Field(0, ge=0, description="linear warm-up steps")
     max_grad_norm: float | None = Field(1.0, description="gradient clipping norm (null: off)")
     seed: int = Field(0, description="seed for data order, sampling and initialization")
-    kernels: Literal["auto", "reference"] = Field("auto", description="pykernels ops where they exist, or the "
-                                                 "pure-torch references everywhere")
+    kernels: Literal["auto", "reference"] = Field("auto", description="pykernels ops where they exist (fused "
+                                                 "LoRA, NF4, logprobs), or PEFT and the pure-torch references")
 
 
 class LoggingConfig(Section):

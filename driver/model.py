@@ -69,6 +69,10 @@ def load_policy(config: Config) -> Policy:
             target_parameters=list(config.lora.expert_targets) or None,
             use_rslora=config.lora.rslora, bias="none", task_type="CAUSAL_LM")
         model = get_peft_model(model, lora)
+    if config.train.kernels == "auto":
+        from pykernels.integrations.peft import apply_fused_lora
+
+        apply_fused_lora(model)  # LoRA layers on pykernels' fused kernel (dense and NF4 bases)
     # Loaded (and NF4-quantized) on the CPU, then moved: a large model never has to fit on the GPU
     # in 16-bit before quantization.
     model.to(resolve_device(config.model.device))

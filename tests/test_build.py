@@ -6,7 +6,10 @@ import torch
 import pykernels
 from pykernels import _C
 
-OPS_BY_FAMILY = {"nf4": ["nf4_quantize", "nf4_dequantize", "dynamic8_quantize", "dynamic8_dequantize"]}
+OPS_BY_FAMILY = {
+    "nf4": ["nf4_quantize", "nf4_dequantize", "dynamic8_quantize", "dynamic8_dequantize"],
+    "lora": ["lora_linear", "lora_linear_nf4", "lora_linear_backward", "lora_linear_nf4_backward"],
+}
 
 
 def test_build_info_fields():

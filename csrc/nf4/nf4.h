@@ -9,6 +9,8 @@
 
 #include <cstdint>
 
+#include "common/dtype.h"
+
 typedef struct CUstream_st* cudaStream_t;
 
 namespace pykernels::nf4 {
@@ -48,7 +50,7 @@ inline constexpr int kDynamicLutSize = 65536;  // bitsandbytes' CPU 8-bit lookup
 // torch clamps absmax with min=1e-38 (a double) before the reciprocal; this is that value in fp32.
 inline constexpr float kAbsmaxFloor = static_cast<float>(1e-38);
 
-enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+using pykernels::DType;
 
 inline constexpr int64_t num_blocks(int64_t numel, int64_t blocksize) {
   return (numel + blocksize - 1) / blocksize;

@@ -78,13 +78,14 @@ void quantize_block_scalar(const T* x, int64_t begin, int64_t count, bool partia
   }
 }
 
+// Elements [begin, begin + count) of one block (all scaled by `scale`) into dst[0, count).
 template <typename T>
-void dequantize_block_scalar(const uint8_t* packed, float scale, int64_t begin, int64_t count, T* out) {
+void dequantize_values_scalar(const uint8_t* packed, float scale, int64_t begin, int64_t count, T* dst) {
   for (int64_t i = 0; i < count; ++i) {
     const int64_t index = begin + i;
     const uint8_t byte = packed[index / 2];
     const uint8_t code = (index % 2 == 0) ? (byte >> 4) : (byte & 0x0F);
-    out[index] = from_float<T>(kCode[code] * scale);
+    dst[i] = from_float<T>(kCode[code] * scale);
   }
 }
 
@@ -198,15 +199,14 @@ PYKERNELS_AVX512 void quantize_block_avx512(const T* x, int64_t begin, int64_t b
   }
 }
 
-// A full block: 16 products code[i] * scale form a lookup table, so each output is exactly the
-// scalar path's fp32 product before rounding to T.
+// A full block starting at element `begin` (even) into dst[0, blocksize): 16 products
+// code[i] * scale form a lookup table, so each output is exactly the scalar path's fp32 product.
 template <typename T, bool kStream>
 PYKERNELS_AVX512 void dequantize_block_avx512(const uint8_t* packed, float scale, int64_t begin,
-                                              int64_t blocksize, T* out) {
+                                              int64_t blocksize, T* dst) {
   const __m512 table = _mm512_mul_ps(_mm512_loadu_ps(kCode), _mm512_set1_ps(scale));
   const __m128i low_mask = _mm_set1_epi8(0x0F);
   const uint8_t* bytes = packed + begin / 2;
-  T* dst = out + begin;
   for (int64_t j = 0; j < blocksize / 2; j += 16) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + j));
     const __m128i high = _mm_and_si128(_mm_srli_epi16(raw, 4), low_mask);
@@ -255,21 +255,49 @@ void dequantize_typed(const DequantizeParams& p, int64_t block_begin, int64_t bl
 #if defined(__x86_64__)
     if (avx512 && count == p.blocksize) {
       if (stream) {
-        dequantize_block_avx512<T, true>(p.packed, scale, begin, p.blocksize, out);
+        dequantize_block_avx512<T, true>(p.packed, scale, begin, p.blocksize, out + begin);
       } else {
-        dequantize_block_avx512<T, false>(p.packed, scale, begin, p.blocksize, out);
+        dequantize_block_avx512<T, false>(p.packed, scale, begin, p.blocksize, out + begin);
       }
       continue;
     }
 #endif
-    dequantize_block_scalar(p.packed, scale, begin, count, out);
+    dequantize_values_scalar(p.packed, scale, begin, count, out + begin);
   }
 #if defined(__x86_64__)
   if (stream) _mm_sfence();  // make the non-temporal stores visible before the op returns
 #endif
 }
 
+// Elements [begin, end) into dst[0, end - begin): whole blocks take the block path, the partial
+// blocks at either end the scalar one. For chunked use (a few weight rows at a time).
+template <typename T>
+void dequantize_range_typed(const DequantizeParams& p, int64_t begin, int64_t end, T* dst) {
+  const bool avx512 = active_cpu_isa() == CpuIsa::kAvx512;
+  for (int64_t b = begin / p.blocksize; b * p.blocksize < end; ++b) {
+    const int64_t block_begin = b * p.blocksize;
+    const int64_t first = std::max(begin, block_begin);
+    const int64_t last = std::min({end, block_begin + p.blocksize, p.numel});
+    const float scale = block_scale(p.scales, b);
+#if defined(__x86_64__)
+    if (avx512 && first == block_begin && last == block_begin + p.blocksize) {
+      dequantize_block_avx512<T, false>(p.packed, scale, first, p.blocksize, dst + (first - begin));
+      continue;
+    }
+#endif
+    dequantize_values_scalar(p.packed, scale, first, last - first, dst + (first - begin));
+  }
+}
+
 }  // namespace
+
+void dequantize_range(const DequantizeParams& p, int64_t begin, int64_t end) {
+  switch (p.out_dtype) {
+    case DType::kFloat32: return dequantize_range_typed(p, begin, end, static_cast<float*>(p.out));
+    case DType::kFloat16: return dequantize_range_typed(p, begin, end, static_cast<c10::Half*>(p.out));
+    case DType::kBFloat16: return dequantize_range_typed(p, begin, end, static_cast<c10::BFloat16*>(p.out));
+  }
+}
 
 void quantize_blocks(const QuantizeParams& p, int64_t block_begin, int64_t block_end) {
   switch (p.x_dtype) {

@@ -13,6 +13,8 @@ namespace pykernels::nf4::cpu {
 // Blocks [block_begin, block_end) of p (the last block may be partial).
 void quantize_blocks(const QuantizeParams& p, int64_t block_begin, int64_t block_end);
 void dequantize_blocks(const DequantizeParams& p, int64_t block_begin, int64_t block_end);
+// Elements [begin, end) of the flat weight into p.out[0, end - begin) (a chunk of rows at a time).
+void dequantize_range(const DequantizeParams& p, int64_t begin, int64_t end);
 
 // bitsandbytes' CPU 8-bit quantizer maps a value v in [-1, 1] to lut[index(v)], where entry i
 // holds the number of code midpoints below -1 + 2i / 65535.

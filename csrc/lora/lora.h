@@ -1,0 +1,68 @@
+// Fused LoRA linear: shared declarations of the CUDA implementation (torch-free: included by .cu
+// files that must compile against a CPU-only torch).
+//
+// The ops (schemas in csrc/torch_bindings.cpp, CPU in lora_cpu.cpp, CUDA in lora_cuda_torch.cpp):
+//   forward   y  = x W^T + bias + scaling * (x_lora A^T) B^T,   xa = x_lora A^T (fp32, kept for backward)
+//   backward  dxa = scaling * dy B              (fp32)
+//             dB  = scaling * dy^T xa           (fp32 accumulation, stored in B's dtype)
+//             dA  = dxa^T x_lora                (fp32 accumulation, stored in A's dtype)
+//             dx  = dy W (+ dxa A when x_lora is x itself: fused into the same GEMM as its C operand)
+// x [M, K], W [N, K], A [r, K], B [N, r]; x_lora defaults to x (it differs only under LoRA dropout).
+// The CUDA side composes them from one GEMM wrapper (CUTLASS, below) and two small kernels.
+#pragma once
+
+#include <cstdint>
+
+#include "common/dtype.h"
+
+typedef struct CUstream_st* cudaStream_t;
+
+namespace pykernels::lora {
+
+// D = alpha * op_a(A) @ op_b(B) + beta * C, all row-major. op_a(A) is [m, k]: A stored [m, k]
+// (lda >= k), or with a_transposed stored [k, m] (lda >= m). op_b(B) is [k, n]: B stored [k, n]
+// (ldb >= n), or with b_transposed stored [n, k] (ldb >= k). A and B share ab_dtype; C and D have
+// d_dtype, which is ab_dtype or kFloat32 (fp32 output of a 16-bit GEMM). Accumulation is fp32;
+// fp32 inputs use full fp32 arithmetic (no TF32), like torch's default. C may be null iff beta == 0;
+// C may alias D (in-place accumulate).
+struct GemmParams {
+  int64_t m, n, k;
+  const void* a;
+  int64_t lda;
+  bool a_transposed;
+  const void* b;
+  int64_t ldb;
+  bool b_transposed;
+  const void* c;
+  int64_t ldc;
+  void* d;
+  int64_t ldd;
+  DType ab_dtype;
+  DType d_dtype;
+  float alpha;
+  float beta;
+};
+
+// Returns nullptr on success, else a message saying what failed (can_implement / workspace /
+// initialize / run), e.g. "lora gemm: alignment of operand A not supported".
+const char* launch_gemm(const GemmParams& params, cudaStream_t stream);
+
+// out[m, n] = scaling * sum_j xa[m, j] * b[n, j] + (bias ? bias[n] : 0), computed in fp32 and
+// stored as out_dtype: the LoRA term (plus bias), used as the C operand of the base GEMM.
+struct LowRankParams {
+  int64_t m, n, r;
+  const float* xa;  // [m, r] fp32, row stride r
+  const void* b;    // [n, r] of b_dtype, row stride r
+  DType b_dtype;
+  const void* bias; // [n] of out_dtype or null
+  float scaling;
+  void* out;        // [m, n] of out_dtype, row stride n
+  DType out_dtype;
+};
+const char* launch_low_rank_term(const LowRankParams& params, cudaStream_t stream);
+
+// dst[i] = (dst_dtype) src[i] for i < numel (fp32 <-> 16-bit casts of the small LoRA tensors).
+const char* launch_cast(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t numel,
+                        cudaStream_t stream);
+
+}  // namespace pykernels::lora

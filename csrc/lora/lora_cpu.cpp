@@ -1,0 +1,262 @@
+// CPU implementation of the fused LoRA ops (schemas in csrc/torch_bindings.cpp).
+//
+// The big products (x W^T, dy W) go to torch's BLAS, which is near the machine's peak; BLAS runs
+// LoRA's skinny rank-r products at a few percent of peak, so those are our kernels
+// (lora_cpu_kernels.cpp), fused around the GEMMs so LoRA costs one extra pass over each large
+// tensor at most:
+//   - x (or dy) is read one chunk of rows at a time, converted to fp32 in cache, so xa = x A^T
+//     and dxa = s dy B are exact fp32 without an fp32 copy of x or dy;
+//   - dB = s dy^T xa is reduced in the same pass over dy as dxa (per-thread partial sums);
+//   - the LoRA term (and bias) is added to y / grad_x in one fp32 epilogue pass per chunk, so the
+//     result is rounded to the activation dtype once.
+// With an NF4 weight, a chunk of rows of W is dequantized into a buffer and multiplied at a time.
+#include <ATen/Parallel.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "lora/lora_torch_checks.h"
+#include "lora/lora_cpu_kernels.h"
+#include "nf4/nf4_cpu_kernels.h"
+
+namespace pykernels::lora {
+namespace {
+
+// Worker threads of at::parallel_for do not inherit the caller's "below autograd" dispatch state,
+// so ATen calls made there would re-enter autograd (and reject out= ops on tensors that require
+// grad). Every parallel body starts with this guard.
+using BelowAutograd = at::AutoDispatchBelowADInplaceOrView;
+
+constexpr int64_t kRowChunk = 64;  // rows of x / dy per task: a few hundred KB in fp32, stays in cache
+constexpr int64_t kWeightChunkBytes = int64_t{8} << 20;  // dequantized NF4 rows per GEMM
+
+at::Tensor to_float(const at::Tensor& t) { return t.scalar_type() == at::kFloat ? t : t.to(at::kFloat); }
+
+DType kernel_dtype(const at::Tensor& t) { return nf4::float_dtype(t.scalar_type(), "tensor"); }
+
+const char* row_bytes(const at::Tensor& t, int64_t row) {
+  return static_cast<const char*>(t.data_ptr()) + row * t.size(1) * t.element_size();
+}
+
+// Rows [begin, end) of a contiguous 2-D tensor as fp32 for reading: the rows themselves when fp32,
+// else converted into this thread's scratch buffer (reused across calls: no allocation per chunk,
+// which on CPU means no page faults per chunk either).
+const float* input_rows(const at::Tensor& t, int64_t begin, int64_t end) {
+  if (t.scalar_type() == at::kFloat) return reinterpret_cast<const float*>(row_bytes(t, begin));
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>((end - begin) * t.size(1)));
+  cpu::to_fp32(row_bytes(t, begin), kernel_dtype(t), (end - begin) * t.size(1), scratch.data());
+  return scratch.data();
+}
+
+// One zero-initialized fp32 accumulator per thread, summed at the end: reductions over rows
+// without atomics or locks.
+struct PerThreadSum {
+  std::vector<at::Tensor> parts;
+  PerThreadSum(int64_t rows, int64_t cols) {
+    for (int t = 0; t < at::get_num_threads(); ++t) parts.push_back(at::zeros({rows, cols}, at::kFloat));
+  }
+  float* mine() { return parts[at::get_thread_num()].data_ptr<float>(); }
+  at::Tensor total() const {
+    at::Tensor sum = parts[0].clone();
+    for (size_t t = 1; t < parts.size(); ++t) sum.add_(parts[t]);
+    return sum;
+  }
+};
+
+// xa = x_lora A^T in fp32 [M, r].
+at::Tensor lora_down(const at::Tensor& x_lora, const at::Tensor& lora_A) {
+  const at::Tensor a_t = to_float(lora_A).t().contiguous();  // [K, r]
+  at::Tensor xa = at::empty({x_lora.size(0), lora_A.size(0)}, x_lora.options().dtype(at::kFloat));
+  at::parallel_for(0, x_lora.size(0), kRowChunk, [&](int64_t begin, int64_t end) {
+    const BelowAutograd below_autograd;
+    cpu::low_rank_down(input_rows(x_lora, begin, end), end - begin, x_lora.size(1), a_t.data_ptr<float>(),
+                       a_t.size(1), xa.data_ptr<float>() + begin * a_t.size(1));
+  });
+  return xa;
+}
+
+// target (overwritten when `overwrite`) += left @ right_t (+ bias), in fp32, rounded once per row
+// chunk. left fp32 [M, r]; right_t fp32 [r, cols] contiguous.
+void add_low_rank(at::Tensor& target, const at::Tensor& left, const at::Tensor& right_t,
+                  const std::optional<at::Tensor>& bias, bool overwrite = false) {
+  const at::Tensor bias_f32 = bias.has_value() ? to_float(*bias).contiguous() : at::Tensor();
+  const int64_t cols = target.size(1);
+  at::parallel_for(0, target.size(0), kRowChunk, [&](int64_t begin, int64_t end) {
+    const BelowAutograd below_autograd;
+    const int64_t count = (end - begin) * cols;
+    void* rows = const_cast<char*>(row_bytes(target, begin));
+    thread_local std::vector<float> scratch;
+    float* sum = target.scalar_type() == at::kFloat ? static_cast<float*>(rows) : nullptr;
+    if (sum == nullptr) {
+      scratch.resize(static_cast<size_t>(count));
+      sum = scratch.data();
+      if (!overwrite) cpu::to_fp32(rows, kernel_dtype(target), count, sum);
+    }
+    if (overwrite) std::fill(sum, sum + count, 0.0f);
+    cpu::low_rank_up(sum, end - begin, cols, left.data_ptr<float>() + begin * left.size(1), left.size(1),
+                     right_t.data_ptr<float>(), bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr);
+    if (sum != rows) cpu::from_fp32(sum, count, rows, kernel_dtype(target));
+  });
+}
+
+// y[:, rows] = x @ W[rows]^T for chunks of rows of an NF4 weight (each dequantized once).
+void nf4_matmul_nt(const at::Tensor& x, nf4::DequantizeParams weight, int64_t out_features, at::Tensor& y) {
+  const int64_t k = x.size(1);
+  const int64_t rows_per_chunk = std::max<int64_t>(1, kWeightChunkBytes / (k * x.element_size()));
+  at::Tensor buffer = at::empty({std::min(rows_per_chunk, out_features), k}, x.options());
+  weight.out = buffer.data_ptr();
+  weight.out_dtype = nf4::float_dtype(x.scalar_type(), "x");
+  for (int64_t row = 0; row < out_features; row += rows_per_chunk) {
+    const int64_t rows = std::min(rows_per_chunk, out_features - row);
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    const BelowAutograd below_autograd;
+      nf4::DequantizeParams part = weight;
+      part.out = static_cast<char*>(buffer.data_ptr()) + begin * k * x.element_size();
+      nf4::cpu::dequantize_range(part, (row + begin) * k, (row + end) * k);
+    });
+    at::Tensor columns = y.narrow(1, row, rows);
+    at::mm_out(columns, x, buffer.narrow(0, 0, rows).t());
+  }
+}
+
+// grad_x = dy @ W for an NF4 weight: accumulated over chunks of rows of W.
+void nf4_matmul_nn(const at::Tensor& dy, nf4::DequantizeParams weight, int64_t out_features, at::Tensor& grad_x) {
+  const int64_t k = grad_x.size(1);
+  const int64_t rows_per_chunk = std::max<int64_t>(1, kWeightChunkBytes / (k * grad_x.element_size()));
+  at::Tensor buffer = at::empty({std::min(rows_per_chunk, out_features), k}, grad_x.options());
+  weight.out_dtype = nf4::float_dtype(grad_x.scalar_type(), "grad_x");
+  for (int64_t row = 0; row < out_features; row += rows_per_chunk) {
+    const int64_t rows = std::min(rows_per_chunk, out_features - row);
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    const BelowAutograd below_autograd;
+      nf4::DequantizeParams part = weight;
+      part.out = static_cast<char*>(buffer.data_ptr()) + begin * k * grad_x.element_size();
+      nf4::cpu::dequantize_range(part, (row + begin) * k, (row + end) * k);
+    });
+    const at::Tensor product_rows = buffer.narrow(0, 0, rows);
+    if (row == 0) {
+      at::mm_out(grad_x, dy.narrow(1, row, rows), product_rows);
+    } else {
+      grad_x.addmm_(dy.narrow(1, row, rows), product_rows);
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> finish_forward(at::Tensor y, const at::Tensor& x_lora, const at::Tensor& lora_A,
+                                                  const at::Tensor& lora_B, double scaling,
+                                                  const std::optional<at::Tensor>& bias) {
+  at::Tensor xa = lora_down(x_lora, lora_A);
+  const at::Tensor bt = to_float(lora_B).mul(scaling).t().contiguous();  // [r, N], scaling folded in
+  add_low_rank(y, xa, bt, bias);
+  return {y, xa};
+}
+
+std::tuple<at::Tensor, at::Tensor> lora_linear_cpu(const at::Tensor& x, const at::Tensor& weight,
+                                                   const at::Tensor& lora_A, const at::Tensor& lora_B, double scaling,
+                                                   const std::optional<at::Tensor>& bias,
+                                                   const std::optional<at::Tensor>& x_lora) {
+  check_dense_weight(weight, x);
+  check_lora_inputs(x, weight.size(0), lora_A, lora_B, bias, x_lora);
+  return finish_forward(at::mm(x, weight.t()), x_lora.value_or(x), lora_A, lora_B, scaling, bias);
+}
+
+std::tuple<at::Tensor, at::Tensor> lora_linear_nf4_cpu(
+    const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax, int64_t blocksize, int64_t out_features,
+    const at::Tensor& lora_A, const at::Tensor& lora_B, double scaling, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& x_lora, const std::optional<at::Tensor>& nested_absmax,
+    const std::optional<at::Tensor>& nested_code, const std::optional<at::Tensor>& nested_offset,
+    int64_t nested_blocksize) {
+  const Shapes s = check_lora_inputs(x, out_features, lora_A, lora_B, bias, x_lora);
+  const nf4::DequantizeParams weight = nf4_weight_params(packed, absmax, blocksize, s.n, s.k, nested_absmax,
+                                                         nested_code, nested_offset, nested_blocksize, x);
+  at::Tensor y = at::empty({s.m, s.n}, x.options());
+  if (s.m > 0) nf4_matmul_nt(x, weight, s.n, y);
+  return finish_forward(y, x_lora.value_or(x), lora_A, lora_B, scaling, bias);
+}
+
+// dxa = scaling * dy @ B and dB = scaling * dy^T @ xa, in one pass over dy.
+std::tuple<at::Tensor, at::Tensor> low_rank_grads(const at::Tensor& grad_y, const at::Tensor& lora_B,
+                                                  const at::Tensor& xa, double scaling) {
+  const at::Tensor b = to_float(lora_B).contiguous();  // [N, r]
+  const int64_t r = b.size(1);
+  at::Tensor dxa = at::empty({grad_y.size(0), r}, grad_y.options().dtype(at::kFloat));
+  PerThreadSum db(b.size(0), r);
+  at::parallel_for(0, grad_y.size(0), kRowChunk, [&](int64_t begin, int64_t end) {
+    const BelowAutograd below_autograd;
+    cpu::low_rank_backward(input_rows(grad_y, begin, end), end - begin, grad_y.size(1), b.data_ptr<float>(),
+                           xa.data_ptr<float>() + begin * r, r, static_cast<float>(scaling),
+                           dxa.data_ptr<float>() + begin * r, db.mine());
+  });
+  return {dxa, db.total()};
+}
+
+// dA = dxa^T @ x_lora (fp32, per-thread partial sums over rows).
+at::Tensor lora_a_grad(const at::Tensor& dxa, const at::Tensor& x_lora) {
+  const int64_t r = dxa.size(1);
+  PerThreadSum da(r, x_lora.size(1));
+  at::parallel_for(0, x_lora.size(0), kRowChunk, [&](int64_t begin, int64_t end) {
+    const BelowAutograd below_autograd;
+    cpu::lora_a_grad(input_rows(x_lora, begin, end), end - begin, x_lora.size(1), dxa.data_ptr<float>() + begin * r, r,
+                     da.mine());
+  });
+  return da.total();
+}
+
+// Everything but the base product dy @ W, which the caller puts in grad_x (dense or NF4).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> finish_backward(
+    const at::Tensor& grad_y, at::Tensor grad_x, const at::Tensor& x, const at::Tensor& lora_A,
+    const at::Tensor& lora_B, const at::Tensor& xa, double scaling, const std::optional<at::Tensor>& x_lora) {
+  auto [dxa, db] = low_rank_grads(grad_y, lora_B, xa, scaling);
+  at::Tensor da = lora_a_grad(dxa, x_lora.value_or(x));
+  const at::Tensor a = to_float(lora_A).contiguous();  // [r, K]
+  at::Tensor grad_x_lora = at::empty({0}, x.options());
+  if (x_lora.has_value()) {
+    grad_x_lora = at::empty(x.sizes(), x.options());
+    add_low_rank(grad_x_lora, dxa, a, std::nullopt, /*overwrite=*/true);
+  } else if (grad_x.numel() > 0) {
+    add_low_rank(grad_x, dxa, a, std::nullopt);  // dy W + dxa A, rounded once
+  }
+  return {grad_x, grad_x_lora, da.to(lora_A.scalar_type()), db.to(lora_B.scalar_type())};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_linear_backward_cpu(
+    const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& lora_A,
+    const at::Tensor& lora_B, const at::Tensor& xa, double scaling, const std::optional<at::Tensor>& x_lora,
+    bool compute_grad_x) {
+  check_dense_weight(weight, x);
+  const Shapes s = check_lora_inputs(x, weight.size(0), lora_A, lora_B, std::nullopt, x_lora);
+  check_backward(grad_y, xa, s);
+  at::Tensor grad_x = compute_grad_x ? at::mm(grad_y, weight) : at::empty({0}, x.options());
+  return finish_backward(grad_y, grad_x, x, lora_A, lora_B, xa, scaling, x_lora);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_linear_nf4_backward_cpu(
+    const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax,
+    int64_t blocksize, const at::Tensor& lora_A, const at::Tensor& lora_B, const at::Tensor& xa, double scaling,
+    const std::optional<at::Tensor>& x_lora, bool compute_grad_x, const std::optional<at::Tensor>& nested_absmax,
+    const std::optional<at::Tensor>& nested_code, const std::optional<at::Tensor>& nested_offset,
+    int64_t nested_blocksize) {
+  const Shapes s = check_lora_inputs(x, lora_B.dim() == 2 ? lora_B.size(0) : -1, lora_A, lora_B, std::nullopt, x_lora);
+  check_backward(grad_y, xa, s);
+  at::Tensor grad_x = at::empty({0}, x.options());
+  if (compute_grad_x) {
+    const nf4::DequantizeParams weight = nf4_weight_params(packed, absmax, blocksize, s.n, s.k, nested_absmax,
+                                                           nested_code, nested_offset, nested_blocksize, x);
+    grad_x = at::empty({s.m, s.k}, x.options());
+    if (s.m > 0) nf4_matmul_nn(grad_y, weight, s.n, grad_x);
+  }
+  return finish_backward(grad_y, grad_x, x, lora_A, lora_B, xa, scaling, x_lora);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pykernels, CPU, m) {
+  m.impl("lora_linear", &lora_linear_cpu);
+  m.impl("lora_linear_nf4", &lora_linear_nf4_cpu);
+  m.impl("lora_linear_backward", &lora_linear_backward_cpu);
+  m.impl("lora_linear_nf4_backward", &lora_linear_nf4_backward_cpu);
+}
+
+}  // namespace pykernels::lora

@@ -1,0 +1,299 @@
+// CUDA implementations of the fused LoRA ops (schemas in csrc/torch_bindings.cpp; the same results
+// as lora_cpu.cpp up to rounding): checks, allocation on the current device and the composition of
+// the launchers in lora.cu and nf4.cu on torch's current stream.
+//
+//   forward   xa = x_lora A^T                  GEMM, fp32 out (kept for backward)
+//             y  = scaling xa B^T + bias       low-rank term, written into y in x's dtype
+//             y += x W^T                       GEMM with C = D = y: the LoRA term costs no extra pass
+//   backward  dxa = scaling dy B               GEMM, fp32 out
+//             dB  = scaling dy^T xa            GEMM, fp32 out, cast to B's dtype
+//             dA  = dxa^T x_lora               GEMM, fp32 out, cast to A's dtype
+//             grad_x = dxa A, then += dy W     two GEMMs, the second with C = D = grad_x
+//                                              (separate grad_x = dy W, grad_x_lora = dxa A with x_lora)
+// A GEMM takes one input dtype: fp32 LoRA weights and the fp32 xa / dxa are cast to x's dtype
+// before they meet x or dy (products still accumulate in fp32). With an NF4 weight, chunks of rows
+// of W (up to 16 MiB) are dequantized into one buffer and multiplied one after the other.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <optional>
+
+#include "lora/lora.h"
+#include "lora/lora_torch_checks.h"
+#include "nf4/nf4.h"
+
+namespace pykernels::lora {
+namespace {
+
+constexpr int64_t kWeightChunkBytes = int64_t{16} << 20;  // dequantized NF4 rows per GEMM
+
+void check_launch(const char* error) { TORCH_CHECK(error == nullptr, error); }
+
+cudaStream_t current_stream(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+
+DType dtype_of(const at::Tensor& t) { return nf4::float_dtype(t.scalar_type(), "tensor"); }
+
+// t itself when it already has dtype, else a converted copy (the small LoRA tensors, xa, dxa).
+at::Tensor cast_to(const at::Tensor& t, at::ScalarType dtype, cudaStream_t stream) {
+  if (t.scalar_type() == dtype) return t;
+  at::Tensor out = at::empty(t.sizes(), t.options().dtype(dtype));
+  check_launch(launch_cast(t.data_ptr(), dtype_of(t), out.data_ptr(), dtype_of(out), t.numel(), stream));
+  return out;
+}
+
+// A GEMM operand as stored: row-major with `ld` elements between rows; transposed means op(X) = X^T.
+struct Operand {
+  const void* data;
+  int64_t ld;
+  bool transposed;
+};
+Operand plain(const at::Tensor& t) { return {t.data_ptr(), t.size(1), false}; }
+Operand transposed(const at::Tensor& t) { return {t.data_ptr(), t.size(1), true}; }
+
+struct Output {
+  void* data;  // [m, n] row-major
+  int64_t ld;
+  DType dtype;
+};
+Output output(const at::Tensor& t) { return {t.data_ptr(), t.size(1), dtype_of(t)}; }
+
+// out = alpha * op(a) @ op(b) (+ out when accumulate), op(a) [m, k], op(b) [k, n].
+void gemm(int64_t m, int64_t n, int64_t k, Operand a, Operand b, DType ab_dtype, Output out, float alpha,
+          bool accumulate, cudaStream_t stream) {
+  GemmParams p{};
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.a = a.data;
+  p.lda = a.ld;
+  p.a_transposed = a.transposed;
+  p.b = b.data;
+  p.ldb = b.ld;
+  p.b_transposed = b.transposed;
+  p.c = accumulate ? out.data : nullptr;  // in place: C aliases D
+  p.ldc = out.ld;
+  p.d = out.data;
+  p.ldd = out.ld;
+  p.ab_dtype = ab_dtype;
+  p.d_dtype = out.dtype;
+  p.alpha = alpha;
+  p.beta = accumulate ? 1.0f : 0.0f;
+  check_launch(launch_gemm(p, stream));
+}
+
+// The rows of an NF4 weight [n, k], dequantized a chunk at a time into one buffer of x's dtype.
+// The dequantize launcher starts at a block boundary (and, with double quantization, at a nested
+// block boundary), so a chunk is decoded from the boundary at or before its first row; the slack
+// before the row is at most one such group.
+class Nf4RowChunks {
+ public:
+  Nf4RowChunks(const nf4::DequantizeParams& weight, int64_t n, int64_t k, const at::Tensor& x)
+      : weight_(weight), k_(k), element_bytes_(x.element_size()) {
+    const bool nested = weight.scales.absmax == nullptr;
+    group_ = weight.blocksize * (nested ? weight.scales.nested_blocksize : 1);
+    // Multiples of 8 rows keep each chunk's columns of y 16-byte aligned (tensor-core path).
+    const int64_t fit = kWeightChunkBytes / (k * element_bytes_) / 8 * 8;
+    rows_per_chunk_ = std::min(n, std::max<int64_t>(8, fit));
+    buffer_ = at::empty({rows_per_chunk_ * k + group_}, x.options());
+    weight_.out_dtype = dtype_of(x);
+  }
+
+  int64_t rows_per_chunk() const { return rows_per_chunk_; }
+
+  // Dequantizes rows [row, row + rows) and returns row `row` of them (leading dimension k).
+  const void* dequantize(int64_t row, int64_t rows, cudaStream_t stream) {
+    const int64_t first = row * k_;
+    const int64_t start = first - first % group_;  // a multiple of blocksize (and nested block)
+    const int64_t block = start / weight_.blocksize;
+    nf4::DequantizeParams part = weight_;
+    part.packed = weight_.packed + start / 2;  // blocksize is even: start is a whole byte
+    if (weight_.scales.absmax != nullptr) {
+      part.scales.absmax = weight_.scales.absmax + block;
+    } else {
+      part.scales.absmax_q = weight_.scales.absmax_q + block;
+      part.scales.nested_absmax = weight_.scales.nested_absmax + block / weight_.scales.nested_blocksize;
+    }
+    part.numel = first + rows * k_ - start;
+    part.out = buffer_.data_ptr();
+    check_launch(nf4::launch_dequantize(part, stream));
+    return static_cast<const char*>(buffer_.data_ptr()) + (first - start) * element_bytes_;
+  }
+
+ private:
+  nf4::DequantizeParams weight_;
+  int64_t k_;
+  int64_t element_bytes_;
+  int64_t group_;
+  int64_t rows_per_chunk_;
+  at::Tensor buffer_;
+};
+
+void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& x) {
+  TORCH_CHECK_VALUE(t.device() == x.device(), name, " must be on ", x.device(), " like x, got ", t.device());
+}
+
+// Checks the backward-only inputs beyond check_backward (shared with the CPU): the GEMMs with dy
+// need x's dtype.
+void check_cuda_backward(const at::Tensor& grad_y, const at::Tensor& xa, const at::Tensor& x) {
+  check_same_device(grad_y, "grad_y", x);
+  check_same_device(xa, "xa", x);
+  TORCH_CHECK_VALUE(grad_y.scalar_type() == x.scalar_type(), "grad_y must have x's dtype ", x.scalar_type(),
+                    ", got ", grad_y.scalar_type());
+}
+
+// xa = x_lora A^T (fp32), and y filled with the LoRA term scaling xa B^T + bias in x's dtype.
+std::tuple<at::Tensor, at::Tensor> start_forward(const at::Tensor& x, const at::Tensor& x_lora,
+                                                 const at::Tensor& lora_A, const at::Tensor& lora_B,
+                                                 double scaling, const std::optional<at::Tensor>& bias,
+                                                 const Shapes& s, cudaStream_t stream) {
+  const at::Tensor a = cast_to(lora_A, x.scalar_type(), stream);
+  at::Tensor xa = at::empty({s.m, s.r}, x.options().dtype(at::kFloat));
+  gemm(s.m, s.r, s.k, plain(x_lora), transposed(a), dtype_of(x), output(xa), 1.0f, false, stream);
+  at::Tensor y = at::empty({s.m, s.n}, x.options());
+  LowRankParams term{};
+  term.m = s.m;
+  term.n = s.n;
+  term.r = s.r;
+  term.xa = xa.data_ptr<float>();
+  term.b = lora_B.data_ptr();
+  term.b_dtype = dtype_of(lora_B);
+  term.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+  term.scaling = static_cast<float>(scaling);
+  term.out = y.data_ptr();
+  term.out_dtype = dtype_of(y);
+  check_launch(launch_low_rank_term(term, stream));
+  return {y, xa};
+}
+
+std::tuple<at::Tensor, at::Tensor> lora_linear_cuda(const at::Tensor& x, const at::Tensor& weight,
+                                                    const at::Tensor& lora_A, const at::Tensor& lora_B, double scaling,
+                                                    const std::optional<at::Tensor>& bias,
+                                                    const std::optional<at::Tensor>& x_lora) {
+  check_dense_weight(weight, x);
+  const Shapes s = check_lora_inputs(x, weight.size(0), lora_A, lora_B, bias, x_lora);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = current_stream(x);
+  auto [y, xa] = start_forward(x, x_lora.value_or(x), lora_A, lora_B, scaling, bias, s, stream);
+  gemm(s.m, s.n, s.k, plain(x), transposed(weight), dtype_of(x), output(y), 1.0f, true, stream);
+  return {y, xa};
+}
+
+std::tuple<at::Tensor, at::Tensor> lora_linear_nf4_cuda(
+    const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax, int64_t blocksize, int64_t out_features,
+    const at::Tensor& lora_A, const at::Tensor& lora_B, double scaling, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& x_lora, const std::optional<at::Tensor>& nested_absmax,
+    const std::optional<at::Tensor>& nested_code, const std::optional<at::Tensor>& nested_offset,
+    int64_t nested_blocksize) {
+  const Shapes s = check_lora_inputs(x, out_features, lora_A, lora_B, bias, x_lora);
+  const nf4::DequantizeParams weight = nf4_weight_params(packed, absmax, blocksize, s.n, s.k, nested_absmax,
+                                                         nested_code, nested_offset, nested_blocksize, x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = current_stream(x);
+  auto [y, xa] = start_forward(x, x_lora.value_or(x), lora_A, lora_B, scaling, bias, s, stream);
+  if (s.m == 0) return {y, xa};
+  // y[:, rows] += x W[rows]^T, written through ldd = N.
+  Nf4RowChunks chunks(weight, s.n, s.k, x);
+  for (int64_t row = 0; row < s.n; row += chunks.rows_per_chunk()) {
+    const int64_t rows = std::min(chunks.rows_per_chunk(), s.n - row);
+    const Operand w_rows{chunks.dequantize(row, rows, stream), s.k, true};
+    const Output y_columns{static_cast<char*>(y.data_ptr()) + row * y.element_size(), s.n, dtype_of(y)};
+    gemm(s.m, rows, s.k, plain(x), w_rows, dtype_of(x), y_columns, 1.0f, true, stream);
+  }
+  return {y, xa};
+}
+
+// Everything but dy @ W: grad_A, grad_B and the LoRA part of the input gradient. Without x_lora,
+// grad_x (when computed, allocated here) is set to dxa A, and the caller then adds dy W in place.
+struct LowRankGrads {
+  at::Tensor grad_x, grad_x_lora, grad_A, grad_B;
+};
+LowRankGrads low_rank_backward(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& lora_A,
+                               const at::Tensor& lora_B, const at::Tensor& xa, double scaling,
+                               const std::optional<at::Tensor>& x_lora, bool compute_grad_x, const Shapes& s,
+                               cudaStream_t stream) {
+  const DType x_dtype = dtype_of(x);
+  const float scale = static_cast<float>(scaling);
+  at::Tensor dxa = at::empty({s.m, s.r}, x.options().dtype(at::kFloat));
+  gemm(s.m, s.r, s.n, plain(grad_y), plain(cast_to(lora_B, x.scalar_type(), stream)), x_dtype, output(dxa), scale,
+       false, stream);
+  at::Tensor grad_B = at::empty({s.n, s.r}, x.options().dtype(at::kFloat));
+  gemm(s.n, s.r, s.m, transposed(grad_y), plain(cast_to(xa, x.scalar_type(), stream)), x_dtype, output(grad_B),
+       scale, false, stream);
+  const at::Tensor dxa_x = cast_to(dxa, x.scalar_type(), stream);
+  const at::Tensor& lora_input = x_lora.value_or(x);
+  at::Tensor grad_A = at::empty({s.r, s.k}, x.options().dtype(at::kFloat));
+  gemm(s.r, s.k, s.m, transposed(dxa_x), plain(lora_input), x_dtype, output(grad_A), 1.0f, false, stream);
+
+  LowRankGrads grads{at::empty({0}, x.options()), at::empty({0}, x.options()),
+                     cast_to(grad_A, lora_A.scalar_type(), stream), cast_to(grad_B, lora_B.scalar_type(), stream)};
+  const bool lora_term_needed = x_lora.has_value() || compute_grad_x;
+  if (!lora_term_needed) return grads;
+  at::Tensor& target = x_lora.has_value() ? grads.grad_x_lora : grads.grad_x;
+  target = at::empty({s.m, s.k}, x.options());
+  gemm(s.m, s.k, s.r, plain(dxa_x), plain(cast_to(lora_A, x.scalar_type(), stream)), x_dtype, output(target), 1.0f,
+       false, stream);
+  if (x_lora.has_value() && compute_grad_x) grads.grad_x = at::empty({s.m, s.k}, x.options());
+  return grads;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_linear_backward_cuda(
+    const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& lora_A,
+    const at::Tensor& lora_B, const at::Tensor& xa, double scaling, const std::optional<at::Tensor>& x_lora,
+    bool compute_grad_x) {
+  check_dense_weight(weight, x);
+  const Shapes s = check_lora_inputs(x, weight.size(0), lora_A, lora_B, std::nullopt, x_lora);
+  check_backward(grad_y, xa, s);
+  check_cuda_backward(grad_y, xa, x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = current_stream(x);
+  LowRankGrads g = low_rank_backward(grad_y, x, lora_A, lora_B, xa, scaling, x_lora, compute_grad_x, s, stream);
+  if (compute_grad_x) {
+    // grad_x = dy W (+ dxa A already in grad_x when x_lora is absent).
+    gemm(s.m, s.k, s.n, plain(grad_y), plain(weight), dtype_of(x), output(g.grad_x), 1.0f, !x_lora.has_value(),
+         stream);
+  }
+  return {g.grad_x, g.grad_x_lora, g.grad_A, g.grad_B};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_linear_nf4_backward_cuda(
+    const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax,
+    int64_t blocksize, const at::Tensor& lora_A, const at::Tensor& lora_B, const at::Tensor& xa, double scaling,
+    const std::optional<at::Tensor>& x_lora, bool compute_grad_x, const std::optional<at::Tensor>& nested_absmax,
+    const std::optional<at::Tensor>& nested_code, const std::optional<at::Tensor>& nested_offset,
+    int64_t nested_blocksize) {
+  const Shapes s = check_lora_inputs(x, lora_B.dim() == 2 ? lora_B.size(0) : -1, lora_A, lora_B, std::nullopt, x_lora);
+  check_backward(grad_y, xa, s);
+  check_cuda_backward(grad_y, xa, x);
+  std::optional<nf4::DequantizeParams> weight;
+  if (compute_grad_x)
+    weight = nf4_weight_params(packed, absmax, blocksize, s.n, s.k, nested_absmax, nested_code, nested_offset,
+                               nested_blocksize, x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const cudaStream_t stream = current_stream(x);
+  LowRankGrads g = low_rank_backward(grad_y, x, lora_A, lora_B, xa, scaling, x_lora, compute_grad_x, s, stream);
+  if (compute_grad_x && s.m > 0) {
+    // grad_x (+)= dy[:, rows] W[rows], accumulated over the chunks of rows of W.
+    Nf4RowChunks chunks(*weight, s.n, s.k, x);
+    for (int64_t row = 0; row < s.n; row += chunks.rows_per_chunk()) {
+      const int64_t rows = std::min(chunks.rows_per_chunk(), s.n - row);
+      const Operand w_rows{chunks.dequantize(row, rows, stream), s.k, false};
+      const Operand dy_columns{static_cast<const char*>(grad_y.data_ptr()) + row * grad_y.element_size(), s.n, false};
+      const bool accumulate = row > 0 || !x_lora.has_value();
+      gemm(s.m, s.k, rows, dy_columns, w_rows, dtype_of(x), output(g.grad_x), 1.0f, accumulate, stream);
+    }
+  }
+  return {g.grad_x, g.grad_x_lora, g.grad_A, g.grad_B};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pykernels, CUDA, m) {
+  m.impl("lora_linear", &lora_linear_cuda);
+  m.impl("lora_linear_nf4", &lora_linear_nf4_cuda);
+  m.impl("lora_linear_backward", &lora_linear_backward_cuda);
+  m.impl("lora_linear_nf4_backward", &lora_linear_nf4_backward_cuda);
+}
+
+}  // namespace pykernels::lora

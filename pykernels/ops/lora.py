@@ -1,0 +1,136 @@
+"""Fused LoRA linear: public function, autograd and fake (meta) implementations.
+
+The compiled ops (csrc/torch_bindings.cpp) check their tensors and raise ValueError naming the bad
+one; this layer flattens x, applies LoRA dropout, routes NF4 weights to the NF4 op and wires the
+backward op into autograd (torch.library.register_autograd, so opcheck and torch.compile see it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pykernels import backend
+from pykernels._extension import check_device, ops
+from pykernels.nf4_weight import NF4Weight
+from pykernels.ops.nf4 import dequantize
+from pykernels.reference import lora as reference
+
+_EMPTY_SHAPE = (0,)
+
+
+# ---------------------------------------------------------------- fake implementations
+def _forward_fake(x, lora_A, out_features):
+    return x.new_empty((x.shape[0], out_features)), x.new_empty((x.shape[0], lora_A.shape[0]), dtype=torch.float32)
+
+
+@torch.library.register_fake("pykernels::lora_linear")
+def _lora_linear_fake(x, weight, lora_A, lora_B, scaling, bias=None, x_lora=None):
+    torch._check(weight.shape[1] == x.shape[1], lambda: "weight must have shape (out_features, in_features)")
+    return _forward_fake(x, lora_A, weight.shape[0])
+
+
+@torch.library.register_fake("pykernels::lora_linear_nf4")
+def _lora_linear_nf4_fake(x, packed, absmax, blocksize, out_features, lora_A, lora_B, scaling, bias=None,
+                          x_lora=None, nested_absmax=None, nested_code=None, nested_offset=None, nested_blocksize=256):
+    return _forward_fake(x, lora_A, out_features)
+
+
+def _backward_fake(grad_y, x, lora_A, lora_B, x_lora, compute_grad_x):
+    grad_x = x.new_empty(x.shape if compute_grad_x else _EMPTY_SHAPE)
+    grad_x_lora = x.new_empty(x.shape if x_lora is not None else _EMPTY_SHAPE)
+    return grad_x, grad_x_lora, torch.empty_like(lora_A), torch.empty_like(lora_B)
+
+
+@torch.library.register_fake("pykernels::lora_linear_backward")
+def _lora_linear_backward_fake(grad_y, x, weight, lora_A, lora_B, xa, scaling, x_lora=None, compute_grad_x=True):
+    return _backward_fake(grad_y, x, lora_A, lora_B, x_lora, compute_grad_x)
+
+
+@torch.library.register_fake("pykernels::lora_linear_nf4_backward")
+def _lora_linear_nf4_backward_fake(grad_y, x, packed, absmax, blocksize, lora_A, lora_B, xa, scaling, x_lora=None,
+                                   compute_grad_x=True, nested_absmax=None, nested_code=None, nested_offset=None,
+                                   nested_blocksize=256):
+    return _backward_fake(grad_y, x, lora_A, lora_B, x_lora, compute_grad_x)
+
+
+# ---------------------------------------------------------------- autograd
+def _grads(ctx, grad_x, grad_x_lora, grad_a, grad_b, grad_y, bias_index: int, x_lora_index: int, count: int):
+    grads = [None] * count
+    grads[0] = grad_x if ctx.needs_input_grad[0] else None
+    grads[x_lora_index] = grad_x_lora if ctx.has_x_lora and ctx.needs_input_grad[x_lora_index] else None
+    grads[ctx.a_index], grads[ctx.a_index + 1] = grad_a, grad_b
+    if ctx.has_bias and ctx.needs_input_grad[bias_index]:
+        grads[bias_index] = grad_y.sum(0)
+    return tuple(grads)
+
+
+def _setup_dense(ctx, inputs, output):
+    x, weight, lora_A, lora_B, scaling, bias, x_lora = inputs
+    ctx.save_for_backward(x, weight, lora_A, lora_B, output[1], x_lora)
+    ctx.scaling, ctx.has_bias, ctx.has_x_lora, ctx.a_index = scaling, bias is not None, x_lora is not None, 2
+
+
+def _backward_dense(ctx, grad_y, grad_xa):
+    x, weight, lora_A, lora_B, xa, x_lora = ctx.saved_tensors
+    grads = ops.lora_linear_backward(grad_y.contiguous(), x, weight, lora_A, lora_B, xa, ctx.scaling, x_lora,
+                                     ctx.needs_input_grad[0])
+    return _grads(ctx, *grads, grad_y, bias_index=5, x_lora_index=6, count=7)
+
+
+def _setup_nf4(ctx, inputs, output):
+    (x, packed, absmax, blocksize, out_features, lora_A, lora_B, scaling, bias, x_lora, nested_absmax, nested_code,
+     nested_offset, nested_blocksize) = inputs
+    ctx.save_for_backward(x, packed, absmax, lora_A, lora_B, output[1], x_lora, nested_absmax, nested_code,
+                          nested_offset)
+    ctx.blocksize, ctx.nested_blocksize, ctx.scaling = blocksize, nested_blocksize, scaling
+    ctx.has_bias, ctx.has_x_lora, ctx.a_index = bias is not None, x_lora is not None, 5
+
+
+def _backward_nf4(ctx, grad_y, grad_xa):
+    x, packed, absmax, lora_A, lora_B, xa, x_lora, nested_absmax, nested_code, nested_offset = ctx.saved_tensors
+    grads = ops.lora_linear_nf4_backward(grad_y.contiguous(), x, packed, absmax, ctx.blocksize, lora_A, lora_B, xa,
+                                         ctx.scaling, x_lora, ctx.needs_input_grad[0], nested_absmax, nested_code,
+                                         nested_offset, ctx.nested_blocksize)
+    return _grads(ctx, *grads, grad_y, bias_index=8, x_lora_index=9, count=14)
+
+
+torch.library.register_autograd("pykernels::lora_linear", _backward_dense, setup_context=_setup_dense)
+torch.library.register_autograd("pykernels::lora_linear_nf4", _backward_nf4, setup_context=_setup_nf4)
+
+
+# ---------------------------------------------------------------- public function
+def lora_linear(x: torch.Tensor, weight: torch.Tensor | NF4Weight, lora_A: torch.Tensor, lora_B: torch.Tensor,
+                scaling: float, bias: torch.Tensor | None = None, dropout: float = 0.0) -> torch.Tensor:
+    """y = x W^T + bias + scaling * (dropout(x) A^T) B^T, with gradients for x, A, B and bias.
+
+    Args:
+        x: [..., in_features], fp32/fp16/bf16, any layout.
+        weight: the frozen base weight, a Tensor [out_features, in_features] in x's dtype or an
+            NF4Weight (dequantized a chunk at a time inside the op, never in full).
+        lora_A: [r, in_features]; lora_B: [out_features, r]; float32 or x's dtype, any r >= 1.
+        scaling: alpha / r (or alpha / sqrt(r) for rsLoRA).
+        dropout: probability of LoRA-input dropout (apply it only in training); 0 adds no pass.
+
+    Example:
+        >>> y = pykernels.lora.lora_linear(x, layer.weight, A, B, scaling=2.0)
+    """
+    if dropout < 0 or dropout >= 1:
+        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+    if isinstance(weight, torch.Tensor) and weight.requires_grad:
+        raise ValueError("weight must be frozen (requires_grad=False): lora_linear computes no weight gradient")
+    in_features = x.shape[-1]
+    flat = x.reshape(-1, in_features).contiguous()
+    x_lora = torch.nn.functional.dropout(flat, dropout) if dropout > 0 else None
+    if backend.use_reference():
+        dense = dequantize(weight, x.dtype) if isinstance(weight, NF4Weight) else weight
+        y = reference.lora_linear(flat, dense, lora_A, lora_B, scaling, bias, x_lora)
+    elif isinstance(weight, NF4Weight):
+        check_device(weight.packed, "weight")
+        absmax = weight.absmax_q if weight.double_quant else weight.absmax
+        y, _ = ops.lora_linear_nf4(flat, weight.packed, absmax, weight.blocksize, weight.shape[0], lora_A, lora_B,
+                                   float(scaling), bias, x_lora, weight.nested_absmax, weight.nested_code,
+                                   weight.nested_offset, weight.nested_blocksize)
+    else:
+        check_device(x, "x")
+        y, _ = ops.lora_linear(flat, weight, lora_A, lora_B, float(scaling), bias, x_lora)
+    return y.reshape(*x.shape[:-1], y.shape[-1])

@@ -1,0 +1,191 @@
+"""pykernels.lora.lora_linear against fp64, the torch reference, and bad inputs."""
+
+import pytest
+import torch
+
+import pykernels.lora as lora
+import pykernels.nf4 as nf4
+from pykernels._extension import ops
+from pykernels.backend import kernels_mode
+
+RANKS = [1, 8, 16, 64, 128, 256]
+FEATURES = [(769, 83), (64, 5125)]  # (in, out): no divisibility anywhere
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def make(in_features, out_features, r, dtype, lora_dtype=torch.float32, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(out_features, in_features, generator=g) / in_features ** 0.5).to(dtype)
+    a = (torch.randn(r, in_features, generator=g) / in_features ** 0.5).to(lora_dtype).requires_grad_()
+    b = (torch.randn(out_features, r, generator=g) * 0.1).to(lora_dtype).requires_grad_()
+    bias_t = torch.randn(out_features, generator=g).to(dtype).requires_grad_() if bias else None
+    return weight, a, b, bias_t
+
+
+def fp64_reference(x, weight, a, b, scaling, bias):
+    """Forward and gradients in float64 (the oracle)."""
+    x64 = x.detach().double().requires_grad_()
+    a64, b64 = a.detach().double().requires_grad_(), b.detach().double().requires_grad_()
+    bias64 = bias.detach().double().requires_grad_() if bias is not None else None
+    y = x64 @ weight.double().T + scaling * (x64 @ a64.T) @ b64.T
+    if bias64 is not None:
+        y = y + bias64
+    return y, (x64, a64, b64, bias64)
+
+
+def lowprec_torch(x, weight, a, b, scaling, bias):
+    """What plain torch does in x's dtype (PEFT's arithmetic): the error budget."""
+    x_ = x.detach().requires_grad_()
+    a_, b_ = a.detach().to(x.dtype).requires_grad_(), b.detach().to(x.dtype).requires_grad_()
+    bias_ = bias.detach().requires_grad_() if bias is not None else None
+    y = torch.nn.functional.linear(x_, weight, bias_) + scaling * torch.nn.functional.linear(
+        torch.nn.functional.linear(x_, a_), b_)
+    return y, (x_, a_, b_, bias_)
+
+
+def assert_within_torch_error(ours, lowprec, exact, name, eps=1e-5):
+    err_ours = (ours.double() - exact).abs().max().item()
+    err_torch = (lowprec.double() - exact).abs().max().item()
+    assert err_ours <= 2 * err_torch + eps * max(1.0, exact.abs().max().item()), \
+        f"{name}: |ours - fp64| = {err_ours:.3g} > 2 * |torch - fp64| = {2 * err_torch:.3g}"
+
+
+def check_against_fp64(x, weight, a, b, scaling, bias, nf4_weight=None):
+    dense = weight if nf4_weight is None else nf4.dequantize(nf4_weight, x.dtype)
+    y = lora.lora_linear(x, nf4_weight if nf4_weight is not None else weight, a, b, scaling, bias)
+    grad_y = torch.randn_like(y)
+    y.backward(grad_y)
+    exact, exact_inputs = fp64_reference(x, dense, a, b, scaling, bias)
+    exact.backward(grad_y.double())
+    low, low_inputs = lowprec_torch(x, dense, a, b, scaling, bias)
+    low.backward(grad_y)
+    assert_within_torch_error(y, low, exact, "y")
+    ours = [x.grad, a.grad, b.grad] + ([bias.grad] if bias is not None else [])
+    for label, mine, torch_low, exact_t in zip(["dx", "dA", "dB", "dbias"], ours, low_inputs, exact_inputs):
+        assert_within_torch_error(mine, torch_low.grad, exact_t.grad, label)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("r", RANKS)
+@pytest.mark.parametrize("features", FEATURES)
+def test_dense_against_fp64(features, r, dtype, cpu_isa):
+    weight, a, b, bias = make(*features, r, dtype)
+    x = torch.randn(2, 7, features[0]).to(dtype).requires_grad_()  # 3-D
+    check_against_fp64(x, weight, a, b, 2.0, bias)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("r", [1, 16, 256])
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_nf4_against_fp64(r, dtype, double_quant, cpu_isa):
+    weight, a, b, bias = make(769, 83, r, dtype)
+    w4 = nf4.quantize(weight, 64, double_quant)
+    x = torch.randn(37, 769).to(dtype).requires_grad_()
+    check_against_fp64(x, weight, a, b, 0.5, bias, nf4_weight=w4)
+
+
+def test_non_contiguous_x_and_no_bias():
+    weight, a, b, _ = make(96, 40, 8, torch.float32, bias=False)
+    base = torch.randn(96, 30)
+    x = base.t().requires_grad_()  # [30, 96], non-contiguous
+    check_against_fp64(x, weight, a, b, 1.0, None)
+
+
+def test_lora_weights_in_the_activation_dtype():
+    weight, a, b, bias = make(128, 64, 16, torch.bfloat16, lora_dtype=torch.bfloat16)
+    check_against_fp64(torch.randn(9, 128).to(torch.bfloat16).requires_grad_(), weight, a, b, 2.0, bias)
+
+
+def test_rank_r_intermediate_is_fp32():
+    weight, a, b, _ = make(256, 32, 4, torch.bfloat16, bias=False)
+    x = torch.randn(8, 256).to(torch.bfloat16)
+    _, xa = ops.lora_linear(x, weight, a.detach(), b.detach(), 1.0)
+    assert xa.dtype == torch.float32
+    torch.testing.assert_close(xa.double(), x.double() @ a.detach().double().T, atol=1e-4, rtol=1e-5)
+
+
+def test_dropout_is_applied_to_the_lora_input_only():
+    weight, a, b, bias = make(64, 32, 8, torch.float32)
+    x = torch.randn(16, 64, requires_grad=True)
+    torch.manual_seed(5)
+    y = lora.lora_linear(x, weight, a, b, 2.0, bias, dropout=0.5)
+    torch.manual_seed(5)
+    x_dropped = torch.nn.functional.dropout(x.detach(), 0.5)
+    expected = x.detach() @ weight.T + bias.detach() + 2.0 * (x_dropped @ a.detach().T) @ b.detach().T
+    torch.testing.assert_close(y.detach(), expected, atol=1e-5, rtol=1e-5)
+    y.sum().backward()
+    assert x.grad is not None and a.grad is not None
+
+
+def test_reference_switch_matches():
+    weight, a, b, bias = make(769, 83, 16, torch.float32)
+    x = torch.randn(5, 769)
+    fused = lora.lora_linear(x, weight, a, b, 2.0, bias)
+    with kernels_mode("reference"):
+        reference = lora.lora_linear(x, weight, a, b, 2.0, bias)
+    torch.testing.assert_close(fused, reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("nf4_weight", [False, True])
+def test_opcheck(nf4_weight):
+    weight, a, b, bias = make(96, 40, 8, torch.float32)
+    x = torch.randn(7, 96)
+    if nf4_weight:
+        w = nf4.quantize(weight, 32, True)
+        args = (x, w.packed, w.absmax_q, 32, 40, a.detach(), b.detach(), 2.0, bias.detach(), None, w.nested_absmax,
+                w.nested_code, w.nested_offset, 256)
+        torch.library.opcheck(ops.lora_linear_nf4, args)
+    else:
+        torch.library.opcheck(ops.lora_linear, (x, weight, a.detach(), b.detach(), 2.0, bias.detach(), x.clone()))
+        torch.library.opcheck(ops.lora_linear, (x, weight, a.detach(), b.detach(), 2.0, None, None))
+
+
+@pytest.mark.parametrize("nf4_weight", [False, True])
+def test_compile_forward_and_backward(nf4_weight):
+    torch._dynamo.reset()
+    weight, a, b, bias = make(96, 40, 8, torch.float32)
+    w = nf4.quantize(weight, 32) if nf4_weight else weight
+
+    def step(x, a, b):
+        return lora.lora_linear(x, w, a, b, 2.0, bias).square().sum()
+
+    x = torch.randn(7, 96, requires_grad=True)
+    loss = torch.compile(step, fullgraph=True)(x, a, b)
+    loss.backward()
+    grads = [t.grad.clone() for t in (x, a, b)]
+    for t in (x, a, b):
+        t.grad = None
+    step(x, a, b).backward()
+    for got, t in zip(grads, (x, a, b)):
+        torch.testing.assert_close(got, t.grad)
+
+
+def test_bad_inputs_name_the_tensor():
+    weight, a, b, bias = make(64, 32, 8, torch.float32)
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match=r"lora_B must have shape \(out_features, r\) = \(32, 8\), got \(8, 32\)"):
+        lora.lora_linear(x, weight, a, b.detach().t().contiguous(), 1.0)
+    with pytest.raises(ValueError, match=r"lora_B must have shape \(out_features, r\) = \(32, 8\), got \(32, 4\)"):
+        lora.lora_linear(x, weight, a, b.detach()[:, :4].contiguous(), 1.0)
+    with pytest.raises(ValueError, match="weight must have x's dtype BFloat16, got Float"):
+        lora.lora_linear(x.bfloat16(), weight, a, b, 1.0)
+    with pytest.raises(ValueError, match="lora_B must have lora_A's dtype Float, got Half"):
+        lora.lora_linear(x, weight, a, b.detach().half(), 1.0)
+    with pytest.raises(ValueError, match="lora_A and lora_B must be float32 or x's dtype BFloat16, got Half"):
+        lora.lora_linear(x.bfloat16(), weight.bfloat16(), a.detach().half(), b.detach().half(), 1.0)
+    with pytest.raises(ValueError, match=r"weight must have shape \(out_features, in_features\) = \(32, 64\)"):
+        lora.lora_linear(x, weight[:, :63].contiguous(), a, b, 1.0)
+    with pytest.raises(ValueError, match=r"bias must have shape \(out_features,\) = \(32,\)"):
+        lora.lora_linear(x, weight, a, b, 1.0, bias=torch.zeros(31))
+    with pytest.raises(ValueError, match="weight must be frozen"):
+        lora.lora_linear(x, weight.clone().requires_grad_(), a, b, 1.0)
+    with pytest.raises(ValueError, match="dropout must be in"):
+        lora.lora_linear(x, weight, a, b, 1.0, dropout=1.0)
+
+
+@pytest.mark.parametrize("nf4_weight", [False, True])
+def test_many_rows_run_multithreaded_with_trainable_inputs(nf4_weight, cpu_isa):
+    """Chunks run on at::parallel_for workers, which must not re-enter autograd (a real bug once)."""
+    weight, a, b, bias = make(128, 64, 8, torch.float32)
+    x = torch.randn(3000, 128, requires_grad=True)
+    check_against_fp64(x, weight, a, b, 2.0, bias, nf4_weight=nf4.quantize(weight, 64) if nf4_weight else None)

@@ -1,0 +1,248 @@
+"""CUDA fused LoRA ops against an fp64 oracle, torch's own low-precision error, and the CPU ops.
+
+Tolerance (STYLE.md #6, flash-attention's rule on the max abs error), for every output:
+    max|cuda - fp64| <= 2 * max|torch_lowprec - fp64| + eps
+torch_lowprec is the same math by plain torch matmuls in x's dtype on CUDA (PEFT's arithmetic).
+eps is half an ulp of x's dtype at the output's largest magnitude: the fused pipeline rounds the
+LoRA term before it enters the base GEMM, and an NF4 grad_x once per weight chunk, so it may round
+once more than torch does. The CPU ops must agree with the CUDA ops within the sum of two budgets.
+"""
+
+import pytest
+import torch
+
+import pykernels.lora as lora
+import pykernels.nf4 as nf4
+from conftest import requires_cuda
+from pykernels._extension import ops
+
+pytestmark = [requires_cuda, pytest.mark.cuda]
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+HALF_ULP = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+WEIGHTS = ["dense", "nf4", "nf4_double_quant"]
+OUTPUTS = ["y", "xa", "grad_x", "grad_x_lora", "grad_A", "grad_B"]
+SCALING = 2.0
+
+# (M, K, N, r, bias, x_lora, fp32 LoRA weights). Covers r in {1, 8, 16, 64, 128, 256}, K and N in
+# {769, 4096, 5125}, M in {1, 7, 1024} and every bias / x_lora pair. Sizes that are multiples of 8
+# take the tensor-core GEMMs, odd ones the SIMT fallback; (K, N) = (5125, 4096) and (4096, 4096)
+# split an NF4 weight into several dequantized chunks.
+CASES = [
+    (1, 769, 5125, 1, False, False, False),
+    (7, 5125, 769, 8, True, False, True),
+    (1024, 4096, 769, 16, False, True, False),
+    (1024, 769, 4096, 64, True, True, True),
+    (7, 4096, 4096, 128, False, False, True),
+    (1024, 5125, 769, 256, True, False, False),
+    (1, 5125, 4096, 64, False, True, True),
+    (1024, 4096, 4096, 16, True, False, True),
+    (1024, 769, 5125, 8, False, True, False),
+]
+
+
+def case_id(case):
+    m, k, n, r, bias, x_lora, lora_fp32 = case
+    flags = "".join(["-bias" if bias else "", "-xlora" if x_lora else "", "-fp32lora" if lora_fp32 else ""])
+    return f"M{m}-K{k}-N{n}-r{r}{flags}"
+
+
+def make_inputs(case, dtype, seed):
+    """CPU tensors: x, weight, LoRA weights (B non-zero, unlike PEFT's init), bias, x_lora, grad_y."""
+    m, k, n, r, has_bias, has_x_lora, lora_fp32 = case
+    g = torch.Generator().manual_seed(seed)
+    lora_dtype = torch.float32 if lora_fp32 else dtype
+    fan_in = max(k, 1) ** -0.5
+
+    def randn(*shape, scale=1.0, to=dtype):
+        return (torch.randn(*shape, generator=g) * scale).to(to)
+
+    return {
+        "x": randn(m, k),
+        "weight": randn(n, k, scale=fan_in),
+        "lora_A": randn(r, k, scale=fan_in, to=lora_dtype),
+        "lora_B": randn(n, r, scale=r**-0.5, to=lora_dtype),
+        "bias": randn(n) if has_bias else None,
+        "x_lora": randn(m, k) if has_x_lora else None,
+        "grad_y": randn(m, n),
+    }
+
+
+def nf4_args(w: nf4.NF4Weight):
+    """(packed, absmax, blocksize) and the nested statistics as the NF4 ops take them."""
+    absmax = w.absmax_q if w.double_quant else w.absmax
+    return (w.packed, absmax, w.blocksize), (w.nested_absmax, w.nested_code, w.nested_offset, w.nested_blocksize)
+
+
+def run_ops(t, weight, device, compute_grad_x=True):
+    """Forward then backward through the pykernels ops on `device`; weight is a Tensor or NF4Weight."""
+    t = {name: v.to(device) if v is not None else None for name, v in t.items()}
+    x, a, b, bias, x_lora, dy = t["x"], t["lora_A"], t["lora_B"], t["bias"], t["x_lora"], t["grad_y"]
+    weight = weight.to(device)
+    if isinstance(weight, nf4.NF4Weight):
+        quantized, nested = nf4_args(weight)
+        n = weight.shape[0]
+        y, xa = ops.lora_linear_nf4(x, *quantized, n, a, b, SCALING, bias, x_lora, *nested)
+        grads = ops.lora_linear_nf4_backward(dy, x, *quantized, a, b, xa, SCALING, x_lora, compute_grad_x, *nested)
+    else:
+        y, xa = ops.lora_linear(x, weight, a, b, SCALING, bias, x_lora)
+        grads = ops.lora_linear_backward(dy, x, weight, a, b, xa, SCALING, x_lora, compute_grad_x)
+    return dict(zip(OUTPUTS, (y, xa, *grads)))
+
+
+def torch_math(t, weight, dtype):
+    """The forward and gradients by plain torch matmuls with every input cast to dtype, on CUDA."""
+    x, a, b, dy = (t[name].cuda().to(dtype) for name in ("x", "lora_A", "lora_B", "grad_y"))
+    w = weight.cuda().to(dtype)
+    x_lora = x if t["x_lora"] is None else t["x_lora"].cuda().to(dtype)
+    xa = x_lora @ a.T
+    y = x @ w.T + SCALING * (xa @ b.T)
+    if t["bias"] is not None:
+        y = y + t["bias"].cuda().to(dtype)
+    dxa = SCALING * (dy @ b)
+    grad_x_lora = dxa @ a
+    grad_x = dy @ w if t["x_lora"] is not None else dy @ w + grad_x_lora
+    return {"y": y, "xa": xa, "grad_x": grad_x, "grad_x_lora": grad_x_lora if t["x_lora"] is not None else None,
+            "grad_A": dxa.T @ x_lora, "grad_B": SCALING * (dy.T @ xa)}
+
+
+def error_budget(exact, lowprec, dtype):
+    err_torch = (lowprec.double() - exact).abs().max().item()
+    return 2 * err_torch + HALF_ULP[dtype] * exact.abs().max().item()
+
+
+def check_outputs(cuda, cpu, exact, lowprec, dtype):
+    for name in OUTPUTS:
+        got, want = cuda[name], cpu[name]
+        assert (got.dtype, got.shape) == (want.dtype, want.shape), \
+            f"{name}: cuda {got.dtype} {tuple(got.shape)} != cpu {want.dtype} {tuple(want.shape)}"
+        assert got.is_cuda, f"{name} is on {got.device}"
+        if exact[name] is None:
+            assert got.numel() == 0, f"{name} must be empty, got shape {tuple(got.shape)}"
+            continue
+        budget = error_budget(exact[name], lowprec[name], dtype)
+        err = (got.double() - exact[name]).abs().max().item()
+        assert err <= budget, f"{name}: max|cuda - fp64| = {err:.3e} > budget {budget:.3e}"
+        gap = (got.double() - want.cuda().double()).abs().max().item()
+        assert gap <= 2 * budget, f"{name}: max|cuda - cpu| = {gap:.3e} > twice the budget {budget:.3e}"
+
+
+def weight_for(kind, dense):
+    """(weight given to the op, the dense weight it stands for)."""
+    if kind == "dense":
+        return dense, dense
+    quantized = nf4.quantize(dense, 64, double_quant=kind == "nf4_double_quant")
+    return quantized, nf4.dequantize(quantized, dense.dtype)
+
+
+@pytest.mark.parametrize("weight_kind", WEIGHTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_cuda_matches_fp64_and_cpu(case, dtype, weight_kind):
+    t = make_inputs(case, dtype, seed=CASES.index(case))
+    weight, dense = weight_for(weight_kind, t["weight"])
+    cuda = run_ops(t, weight, "cuda")
+    cpu = run_ops(t, weight, "cpu")
+    check_outputs(cuda, cpu, torch_math(t, dense, torch.float64), torch_math(t, dense, dtype), dtype)
+
+
+@pytest.mark.parametrize("weight_kind", WEIGHTS)
+@pytest.mark.parametrize("x_lora", [False, True])
+def test_cuda_without_grad_x(x_lora, weight_kind):
+    """compute_grad_x=False leaves grad_x empty and the other outputs bit-identical."""
+    t = make_inputs((64, 4096, 1032, 16, False, x_lora, True), torch.bfloat16, seed=1)
+    weight, _ = weight_for(weight_kind, t["weight"])
+    full = run_ops(t, weight, "cuda")
+    partial = run_ops(t, weight, "cuda", compute_grad_x=False)
+    assert partial["grad_x"].shape == (0,)
+    for name in ["y", "xa", "grad_x_lora", "grad_A", "grad_B"]:
+        assert torch.equal(partial[name], full[name]), name
+
+
+@pytest.mark.parametrize("offset", [1, 3])
+@pytest.mark.parametrize("weight_kind", ["dense", "nf4"])
+def test_cuda_unaligned_views(offset, weight_kind):
+    """Tensors that start mid-allocation (sizes multiples of 8) take the SIMT fallback, same results."""
+    dtype = torch.bfloat16
+    t = make_inputs((64, 4096, 1024, 16, True, False, False), dtype, seed=2)
+    weight, dense = weight_for(weight_kind, t["weight"])
+
+    def shifted(v):  # the same values, contiguous, `offset` elements into a larger allocation
+        flat = torch.empty(v.numel() + offset, dtype=v.dtype, device="cuda")
+        flat[offset:] = v.cuda().flatten()
+        return flat[offset:].view(v.shape)
+
+    cuda = run_ops({name: shifted(v) if v is not None else None for name, v in t.items()},
+                   shifted(weight) if weight_kind == "dense" else weight, "cuda")
+    exact, lowprec = torch_math(t, dense, torch.float64), torch_math(t, dense, dtype)
+    for name in ["y", "xa", "grad_x", "grad_A", "grad_B"]:
+        err = (cuda[name].double() - exact[name]).abs().max().item()
+        assert err <= error_budget(exact[name], lowprec[name], dtype), name
+
+
+@pytest.mark.parametrize("weight_kind", WEIGHTS)
+def test_cuda_no_tokens(weight_kind):
+    """M = 0: empty y / grad_x, zero grad_A / grad_B, like the CPU ops."""
+    t = make_inputs((0, 769, 83, 8, True, False, True), torch.bfloat16, seed=3)
+    weight, _ = weight_for(weight_kind, t["weight"])
+    cuda, cpu = run_ops(t, weight, "cuda"), run_ops(t, weight, "cpu")
+    for name in OUTPUTS:
+        assert (cuda[name].dtype, cuda[name].shape) == (cpu[name].dtype, cpu[name].shape), name
+        assert torch.equal(cuda[name].cpu(), cpu[name]), name
+
+
+def test_cuda_no_in_features():
+    """K = 0 (dense weight): y = bias and grad_B = 0, the empty-product path of the GEMM."""
+    t = make_inputs((5, 0, 83, 4, True, False, True), torch.float16, seed=4)
+    cuda, cpu = run_ops(t, t["weight"], "cuda"), run_ops(t, t["weight"], "cpu")
+    torch.testing.assert_close(cuda["y"].cpu(), t["bias"].expand(5, 83))
+    for name in OUTPUTS:
+        torch.testing.assert_close(cuda[name].cpu(), cpu[name], atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_cuda_bad_inputs_name_the_tensor():
+    t = {name: v.cuda() if v is not None else None
+         for name, v in make_inputs((4, 64, 32, 8, False, False, True), torch.bfloat16, seed=5).items()}
+    _, xa = ops.lora_linear(t["x"], t["weight"], t["lora_A"], t["lora_B"], 1.0)
+    with pytest.raises(ValueError, match="grad_y must have x's dtype BFloat16, got Float"):
+        ops.lora_linear_backward(t["grad_y"].float(), t["x"], t["weight"], t["lora_A"], t["lora_B"], xa, 1.0)
+    with pytest.raises(ValueError, match="weight must be on cuda"):
+        ops.lora_linear(t["x"], t["weight"].cpu(), t["lora_A"], t["lora_B"], 1.0)
+    with pytest.raises(ValueError, match="xa must be on cuda"):
+        ops.lora_linear_backward(t["grad_y"], t["x"], t["weight"], t["lora_A"], t["lora_B"], xa.cpu(), 1.0)
+
+
+def test_cuda_opcheck():
+    t = {name: v.cuda() if v is not None else None
+         for name, v in make_inputs((7, 769, 83, 4, True, True, True), torch.bfloat16, seed=6).items()}
+    x, w, a, b, bias, x_lora, dy = (t[name] for name in ("x", "weight", "lora_A", "lora_B", "bias", "x_lora",
+                                                         "grad_y"))
+    _, xa = ops.lora_linear(x, w, a, b, SCALING, bias, x_lora)
+    torch.library.opcheck(ops.lora_linear, (x, w, a, b, SCALING, bias, x_lora))
+    torch.library.opcheck(ops.lora_linear_backward, (dy, x, w, a, b, xa, SCALING, x_lora, True))
+    torch.library.opcheck(ops.lora_linear_backward, (dy, x, w, a, b, xa, SCALING, None, False))
+    quantized, nested = nf4_args(nf4.quantize(w, 64, double_quant=True))
+    torch.library.opcheck(ops.lora_linear_nf4, (x, *quantized, 83, a, b, SCALING, bias, None, *nested))
+    torch.library.opcheck(ops.lora_linear_nf4_backward,
+                          (dy, x, *quantized, a, b, xa, SCALING, x_lora, True, *nested))
+
+
+@pytest.mark.parametrize("weight_kind", ["dense", "nf4"])
+def test_cuda_compile_forward_and_backward(weight_kind):
+    torch._dynamo.reset()
+    t = {name: v.cuda() if v is not None else None
+         for name, v in make_inputs((7, 769, 83, 8, True, False, True), torch.bfloat16, seed=7).items()}
+    weight, _ = weight_for(weight_kind, t["weight"])
+    a, b = t["lora_A"].requires_grad_(), t["lora_B"].requires_grad_()
+    x = t["x"].requires_grad_()
+
+    def step(x, a, b):
+        return lora.lora_linear(x, weight, a, b, SCALING, t["bias"]).float().square().sum()
+
+    torch.compile(step, fullgraph=True)(x, a, b).backward()
+    compiled = [v.grad.clone() for v in (x, a, b)]
+    for v in (x, a, b):
+        v.grad = None
+    step(x, a, b).backward()
+    for got, v in zip(compiled, (x, a, b)):
+        torch.testing.assert_close(got, v.grad)
