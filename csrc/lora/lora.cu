@@ -7,8 +7,8 @@
 //   - CUTLASS's SIMT kernel with element-wise accesses otherwise: fp32 operands (true fp32 FMA, no
 //     TF32, like torch's default) and 16-bit operands with an odd size or offset (K = 769, r = 1).
 // Both are sm80 kernels, which also run on sm90. Compile time grows with every instantiation
-// (27 GEMMs: 3 layouts x {bf16, fp16} x {16-bit, fp32 out} x 2 configs, plus 3 fp32 SIMT), so the
-// set is kept to the layouts the ops use:
+// (27 GEMMs: 3 layouts x {bf16, fp16} x {16-bit, fp32 out} x 2 configs, and 3 layouts of fp32
+// SIMT; under a minute per arch), so the set is kept to the layouts the ops use:
 //   (a_transposed, b_transposed) = (false, true)   x W^T, x_lora A^T
 //                                  (false, false)  dy W, dy B, dxa A
 //                                  (true, false)   dy^T xa, dxa^T x_lora
@@ -131,9 +131,9 @@ bool operands_fit(const GemmParams& p) {
 template <typename Config, bool kTransposeA, bool kTransposeB>
 const char* run_gemm(const GemmParams& p, cudaStream_t stream) {
   using Gemm = DeviceGemm<Config, kTransposeA, kTransposeB>;
-  const std::string what = std::string(Config::kName) + describe(p);
+  const auto what = [&] { return std::string(Config::kName) + describe(p); };  // built only on failure
   if (!operands_fit<Config>(p))
-    return fail("lora gemm: alignment of an operand not supported by " + what);
+    return fail("lora gemm: alignment of an operand not supported by " + what());
   // C is never read when beta == 0; D stands in for a null C so no null pointer reaches CUTLASS.
   const bool has_c = p.beta != 0.0f;
   typename Gemm::Arguments args(cutlass::gemm::GemmUniversalMode::kGemm,
@@ -144,18 +144,18 @@ const char* run_gemm(const GemmParams& p, cudaStream_t stream) {
   cutlass::Status status = Gemm::can_implement(args);
   if (status != cutlass::Status::kSuccess)
     return fail(std::string("lora gemm: can_implement failed (") + cutlass::cutlassGetStatusString(status) +
-                ") for " + what);
+                ") for " + what());
   if (Gemm::get_workspace_size(args) != 0)
-    return fail("lora gemm: unexpected workspace request (no split-K is configured) for " + what);
+    return fail("lora gemm: unexpected workspace request (no split-K is configured) for " + what());
   Gemm gemm;
   status = gemm.initialize(args, /*workspace=*/nullptr, stream);
   if (status != cutlass::Status::kSuccess)
     return fail(std::string("lora gemm: initialize failed (") + cutlass::cutlassGetStatusString(status) +
-                ") for " + what);
+                ") for " + what());
   status = gemm.run(stream);
   if (status != cutlass::Status::kSuccess)
-    return fail(std::string("lora gemm: run failed (") + cutlass::cutlassGetStatusString(status) + ", " +
-                cudaGetErrorString(cudaGetLastError()) + ") for " + what);
+    return fail(std::string("lora gemm: kernel launch failed (") + cutlass::cutlassGetStatusString(status) +
+                ") for " + what());
   return nullptr;
 }
 
@@ -195,11 +195,6 @@ template <> __device__ __forceinline__ float from_float(float v) { return v; }
 template <> __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
 
-template <DType> struct CudaElement;
-template <> struct CudaElement<DType::kFloat32> { using type = float; };
-template <> struct CudaElement<DType::kFloat16> { using type = __half; };
-template <> struct CudaElement<DType::kBFloat16> { using type = __nv_bfloat16; };
-
 // Calls fn(T{}) with T the CUDA element type of dtype.
 template <typename Fn>
 const char* with_element(DType dtype, Fn&& fn) {
@@ -224,10 +219,11 @@ int grid_for(int64_t work_items) {
 }
 
 // ------------------------------------------------------------------ k == 0: D = beta * C
+// No __restrict__: c may alias d.
 template <typename T>
-__global__ void __launch_bounds__(kThreads) scale_kernel(const T* __restrict__ c, int64_t ldc,  // [m, n], or null
+__global__ void __launch_bounds__(kThreads) scale_kernel(const T* c, int64_t ldc,  // [m, n], or null
                                                          float beta, int64_t m, int64_t n,
-                                                         T* __restrict__ d, int64_t ldd) {      // [m, n]
+                                                         T* d, int64_t ldd) {      // [m, n]
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < m * n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t row = i / n, col = i % n;
     const float value = (beta == 0.0f || c == nullptr) ? 0.0f : beta * to_float(c[row * ldc + col]);

@@ -15,7 +15,12 @@ struct Shapes {
 };
 
 inline std::string shape2(int64_t a, int64_t b) {
-  return "(" + std::to_string(a) + ", " + std::to_string(b) + ")";
+  std::string s = "(";  // appended piecewise: GCC 12 -Wrestrict false positive on "(" + std::string
+  s += std::to_string(a);
+  s += ", ";
+  s += std::to_string(b);
+  s += ")";
+  return s;
 }
 
 inline void check_float(const at::Tensor& t, const char* name) {
