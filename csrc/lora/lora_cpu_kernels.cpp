@@ -23,6 +23,9 @@ constexpr int kDownRows = 4;     // rows sharing each load of A^T in low_rank_do
 constexpr int kUpRows = 4;       // rows sharing each load of B^T in low_rank_up
 constexpr int kBackwardRows = 2; // rows sharing each read-modify-write of dB
 constexpr int kAGradRows = 4;    // rows sharing each read-modify-write of dA
+constexpr int64_t kDownTile = 256;   // k per tile of A^T in low_rank_down (256 x r fp32)
+constexpr int64_t kColumnTile = 128; // output / dA columns per tile (r x 128 fp32 of B^T or dA)
+constexpr int64_t kRowTile = 128;    // rows of dB per tile in low_rank_backward (128 x r fp32)
 
 // ---------------------------------------------------------------- portable versions
 void down_scalar(const float* x, int64_t rows, int64_t k, const float* a_t, int64_t r, float* xa) {
@@ -67,21 +70,26 @@ void a_grad_scalar(const float* x, int64_t rows, int64_t k, const float* dxa, in
 
 #if defined(__x86_64__)
 // ---------------------------------------------------------------- AVX-512 versions
+// Every kernel walks the long dimension in tiles and, within a tile, all rows of its block: the
+// tile of A^T / B^T / dB / dA it reads and writes (r x 128..256 fp32, up to 64 KiB) then stays in
+// L1/L2 across the rows instead of streaming from memory once per row group.
 PYKERNELS_AVX512 inline __mmask16 tail_mask(int64_t remaining) {
   return remaining >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << remaining) - 1);
 }
 
-// xa rows [i0, i0 + kRows) for lanes [c0, c0 + 16 * vectors) of r.
+// xa rows [0, kRows) of lanes [c0, c0 + 16 * vectors), over k in [k0, k1): accumulated onto xa
+// unless `first`.
 template <int kRows>
-PYKERNELS_AVX512 void down_block(const float* x, int64_t k, const float* a_t, int64_t r, int64_t c0, int vectors,
-                                 float* xa) {
+PYKERNELS_AVX512 void down_block(const float* x, int64_t k, int64_t k0, int64_t k1, const float* a_t, int64_t r,
+                                 int64_t c0, int vectors, bool first, float* xa) {
   __m512 acc[kRows][kMaxVectors];
   __mmask16 mask[kMaxVectors];
   for (int v = 0; v < vectors; ++v) {
     mask[v] = tail_mask(r - c0 - v * kLanes);
-    for (int i = 0; i < kRows; ++i) acc[i][v] = _mm512_setzero_ps();
+    for (int i = 0; i < kRows; ++i)
+      acc[i][v] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask[v], xa + i * r + c0 + v * kLanes);
   }
-  for (int64_t kk = 0; kk < k; ++kk) {
+  for (int64_t kk = k0; kk < k1; ++kk) {
     __m512 a[kMaxVectors];
     for (int v = 0; v < vectors; ++v) a[v] = _mm512_maskz_loadu_ps(mask[v], a_t + kk * r + c0 + v * kLanes);
     for (int i = 0; i < kRows; ++i) {
@@ -96,16 +104,22 @@ PYKERNELS_AVX512 void down_block(const float* x, int64_t k, const float* a_t, in
 PYKERNELS_AVX512 void down_avx512(const float* x, int64_t rows, int64_t k, const float* a_t, int64_t r, float* xa) {
   for (int64_t c0 = 0; c0 < r; c0 += kMaxVectors * kLanes) {
     const int vectors = static_cast<int>(std::min<int64_t>(kMaxVectors, (r - c0 + kLanes - 1) / kLanes));
-    int64_t i = 0;
-    for (; i + kDownRows <= rows; i += kDownRows) down_block<kDownRows>(x + i * k, k, a_t, r, c0, vectors, xa + i * r);
-    for (; i < rows; ++i) down_block<1>(x + i * k, k, a_t, r, c0, vectors, xa + i * r);
+    for (int64_t k0 = 0; k0 < k; k0 += kDownTile) {
+      const int64_t k1 = std::min(k, k0 + kDownTile);
+      int64_t i = 0;
+      for (; i + kDownRows <= rows; i += kDownRows)
+        down_block<kDownRows>(x + i * k, k, k0, k1, a_t, r, c0, vectors, k0 == 0, xa + i * r);
+      for (; i < rows; ++i) down_block<1>(x + i * k, k, k0, k1, a_t, r, c0, vectors, k0 == 0, xa + i * r);
+    }
   }
 }
 
+// Columns [c0, c1) of rows [0, kRows).
 template <int kRows>
-PYKERNELS_AVX512 void up_block(float* out, int64_t n, const float* xa, int64_t r, const float* bt, const float* bias) {
-  for (int64_t c = 0; c < n; c += kLanes) {
-    const __mmask16 mask = tail_mask(n - c);
+PYKERNELS_AVX512 void up_block(float* out, int64_t n, int64_t c0, int64_t c1, const float* xa, int64_t r,
+                               const float* bt, const float* bias) {
+  for (int64_t c = c0; c < c1; c += kLanes) {
+    const __mmask16 mask = tail_mask(c1 - c);
     const __m512 bias_v = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + c) : _mm512_setzero_ps();
     __m512 acc[kRows];
     for (int i = 0; i < kRows; ++i) acc[i] = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, out + i * n + c), bias_v);
@@ -119,25 +133,29 @@ PYKERNELS_AVX512 void up_block(float* out, int64_t n, const float* xa, int64_t r
 
 PYKERNELS_AVX512 void up_avx512(float* out, int64_t rows, int64_t n, const float* xa, int64_t r, const float* bt,
                                 const float* bias) {
-  int64_t i = 0;
-  for (; i + kUpRows <= rows; i += kUpRows) up_block<kUpRows>(out + i * n, n, xa + i * r, r, bt, bias);
-  for (; i < rows; ++i) up_block<1>(out + i * n, n, xa + i * r, r, bt, bias);
+  for (int64_t c0 = 0; c0 < n; c0 += kColumnTile) {
+    const int64_t c1 = std::min(n, c0 + kColumnTile);
+    int64_t i = 0;
+    for (; i + kUpRows <= rows; i += kUpRows) up_block<kUpRows>(out + i * n, n, c0, c1, xa + i * r, r, bt, bias);
+    for (; i < rows; ++i) up_block<1>(out + i * n, n, c0, c1, xa + i * r, r, bt, bias);
+  }
 }
 
-// dy rows [i0, i0 + kRows), lanes [c0, c0 + 16 * vectors) of r.
+// dy rows [0, kRows), columns [n0, n1), lanes [c0, c0 + 16 * vectors) of r; dxa accumulated unless `first`.
 template <int kRows>
-PYKERNELS_AVX512 void backward_block(const float* dy, int64_t n, const float* b, const float* xa, int64_t r,
-                                     int64_t c0, int vectors, float scale, float* dxa, float* db) {
+PYKERNELS_AVX512 void backward_block(const float* dy, int64_t n, int64_t n0, int64_t n1, const float* b,
+                                     const float* xa, int64_t r, int64_t c0, int vectors, float scale, bool first,
+                                     float* dxa, float* db) {
   __m512 grad[kRows][kMaxVectors], xa_v[kRows][kMaxVectors];
   __mmask16 mask[kMaxVectors];
   for (int v = 0; v < vectors; ++v) {
     mask[v] = tail_mask(r - c0 - v * kLanes);
     for (int i = 0; i < kRows; ++i) {
-      grad[i][v] = _mm512_setzero_ps();
+      grad[i][v] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask[v], dxa + i * r + c0 + v * kLanes);
       xa_v[i][v] = _mm512_maskz_loadu_ps(mask[v], xa + i * r + c0 + v * kLanes);
     }
   }
-  for (int64_t c = 0; c < n; ++c) {
+  for (int64_t c = n0; c < n1; ++c) {
     __m512 g[kRows];
     for (int i = 0; i < kRows; ++i) g[i] = _mm512_set1_ps(scale * dy[i * n + c]);
     for (int v = 0; v < vectors; ++v) {
@@ -158,17 +176,24 @@ PYKERNELS_AVX512 void backward_avx512(const float* dy, int64_t rows, int64_t n, 
                                       int64_t r, float scale, float* dxa, float* db) {
   for (int64_t c0 = 0; c0 < r; c0 += kMaxVectors * kLanes) {
     const int vectors = static_cast<int>(std::min<int64_t>(kMaxVectors, (r - c0 + kLanes - 1) / kLanes));
-    int64_t i = 0;
-    for (; i + kBackwardRows <= rows; i += kBackwardRows)
-      backward_block<kBackwardRows>(dy + i * n, n, b, xa + i * r, r, c0, vectors, scale, dxa + i * r, db);
-    for (; i < rows; ++i) backward_block<1>(dy + i * n, n, b, xa + i * r, r, c0, vectors, scale, dxa + i * r, db);
+    for (int64_t n0 = 0; n0 < n; n0 += kRowTile) {
+      const int64_t n1 = std::min(n, n0 + kRowTile);
+      int64_t i = 0;
+      for (; i + kBackwardRows <= rows; i += kBackwardRows)
+        backward_block<kBackwardRows>(dy + i * n, n, n0, n1, b, xa + i * r, r, c0, vectors, scale, n0 == 0,
+                                      dxa + i * r, db);
+      for (; i < rows; ++i)
+        backward_block<1>(dy + i * n, n, n0, n1, b, xa + i * r, r, c0, vectors, scale, n0 == 0, dxa + i * r, db);
+    }
   }
 }
 
+// Columns [c0, c1) of dA from rows [0, kRows) of x.
 template <int kRows>
-PYKERNELS_AVX512 void a_grad_block(const float* x, int64_t k, const float* dxa, int64_t r, float* da) {
-  for (int64_t c = 0; c < k; c += kLanes) {
-    const __mmask16 mask = tail_mask(k - c);
+PYKERNELS_AVX512 void a_grad_block(const float* x, int64_t k, int64_t c0, int64_t c1, const float* dxa, int64_t r,
+                                   float* da) {
+  for (int64_t c = c0; c < c1; c += kLanes) {
+    const __mmask16 mask = tail_mask(c1 - c);
     __m512 xv[kRows];
     for (int i = 0; i < kRows; ++i) xv[i] = _mm512_maskz_loadu_ps(mask, x + i * k + c);
     for (int64_t j = 0; j < r; ++j) {
@@ -180,9 +205,12 @@ PYKERNELS_AVX512 void a_grad_block(const float* x, int64_t k, const float* dxa, 
 }
 
 PYKERNELS_AVX512 void a_grad_avx512(const float* x, int64_t rows, int64_t k, const float* dxa, int64_t r, float* da) {
-  int64_t i = 0;
-  for (; i + kAGradRows <= rows; i += kAGradRows) a_grad_block<kAGradRows>(x + i * k, k, dxa + i * r, r, da);
-  for (; i < rows; ++i) a_grad_block<1>(x + i * k, k, dxa + i * r, r, da);
+  for (int64_t c0 = 0; c0 < k; c0 += kColumnTile) {
+    const int64_t c1 = std::min(k, c0 + kColumnTile);
+    int64_t i = 0;
+    for (; i + kAGradRows <= rows; i += kAGradRows) a_grad_block<kAGradRows>(x + i * k, k, c0, c1, dxa + i * r, r, da);
+    for (; i < rows; ++i) a_grad_block<1>(x + i * k, k, c0, c1, dxa + i * r, r, da);
+  }
 }
 #endif  // __x86_64__
 
