@@ -7,8 +7,10 @@
 //   - x (or dy) is read one chunk of rows at a time, converted to fp32 in cache, so xa = x A^T
 //     and dxa = s dy B are exact fp32 without an fp32 copy of x or dy;
 //   - dB = s dy^T xa is reduced in the same pass over dy as dxa (per-thread partial sums);
-//   - the LoRA term (and bias) is added to y / grad_x in one fp32 epilogue pass per chunk, so the
-//     result is rounded to the activation dtype once.
+//   - the LoRA term (and bias) is written to y / grad_x first, summed in fp32 and rounded once, and
+//     the base GEMM then accumulates onto it (BLAS with beta = 1 reads its output almost for free;
+//     a pass over y after the GEMM cost ~10% of it). PEFT rounds the base product, the LoRA term
+//     and their sum; this rounds the LoRA term and the sum.
 // With an NF4 weight, a chunk of rows of W is dequantized into a buffer and multiplied at a time.
 #include <ATen/Parallel.h>
 #include <ATen/core/LegacyTypeDispatch.h>
@@ -101,55 +103,69 @@ void add_low_rank(at::Tensor& target, const at::Tensor& left, const at::Tensor& 
   });
 }
 
-// y[:, rows] = x @ W[rows]^T for chunks of rows of an NF4 weight (each dequantized once).
-void nf4_matmul_nt(const at::Tensor& x, nf4::DequantizeParams weight, int64_t out_features, at::Tensor& y) {
-  const int64_t k = x.size(1);
-  const int64_t rows_per_chunk = std::max<int64_t>(1, kWeightChunkBytes / (k * x.element_size()));
-  at::Tensor buffer = at::empty({std::min(rows_per_chunk, out_features), k}, x.options());
-  weight.out = buffer.data_ptr();
-  weight.out_dtype = nf4::float_dtype(x.scalar_type(), "x");
-  for (int64_t row = 0; row < out_features; row += rows_per_chunk) {
-    const int64_t rows = std::min(rows_per_chunk, out_features - row);
-    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    const BelowAutograd below_autograd;
-      nf4::DequantizeParams part = weight;
-      part.out = static_cast<char*>(buffer.data_ptr()) + begin * k * x.element_size();
-      nf4::cpu::dequantize_range(part, (row + begin) * k, (row + end) * k);
-    });
-    at::Tensor columns = y.narrow(1, row, rows);
-    at::mm_out(columns, x, buffer.narrow(0, 0, rows).t());
+// Every base product below either overwrites its output or, with `accumulate`, is added onto it
+// by BLAS itself (addmm, beta = 1): onto the LoRA term already written there, which costs the GEMM
+// ~2% against ~10% for a separate pass over its output afterwards.
+void dense_matmul(at::Tensor& out, const at::Tensor& left, const at::Tensor& right, bool accumulate) {
+  if (accumulate) {
+    out.addmm_(left, right);
+  } else {
+    at::mm_out(out, left, right);
   }
 }
 
-// grad_x = dy @ W for an NF4 weight: accumulated over chunks of rows of W.
-void nf4_matmul_nn(const at::Tensor& dy, nf4::DequantizeParams weight, int64_t out_features, at::Tensor& grad_x) {
+// Dequantizes rows [row, row + rows) of an NF4 weight into buffer (in parallel).
+void dequantize_rows(const nf4::DequantizeParams& weight, int64_t row, int64_t rows, int64_t k, at::Tensor& buffer) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    const BelowAutograd below_autograd;
+    nf4::DequantizeParams part = weight;
+    part.out = static_cast<char*>(buffer.data_ptr()) + begin * k * buffer.element_size();
+    nf4::cpu::dequantize_range(part, (row + begin) * k, (row + end) * k);
+  });
+}
+
+// y (+)= x @ W^T for an NF4 weight, a chunk of rows of W (columns of y) at a time, each chunk
+// dequantized once into a buffer of the activation dtype.
+void nf4_matmul_nt(const at::Tensor& x, nf4::DequantizeParams weight, int64_t out_features, at::Tensor& y,
+                   bool accumulate) {
+  const int64_t k = x.size(1);
+  const int64_t rows_per_chunk = std::max<int64_t>(1, kWeightChunkBytes / (k * x.element_size()));
+  at::Tensor buffer = at::empty({std::min(rows_per_chunk, out_features), k}, x.options());
+  weight.out_dtype = nf4::float_dtype(x.scalar_type(), "x");
+  for (int64_t row = 0; row < out_features; row += rows_per_chunk) {
+    const int64_t rows = std::min(rows_per_chunk, out_features - row);
+    dequantize_rows(weight, row, rows, k, buffer);
+    at::Tensor columns = y.narrow(1, row, rows);
+    dense_matmul(columns, x, buffer.narrow(0, 0, rows).t(), accumulate);
+  }
+}
+
+// grad_x (+)= dy @ W for an NF4 weight: summed over chunks of rows of W.
+void nf4_matmul_nn(const at::Tensor& dy, nf4::DequantizeParams weight, int64_t out_features, at::Tensor& grad_x,
+                   bool accumulate) {
   const int64_t k = grad_x.size(1);
   const int64_t rows_per_chunk = std::max<int64_t>(1, kWeightChunkBytes / (k * grad_x.element_size()));
   at::Tensor buffer = at::empty({std::min(rows_per_chunk, out_features), k}, grad_x.options());
   weight.out_dtype = nf4::float_dtype(grad_x.scalar_type(), "grad_x");
   for (int64_t row = 0; row < out_features; row += rows_per_chunk) {
     const int64_t rows = std::min(rows_per_chunk, out_features - row);
-    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    const BelowAutograd below_autograd;
-      nf4::DequantizeParams part = weight;
-      part.out = static_cast<char*>(buffer.data_ptr()) + begin * k * grad_x.element_size();
-      nf4::cpu::dequantize_range(part, (row + begin) * k, (row + end) * k);
-    });
-    const at::Tensor product_rows = buffer.narrow(0, 0, rows);
-    if (row == 0) {
-      at::mm_out(grad_x, dy.narrow(1, row, rows), product_rows);
-    } else {
-      grad_x.addmm_(dy.narrow(1, row, rows), product_rows);
-    }
+    dequantize_rows(weight, row, rows, k, buffer);
+    dense_matmul(grad_x, dy.narrow(1, row, rows), buffer.narrow(0, 0, rows), accumulate || row > 0);
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> finish_forward(at::Tensor y, const at::Tensor& x_lora, const at::Tensor& lora_A,
-                                                  const at::Tensor& lora_B, double scaling,
-                                                  const std::optional<at::Tensor>& bias) {
+// y = x W^T + s (x_lora A^T) B^T + bias, with `add_base(y, accumulate)` computing the base product.
+// The LoRA term and bias go into y first (fp32 sums, rounded once to y's dtype), then the base
+// GEMM accumulates onto them.
+template <typename AddBase>
+std::tuple<at::Tensor, at::Tensor> lora_forward(const at::Tensor& x, int64_t out_features, const at::Tensor& x_lora,
+                                                const at::Tensor& lora_A, const at::Tensor& lora_B, double scaling,
+                                                const std::optional<at::Tensor>& bias, AddBase add_base) {
   at::Tensor xa = lora_down(x_lora, lora_A);
   const at::Tensor bt = to_float(lora_B).mul(scaling).t().contiguous();  // [r, N], scaling folded in
-  add_low_rank(y, xa, bt, bias);
+  at::Tensor y = at::empty({x.size(0), out_features}, x.options());
+  add_low_rank(y, xa, bt, bias, /*overwrite=*/true);
+  if (x.size(0) > 0 && x.size(1) > 0) add_base(y, /*accumulate=*/true);
   return {y, xa};
 }
 
@@ -159,7 +175,8 @@ std::tuple<at::Tensor, at::Tensor> lora_linear_cpu(const at::Tensor& x, const at
                                                    const std::optional<at::Tensor>& x_lora) {
   check_dense_weight(weight, x);
   check_lora_inputs(x, weight.size(0), lora_A, lora_B, bias, x_lora);
-  return finish_forward(at::mm(x, weight.t()), x_lora.value_or(x), lora_A, lora_B, scaling, bias);
+  return lora_forward(x, weight.size(0), x_lora.value_or(x), lora_A, lora_B, scaling, bias,
+                      [&](at::Tensor& y, bool accumulate) { dense_matmul(y, x, weight.t(), accumulate); });
 }
 
 std::tuple<at::Tensor, at::Tensor> lora_linear_nf4_cpu(
@@ -171,25 +188,37 @@ std::tuple<at::Tensor, at::Tensor> lora_linear_nf4_cpu(
   const Shapes s = check_lora_inputs(x, out_features, lora_A, lora_B, bias, x_lora);
   const nf4::DequantizeParams weight = nf4_weight_params(packed, absmax, blocksize, s.n, s.k, nested_absmax,
                                                          nested_code, nested_offset, nested_blocksize, x);
-  at::Tensor y = at::empty({s.m, s.n}, x.options());
-  if (s.m > 0) nf4_matmul_nt(x, weight, s.n, y);
-  return finish_forward(y, x_lora.value_or(x), lora_A, lora_B, scaling, bias);
+  return lora_forward(x, s.n, x_lora.value_or(x), lora_A, lora_B, scaling, bias,
+                      [&](at::Tensor& y, bool accumulate) { nf4_matmul_nt(x, weight, s.n, y, accumulate); });
+}
+
+// Rank padded to whole 16-lane vectors for low_rank_backward: its rows of B and dB are r floats
+// apart, and with a partial vector each masked store of a dB row overlaps the next row's load,
+// which defeats store-to-load forwarding (r = 1..8 ran 2.5x slower than r = 16). Zero lanes cost
+// nothing extra: a partial vector takes the same instructions as a full one.
+constexpr int64_t kRankPadding = 16;
+
+at::Tensor pad_rank(const at::Tensor& t, int64_t padded) {  // fp32 [rows, r] -> [rows, padded], zeros after r
+  return t.size(1) == padded ? t.contiguous() : at::constant_pad_nd(t, {0, padded - t.size(1)});
 }
 
 // dxa = scaling * dy @ B and dB = scaling * dy^T @ xa, in one pass over dy.
 std::tuple<at::Tensor, at::Tensor> low_rank_grads(const at::Tensor& grad_y, const at::Tensor& lora_B,
                                                   const at::Tensor& xa, double scaling) {
-  const at::Tensor b = to_float(lora_B).contiguous();  // [N, r]
-  const int64_t r = b.size(1);
-  at::Tensor dxa = at::empty({grad_y.size(0), r}, grad_y.options().dtype(at::kFloat));
-  PerThreadSum db(b.size(0), r);
+  const int64_t r = lora_B.size(1);
+  const int64_t padded = (r + kRankPadding - 1) / kRankPadding * kRankPadding;
+  const at::Tensor b = pad_rank(to_float(lora_B), padded);  // [N, padded]
+  const at::Tensor xa_padded = pad_rank(xa, padded);         // [M, padded]
+  at::Tensor dxa = at::empty({grad_y.size(0), padded}, grad_y.options().dtype(at::kFloat));
+  PerThreadSum db(b.size(0), padded);
   at::parallel_for(0, grad_y.size(0), kRowChunk, [&](int64_t begin, int64_t end) {
     const BelowAutograd below_autograd;
     cpu::low_rank_backward(input_rows(grad_y, begin, end), end - begin, grad_y.size(1), b.data_ptr<float>(),
-                           xa.data_ptr<float>() + begin * r, r, static_cast<float>(scaling),
-                           dxa.data_ptr<float>() + begin * r, db.mine());
+                           xa_padded.data_ptr<float>() + begin * padded, padded, static_cast<float>(scaling),
+                           dxa.data_ptr<float>() + begin * padded, db.mine());
   });
-  return {dxa, db.total()};
+  if (padded == r) return {dxa, db.total()};
+  return {dxa.narrow(1, 0, r).contiguous(), db.total().narrow(1, 0, r).contiguous()};
 }
 
 // dA = dxa^T @ x_lora (fp32, per-thread partial sums over rows).
@@ -204,19 +233,31 @@ at::Tensor lora_a_grad(const at::Tensor& dxa, const at::Tensor& x_lora) {
   return da.total();
 }
 
-// Everything but the base product dy @ W, which the caller puts in grad_x (dense or NF4).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> finish_backward(
-    const at::Tensor& grad_y, at::Tensor grad_x, const at::Tensor& x, const at::Tensor& lora_A,
-    const at::Tensor& lora_B, const at::Tensor& xa, double scaling, const std::optional<at::Tensor>& x_lora) {
+// Gradients of the LoRA op, with `add_base(grad_x, accumulate)` computing the base product dy @ W.
+// Without a separate x_lora, grad_x = dy W + dxa A: the LoRA part is written first and the base
+// GEMM accumulates onto it, as in the forward.
+template <typename AddBase>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_backward(
+    const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& lora_A, const at::Tensor& lora_B,
+    const at::Tensor& xa, double scaling, const std::optional<at::Tensor>& x_lora, bool compute_grad_x,
+    AddBase add_base) {
   auto [dxa, db] = low_rank_grads(grad_y, lora_B, xa, scaling);
   at::Tensor da = lora_a_grad(dxa, x_lora.value_or(x));
   const at::Tensor a = to_float(lora_A).contiguous();  // [r, K]
+  const bool base_product = grad_y.size(0) > 0 && grad_y.size(1) > 0;
+  at::Tensor grad_x = at::empty({0}, x.options());
   at::Tensor grad_x_lora = at::empty({0}, x.options());
   if (x_lora.has_value()) {
     grad_x_lora = at::empty(x.sizes(), x.options());
     add_low_rank(grad_x_lora, dxa, a, std::nullopt, /*overwrite=*/true);
-  } else if (grad_x.numel() > 0) {
-    add_low_rank(grad_x, dxa, a, std::nullopt);  // dy W + dxa A, rounded once
+    if (compute_grad_x) {
+      grad_x = base_product ? at::empty(x.sizes(), x.options()) : at::zeros(x.sizes(), x.options());
+      if (base_product) add_base(grad_x, /*accumulate=*/false);
+    }
+  } else if (compute_grad_x) {
+    grad_x = at::empty(x.sizes(), x.options());
+    add_low_rank(grad_x, dxa, a, std::nullopt, /*overwrite=*/true);
+    if (base_product) add_base(grad_x, /*accumulate=*/true);
   }
   return {grad_x, grad_x_lora, da.to(lora_A.scalar_type()), db.to(lora_B.scalar_type())};
 }
@@ -228,8 +269,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_linear_backward_
   check_dense_weight(weight, x);
   const Shapes s = check_lora_inputs(x, weight.size(0), lora_A, lora_B, std::nullopt, x_lora);
   check_backward(grad_y, xa, s);
-  at::Tensor grad_x = compute_grad_x ? at::mm(grad_y, weight) : at::empty({0}, x.options());
-  return finish_backward(grad_y, grad_x, x, lora_A, lora_B, xa, scaling, x_lora);
+  return lora_backward(grad_y, x, lora_A, lora_B, xa, scaling, x_lora, compute_grad_x,
+                       [&](at::Tensor& grad_x, bool accumulate) { dense_matmul(grad_x, grad_y, weight, accumulate); });
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_linear_nf4_backward_cpu(
@@ -240,14 +281,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_linear_nf4_backw
     int64_t nested_blocksize) {
   const Shapes s = check_lora_inputs(x, lora_B.dim() == 2 ? lora_B.size(0) : -1, lora_A, lora_B, std::nullopt, x_lora);
   check_backward(grad_y, xa, s);
-  at::Tensor grad_x = at::empty({0}, x.options());
-  if (compute_grad_x) {
-    const nf4::DequantizeParams weight = nf4_weight_params(packed, absmax, blocksize, s.n, s.k, nested_absmax,
-                                                           nested_code, nested_offset, nested_blocksize, x);
-    grad_x = at::empty({s.m, s.k}, x.options());
-    if (s.m > 0) nf4_matmul_nn(grad_y, weight, s.n, grad_x);
-  }
-  return finish_backward(grad_y, grad_x, x, lora_A, lora_B, xa, scaling, x_lora);
+  return lora_backward(grad_y, x, lora_A, lora_B, xa, scaling, x_lora, compute_grad_x,
+                       [&](at::Tensor& grad_x, bool accumulate) {
+                         const nf4::DequantizeParams weight =
+                             nf4_weight_params(packed, absmax, blocksize, s.n, s.k, nested_absmax, nested_code,
+                                               nested_offset, nested_blocksize, x);
+                         nf4_matmul_nn(grad_y, weight, s.n, grad_x, accumulate);
+                       });
 }
 
 }  // namespace
