@@ -8,7 +8,7 @@ import pykernels.nf4 as nf4
 from pykernels._extension import ops
 from pykernels.backend import kernels_mode
 
-RANKS = [1, 8, 16, 64, 128, 256]
+RANKS = [1, 8, 16, 24, 40, 64, 80, 128, 256]  # 24, 40, 80: every register-tile width of the CPU kernels
 FEATURES = [(769, 83), (64, 5125)]  # (in, out): no divisibility anywhere
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -79,27 +79,27 @@ at::Tensor lora_down(const at::Tensor& x_lora, const at::Tensor& lora_A) {
   return xa;
 }
 
-// target (overwritten when `overwrite`) += left @ right_t (+ bias), in fp32, rounded once per row
-// chunk. left fp32 [M, r]; right_t fp32 [r, cols] contiguous.
-void add_low_rank(at::Tensor& target, const at::Tensor& left, const at::Tensor& right_t,
-                  const std::optional<at::Tensor>& bias, bool overwrite = false) {
+// right_t fp32 [r, cols] in low_rank_up's packed layout: [ceil(cols / tile), r, tile], zero padded.
+at::Tensor pack_column_tiles(const at::Tensor& right_t) {
+  const int64_t r = right_t.size(0), cols = right_t.size(1);
+  const int64_t tiles = (cols + cpu::kUpColumnTile - 1) / cpu::kUpColumnTile;
+  return at::constant_pad_nd(right_t, {0, tiles * cpu::kUpColumnTile - cols})
+      .view({r, tiles, cpu::kUpColumnTile})
+      .permute({1, 0, 2})
+      .contiguous();
+}
+
+// target = left @ right_t (+ bias), summed in fp32 and rounded once to target's dtype.
+// left fp32 [M, r]; right_t fp32 [r, cols].
+void write_low_rank(at::Tensor& target, const at::Tensor& left, const at::Tensor& right_t,
+                    const std::optional<at::Tensor>& bias) {
+  const at::Tensor packed = pack_column_tiles(right_t);
   const at::Tensor bias_f32 = bias.has_value() ? to_float(*bias).contiguous() : at::Tensor();
-  const int64_t cols = target.size(1);
   at::parallel_for(0, target.size(0), kRowChunk, [&](int64_t begin, int64_t end) {
     const BelowAutograd below_autograd;
-    const int64_t count = (end - begin) * cols;
-    void* rows = const_cast<char*>(row_bytes(target, begin));
-    thread_local std::vector<float> scratch;
-    float* sum = target.scalar_type() == at::kFloat ? static_cast<float*>(rows) : nullptr;
-    if (sum == nullptr) {
-      scratch.resize(static_cast<size_t>(count));
-      sum = scratch.data();
-      if (!overwrite) cpu::to_fp32(rows, kernel_dtype(target), count, sum);
-    }
-    if (overwrite) std::fill(sum, sum + count, 0.0f);
-    cpu::low_rank_up(sum, end - begin, cols, left.data_ptr<float>() + begin * left.size(1), left.size(1),
-                     right_t.data_ptr<float>(), bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr);
-    if (sum != rows) cpu::from_fp32(sum, count, rows, kernel_dtype(target));
+    cpu::low_rank_up(const_cast<char*>(row_bytes(target, begin)), kernel_dtype(target), end - begin, target.size(1),
+                     left.data_ptr<float>() + begin * left.size(1), left.size(1), packed.data_ptr<float>(),
+                     bias_f32.defined() ? bias_f32.data_ptr<float>() : nullptr);
   });
 }
 
@@ -164,7 +164,7 @@ std::tuple<at::Tensor, at::Tensor> lora_forward(const at::Tensor& x, int64_t out
   at::Tensor xa = lora_down(x_lora, lora_A);
   const at::Tensor bt = to_float(lora_B).mul(scaling).t().contiguous();  // [r, N], scaling folded in
   at::Tensor y = at::empty({x.size(0), out_features}, x.options());
-  add_low_rank(y, xa, bt, bias, /*overwrite=*/true);
+  write_low_rank(y, xa, bt, bias);
   if (x.size(0) > 0 && x.size(1) > 0) add_base(y, /*accumulate=*/true);
   return {y, xa};
 }
@@ -249,14 +249,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_backward(
   at::Tensor grad_x_lora = at::empty({0}, x.options());
   if (x_lora.has_value()) {
     grad_x_lora = at::empty(x.sizes(), x.options());
-    add_low_rank(grad_x_lora, dxa, a, std::nullopt, /*overwrite=*/true);
+    write_low_rank(grad_x_lora, dxa, a, std::nullopt);
     if (compute_grad_x) {
       grad_x = base_product ? at::empty(x.sizes(), x.options()) : at::zeros(x.sizes(), x.options());
       if (base_product) add_base(grad_x, /*accumulate=*/false);
     }
   } else if (compute_grad_x) {
     grad_x = at::empty(x.sizes(), x.options());
-    add_low_rank(grad_x, dxa, a, std::nullopt, /*overwrite=*/true);
+    write_low_rank(grad_x, dxa, a, std::nullopt);
     if (base_product) add_base(grad_x, /*accumulate=*/true);
   }
   return {grad_x, grad_x_lora, da.to(lora_A.scalar_type()), db.to(lora_B.scalar_type())};

@@ -20,9 +20,16 @@ void from_fp32(const float* src, int64_t count, void* dst, DType dst_dtype);
 // xa[i, :r] = sum_k x[i, k] * a_t[k, :r] for rows i < rows. x [rows, k]; a_t = A^T [k, r]; xa [rows, r].
 void low_rank_down(const float* x, int64_t rows, int64_t k, const float* a_t, int64_t r, float* xa);
 
-// out[i, :n] += sum_j xa[i, j] * bt[j, :n] + bias[:n] for rows i < rows. out [rows, n];
-// xa [rows, r]; bt [r, n] (any scaling folded in); bias [n] or null.
-void low_rank_up(float* out, int64_t rows, int64_t n, const float* xa, int64_t r, const float* bt, const float* bias);
+// Columns per tile of the packed B^T that low_rank_up reads.
+constexpr int64_t kUpColumnTile = 128;
+
+// out[i, :n] = round(sum_j xa[i, j] * bt[j, :n] + bias[:n]) for rows i < rows, summed in fp32 and
+// rounded once to out_dtype. out [rows, n]; xa [rows, r]; bias [n] or null; bt = B^T [r, n] (any
+// scaling folded in) packed as column tiles [ceil(n / kUpColumnTile), r, kUpColumnTile], zero
+// padded: each tile contiguous, so it stays in L1 across rows (rows of a plain [r, n] B^T are
+// n floats apart and, for n a multiple of 1024, all fall in the same few L1 sets).
+void low_rank_up(void* out, DType out_dtype, int64_t rows, int64_t n, const float* xa, int64_t r, const float* bt,
+                 const float* bias);
 
 // One pass over dy [rows, n]: dxa[i, :r] = scale * sum_c dy[i, c] * b[c, :r] (written), and
 // db[c, :r] += scale * sum_i dy[i, c] * xa[i, :r] (accumulated: a per-thread partial [n, r]).
