@@ -73,9 +73,11 @@ def run(config: Config) -> bool:
                 generated = time.perf_counter()
                 batch = merge(batches)
                 metrics = {**batches[0].metrics, **optimize(config, policy, batch, optimizer, scheduler)}
+                updated = time.perf_counter()
                 step += 1
                 metrics.update(sync.push_adapter(config, policy, generator, verifier, version=step))
-                metrics.update({"time/generation": generated - started, "time/step": time.perf_counter() - started})
+                metrics.update({"time/generation": generated - started, "time/update": updated - generated,
+                                "time/step": time.perf_counter() - started})
                 logger.log(step, metrics)
                 if step % config.logging.log_completions_every == 0:
                     show_samples(logger, batch, config.logging.log_completions)
