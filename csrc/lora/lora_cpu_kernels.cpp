@@ -82,9 +82,10 @@ void a_grad_scalar(const float* x, int64_t rows, int64_t k, const float* dxa, in
 
 #if defined(__x86_64__)
 // ---------------------------------------------------------------- AVX-512 versions
-// Every kernel walks the long dimension in tiles and, within a tile, all rows of its block: the
-// tile of A^T / B^T / dB / dA it reads and writes (r x 128..256 fp32, up to 64 KiB) then stays in
-// L1/L2 across the rows instead of streaming from memory once per row group.
+// The kernels walk the long dimension in tiles and, within a tile, all rows of their chunk: the tile
+// of A^T / B^T / B and dB they read and write (16-32 KiB) then stays in L1 across the rows instead
+// of streaming from L2 or memory once per row group. lora_a_grad instead sums a whole chunk of rows
+// into a register tile of dA.
 PYKERNELS_AVX512 inline __mmask16 tail_mask(int64_t remaining) {
   return remaining >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << remaining) - 1);
 }
