@@ -355,25 +355,10 @@ PYKERNELS_AVX512 void bf16_to_fp32_avx512(const uint16_t* src, int64_t count, fl
   }
 }
 
-PYKERNELS_AVX512 void fp32_to_bf16_avx512(const float* src, int64_t count, uint16_t* dst) {
-  for (int64_t i = 0; i < count; i += kLanes) {
-    const __mmask16 mask = tail_mask(count - i);
-    _mm256_mask_storeu_epi16(dst + i, mask, fp32_to_bf16_bits(_mm512_maskz_loadu_ps(mask, src + i)));
-  }
-}
-
 PYKERNELS_AVX512 void fp16_to_fp32_avx512(const uint16_t* src, int64_t count, float* dst) {
   for (int64_t i = 0; i < count; i += kLanes) {
     const __mmask16 mask = tail_mask(count - i);
     _mm512_mask_storeu_ps(dst + i, mask, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, src + i)));
-  }
-}
-
-PYKERNELS_AVX512 void fp32_to_fp16_avx512(const float* src, int64_t count, uint16_t* dst) {
-  for (int64_t i = 0; i < count; i += kLanes) {
-    const __mmask16 mask = tail_mask(count - i);
-    const __m256i half = _mm512_cvtps_ph(_mm512_maskz_loadu_ps(mask, src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm256_mask_storeu_epi16(dst + i, mask, half);
   }
 }
 #endif
@@ -394,26 +379,6 @@ void to_fp32(const void* src, DType src_dtype, int64_t count, float* dst) {
   for (int64_t i = 0; i < count; ++i)
     dst[i] = src_dtype == DType::kBFloat16 ? static_cast<float>(static_cast<const c10::BFloat16*>(src)[i])
                                            : static_cast<float>(static_cast<const c10::Half*>(src)[i]);
-}
-
-void from_fp32(const float* src, int64_t count, void* dst, DType dst_dtype) {
-  if (dst_dtype == DType::kFloat32) {
-    std::memcpy(dst, src, static_cast<size_t>(count) * sizeof(float));
-    return;
-  }
-  auto* bits = static_cast<uint16_t*>(dst);
-#if defined(__x86_64__)
-  if (use_avx512()) {
-    return dst_dtype == DType::kBFloat16 ? fp32_to_bf16_avx512(src, count, bits) : fp32_to_fp16_avx512(src, count, bits);
-  }
-#endif
-  for (int64_t i = 0; i < count; ++i) {
-    if (dst_dtype == DType::kBFloat16) {
-      static_cast<c10::BFloat16*>(dst)[i] = c10::BFloat16(src[i]);
-    } else {
-      static_cast<c10::Half*>(dst)[i] = c10::Half(src[i]);
-    }
-  }
 }
 
 void low_rank_down(const float* x, int64_t rows, int64_t k, const float* a_t, int64_t r, float* xa) {

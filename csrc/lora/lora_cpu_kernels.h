@@ -12,10 +12,9 @@
 
 namespace pykernels::lora::cpu {
 
-// dst[i] = fp32(src[i]) and dst[i] = round(src[i]) (nearest even) for i < count: chunks of 16-bit
-// activations move through fp32 scratch buffers that the kernels below work on.
+// dst[i] = fp32(src[i]) for i < count: chunks of 16-bit activations are converted into fp32 scratch
+// buffers that the kernels below read.
 void to_fp32(const void* src, DType src_dtype, int64_t count, float* dst);
-void from_fp32(const float* src, int64_t count, void* dst, DType dst_dtype);
 
 // xa[i, :r] = sum_k x[i, k] * a_t[k, :r] for rows i < rows. x [rows, k]; a_t = A^T [k, r]; xa [rows, r].
 void low_rank_down(const float* x, int64_t rows, int64_t k, const float* a_t, int64_t r, float* xa);
