@@ -25,6 +25,7 @@
 #include "cutlass/gemm/device/gemm_universal.h"
 #include "cutlass/numeric_types.h"
 
+#include "common/cuda_convert.cuh"
 #include "lora/lora.h"
 
 namespace pykernels::lora {
@@ -183,17 +184,6 @@ const char* dispatch_output(const GemmParams& p, cudaStream_t stream) {
   if (p.d_dtype == kAB) return dispatch_layout<ElementAB, ElementAB>(p, stream);
   return "lora gemm: d_dtype must be ab_dtype or float32";
 }
-
-// ------------------------------------------------------------------ element conversions
-template <typename T> __device__ __forceinline__ float to_float(T v);
-template <> __device__ __forceinline__ float to_float(float v) { return v; }
-template <> __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-template <> __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ float from_float(float v) { return v; }
-template <> __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
 
 // Calls fn(T{}) with T the CUDA element type of dtype.
 template <typename Fn>

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "common/cuda_convert.cuh"
 #include "nf4/nf4.h"
 
 namespace pykernels::nf4 {
@@ -28,17 +29,6 @@ __constant__ float c_midpoint[15] = {
     kMidpoint[5], kMidpoint[6], kMidpoint[7],  kMidpoint[8],  kMidpoint[9],
     kMidpoint[10], kMidpoint[11], kMidpoint[12], kMidpoint[13], kMidpoint[14],
 };
-
-// ------------------------------------------------------------------ element conversions
-template <typename T> __device__ __forceinline__ float to_float(T v);
-template <> __device__ __forceinline__ float to_float(float v) { return v; }
-template <> __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-template <> __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ float from_float(float v) { return v; }
-template <> __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
 
 __device__ __forceinline__ float nan_propagating_max(float a, float b) {
   return (a > b || isnan(a)) ? a : b;
