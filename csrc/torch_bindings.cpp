@@ -57,4 +57,20 @@ TORCH_LIBRARY(pykernels, m) {
       "Tensor lora_A, Tensor lora_B, Tensor xa, float scaling, Tensor? x_lora=None, bool compute_grad_x=True, "
       "Tensor? nested_absmax=None, Tensor? nested_code=None, Tensor? nested_offset=None, "
       "int nested_blocksize=256) -> (Tensor grad_x, Tensor grad_x_lora, Tensor grad_A, Tensor grad_B)");
+
+  // ---- Per-token logprobs with the lm_head fused in: hidden [N, H], weight [V, H] (one float dtype),
+  //      targets int64 [N]; logits z = hidden weight^T / temperature exist one tile at a time.
+
+  // logprobs = z[target] - logsumexp(z) and entropy = -sum softmax(z) log softmax(z), fp32 [N] (0 where
+  // target == ignore_index), and lse = logsumexp(z) fp32 [N] (saved for backward).
+  m.def(
+      "token_logprobs(Tensor hidden, Tensor weight, Tensor targets, float temperature=1.0, int ignore_index=-100) "
+      "-> (Tensor logprobs, Tensor entropy, Tensor lse)");
+
+  // Gradients of token_logprobs for incoming grad_logprobs (and grad_entropy) [N]: grad_hidden
+  // [N, H] and grad_weight [V, H] (summed in fp32, rounded once), each empty when not asked for.
+  m.def(
+      "token_logprobs_backward(Tensor grad_logprobs, Tensor? grad_entropy, Tensor hidden, Tensor weight, "
+      "Tensor targets, Tensor lse, Tensor entropy, float temperature=1.0, int ignore_index=-100, "
+      "bool compute_grad_hidden=True, bool compute_grad_weight=True) -> (Tensor grad_hidden, Tensor grad_weight)");
 }

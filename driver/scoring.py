@@ -1,8 +1,8 @@
 """Score completions on packed sequences: one row, no padding, position ids restarting per sequence.
 
-Many completions of different lengths go through the model in one forward pass. With eager/SDPA
-attention a block-diagonal causal mask keeps sequences apart; with flash-attention the restarting
-position ids alone do (transformers derives cu_seqlens from them). Logprobs are computed only at
+Many completions of different lengths go through the model in one forward pass
+(pykernels.integrations.transformers.packed_hidden_states: cu_seqlens to flash-attention, a
+block-diagonal causal mask for eager/SDPA). Logprobs are computed only at
 the positions that predict completion tokens, with pykernels.logprobs (lm_head fused in).
 """
 
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pykernels.integrations.transformers import packed_hidden_states
 from pykernels.logprobs import packed_targets, token_logprobs
 
 
@@ -50,25 +51,9 @@ def pack(prompts: list[list[int]], completions: list[list[int]], device: torch.d
                        [len(p) for p in prompts], [len(c) for c in completions])
 
 
-def block_causal_mask(cu_seqlens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive [1, 1, L, L] mask: each token sees earlier tokens of its own sequence only."""
-    length = int(cu_seqlens[-1])
-    positions = torch.arange(length, device=cu_seqlens.device)
-    sequence_of = torch.bucketize(positions, cu_seqlens[1:], right=True)
-    allowed = (sequence_of[:, None] == sequence_of[None, :]) & (positions[:, None] >= positions[None, :])
-    mask = torch.zeros(length, length, dtype=dtype, device=cu_seqlens.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
-
-
 def hidden_states(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
     """Final hidden states [L, H] of the packed row (model: a transformers causal LM or a PEFT wrapper)."""
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    decoder = causal_lm.get_decoder()
-    mask = None
-    if causal_lm.config._attn_implementation != "flash_attention_2":
-        mask = block_causal_mask(batch.cu_seqlens, causal_lm.dtype)
-    output = decoder(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask, use_cache=False)
-    return output.last_hidden_state[0]
+    return packed_hidden_states(model, batch.input_ids, batch.cu_seqlens, batch.position_ids)
 
 
 def completion_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature: float = 1.0,

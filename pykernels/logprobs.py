@@ -1,11 +1,14 @@
 """Per-token logprobs and entropy with the lm_head fused in, on packed sequences.
 
+    >>> targets = pykernels.logprobs.packed_targets(input_ids_flat, cu_seqlens)
     >>> lp = pykernels.logprobs.token_logprobs(hidden, lm_head.weight, targets, temperature=0.7)
 
-Until the fused CPU/CUDA kernels land (issue [4/8]) these are the pure-torch references
-(pykernels.reference.logprobs), chunked so the full [N, V] logits never exist at once.
+The [N, V] logits never exist, forward or backward (see csrc/logprobs/). The pure-torch statement
+of the same ops is pykernels.reference.logprobs; pykernels.backend.set_kernels("reference")
+switches to it.
 """
 
-from pykernels.reference.logprobs import IGNORE_INDEX, packed_targets, token_logprobs
+from pykernels.ops.logprobs import IGNORE_INDEX, token_logprobs
+from pykernels.reference.logprobs import packed_targets
 
 __all__ = ["IGNORE_INDEX", "packed_targets", "token_logprobs"]

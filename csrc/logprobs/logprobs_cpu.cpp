@@ -1,0 +1,303 @@
+// CPU implementation of the fused token-logprob ops (schemas in csrc/torch_bindings.cpp).
+//
+// The [N, V] logits never exist: the vocabulary is cut into blocks of kVocabBlock rows of W, the
+// tokens into chunks of kTokenChunk, and each (block, chunk) logits tile, [vocab][tokens] in fp32,
+// is folded into per-token running statistics (max, sum exp, sum exp * z: online log-sum-exp and
+// entropy) while it is in cache. Threads split the vocabulary: each reads its rows of W once per
+// pass, keeps its own statistics (merged at the end) and owns its rows of dW outright, so dW is
+// summed over all tokens in an fp32 block buffer and rounded once (bf16 accumulation across
+// chunks diverges: Liger-Kernel#512) without an fp32 [V, H] buffer. The backward recomputes each
+// tile from the saved log-sum-exp, turns it into dz in place and feeds dz to two GEMMs:
+// dW_block += dz^T h and dh += dz W_block (per-thread fp32 partials of dh, summed at the end).
+//
+// GEMMs: bf16 inputs on a CPU with AVX-512 BF16 use our micro-kernel (exact bf16 products, fp32
+// sums, so logits are as good as fp32 logits of the bf16 inputs); anything else goes to torch's
+// fp32 BLAS on fp32 copies (hidden converted once, W one block at a time).
+#include <ATen/Parallel.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <torch/library.h>
+
+#include <limits>
+#include <vector>
+
+#include "common/cpu_isa.h"
+#include "logprobs/logprobs_cpu_kernels.h"
+#include "logprobs/logprobs_torch_checks.h"
+
+namespace pykernels::logprobs {
+namespace {
+
+using BelowAutograd = at::AutoDispatchBelowADInplaceOrView;  // see lora_cpu.cpp
+
+constexpr int64_t kVocabBlock = 256;  // rows of W per task: a 256 x 256 fp32 tile is 256 KB (L2)
+constexpr int64_t kTokenChunk = 256;  // multiple of cpu::kPanel
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+const uint16_t* bf16_data(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
+
+// bf16 GEMMs on packed operands (see the header of this file).
+class Bf16Gemms {
+ public:
+  Bf16Gemms(const at::Tensor& hidden, const at::Tensor& weight, bool grad_weight)
+      : n_(hidden.size(0)), h_(hidden.size(1)), weight_(bf16_data(weight)) {
+    hidden_t_.resize(cpu::panels(n_) * cpu::panel_stride(h_));
+    cpu::pack_transposed(bf16_data(hidden), n_, h_, h_, hidden_t_.data());
+    if (grad_weight) {
+      hidden_rows_.resize(cpu::panels(h_) * cpu::panel_stride(round_up(n_, 2)));
+      cpu::pack_rows(bf16_data(hidden), n_, round_up(n_, 2), h_, h_, hidden_rows_.data());
+    }
+  }
+  static int64_t ld(int64_t tokens) { return round_up(tokens, cpu::kPanel); }
+
+  void begin_block(int64_t v0, int64_t rows, bool grad_hidden) {
+    if (!grad_hidden) return;
+    thread_local std::vector<uint32_t> w;  // this block of W packed for dh = dz W
+    w.resize(cpu::panels(h_) * cpu::panel_stride(round_up(rows, 2)));
+    cpu::pack_rows(weight_ + v0 * h_, rows, round_up(rows, 2), h_, h_, w.data());
+    block_rows_ = w.data();
+  }
+
+  void logits(int64_t v0, int64_t rows, int64_t t0, int64_t tokens, float* tile, int64_t ld) const {
+    cpu::gemm_bf16(rows, tokens, h_, weight_ + v0 * h_, h_, hidden_t_.data() + t0 / cpu::kPanel * cpu::panel_stride(h_),
+                   cpu::panel_stride(h_), tile, ld, false);
+  }
+
+  // dw_block [rows, H] (+)= dz^T h and dh[t0:] += dz W_block, from the fp32 tile of scale * dz.
+  void backward(int64_t rows, int64_t t0, int64_t tokens, const float* dz, int64_t ld, float* dh, float* dw_block,
+                bool first_chunk) const {
+    thread_local std::vector<uint16_t> dz_t, dz_rows;
+    const int64_t k_tokens = round_up(tokens, 2), k_rows = round_up(rows, 2);
+    dz_t.resize(rows * k_tokens);
+    dz_rows.resize(dh ? tokens * k_rows : 0);
+    cpu::to_bf16_both(dz, rows, tokens, ld, dz_t.data(), k_tokens, dh ? dz_rows.data() : nullptr, k_rows);
+    if (dw_block) {
+      const int64_t stride = cpu::panel_stride(round_up(n_, 2));
+      cpu::gemm_bf16(rows, h_, k_tokens, dz_t.data(), k_tokens, hidden_rows_.data() + t0 / 2 * cpu::kPanel, stride,
+                     dw_block, h_, !first_chunk);
+    }
+    if (dh) {
+      cpu::gemm_bf16(tokens, h_, k_rows, dz_rows.data(), k_rows, block_rows_, cpu::panel_stride(k_rows),
+                     dh + t0 * h_, h_, true);
+    }
+  }
+
+ private:
+  int64_t n_, h_;
+  const uint16_t* weight_;
+  std::vector<uint32_t> hidden_t_, hidden_rows_;
+  static thread_local const uint32_t* block_rows_;
+};
+thread_local const uint32_t* Bf16Gemms::block_rows_ = nullptr;
+
+// torch's fp32 BLAS on fp32 copies: any dtype, any CPU.
+class Fp32Gemms {
+ public:
+  Fp32Gemms(const at::Tensor& hidden, const at::Tensor& weight, bool grad_weight)
+      : hidden_(hidden.to(at::kFloat)), weight_(weight) {}
+  static int64_t ld(int64_t tokens) { return tokens; }
+
+  void begin_block(int64_t v0, int64_t rows, bool grad_hidden) {
+    block() = weight_.narrow(0, v0, rows).to(at::kFloat).contiguous();
+  }
+
+  void logits(int64_t v0, int64_t rows, int64_t t0, int64_t tokens, float* tile, int64_t ld) const {
+    at::Tensor out = at::from_blob(tile, {rows, tokens});
+    at::mm_out(out, block(), hidden_.narrow(0, t0, tokens).t());
+  }
+
+  void backward(int64_t rows, int64_t t0, int64_t tokens, float* dz, int64_t ld, float* dh, float* dw_block,
+                bool first_chunk) const {
+    const at::Tensor dz_t = at::from_blob(dz, {rows, tokens});
+    if (dw_block) {
+      at::Tensor dw = at::from_blob(dw_block, {rows, hidden_.size(1)});
+      if (first_chunk) {
+        at::mm_out(dw, dz_t, hidden_.narrow(0, t0, tokens));
+      } else {
+        dw.addmm_(dz_t, hidden_.narrow(0, t0, tokens));
+      }
+    }
+    if (dh) at::from_blob(dh + t0 * hidden_.size(1), {tokens, hidden_.size(1)}).addmm_(dz_t.t(), block());
+  }
+
+ private:
+  static at::Tensor& block() {
+    thread_local at::Tensor w;  // this thread's block of W in fp32
+    return w;
+  }
+  at::Tensor hidden_, weight_;
+};
+
+// The tiles a thread works on, reused across calls (no allocation, so no page faults, per tile).
+float* thread_tile(int64_t floats) {
+  thread_local std::vector<float> tile;
+  if (static_cast<int64_t>(tile.size()) < floats) tile.resize(floats);
+  return tile.data();
+}
+
+void check_targets(const at::Tensor& targets, int64_t vocab, int64_t ignore_index) {
+  const int64_t* t = targets.data_ptr<int64_t>();
+  for (int64_t i = 0; i < targets.numel(); ++i) {
+    TORCH_CHECK_VALUE(t[i] == ignore_index || (t[i] >= 0 && t[i] < vocab), "targets[", i, "] = ", t[i],
+                      " is outside the vocabulary [0, ", vocab, ") and is not ignore_index (", ignore_index, ")");
+  }
+}
+
+struct Forward {
+  at::Tensor logprobs, entropy, lse;
+};
+
+template <class Gemms>
+Forward forward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, float scale,
+                int64_t ignore_index) {
+  const Sizes s{hidden.size(0), hidden.size(1), weight.size(0)};
+  const int threads = at::get_num_threads();
+  // Per-thread running statistics [threads][3][N]: max_z, sum_exp, sum_exp_z.
+  at::Tensor stats = at::zeros({threads, 3, s.n}, at::kFloat);
+  stats.select(1, 0).fill_(-std::numeric_limits<float>::infinity());
+  at::Tensor target_logit = at::zeros({s.n}, at::kFloat);
+  Gemms gemms(hidden, weight, false);
+  const int64_t* tgt = targets.data_ptr<int64_t>();
+  float* picked = target_logit.data_ptr<float>();
+  const bool avx512 = active_cpu_isa() == CpuIsa::kAvx512;
+  const int64_t blocks = (s.v + kVocabBlock - 1) / kVocabBlock;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    const BelowAutograd below_autograd;
+    float* mine = stats.data_ptr<float>() + at::get_thread_num() * 3 * s.n;
+    float* tile = thread_tile(kVocabBlock * Gemms::ld(kTokenChunk));
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t v0 = b * kVocabBlock, rows = std::min(kVocabBlock, s.v - v0);
+      gemms.begin_block(v0, rows, false);
+      for (int64_t t0 = 0; t0 < s.n; t0 += kTokenChunk) {
+        const int64_t tokens = std::min(kTokenChunk, s.n - t0), ld = Gemms::ld(tokens);
+        gemms.logits(v0, rows, t0, tokens, tile, ld);
+        cpu::fold_tile(tile, rows, tokens, ld, scale, {mine + t0, mine + s.n + t0, mine + 2 * s.n + t0}, avx512);
+        for (int64_t t = 0; t < tokens; ++t) {  // each target lies in exactly one block: no race
+          const int64_t row = tgt[t0 + t] - v0;
+          if (row >= 0 && row < rows) picked[t0 + t] = tile[row * ld + t] * scale;
+        }
+      }
+    }
+  });
+  // Merge the threads' statistics (threads that saw no block have sum_exp 0 and are skipped).
+  Forward out{at::empty({s.n}, at::kFloat), at::empty({s.n}, at::kFloat), at::empty({s.n}, at::kFloat)};
+  const float* st = stats.data_ptr<float>();
+  for (int64_t t = 0; t < s.n; ++t) {
+    float max_z = -std::numeric_limits<float>::infinity();
+    for (int i = 0; i < threads; ++i) {
+      if (st[(i * 3 + 1) * s.n + t] > 0) max_z = std::max(max_z, st[i * 3 * s.n + t]);
+    }
+    double sum = 0, sum_z = 0;
+    for (int i = 0; i < threads; ++i) {
+      const double m = st[i * 3 * s.n + t], e = st[(i * 3 + 1) * s.n + t], ez = st[(i * 3 + 2) * s.n + t];
+      if (e <= 0) continue;
+      const double alpha = std::exp(m - max_z);
+      sum += alpha * e;
+      sum_z += alpha * (ez + (m - max_z) * e);
+    }
+    const float lse = max_z + static_cast<float>(std::log(sum));
+    const bool ignored = tgt[t] == ignore_index;
+    out.lse.data_ptr<float>()[t] = lse;
+    out.logprobs.data_ptr<float>()[t] = ignored ? 0.0f : picked[t] - lse;
+    out.entropy.data_ptr<float>()[t] = ignored ? 0.0f : static_cast<float>(std::log(sum) - sum_z / sum);
+  }
+  return out;
+}
+
+template <class Gemms>
+void backward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& lse,
+              const at::Tensor& entropy, const at::Tensor& grad_logprob, const at::Tensor& grad_entropy, float scale,
+              at::Tensor* grad_hidden, at::Tensor* grad_weight) {
+  const Sizes s{hidden.size(0), hidden.size(1), weight.size(0)};
+  const int threads = at::get_num_threads();
+  at::Tensor dh_parts = grad_hidden ? at::zeros({threads, s.n, s.h}, at::kFloat) : at::Tensor();
+  Gemms gemms(hidden, weight, grad_weight != nullptr);
+  const int64_t* tgt = targets.data_ptr<int64_t>();
+  const float* g_lp = grad_logprob.data_ptr<float>();
+  const cpu::GradInputs in{lse.data_ptr<float>(), entropy.data_ptr<float>(), g_lp, grad_entropy.data_ptr<float>()};
+  const bool avx512 = active_cpu_isa() == CpuIsa::kAvx512;
+  const int64_t blocks = (s.v + kVocabBlock - 1) / kVocabBlock;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    const BelowAutograd below_autograd;
+    float* dh = grad_hidden ? dh_parts.data_ptr<float>() + at::get_thread_num() * s.n * s.h : nullptr;
+    float* tile = thread_tile(kVocabBlock * Gemms::ld(kTokenChunk));
+    thread_local std::vector<float> dw_block;
+    if (grad_weight) dw_block.resize(kVocabBlock * s.h);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t v0 = b * kVocabBlock, rows = std::min(kVocabBlock, s.v - v0);
+      gemms.begin_block(v0, rows, grad_hidden != nullptr);
+      for (int64_t t0 = 0; t0 < s.n; t0 += kTokenChunk) {
+        const int64_t tokens = std::min(kTokenChunk, s.n - t0), ld = Gemms::ld(tokens);
+        gemms.logits(v0, rows, t0, tokens, tile, ld);
+        cpu::grad_tile(tile, rows, tokens, ld, scale, {in.lse + t0, in.entropy + t0, in.grad_logprob + t0,
+                                                       in.grad_entropy + t0}, avx512);
+        for (int64_t t = 0; t < tokens; ++t) {  // d logprob / dz_target = 1
+          const int64_t row = tgt[t0 + t] - v0;
+          if (row >= 0 && row < rows) tile[row * ld + t] += scale * g_lp[t0 + t];
+        }
+        gemms.backward(rows, t0, tokens, tile, ld, dh, grad_weight ? dw_block.data() : nullptr, t0 == 0);
+      }
+      if (grad_weight) {
+        grad_weight->narrow(0, v0, rows).copy_(at::from_blob(dw_block.data(), {rows, s.h}));
+      }
+    }
+  });
+  if (grad_hidden) *grad_hidden = dh_parts.sum(0).to(hidden.scalar_type());
+}
+
+bool use_bf16_gemm(const at::Tensor& hidden) {
+  return hidden.scalar_type() == at::kBFloat16 && active_cpu_isa() == CpuIsa::kAvx512 && cpu::has_bf16_gemm();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_cpu(const at::Tensor& hidden, const at::Tensor& weight,
+                                                                  const at::Tensor& targets, double temperature,
+                                                                  int64_t ignore_index) {
+  check_inputs(hidden, weight, targets, temperature);
+  check_targets(targets, weight.size(0), ignore_index);
+  const float scale = static_cast<float>(1.0 / temperature);
+  const Forward out = use_bf16_gemm(hidden) ? forward<Bf16Gemms>(hidden, weight, targets, scale, ignore_index)
+                                            : forward<Fp32Gemms>(hidden, weight, targets, scale, ignore_index);
+  return {out.logprobs, out.entropy, out.lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> token_logprobs_backward_cpu(
+    const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy, const at::Tensor& hidden,
+    const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& lse, const at::Tensor& entropy,
+    double temperature, int64_t ignore_index, bool compute_grad_hidden, bool compute_grad_weight) {
+  const Sizes s = check_inputs(hidden, weight, targets, temperature);
+  check_grad(grad_logprobs, "grad_logprobs", s.n, hidden);
+  check_grad(lse, "lse", s.n, hidden);
+  check_grad(entropy, "entropy", s.n, hidden);
+  if (grad_entropy.has_value()) check_grad(*grad_entropy, "grad_entropy", s.n, hidden);
+  // Ignored tokens get no gradient at all (their incoming gradient is dropped here).
+  const at::Tensor keep = (targets != ignore_index).to(at::kFloat);
+  const at::Tensor g_lp = (grad_logprobs.to(at::kFloat) * keep).contiguous();
+  const at::Tensor g_ent = grad_entropy.has_value() ? (grad_entropy->to(at::kFloat) * keep).contiguous()
+                                                    : at::zeros({s.n}, at::kFloat);
+  at::Tensor grad_hidden = at::empty({0}, hidden.options()), grad_weight = at::empty({0}, weight.options());
+  if (compute_grad_weight) grad_weight = at::empty_like(weight);
+  if (s.n > 0 && (compute_grad_hidden || compute_grad_weight)) {
+    const float scale = static_cast<float>(1.0 / temperature);
+    const at::Tensor lse_c = lse.to(at::kFloat).contiguous(), ent_c = entropy.to(at::kFloat).contiguous();
+    at::Tensor* gh = compute_grad_hidden ? &grad_hidden : nullptr;
+    at::Tensor* gw = compute_grad_weight ? &grad_weight : nullptr;
+    if (use_bf16_gemm(hidden)) {
+      backward<Bf16Gemms>(hidden, weight, targets, lse_c, ent_c, g_lp, g_ent, scale, gh, gw);
+    } else {
+      backward<Fp32Gemms>(hidden, weight, targets, lse_c, ent_c, g_lp, g_ent, scale, gh, gw);
+    }
+  } else {
+    if (compute_grad_hidden) grad_hidden = at::zeros_like(hidden);
+    if (compute_grad_weight) grad_weight.zero_();
+  }
+  return {grad_hidden, grad_weight};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pykernels, CPU, m) {
+  m.impl("token_logprobs", &token_logprobs_cpu);
+  m.impl("token_logprobs_backward", &token_logprobs_backward_cpu);
+}
+
+}  // namespace pykernels::logprobs
