@@ -91,6 +91,38 @@ def measured_bf16_flops(device: torch.device) -> float:
     return 2 * n**3 / best
 
 
+def _resident_bytes(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def peak_extra_memory(fn, device: torch.device) -> int | None:
+    """Working memory of fn: its peak allocation above what was allocated when it started, minus
+    what it leaves allocated (its outputs and gradients, the same for every implementation). The
+    CUDA allocator's counters on a GPU; on CPU this process's resident set (the peak reset through
+    /proc/self/clear_refs; allocations of 1 MiB or more are fresh mmaps, see pin_fresh_allocations,
+    so freed memory leaves the resident set). None where neither is available."""
+    if device.type == "cuda":
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        synchronize(device)
+        peak, after = torch.cuda.max_memory_allocated(device), torch.cuda.memory_allocated(device)
+        return max(0, peak - max(before, after))
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")  # reset VmHWM (peak RSS) to the current RSS
+        before = _resident_bytes("VmRSS")
+        fn()
+        return max(0, _resident_bytes("VmHWM") - max(before, _resident_bytes("VmRSS")))
+    except OSError:
+        return None
+
+
 @dataclass
 class Device:
     torch_device: torch.device
@@ -118,9 +150,10 @@ def device() -> Device:
 def measure(benchmark, device):
     """measure(fn, bytes_moved=..., flops=..., family=..., op=..., case=..., impl=...) times fn and
     records extra_info: GB/s and % of peak bandwidth for memory-bound ops (bytes_moved), TFLOP/s
-    and % of peak bf16 throughput for compute-bound ones (flops)."""
+    and % of peak bf16 throughput for compute-bound ones (flops), and peak_extra_bytes when given
+    (measured by the caller with peak_extra_memory)."""
 
-    def run(fn, bytes_moved: int = 0, flops: float = 0.0, **labels: str) -> None:
+    def run(fn, bytes_moved: int = 0, flops: float = 0.0, peak_extra_bytes: int | None = None, **labels: str) -> None:
         dev = device.torch_device
         fn()  # warm-up: first-call allocations, lazy init
         synchronize(dev)
@@ -141,6 +174,8 @@ def measure(benchmark, device):
         benchmark.extra_info.update(labels, device_class=device.device_class, repeats=repeats,
                                     bytes_per_call=bytes_moved, peak_bandwidth=device.peak_bandwidth,
                                     peak_source=device.peak_source)
+        if peak_extra_bytes is not None:
+            benchmark.extra_info["peak_extra_bytes"] = peak_extra_bytes
         benchmark.pedantic(timed, rounds=rounds, iterations=1, warmup_rounds=1)
         if benchmark.stats is not None:
             seconds = benchmark.stats.stats.min / repeats  # best round: interference only adds time

@@ -6,7 +6,9 @@ Speedup = baseline time / ours time, per case, both the best round of the same r
 "<family>.<op>.<baseline>" in the section of the run's device class sets
   geomean  floor on the geometric mean of the speedups over all cases of that op (the regression
            guard: one noisy case cannot fail it, a 2x slowdown of ours halves it), and optionally
-  each     floor every single case must meet (hard targets, e.g. "never slower than X").
+  each     floor every single case must meet (hard targets, e.g. "never slower than X"), and
+  metric   "time" (default) or "peak_memory": the ratio baseline / ours of the peak extra memory
+           the benchmark recorded (extra_info["peak_extra_bytes"]) instead of the time.
 A rule with no measured case fails: a benchmark that silently stopped running must not pass.
 Ratios, never absolute times: the machines are shared and noisy, two codes timed side by side are
 affected alike.
@@ -24,12 +26,14 @@ from pathlib import Path
 from benchmarks.results_file import Result, load_results
 
 DEFAULT_THRESHOLDS = Path(__file__).with_name("thresholds.toml")
+METRICS = ("time", "peak_memory")
 
 
 @dataclass(frozen=True)
 class Floor:
     geomean: float
     each: float | None = None
+    metric: str = "time"
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,7 @@ def evaluate(results: list[Result], floors: dict[str, Floor]) -> list[Check]:
         for case in cases:
             ours = by_key.get((family, op, case, "ours"))
             base = by_key.get((family, op, case, baseline))
-            ratios.append(CaseRatio(case, ours and ours.min_s, base and base.min_s))
+            ratios.append(CaseRatio(case, ours and ours.metric(floor.metric), base and base.metric(floor.metric)))
         checks.append(Check(rule, floor, tuple(ratios)))
     return checks
 
@@ -90,17 +94,22 @@ def load_floors(path: Path, device_class: str) -> dict[str, Floor]:
     for rule, value in thresholds[device_class].items():
         if isinstance(value, (int, float)):
             value = {"geomean": value}
-        if rule.count(".") != 2 or not isinstance(value, dict) or set(value) - {"geomean", "each"} \
-                or not isinstance(value.get("geomean"), (int, float)):
+        if rule.count(".") != 2 or not isinstance(value, dict) or set(value) - {"geomean", "each", "metric"} \
+                or not isinstance(value.get("geomean"), (int, float)) \
+                or value.get("metric", "time") not in METRICS:
             raise SystemExit(f"gate: {path} [{device_class}] {rule} = {value!r}: expected "
-                             "\"<family>.<op>.<baseline>\" = <geomean floor> or { geomean = x, each = y }")
-        floors[rule] = Floor(float(value["geomean"]), None if "each" not in value else float(value["each"]))
+                             "\"<family>.<op>.<baseline>\" = <geomean floor> or { geomean = x, each = y, "
+                             f"metric = one of {METRICS} }}")
+        floors[rule] = Floor(float(value["geomean"]), None if "each" not in value else float(value["each"]),
+                             value.get("metric", "time"))
     return floors
 
 
 def format_checks(checks: list[Check]) -> str:
-    def ms(seconds):
-        return "-" if seconds is None else f"{seconds * 1e3:.3f}"
+    def ms(value, metric="time"):  # seconds as ms; bytes (peak_memory) as MiB
+        if value is None:
+            return "-"
+        return f"{value * 1e3:.3f}" if metric == "time" else f"{value / 2**20:.0f} MiB"
 
     def ratio(value):
         return "-" if value is None else f"{value:.2f}x"
@@ -113,7 +122,7 @@ def format_checks(checks: list[Check]) -> str:
                      f"{ratio(floor.geomean):>7}  {verdict} (geometric mean of {len(check.cases)} cases)")
         for case in check.cases:
             verdict = "ok" if check.case_passed(case) else ("MISSING" if case.speedup is None else "FAIL")
-            lines.append(f"  {case.case:<42} {ms(case.ours_s):>10} {ms(case.baseline_s):>10} "
+            lines.append(f"  {case.case:<42} {ms(case.ours_s, floor.metric):>10} {ms(case.baseline_s, floor.metric):>10} "
                          f"{ratio(case.speedup):>9} {ratio(floor.each):>7}  {verdict}")
         if not check.cases:
             lines.append("  (no results)")

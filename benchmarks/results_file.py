@@ -20,6 +20,11 @@ class Result:
     pct_peak: float | None  # of the device's bandwidth
     tflops: float | None = None
     pct_peak_flops: float | None = None  # of the device's bf16 throughput
+    peak_extra_bytes: float | None = None  # memory the call needed beyond its inputs
+
+    def metric(self, name: str) -> float | None:
+        """The value a gate rule compares: best time per call, or peak extra memory."""
+        return self.min_s if name == "time" else self.peak_extra_bytes
 
     @property
     def rule_key(self) -> str:
@@ -38,5 +43,6 @@ def load_results(path: str | Path) -> list[Result]:
         stats = bench["stats"]
         results.append(Result(info["family"], info["op"], info["case"], info["impl"], info["device_class"],
                               stats["min"] / repeats, stats["median"] / repeats, info.get("gbps"),
-                              info.get("pct_peak"), info.get("tflops"), info.get("pct_peak_flops")))
+                              info.get("pct_peak"), info.get("tflops"), info.get("pct_peak_flops"),
+                              info.get("peak_extra_bytes")))
     return results

@@ -105,3 +105,22 @@ def test_repository_thresholds_parse_for_every_device_class():
                 assert 0.5 <= floor.geomean < 1.0, rule
             else:
                 assert floor.geomean >= 1.0 and (floor.each is None or floor.each >= 1.0), rule
+
+
+def test_peak_memory_rule_compares_recorded_memory_not_time(tmp_path, capsys):
+    thresholds = tmp_path / "t.toml"
+    thresholds.write_text('[cpu]\n"nf4.dequantize.bitsandbytes" = { geomean = 8, each = 8, metric = "peak_memory" }\n')
+    results = write_results(tmp_path / "r.json", ours_ms=12.0, bnb_ms=3.0)  # ours slower: irrelevant here
+    data = json.loads(results.read_text())
+    for bench in data["benchmarks"]:
+        bench["extra_info"]["peak_extra_bytes"] = 2**20 if bench["extra_info"]["impl"] == "ours" else 10 * 2**20
+    results.write_text(json.dumps(data))
+    assert gate.main([str(results), "--thresholds", str(thresholds)]) == 0
+    assert "1 MiB" in capsys.readouterr().out
+    data["benchmarks"][1]["extra_info"]["peak_extra_bytes"] = 7 * 2**20  # one case only 7x leaner
+    results.write_text(json.dumps(data))
+    assert gate.main([str(results), "--thresholds", str(thresholds)]) == 1
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[cpu]\n"nf4.dequantize.bitsandbytes" = { geomean = 8, metric = "bytes" }\n')
+    with pytest.raises(SystemExit, match="metric = one of"):
+        gate.load_floors(bad, "cpu")

@@ -30,7 +30,7 @@ namespace {
 using BelowAutograd = at::AutoDispatchBelowADInplaceOrView;  // see lora_cpu.cpp
 
 constexpr int64_t kVocabBlock = 256;  // rows of W per task: a 256 x 256 fp32 tile is 256 KB (L2)
-constexpr int64_t kTokenChunk = 256;  // multiple of cpu::kPanel
+constexpr int64_t kTokenChunk = 512;  // multiple of cpu::kPanel
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 

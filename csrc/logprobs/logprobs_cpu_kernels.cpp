@@ -231,7 +231,20 @@ void pack_transposed(const uint16_t* src, int64_t cols, int64_t k, int64_t ld, u
   }
 }
 
+// Full 32-column panels of pack_rows, 16 pairs per instruction group: zero-extend each row's
+// bf16 to 32 bits and put row 2q + 1 in the high halves.
+PK_AVX512 void pack_rows_avx512(const uint16_t* r0, const uint16_t* r1, uint32_t* out) {
+  for (int half = 0; half < 2; ++half) {
+    const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + 16 * half)));
+    const __m512i hi = r1 == nullptr ? _mm512_setzero_si512()
+                                     : _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                           reinterpret_cast<const __m256i*>(r1 + 16 * half))), 16);
+    _mm512_storeu_si512(out + 16 * half, _mm512_or_si512(lo, hi));
+  }
+}
+
 void pack_rows(const uint16_t* src, int64_t k, int64_t k_padded, int64_t cols, int64_t ld, uint32_t* dst) {
+  const bool avx512 = has_bf16_gemm();
   const int64_t pairs = (k_padded + 1) / 2;
   for (int64_t p = 0; p < panels(cols); ++p) {
     uint32_t* out = dst + p * panel_stride(k_padded);
@@ -239,6 +252,10 @@ void pack_rows(const uint16_t* src, int64_t k, int64_t k_padded, int64_t cols, i
     for (int64_t q = 0; q < pairs; ++q) {
       const uint16_t* r0 = 2 * q < k ? src + 2 * q * ld + p * kPanel : nullptr;
       const uint16_t* r1 = 2 * q + 1 < k ? src + (2 * q + 1) * ld + p * kPanel : nullptr;
+      if (avx512 && r0 != nullptr && width == kPanel) {
+        pack_rows_avx512(r0, r1, out + q * kPanel);
+        continue;
+      }
       for (int64_t j = 0; j < kPanel; ++j) {
         const uint32_t lo = r0 && j < width ? r0[j] : 0, hi = r1 && j < width ? r1[j] : 0;
         out[q * kPanel + j] = lo | (hi << 16);
@@ -261,6 +278,12 @@ void gemm_bf16(int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda, 
       const uint32_t* bp = b + p * b_panel_stride + q0 * kPanel;
       for (int64_t i = 0; i < m; i += kRows) {
         const int64_t rows = std::min<int64_t>(kRows, m - i);
+        if (acc) {  // C rows of the next call: ldc apart (kilobytes), so no hardware prefetcher sees them
+          for (int64_t r = i + kRows; r < std::min(m, i + 2 * kRows); ++r) {
+            _mm_prefetch(reinterpret_cast<const char*>(c + r * ldc + p * kPanel), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(c + r * ldc + p * kPanel + 16), _MM_HINT_T0);
+          }
+        }
         kKernels[rows - 1](pairs, odd, a + i * lda + 2 * q0, lda, bp, c + i * ldc + p * kPanel, ldc, acc, lo, hi);
       }
     }
@@ -284,10 +307,23 @@ void grad_tile(float* tile, int64_t rows, int64_t cols, int64_t ld, float scale,
   }
 }
 
+PK_AVX512_BF16 void row_to_bf16_avx512(const float* src, int64_t cols, uint16_t* dst) {
+  for (int64_t c = 0; c < cols; c += 16) {
+    const __mmask16 m = lane_mask(cols - c);
+    const __m256i packed = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, src + c));
+    _mm256_mask_storeu_epi16(dst + c, m, packed);
+  }
+}
+
 void to_bf16_both(const float* src, int64_t rows, int64_t cols, int64_t ld, uint16_t* dst, int64_t ld_dst,
                   uint16_t* dst_t, int64_t ld_t) {
+  const bool avx512 = has_bf16_gemm();
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) dst[r * ld_dst + c] = to_bf16(src[r * ld + c]);
+    if (avx512) {
+      row_to_bf16_avx512(src + r * ld, cols, dst + r * ld_dst);
+    } else {
+      for (int64_t c = 0; c < cols; ++c) dst[r * ld_dst + c] = to_bf16(src[r * ld + c]);
+    }
     std::fill(dst + r * ld_dst + cols, dst + (r + 1) * ld_dst, uint16_t{0});
   }
   if (dst_t == nullptr) return;

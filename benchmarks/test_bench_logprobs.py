@@ -1,0 +1,103 @@
+"""Per-token logprobs with the lm_head fused in: ours vs torch with materialized logits vs a
+chunked torch implementation, forward and forward+backward, time and peak extra memory.
+
+torch_materialized is what most RL trainers run: logits = h W^T for all tokens, log_softmax in
+fp32, gather. torch_chunked is the usual memory fix: the same per chunk of 1024 tokens under
+activation checkpointing. Both backward paths produce grads for hidden and the lm_head weight.
+extra_info: TFLOP/s (2NHV forward, 8NHV forward+backward: the logits are recomputed once),
+peak_extra_bytes (working memory: the peak beyond the inputs, less the outputs and gradients
+every implementation returns). bf16 throughout.
+GPUs run N in {4096, 16384}; the 2-core CPU runs N=512 so the suite stays within minutes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from benchmarks.conftest import peak_extra_memory
+from pykernels.logprobs import token_logprobs
+
+CHUNK = 1024
+
+
+def cases(device_type: str) -> list[tuple[int, int, int]]:  # (N, H, V)
+    if device_type == "cpu":
+        return [(512, 2048, 32000), (512, 2048, 151936), (512, 4096, 151936)]
+    return [(n, h, v) for n in (4096, 16384) for h in (2048, 4096) for v in (32000, 151936)]
+
+
+def all_cases() -> list[tuple[int, int, int]]:
+    return cases("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _torch_logprobs(hidden, weight, targets):
+    logits = (hidden @ weight.T).float()
+    return torch.log_softmax(logits, -1).gather(1, targets[:, None])[:, 0]
+
+
+def torch_materialized(hidden, weight, targets):
+    return _torch_logprobs(hidden, weight, targets)
+
+
+def torch_chunked(hidden, weight, targets):
+    parts = []
+    for start in range(0, hidden.shape[0], CHUNK):
+        rows = slice(start, start + CHUNK)
+        if torch.is_grad_enabled():
+            parts.append(checkpoint(_torch_logprobs, hidden[rows], weight, targets[rows], use_reentrant=False))
+        else:
+            parts.append(_torch_logprobs(hidden[rows], weight, targets[rows]))
+    return torch.cat(parts)
+
+
+def ours(hidden, weight, targets):
+    return token_logprobs(hidden, weight, targets)
+
+
+IMPLS = {"ours": ours, "torch_materialized": torch_materialized, "torch_chunked": torch_chunked}
+
+
+@pytest.fixture(scope="module")
+def tensors():
+    return {}
+
+
+def make(case, device, cache):
+    if case not in cache:
+        cache.clear()  # one case alive at a time: W is up to 1.2 GB
+        n, h, v = case
+        torch.manual_seed(0)
+        hidden = torch.randn(n, h, device=device, dtype=torch.bfloat16)
+        weight = (torch.randn(v, h, device=device) / h**0.5).to(torch.bfloat16)
+        targets = torch.randint(0, v, (n,), device=device)
+        cache[case] = (hidden, weight, targets)
+    return cache[case]
+
+
+@pytest.mark.parametrize("mode", ["forward", "forward_backward"])
+@pytest.mark.parametrize("case", all_cases(), ids=lambda c: f"N{c[0]}-H{c[1]}-V{c[2]}")
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_logprobs(measure, device, tensors, impl, case, mode):
+    n, h, v = case
+    hidden, weight, targets = make(case, device.torch_device, tensors)
+    fn = IMPLS[impl]
+    backward = mode == "forward_backward"
+    hidden_p = hidden.clone().requires_grad_(backward)
+    weight_p = weight.clone().requires_grad_(backward)
+
+    def call():
+        hidden_p.grad = weight_p.grad = None
+        if not backward:
+            with torch.no_grad():
+                return fn(hidden_p, weight_p, targets)
+        logprobs = fn(hidden_p, weight_p, targets)
+        logprobs.sum().backward()
+        return logprobs
+
+    call()  # warm-up before the memory probe: lazy init and packing buffers are not per-call memory
+    hidden_p.grad = weight_p.grad = None
+    peak = peak_extra_memory(call, device.torch_device)
+    flops = (2 if not backward else 8) * n * h * v
+    measure(call, flops=flops, peak_extra_bytes=peak, family="logprobs", op=mode, case=f"N{n}-H{h}-V{v}", impl=impl)

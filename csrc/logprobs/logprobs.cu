@@ -1,0 +1,127 @@
+// CUDA kernels of the fused token logprobs (declarations and the math in logprobs.h): the
+// reductions that run over each fp32 logits tile the GEMM leaves behind.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "common/cuda_convert.cuh"
+#include "logprobs/logprobs.h"
+
+namespace pykernels::logprobs {
+namespace {
+
+constexpr int kThreads = 256;
+
+const char* launch_status(const char* what) {
+  thread_local std::string last;
+  const cudaError_t status = cudaGetLastError();
+  if (status == cudaSuccess) return nullptr;
+  last = std::string(what) + ": " + cudaGetErrorString(status);
+  return last.c_str();
+}
+
+// Block-wide reduction of one float per thread with op; every thread gets the result.
+template <typename Op>
+__device__ float block_reduce(float value, Op op, float* scratch /* [kThreads / 32] */) {
+  for (int offset = 16; offset > 0; offset /= 2) value = op(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = value;
+  __syncthreads();
+  value = scratch[0];
+  for (int w = 1; w < kThreads / 32; ++w) value = op(value, scratch[w]);
+  return value;
+}
+
+struct Max {
+  __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+struct Sum {
+  __device__ float operator()(float a, float b) const { return a + b; }
+};
+
+__global__ void __launch_bounds__(kThreads) fold_kernel(FoldParams p) {
+  __shared__ float scratch[kThreads / 32];
+  const int64_t row = blockIdx.x, token = p.t0 + row;
+  const float* z = p.z + row * p.ld;
+  float local_max = -INFINITY;
+  for (int64_t c = threadIdx.x; c < p.cols; c += kThreads) local_max = fmaxf(local_max, z[c]);
+  const float old_max = p.stats.max_z[token], old_sum = p.stats.sum_exp[token];
+  const float new_max = fmaxf(old_max, block_reduce(local_max, Max{}, scratch));
+  float sum = 0.0f, sum_z = 0.0f;
+  for (int64_t c = threadIdx.x; c < p.cols; c += kThreads) {
+    const float d = z[c] - new_max;
+    const float e = __expf(d);
+    sum += e;
+    sum_z += e * d;
+  }
+  sum = block_reduce(sum, Sum{}, scratch);
+  sum_z = block_reduce(sum_z, Sum{}, scratch);
+  if (threadIdx.x == 0) {
+    // Re-base the old sums on the new max (tokens with nothing folded yet have sum 0).
+    const float alpha = old_sum > 0.0f ? __expf(old_max - new_max) : 0.0f;
+    const float old_part_z = old_sum > 0.0f ? alpha * (p.stats.sum_exp_z[token] + (old_max - new_max) * old_sum) : 0.0f;
+    p.stats.max_z[token] = new_max;
+    p.stats.sum_exp[token] = alpha * old_sum + sum;
+    p.stats.sum_exp_z[token] = old_part_z + sum_z;
+    const int64_t column = p.targets[token] - p.v0;  // read only when inside this chunk
+    if (column >= 0 && column < p.cols) p.picked[token] = z[column];
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) finalize_kernel(FinalizeParams p) {
+  const int64_t t = int64_t(blockIdx.x) * kThreads + threadIdx.x;
+  if (t >= p.n) return;
+  const float log_sum = logf(p.stats.sum_exp[t]);
+  const float lse = p.stats.max_z[t] + log_sum;
+  const bool ignored = p.targets[t] == p.ignore_index;
+  p.lse[t] = lse;
+  p.logprobs[t] = ignored ? 0.0f : p.picked[t] - lse;
+  p.entropy[t] = ignored ? 0.0f : log_sum - p.stats.sum_exp_z[t] / p.stats.sum_exp[t];
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) grad_kernel(GradParams p) {
+  const int64_t row = blockIdx.y, token = p.t0 + row;
+  const float lse = p.lse[token], shift = p.entropy[token] - lse;
+  const float g_lp = p.grad_logprob[token], g_ent = p.grad_entropy[token];
+  const int64_t target_column = p.targets[token] - p.v0;
+  const float* z = p.z + row * p.ld;
+  T* out = static_cast<T*>(p.dz) + row * p.ld_out;
+  for (int64_t c = int64_t(blockIdx.x) * kThreads + threadIdx.x; c < p.cols; c += int64_t(gridDim.x) * kThreads) {
+    const float prob = __expf(z[c] - lse);
+    float dz = -prob * (g_lp + g_ent * (z[c] + shift));
+    if (c == target_column) dz += g_lp;
+    out[c] = from_float<T>(p.scale * dz);
+  }
+}
+
+}  // namespace
+
+const char* launch_fold(const FoldParams& p, cudaStream_t stream) {
+  if (p.rows == 0) return nullptr;
+  fold_kernel<<<static_cast<unsigned>(p.rows), kThreads, 0, stream>>>(p);
+  return launch_status("logprobs fold kernel");
+}
+
+const char* launch_finalize(const FinalizeParams& p, cudaStream_t stream) {
+  if (p.n == 0) return nullptr;
+  finalize_kernel<<<static_cast<unsigned>((p.n + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p);
+  return launch_status("logprobs finalize kernel");
+}
+
+const char* launch_grad(const GradParams& p, cudaStream_t stream) {
+  if (p.rows == 0) return nullptr;
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>((p.cols + kThreads - 1) / kThreads, 64)),
+                  static_cast<unsigned>(p.rows));
+  switch (p.dz_dtype) {
+    case DType::kFloat32: grad_kernel<float><<<grid, kThreads, 0, stream>>>(p); break;
+    case DType::kFloat16: grad_kernel<__half><<<grid, kThreads, 0, stream>>>(p); break;
+    case DType::kBFloat16: grad_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(p); break;
+  }
+  return launch_status("logprobs grad kernel");
+}
+
+}  // namespace pykernels::logprobs

@@ -1,0 +1,170 @@
+// CUDA implementation of the fused token-logprob ops (schemas in csrc/torch_bindings.cpp; the same
+// results as logprobs_cpu.cpp up to rounding): checks, chunking and the composition of the CUTLASS
+// GEMM (lora::launch_gemm) with the reduction kernels of logprobs.cu on torch's current stream.
+//
+//   forward   for each vocab chunk W_c, token chunk h_t:  z = h_t W_c^T / T   (fp32 tile)
+//                                                         fold z into per-token running stats
+//             finalize: logprobs, entropy, lse
+//   backward  for each vocab chunk W_c:  dW_c = 0 (fp32)
+//               for each token chunk:   z = h_t W_c^T / T, dz = scale dL/dz (input dtype)
+//                                       dh_t += dz W_c          (fp32, C = D)
+//                                       dW_c += dz^T h_t        (fp32, C = D)
+//               grad_weight[c] = dW_c   (rounded once: fp32 sums across token chunks)
+// Extra memory: one fp32 tile and one dz tile (kTokenChunk x kVocabChunk), an fp32 [vocab chunk, H]
+// dW buffer and an fp32 [N, H] dh buffer; never [N, V].
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <limits>
+#include <optional>
+
+#include "logprobs/logprobs.h"
+#include "logprobs/logprobs_torch_checks.h"
+#include "lora/lora.h"
+
+namespace pykernels::logprobs {
+namespace {
+
+constexpr int64_t kTokenChunk = 4096;
+constexpr int64_t kVocabChunk = 8192;  // fp32 tile 128 MiB at most
+
+void check_launch(const char* error) { TORCH_CHECK(error == nullptr, error); }
+
+cudaStream_t current_stream(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+
+DType dtype_of(const at::Tensor& t) { return nf4::float_dtype(t.scalar_type(), "tensor"); }
+
+// Row padding that keeps every row of a tile 16-byte aligned (CUTLASS's tensor-core path).
+int64_t padded(int64_t cols) { return (cols + 7) / 8 * 8; }
+
+// One device-side check (a host sync): an out-of-range target is an error, never an
+// out-of-bounds read; the kernels also read a target's logit only when it lies in their chunk.
+void check_targets(const at::Tensor& targets, int64_t vocab, int64_t ignore_index) {
+  const at::Tensor bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab));
+  if (!bad.any().item<bool>()) return;
+  const int64_t index = bad.nonzero()[0][0].item<int64_t>();
+  TORCH_CHECK_VALUE(false, "targets[", index, "] = ", targets[index].item<int64_t>(),
+                    " is outside the vocabulary [0, ", vocab, ") and is not ignore_index (", ignore_index, ")");
+}
+
+// z [tokens, vocab rows] = scale * h[t0:] W[v0:]^T in fp32, rows padded to ld.
+void logits_tile(const at::Tensor& hidden, const at::Tensor& weight, int64_t t0, int64_t tokens, int64_t v0,
+                 int64_t rows, float scale, at::Tensor& z, int64_t ld, cudaStream_t stream) {
+  const int64_t h = hidden.size(1);
+  const int64_t elem = hidden.element_size();
+  lora::GemmParams g{};
+  g.m = tokens, g.n = rows, g.k = h;
+  g.a = static_cast<const char*>(hidden.data_ptr()) + t0 * h * elem, g.lda = h, g.a_transposed = false;
+  g.b = static_cast<const char*>(weight.data_ptr()) + v0 * h * elem, g.ldb = h, g.b_transposed = true;
+  g.c = nullptr, g.ldc = ld, g.d = z.data_ptr(), g.ldd = ld;
+  g.ab_dtype = dtype_of(hidden), g.d_dtype = DType::kFloat32, g.alpha = scale, g.beta = 0.0f;
+  check_launch(lora::launch_gemm(g, stream));
+}
+
+Stats stats_of(at::Tensor& stats) {
+  return {stats[0].data_ptr<float>(), stats[1].data_ptr<float>(), stats[2].data_ptr<float>()};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_cuda(const at::Tensor& hidden, const at::Tensor& weight,
+                                                                   const at::Tensor& targets, double temperature,
+                                                                   int64_t ignore_index) {
+  const Sizes s = check_inputs(hidden, weight, targets, temperature);
+  const c10::cuda::CUDAGuard guard(hidden.device());
+  const auto f32 = hidden.options().dtype(at::kFloat);
+  at::Tensor logprobs = at::zeros({s.n}, f32), entropy = at::zeros({s.n}, f32), lse = at::zeros({s.n}, f32);
+  if (s.n == 0) return {logprobs, entropy, lse};
+  check_targets(targets, s.v, ignore_index);
+  const cudaStream_t stream = current_stream(hidden);
+  const float scale = static_cast<float>(1.0 / temperature);
+  at::Tensor stats = at::zeros({3, s.n}, f32);
+  stats[0].fill_(-std::numeric_limits<float>::infinity());
+  at::Tensor picked = at::zeros({s.n}, f32);
+  const int64_t ld = padded(std::min(kVocabChunk, s.v));
+  at::Tensor z = at::empty({std::min(kTokenChunk, s.n), ld}, f32);
+  for (int64_t v0 = 0; v0 < s.v; v0 += kVocabChunk) {
+    const int64_t rows = std::min(kVocabChunk, s.v - v0);
+    for (int64_t t0 = 0; t0 < s.n; t0 += kTokenChunk) {
+      const int64_t tokens = std::min(kTokenChunk, s.n - t0);
+      logits_tile(hidden, weight, t0, tokens, v0, rows, scale, z, ld, stream);
+      check_launch(launch_fold({z.data_ptr<float>(), tokens, rows, ld, t0, v0, targets.data_ptr<int64_t>(),
+                                stats_of(stats), picked.data_ptr<float>()}, stream));
+    }
+  }
+  check_launch(launch_finalize({s.n, targets.data_ptr<int64_t>(), ignore_index, stats_of(stats),
+                                picked.data_ptr<float>(), logprobs.data_ptr<float>(), entropy.data_ptr<float>(),
+                                lse.data_ptr<float>()}, stream));
+  return {logprobs, entropy, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> token_logprobs_backward_cuda(
+    const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy, const at::Tensor& hidden,
+    const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& lse, const at::Tensor& entropy,
+    double temperature, int64_t ignore_index, bool compute_grad_hidden, bool compute_grad_weight) {
+  const Sizes s = check_inputs(hidden, weight, targets, temperature);
+  check_grad(grad_logprobs, "grad_logprobs", s.n, hidden);
+  check_grad(lse, "lse", s.n, hidden);
+  check_grad(entropy, "entropy", s.n, hidden);
+  if (grad_entropy.has_value()) check_grad(*grad_entropy, "grad_entropy", s.n, hidden);
+  const c10::cuda::CUDAGuard guard(hidden.device());
+  const cudaStream_t stream = current_stream(hidden);
+  const auto f32 = hidden.options().dtype(at::kFloat);
+  const at::Tensor keep = (targets != ignore_index).to(at::kFloat);
+  const at::Tensor g_lp = (grad_logprobs.to(at::kFloat) * keep).contiguous();
+  const at::Tensor g_ent = grad_entropy.has_value() ? (grad_entropy->to(at::kFloat) * keep).contiguous()
+                                                    : at::zeros({s.n}, f32);
+  const at::Tensor lse_c = lse.to(at::kFloat).contiguous(), ent_c = entropy.to(at::kFloat).contiguous();
+  at::Tensor dh = compute_grad_hidden ? at::zeros({s.n, s.h}, f32) : at::Tensor();
+  at::Tensor grad_weight = compute_grad_weight ? at::empty_like(weight) : at::empty({0}, weight.options());
+  if (s.n == 0 || !(compute_grad_hidden || compute_grad_weight)) {
+    if (compute_grad_weight) grad_weight.zero_();
+    return {compute_grad_hidden ? at::zeros_like(hidden) : at::empty({0}, hidden.options()), grad_weight};
+  }
+  const float scale = static_cast<float>(1.0 / temperature);
+  const int64_t ld = padded(std::min(kVocabChunk, s.v)), chunk = std::min(kTokenChunk, s.n);
+  at::Tensor z = at::empty({chunk, ld}, f32);
+  at::Tensor dz = at::empty({chunk, ld}, hidden.options());
+  at::Tensor dw = compute_grad_weight ? at::empty({std::min(kVocabChunk, s.v), s.h}, f32) : at::Tensor();
+  const int64_t elem = hidden.element_size();
+  for (int64_t v0 = 0; v0 < s.v; v0 += kVocabChunk) {
+    const int64_t rows = std::min(kVocabChunk, s.v - v0);
+    const char* w_chunk = static_cast<const char*>(weight.data_ptr()) + v0 * s.h * elem;
+    for (int64_t t0 = 0; t0 < s.n; t0 += kTokenChunk) {
+      const int64_t tokens = std::min(kTokenChunk, s.n - t0);
+      const char* h_chunk = static_cast<const char*>(hidden.data_ptr()) + t0 * s.h * elem;
+      logits_tile(hidden, weight, t0, tokens, v0, rows, scale, z, ld, stream);
+      check_launch(launch_grad({z.data_ptr<float>(), tokens, rows, ld, t0, v0, targets.data_ptr<int64_t>(),
+                                lse_c.data_ptr<float>(), ent_c.data_ptr<float>(), g_lp.data_ptr<float>(),
+                                g_ent.data_ptr<float>(), scale, dz.data_ptr(), ld, dtype_of(hidden)}, stream));
+      lora::GemmParams g{};
+      g.ab_dtype = dtype_of(hidden), g.d_dtype = DType::kFloat32, g.alpha = 1.0f;
+      if (compute_grad_hidden) {  // dh[t0:] += dz W_c
+        float* d = dh.data_ptr<float>() + t0 * s.h;
+        g.m = tokens, g.n = s.h, g.k = rows;
+        g.a = dz.data_ptr(), g.lda = ld, g.a_transposed = false;
+        g.b = w_chunk, g.ldb = s.h, g.b_transposed = false;
+        g.c = d, g.ldc = s.h, g.d = d, g.ldd = s.h, g.beta = 1.0f;
+        check_launch(lora::launch_gemm(g, stream));
+      }
+      if (compute_grad_weight) {  // dW_c (+)= dz^T h_t
+        g.m = rows, g.n = s.h, g.k = tokens;
+        g.a = dz.data_ptr(), g.lda = ld, g.a_transposed = true;
+        g.b = h_chunk, g.ldb = s.h, g.b_transposed = false;
+        g.c = dw.data_ptr(), g.ldc = s.h, g.d = dw.data_ptr(), g.ldd = s.h, g.beta = t0 == 0 ? 0.0f : 1.0f;
+        check_launch(lora::launch_gemm(g, stream));
+      }
+    }
+    if (compute_grad_weight) grad_weight.narrow(0, v0, rows).copy_(dw.narrow(0, 0, rows));
+  }
+  return {compute_grad_hidden ? dh.to(hidden.scalar_type()) : at::empty({0}, hidden.options()), grad_weight};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pykernels, CUDA, m) {
+  m.impl("token_logprobs", &token_logprobs_cuda);
+  m.impl("token_logprobs_backward", &token_logprobs_backward_cuda);
+}
+
+}  // namespace pykernels::logprobs
