@@ -6,9 +6,9 @@ Speedup = baseline time / ours time, per case, both the best round of the same r
 "<family>.<op>.<baseline>" in the section of the run's device class sets
   geomean  floor on the geometric mean of the speedups over all cases of that op (the regression
            guard: one noisy case cannot fail it, a 2x slowdown of ours halves it), and optionally
-  each     floor every single case must meet (hard targets, e.g. "never slower than X"), and
-  metric   "time" (default) or "peak_memory": the ratio baseline / ours of the peak extra memory
-           the benchmark recorded (extra_info["peak_extra_bytes"]) instead of the time.
+  each     floor every single case must meet (hard targets, e.g. "never slower than X").
+A rule "<family>.<op>.<baseline>.peak_memory" compares the working memory the benchmark recorded
+(extra_info["peak_extra_bytes"], baseline / ours) instead of the time.
 A rule with no measured case fails: a benchmark that silently stopped running must not pass.
 Ratios, never absolute times: the machines are shared and noisy, two codes timed side by side are
 affected alike.
@@ -26,7 +26,6 @@ from pathlib import Path
 from benchmarks.results_file import Result, load_results
 
 DEFAULT_THRESHOLDS = Path(__file__).with_name("thresholds.toml")
-METRICS = ("time", "peak_memory")
 
 
 @dataclass(frozen=True)
@@ -75,7 +74,7 @@ def evaluate(results: list[Result], floors: dict[str, Floor]) -> list[Check]:
     by_key = {(r.family, r.op, r.case, r.impl): r for r in results}
     checks = []
     for rule, floor in sorted(floors.items()):
-        family, op, baseline = rule.rsplit(".", 2)
+        family, op, baseline = rule.removesuffix(".peak_memory").rsplit(".", 2)
         cases = sorted({r.case for r in results if (r.family, r.op) == (family, op)})
         ratios = []
         for case in cases:
@@ -94,14 +93,13 @@ def load_floors(path: Path, device_class: str) -> dict[str, Floor]:
     for rule, value in thresholds[device_class].items():
         if isinstance(value, (int, float)):
             value = {"geomean": value}
-        if rule.count(".") != 2 or not isinstance(value, dict) or set(value) - {"geomean", "each", "metric"} \
-                or not isinstance(value.get("geomean"), (int, float)) \
-                or value.get("metric", "time") not in METRICS:
+        metric = "peak_memory" if rule.endswith(".peak_memory") else "time"
+        if rule.removesuffix(".peak_memory").count(".") != 2 or not isinstance(value, dict) \
+                or set(value) - {"geomean", "each"} or not isinstance(value.get("geomean"), (int, float)):
             raise SystemExit(f"gate: {path} [{device_class}] {rule} = {value!r}: expected "
-                             "\"<family>.<op>.<baseline>\" = <geomean floor> or { geomean = x, each = y, "
-                             f"metric = one of {METRICS} }}")
-        floors[rule] = Floor(float(value["geomean"]), None if "each" not in value else float(value["each"]),
-                             value.get("metric", "time"))
+                             "\"<family>.<op>.<baseline>[.peak_memory]\" = <geomean floor> or "
+                             "{ geomean = x, each = y }")
+        floors[rule] = Floor(float(value["geomean"]), None if "each" not in value else float(value["each"]), metric)
     return floors
 
 

@@ -29,7 +29,7 @@ namespace {
 
 using BelowAutograd = at::AutoDispatchBelowADInplaceOrView;  // see lora_cpu.cpp
 
-constexpr int64_t kVocabBlock = 256;  // rows of W per task: a 256 x 256 fp32 tile is 256 KB (L2)
+constexpr int64_t kVocabBlock = 512;  // rows of W per task (also K of dh += dz W: fewer passes over dh)
 constexpr int64_t kTokenChunk = 512;  // multiple of cpu::kPanel
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -237,7 +237,10 @@ void backward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tens
         }
         gemms.backward(rows, t0, tokens, tile, ld, dh, grad_weight ? dw_block.data() : nullptr, t0 == 0);
       }
-      if (grad_weight) {
+      if (grad_weight && grad_weight->scalar_type() == at::kBFloat16) {  // rounded once, straight into place
+        auto* out = reinterpret_cast<uint16_t*>(grad_weight->data_ptr()) + v0 * s.h;
+        cpu::to_bf16_both(dw_block.data(), rows, s.h, s.h, out, s.h, nullptr, 0);
+      } else if (grad_weight) {
         grad_weight->narrow(0, v0, rows).copy_(at::from_blob(dw_block.data(), {rows, s.h}));
       }
     }

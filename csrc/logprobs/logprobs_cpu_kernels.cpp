@@ -19,7 +19,7 @@ namespace {
 constexpr int kRows = 12;
 // Pairs of K per cache block: a B panel block is kKPairs x kPanel x 4 bytes = 16 KB (stays in L1
 // while the micro-kernel walks the rows of A).
-constexpr int64_t kKPairs = 128;
+constexpr int64_t kKPairs = 256;
 
 inline uint32_t load_pair(const uint16_t* p) {
   uint32_t v;
@@ -278,7 +278,7 @@ void gemm_bf16(int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda, 
       const uint32_t* bp = b + p * b_panel_stride + q0 * kPanel;
       for (int64_t i = 0; i < m; i += kRows) {
         const int64_t rows = std::min<int64_t>(kRows, m - i);
-        if (acc) {  // C rows of the next call: ldc apart (kilobytes), so no hardware prefetcher sees them
+        {  // C rows of the next call (read, or written whole): ldc apart, so no hardware prefetcher sees them
           for (int64_t r = i + kRows; r < std::min(m, i + 2 * kRows); ++r) {
             _mm_prefetch(reinterpret_cast<const char*>(c + r * ldc + p * kPanel), _MM_HINT_T0);
             _mm_prefetch(reinterpret_cast<const char*>(c + r * ldc + p * kPanel + 16), _MM_HINT_T0);
