@@ -99,10 +99,10 @@ def _resident_bytes(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def peak_extra_memory(fn, device: torch.device) -> int | None:
-    """Working memory of fn: its peak allocation above what was allocated when it started, minus
-    what it leaves allocated (its outputs and gradients, the same for every implementation). The
-    CUDA allocator's counters on a GPU; on CPU this process's resident set (the peak reset through
+def peak_extra_memory(fn, device: torch.device, output_bytes: int = 0) -> int | None:
+    """Working memory of fn: its peak allocation above what was allocated when it started, less
+    output_bytes (what it must return: outputs and gradients, the same for every implementation).
+    The CUDA allocator's peak on a GPU; on CPU this process's peak resident set (reset through
     /proc/self/clear_refs; allocations of 1 MiB or more are fresh mmaps, see pin_fresh_allocations,
     so freed memory leaves the resident set). None where neither is available."""
     if device.type == "cuda":
@@ -111,14 +111,13 @@ def peak_extra_memory(fn, device: torch.device) -> int | None:
         before = torch.cuda.memory_allocated(device)
         fn()
         synchronize(device)
-        peak, after = torch.cuda.max_memory_allocated(device), torch.cuda.memory_allocated(device)
-        return max(0, peak - max(before, after))
+        return max(0, torch.cuda.max_memory_allocated(device) - before - output_bytes)
     try:
         with open("/proc/self/clear_refs", "w") as clear:
             clear.write("5")  # reset VmHWM (peak RSS) to the current RSS
         before = _resident_bytes("VmRSS")
         fn()
-        return max(0, _resident_bytes("VmHWM") - max(before, _resident_bytes("VmRSS")))
+        return max(0, _resident_bytes("VmHWM") - before - output_bytes)
     except OSError:
         return None
 

@@ -33,7 +33,8 @@ def table(path: Path, markdown: bool) -> str:
     results = sorted(load_results(path), key=lambda r: (r.family, r.op, r.case, r.impl != "ours", r.min_s))
     ours = {(r.family, r.op, r.case): r.min_s for r in results if r.impl == "ours"}
     bases = {(r.family, r.op, r.case): r.min_s for r in results if r.impl == BASE_IMPL}
-    header = ["op", "case", "impl", "best ms", "median ms", "throughput (% peak)", "ours vs impl", "over base"]
+    header = ["op", "case", "impl", "best ms", "median ms", "throughput (% peak)", "ours vs impl", "over base",
+              "peak extra"]
     rows = []
     for r in results:
         speedup = ours.get((r.family, r.op, r.case))
@@ -42,6 +43,7 @@ def table(path: Path, markdown: bool) -> str:
             f"{r.family}.{r.op}", r.case, r.impl, f"{r.min_s * 1e3:.3f}", f"{r.median_s * 1e3:.3f}", throughput(r),
             "-" if speedup is None or r.impl == "ours" else f"{r.min_s / speedup:.2f}x",
             "-" if base is None or r.impl == BASE_IMPL else f"{100 * (r.min_s / base - 1):+.1f}%",
+            "-" if r.peak_extra_bytes is None else f"{r.peak_extra_bytes / 2**20:.0f} MiB",
         ])
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

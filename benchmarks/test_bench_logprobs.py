@@ -7,8 +7,8 @@ activation checkpointing. forward_backward computes grads for hidden and the lm_
 forward_backward_frozen for hidden only (LoRA / QLoRA: the lm_head is frozen).
 extra_info: TFLOP/s (2NHV forward, 8NHV forward+backward, 6NHV with a frozen lm_head: our
 backward recomputes the logits, so these count the work we do, not the work torch does),
-peak_extra_bytes (working memory: the peak beyond the inputs, less the outputs and gradients
-every implementation returns). bf16 throughout.
+peak_extra_bytes (working memory: the peak beyond the inputs, less the logprobs and gradients
+every implementation must return). bf16 throughout.
 GPUs run N in {4096, 16384}; the 2-core CPU runs N=512 so the suite stays within minutes.
 """
 
@@ -100,6 +100,9 @@ def test_logprobs(measure, device, tensors, impl, case, mode):
 
     call()  # warm-up before the memory probe: lazy init and packing buffers are not per-call memory
     hidden_p.grad = weight_p.grad = None
-    peak = peak_extra_memory(call, device.torch_device)
+    returned = 4 * n  # fp32 logprobs, and the gradients every implementation must produce
+    returned += hidden.nbytes if backward else 0
+    returned += weight.nbytes if mode == "forward_backward" else 0
+    peak = peak_extra_memory(call, device.torch_device, output_bytes=returned)
     flops = {"forward": 2, "forward_backward": 8, "forward_backward_frozen": 6}[mode] * n * h * v
     measure(call, flops=flops, peak_extra_bytes=peak, family="logprobs", op=mode, case=f"N{n}-H{h}-V{v}", impl=impl)

@@ -18,7 +18,7 @@ import yaml
 
 import pykernels.backend
 
-from driver import sync
+from driver import memory, sync
 from driver.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from driver.cli import ConfigError, config_from_argv, exit_on_config_error
 from driver.collect import collect
@@ -73,8 +73,11 @@ def run(config: Config) -> bool:
                     break
                 generated = time.perf_counter()
                 batch = merge(batches)
+                memory.reset_peak(policy.device)
                 metrics = {**batches[0].metrics, **optimize(config, policy, batch, optimizer, scheduler)}
                 updated = time.perf_counter()
+                if (peak := memory.peak_gib(policy.device)) is not None:
+                    metrics["memory/update_peak_gib"] = peak
                 step += 1
                 metrics.update(sync.push_adapter(config, policy, generator, verifier, version=step))
                 metrics.update({"time/generation": generated - started, "time/update": updated - generated,

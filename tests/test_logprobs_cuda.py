@@ -1,0 +1,64 @@
+"""CUDA token_logprobs against the fp64 oracle, torch's own low-precision error, and the CPU op.
+
+Same rule as tests/test_logprobs.py: max|ours - fp64| <= max|torch_lowprec - fp64| + tol, for
+logprobs, entropy and both gradients; CUDA and CPU agree within the sum of their budgets.
+"""
+
+import pytest
+import torch
+
+from conftest import requires_cuda
+from pykernels.logprobs import IGNORE_INDEX, token_logprobs
+from test_logprobs import fp64_oracle, make, max_err, torch_lowprec
+
+pytestmark = [requires_cuda, pytest.mark.cuda]
+
+# (n, h, v): odd H and V take the SIMT GEMMs, multiples of 8 the tensor cores; 4099 tokens and
+# V = 50257 / 151936 / 9000 span several token and vocabulary chunks (4096 x 8192).
+CASES = [(1, 64, 50257), (7, 96, 50257), (4099, 64, 9000), (300, 33, 1517), (513, 128, 151936)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
+@pytest.mark.parametrize("n,h,v", CASES)
+def test_against_fp64_and_cpu(n, h, v, dtype, temperature):
+    hidden, weight, targets = make(n, h, v, dtype, seed=n + v)
+    generator = torch.Generator().manual_seed(1)
+    grad_lp, grad_ent = torch.randn(n, generator=generator), torch.randn(n, generator=generator)
+    lp64, ent64, h64, w64 = fp64_oracle(hidden, weight, targets, temperature)
+    (lp64 * grad_lp.double() + ent64 * grad_ent.double()).sum().backward()
+    cuda = [t.cuda() for t in (hidden, weight, targets, grad_lp, grad_ent)]
+    t_lp, t_ent, t_gh, t_gw = (t.cpu() for t in torch_lowprec(*cuda[:3], temperature, *cuda[3:]))
+
+    results = {}
+    for device in ("cuda", "cpu"):
+        hid = hidden.to(device).requires_grad_()
+        wt = weight.to(device).requires_grad_()
+        lp, ent = token_logprobs(hid, wt, targets.to(device), temperature, return_entropy=True)
+        (lp * grad_lp.to(device) + ent * grad_ent.to(device)).sum().backward()
+        results[device] = [t.detach().cpu() for t in (lp, ent, hid.grad, wt.grad)]
+    tol = 2e-5
+    lp, ent, gh, gw = results["cuda"]
+    assert max_err(lp, lp64.detach()) <= max_err(t_lp, lp64.detach()) + tol
+    assert max_err(ent, ent64.detach()) <= max_err(t_ent, ent64.detach()) + tol
+    for ours, theirs, oracle in ((gh, t_gh, h64.grad), (gw, t_gw, w64.grad)):
+        rounding = oracle.abs().max().item() * (2**-8 if dtype != torch.float32 else 1e-5)
+        assert max_err(ours, oracle) <= max_err(theirs, oracle) + rounding
+    for cuda_value, cpu_value in zip(results["cuda"], results["cpu"]):
+        torch.testing.assert_close(cuda_value.float(), cpu_value.float(), atol=2e-2 if dtype != torch.float32 else 1e-4,
+                                   rtol=2e-2)
+    valid = targets != IGNORE_INDEX
+    assert not gh[~valid].any()
+
+
+def test_opcheck_cuda():
+    hidden, weight, targets = (t.cuda() for t in make(11, 24, 70, torch.bfloat16))
+    torch.library.opcheck(torch.ops.pykernels.token_logprobs, (hidden, weight, targets, 0.8, IGNORE_INDEX))
+
+
+def test_bad_targets_cuda():
+    hidden, weight = torch.randn(3, 8, device="cuda"), torch.randn(10, 8, device="cuda")
+    with pytest.raises(ValueError, match=r"targets\[1\] = 10 is outside the vocabulary"):
+        token_logprobs(hidden, weight, torch.tensor([0, 10, 2], device="cuda"))
+    with pytest.raises(ValueError, match="targets must be on"):
+        token_logprobs(hidden, weight, torch.tensor([0, 1, 2]))
