@@ -62,10 +62,12 @@ TORCH_LIBRARY(pykernels, m) {
   //      targets int64 [N]; logits z = hidden weight^T / temperature exist one tile at a time.
 
   // logprobs = z[target] - logsumexp(z) and entropy = -sum softmax(z) log softmax(z), fp32 [N] (0 where
-  // target == ignore_index), and lse = logsumexp(z) fp32 [N] (saved for backward).
+  // target == ignore_index), lse = logsumexp(z) fp32 [N] (saved for backward), and with
+  // hidden_grad_terms = 1 / 2 the gradients of logprobs (and entropy) with respect to hidden, fp32
+  // [terms, N, H], computed in the same pass (for a frozen weight; empty where a kernel lacks it).
   m.def(
-      "token_logprobs(Tensor hidden, Tensor weight, Tensor targets, float temperature=1.0, int ignore_index=-100) "
-      "-> (Tensor logprobs, Tensor entropy, Tensor lse)");
+      "token_logprobs(Tensor hidden, Tensor weight, Tensor targets, float temperature=1.0, int ignore_index=-100, "
+      "int hidden_grad_terms=0) -> (Tensor logprobs, Tensor entropy, Tensor lse, Tensor grad_terms)");
 
   // Gradients of token_logprobs for incoming grad_logprobs (and grad_entropy) [N]: grad_hidden
   // [N, H] and grad_weight [V, H] (summed in fp32, rounded once), each empty when not asked for.

@@ -57,10 +57,12 @@ CASES = [  # (n, h, v): N = 1, 7, 4099; vocabularies that are not multiples of a
 ]
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable_weight", "frozen_weight"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
 @pytest.mark.parametrize("n,h,v", CASES)
-def test_against_fp64(n, h, v, dtype, temperature, cpu_isa):
+def test_against_fp64(n, h, v, dtype, temperature, frozen, cpu_isa):
+    """frozen_weight takes the forward that also computes d(logprob, entropy)/d hidden."""
     hidden, weight, targets = make(n, h, v, dtype, seed=n + v)
     generator = torch.Generator().manual_seed(1)
     grad_lp, grad_ent = torch.randn(n, generator=generator), torch.randn(n, generator=generator)
@@ -68,16 +70,17 @@ def test_against_fp64(n, h, v, dtype, temperature, cpu_isa):
     (lp64 * grad_lp.double() + ent64 * grad_ent.double()).sum().backward()
     t_lp, t_ent, t_gh, t_gw = torch_lowprec(hidden, weight, targets, temperature, grad_lp, grad_ent)
 
-    hid, wt = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    hid, wt = hidden.clone().requires_grad_(), weight.clone().requires_grad_(not frozen)
     lp, ent = token_logprobs(hid, wt, targets, temperature, return_entropy=True)
     (lp * grad_lp + ent * grad_ent).sum().backward()
-    assert lp.dtype == ent.dtype == torch.float32 and hid.grad.dtype == wt.grad.dtype == dtype
+    assert lp.dtype == ent.dtype == torch.float32 and hid.grad.dtype == dtype
 
     tol = 2e-5  # fp32 summation noise over V terms
     assert max_err(lp, lp64.detach()) <= max_err(t_lp, lp64.detach()) + tol
     assert max_err(ent, ent64.detach()) <= max_err(t_ent, ent64.detach()) + tol
     # Gradients: no worse than torch's own path in this dtype, plus one rounding of the result.
-    for ours, theirs, oracle in ((hid.grad, t_gh, h64.grad), (wt.grad, t_gw, w64.grad)):
+    grads = [(hid.grad, t_gh, h64.grad)] + ([] if frozen else [(wt.grad, t_gw, w64.grad)])
+    for ours, theirs, oracle in grads:
         scale = oracle.abs().max().item()
         rounding = scale * (2**-8 if dtype == torch.bfloat16 else 1e-5)
         assert max_err(ours, oracle) <= max_err(theirs, oracle) + rounding
@@ -115,6 +118,31 @@ def test_entropy_gradient_alone_and_frozen_weight():
     assert weight.grad is None
 
 
+@pytest.mark.parametrize("return_entropy,entropy_grad,use_entropy", [
+    (False, True, False), (True, True, True), (True, False, False), (True, True, False)])
+def test_frozen_weight_paths_match_the_recomputing_backward(return_entropy, entropy_grad, use_entropy):
+    """The forward-computed hidden gradient (every combination of terms) equals the op that
+    recomputes the logits in the backward, which a trainable weight forces."""
+    hidden, weight, targets = make(70, 48, 1000, torch.float32)
+    grad_lp = torch.randn(70)
+
+    def hidden_grad(trainable):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_(trainable)
+        out = token_logprobs(h, w, targets, 0.8, return_entropy=return_entropy, entropy_grad=entropy_grad)
+        lp, ent = out if return_entropy else (out, None)
+        loss = (lp * grad_lp).sum() + (0.3 * ent.sum() if use_entropy else 0)
+        loss.backward()
+        return h.grad
+
+    torch.testing.assert_close(hidden_grad(False), hidden_grad(True), atol=2e-5, rtol=1e-4)
+
+
+def test_detached_entropy():
+    hidden, weight, targets = make(5, 16, 50, torch.float32)
+    _, ent = token_logprobs(hidden.requires_grad_(), weight, targets, return_entropy=True, entropy_grad=False)
+    assert not ent.requires_grad
+
+
 def test_all_ignored_and_custom_ignore_index():
     hidden, weight, _ = make(5, 16, 50, torch.float32)
     h = hidden.clone().requires_grad_()
@@ -139,7 +167,10 @@ def test_empty_input():
 def test_opcheck():
     hidden, weight, targets = make(11, 20, 70, torch.float32)
     torch.library.opcheck(ops.token_logprobs, (hidden, weight.requires_grad_(), targets, 0.8, IGNORE_INDEX))
-    lp, ent, lse = ops.token_logprobs(hidden, weight.detach(), targets, 0.8, IGNORE_INDEX)
+    for terms in (1, 2):
+        torch.library.opcheck(ops.token_logprobs,
+                              (hidden.clone().requires_grad_(), weight.detach(), targets, 0.8, IGNORE_INDEX, terms))
+    lp, ent, lse, _ = ops.token_logprobs(hidden, weight.detach(), targets, 0.8, IGNORE_INDEX)
     grad = torch.randn(11)
     torch.library.opcheck(ops.token_logprobs_backward,
                           (grad, grad.clone(), hidden, weight.detach(), targets, lse, ent, 0.8, IGNORE_INDEX, True, True))

@@ -144,18 +144,60 @@ void check_targets(const at::Tensor& targets, int64_t vocab, int64_t ignore_inde
 }
 
 struct Forward {
-  at::Tensor logprobs, entropy, lse;
+  at::Tensor logprobs, entropy, lse, grad_terms;
 };
 
+// Rescales this thread's gradient-term accumulators of one token from running max old_max to new_max
+// (see forward): ua *= alpha, ue = alpha (ue + (old_max - new_max) ua), alpha = exp(old_max - new_max).
+void rebase_terms(float* ua, float* ue, int64_t h, float old_max, float new_max) {
+  const float alpha = std::exp(old_max - new_max), shift = old_max - new_max;
+  if (ue != nullptr) {
+    for (int64_t k = 0; k < h; ++k) ue[k] = alpha * (ue[k] + shift * ua[k]);
+  }
+  for (int64_t k = 0; k < h; ++k) ua[k] *= alpha;
+}
+
+// grad_terms [terms, N, H] from the threads' accumulators (fp32 tensors [threads, N, H]); see forward.
+at::Tensor combine_terms(const at::Tensor& stats, const at::Tensor& ua, const at::Tensor& ue, const at::Tensor& max_z,
+                         const at::Tensor& sum_exp, const Forward& out, const at::Tensor& picked,
+                         const at::Tensor& weight, const at::Tensor& targets, int64_t ignore_index, float scale) {
+  const at::Tensor thread_max = stats.select(1, 0), thread_sum = stats.select(1, 1);  // [threads, N]
+  const at::Tensor factor = at::where(thread_sum > 0, at::exp(thread_max - max_z) / sum_exp, at::zeros_like(thread_sum));
+  const at::Tensor keep = (targets != ignore_index).to(at::kFloat).unsqueeze(1);
+  const at::Tensor w_target = weight.index_select(0, targets.clamp(0, weight.size(0) - 1)).to(at::kFloat);
+  const at::Tensor log_p = picked - out.lse;  // log p(target)
+  // d logprob / dh = scale ((1 - p_t) W_t - sum_{v != t} p_v W_v); 1 - p_t as -expm1, exact near p_t = 1.
+  const at::Tensor others = (factor.unsqueeze(2) * ua).sum(0);
+  at::Tensor d_logprob = scale * (-at::expm1(log_p)).unsqueeze(1) * w_target - scale * others;
+  if (!ue.defined()) return (d_logprob * keep).unsqueeze(0);
+  // d entropy / dh = -scale sum_v p_v (z_v - lse + H) W_v: the non-targets from the accumulators,
+  // re-based from each thread's max to lse, plus the target's own term.
+  const at::Tensor rebase = at::where(thread_sum > 0, thread_max - out.lse + out.entropy,  // -inf * 0 is NaN
+                                      at::zeros_like(thread_sum)).unsqueeze(2);                // [threads, N, 1]
+  const at::Tensor non_targets = (factor.unsqueeze(2) * (ue + rebase * ua)).sum(0);
+  const at::Tensor target_term = (at::exp(log_p) * (log_p + out.entropy)).unsqueeze(1) * w_target;
+  const at::Tensor d_entropy = -scale * (non_targets + target_term);
+  return at::stack({d_logprob * keep, d_entropy * keep});
+}
+
+// terms > 0 (a frozen weight and hidden needing a gradient) also accumulates, for every token, the
+// gradient of its logprob (and with terms = 2 of its entropy) with respect to its hidden state:
+// sums of softmax-weighted rows of W, accumulated like the output of flash attention (weights
+// exp(z - running max), rescaled when the max moves; the target's own row kept out and added
+// exactly at the end). The backward is then [N, H] arithmetic: 4NHV in all instead of 6NHV with a
+// recomputing backward.
 template <class Gemms>
 Forward forward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, float scale,
-                int64_t ignore_index) {
+                int64_t ignore_index, int64_t terms) {
   const Sizes s{hidden.size(0), hidden.size(1), weight.size(0)};
   const int threads = at::get_num_threads();
   // Per-thread running statistics [threads][3][N]: max_z, sum_exp, sum_exp_z.
   at::Tensor stats = at::zeros({threads, 3, s.n}, at::kFloat);
   stats.select(1, 0).fill_(-std::numeric_limits<float>::infinity());
   at::Tensor target_logit = at::zeros({s.n}, at::kFloat);
+  // Per-thread term accumulators: ua = sum_{v != t} e_v W_v, ue = sum_{v != t} e_v (z_v - max) W_v.
+  at::Tensor ua = terms > 0 ? at::zeros({threads, s.n, s.h}, at::kFloat) : at::Tensor();
+  at::Tensor ue = terms > 1 ? at::zeros({threads, s.n, s.h}, at::kFloat) : at::Tensor();
   Gemms gemms(hidden, weight, false);
   const int64_t* tgt = targets.data_ptr<int64_t>();
   float* picked = target_logit.data_ptr<float>();
@@ -163,24 +205,52 @@ Forward forward(const at::Tensor& hidden, const at::Tensor& weight, const at::Te
   const int64_t blocks = (s.v + kVocabBlock - 1) / kVocabBlock;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     const BelowAutograd below_autograd;
-    float* mine = stats.data_ptr<float>() + at::get_thread_num() * 3 * s.n;
+    const int thread = at::get_thread_num();
+    float* mine = stats.data_ptr<float>() + thread * 3 * s.n;
+    float* my_ua = terms > 0 ? ua.data_ptr<float>() + thread * s.n * s.h : nullptr;
+    float* my_ue = terms > 1 ? ue.data_ptr<float>() + thread * s.n * s.h : nullptr;
     float* tile = thread_tile(kVocabBlock * Gemms::ld(kTokenChunk));
+    thread_local std::vector<float> weighted, old_max, old_sum;
+    if (terms > 1) weighted.resize(kVocabBlock * Gemms::ld(kTokenChunk));
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t v0 = b * kVocabBlock, rows = std::min(kVocabBlock, s.v - v0);
-      gemms.begin_block(v0, rows, false);
+      gemms.begin_block(v0, rows, terms > 0);
       for (int64_t t0 = 0; t0 < s.n; t0 += kTokenChunk) {
         const int64_t tokens = std::min(kTokenChunk, s.n - t0), ld = Gemms::ld(tokens);
         gemms.logits(v0, rows, t0, tokens, tile, ld);
+        if (terms > 0) {
+          old_max.assign(mine + t0, mine + t0 + tokens);
+          old_sum.assign(mine + s.n + t0, mine + s.n + t0 + tokens);
+        }
         cpu::fold_tile(tile, rows, tokens, ld, scale, {mine + t0, mine + s.n + t0, mine + 2 * s.n + t0}, avx512);
         for (int64_t t = 0; t < tokens; ++t) {  // each target lies in exactly one block: no race
           const int64_t row = tgt[t0 + t] - v0;
           if (row >= 0 && row < rows) picked[t0 + t] = tile[row * ld + t] * scale;
         }
+        if (terms == 0) continue;
+        for (int64_t t = 0; t < tokens; ++t) {
+          if (old_sum[t] > 0 && old_max[t] != mine[t0 + t]) {
+            rebase_terms(my_ua + (t0 + t) * s.h, my_ue ? my_ue + (t0 + t) * s.h : nullptr, s.h, old_max[t],
+                         mine[t0 + t]);
+          }
+        }
+        cpu::exp_tile(tile, terms > 1 ? weighted.data() : nullptr, rows, tokens, ld, scale, mine + t0, avx512);
+        for (int64_t t = 0; t < tokens; ++t) {  // the target's own row is added exactly at the end
+          const int64_t row = tgt[t0 + t] - v0;
+          if (row >= 0 && row < rows) {
+            tile[row * ld + t] = 0.0f;
+            if (terms > 1) weighted[row * ld + t] = 0.0f;
+          }
+        }
+        gemms.backward(rows, t0, tokens, tile, ld, my_ua, nullptr, false);  // ua[t0:] += e W_block
+        if (terms > 1) gemms.backward(rows, t0, tokens, weighted.data(), ld, my_ue, nullptr, false);
       }
     }
   });
   // Merge the threads' statistics (threads that saw no block have sum_exp 0 and are skipped).
-  Forward out{at::empty({s.n}, at::kFloat), at::empty({s.n}, at::kFloat), at::empty({s.n}, at::kFloat)};
+  Forward out{at::empty({s.n}, at::kFloat), at::empty({s.n}, at::kFloat), at::empty({s.n}, at::kFloat),
+              at::empty({0}, at::kFloat)};
+  at::Tensor max_all = at::empty({s.n}, at::kFloat), sum_all = at::empty({s.n}, at::kFloat);
   const float* st = stats.data_ptr<float>();
   for (int64_t t = 0; t < s.n; ++t) {
     float max_z = -std::numeric_limits<float>::infinity();
@@ -197,9 +267,15 @@ Forward forward(const at::Tensor& hidden, const at::Tensor& weight, const at::Te
     }
     const float lse = max_z + static_cast<float>(std::log(sum));
     const bool ignored = tgt[t] == ignore_index;
+    max_all.data_ptr<float>()[t] = max_z;
+    sum_all.data_ptr<float>()[t] = static_cast<float>(sum);
     out.lse.data_ptr<float>()[t] = lse;
     out.logprobs.data_ptr<float>()[t] = ignored ? 0.0f : picked[t] - lse;
     out.entropy.data_ptr<float>()[t] = ignored ? 0.0f : static_cast<float>(std::log(sum) - sum_z / sum);
+  }
+  if (terms > 0) {
+    out.grad_terms = combine_terms(stats, ua, ue, max_all, sum_all, out, target_logit, weight, targets, ignore_index,
+                                   scale);
   }
   return out;
 }
@@ -252,15 +328,18 @@ bool use_bf16_gemm(const at::Tensor& hidden) {
   return hidden.scalar_type() == at::kBFloat16 && active_cpu_isa() == CpuIsa::kAvx512 && cpu::has_bf16_gemm();
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_cpu(const at::Tensor& hidden, const at::Tensor& weight,
-                                                                  const at::Tensor& targets, double temperature,
-                                                                  int64_t ignore_index) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_logprobs_cpu(
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, double temperature,
+    int64_t ignore_index, int64_t hidden_grad_terms) {
   check_inputs(hidden, weight, targets, temperature);
+  check_terms(hidden_grad_terms);
   check_targets(targets, weight.size(0), ignore_index);
   const float scale = static_cast<float>(1.0 / temperature);
-  const Forward out = use_bf16_gemm(hidden) ? forward<Bf16Gemms>(hidden, weight, targets, scale, ignore_index)
-                                            : forward<Fp32Gemms>(hidden, weight, targets, scale, ignore_index);
-  return {out.logprobs, out.entropy, out.lse};
+  const int64_t terms = hidden.size(0) > 0 ? hidden_grad_terms : 0;
+  Forward out = use_bf16_gemm(hidden) ? forward<Bf16Gemms>(hidden, weight, targets, scale, ignore_index, terms)
+                                      : forward<Fp32Gemms>(hidden, weight, targets, scale, ignore_index, terms);
+  if (terms == 0 && hidden_grad_terms > 0) out.grad_terms = at::zeros({hidden_grad_terms, 0, hidden.size(1)}, at::kFloat);
+  return {out.logprobs, out.entropy, out.lse, out.grad_terms};
 }
 
 std::tuple<at::Tensor, at::Tensor> token_logprobs_backward_cpu(

@@ -160,6 +160,36 @@ void fold_tile_scalar(const float* tile, int64_t rows, int64_t cols, int64_t ld,
   }
 }
 
+PK_AVX512 void exp_tile_avx512(float* tile, float* weighted, int64_t rows, int64_t cols, int64_t ld, float scale,
+                               const float* max_z) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t t = 0; t < ld; t += 16) {
+    const __mmask16 valid = lane_mask(cols - t), inside = lane_mask(ld - t);
+    const __m512 max = _mm512_maskz_loadu_ps(valid, max_z + t);
+    for (int64_t v = 0; v < rows; ++v) {
+      float* row = tile + v * ld + t;
+      const __m512 d = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(valid, row), vscale, max);
+      const __m512 e = _mm512_maskz_mov_ps(valid, exp512(d));
+      _mm512_mask_storeu_ps(row, inside, e);
+      if (weighted) _mm512_mask_storeu_ps(weighted + v * ld + t, inside, _mm512_mul_ps(e, d));
+    }
+  }
+}
+
+void exp_tile_scalar(float* tile, float* weighted, int64_t rows, int64_t cols, int64_t ld, float scale,
+                     const float* max_z) {
+  for (int64_t v = 0; v < rows; ++v) {
+    float* row = tile + v * ld;
+    for (int64_t t = 0; t < cols; ++t) {
+      const float d = row[t] * scale - max_z[t];
+      row[t] = std::exp(d);
+      if (weighted) weighted[v * ld + t] = row[t] * d;
+    }
+    std::fill(row + cols, row + ld, 0.0f);
+    if (weighted) std::fill(weighted + v * ld + cols, weighted + (v + 1) * ld, 0.0f);
+  }
+}
+
 PK_AVX512 void grad_tile_avx512(float* tile, int64_t rows, int64_t cols, int64_t ld, float scale, GradInputs in) {
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t t = 0; t < ld; t += 16) {
@@ -296,6 +326,15 @@ void fold_tile(const float* tile, int64_t rows, int64_t cols, int64_t ld, float 
     fold_tile_avx512(tile, rows, cols, ld, scale, stats);
   } else {
     fold_tile_scalar(tile, rows, cols, ld, scale, stats);
+  }
+}
+
+void exp_tile(float* tile, float* weighted, int64_t rows, int64_t cols, int64_t ld, float scale, const float* max_z,
+              bool avx512) {
+  if (avx512) {
+    exp_tile_avx512(tile, weighted, rows, cols, ld, scale, max_z);
+  } else {
+    exp_tile_scalar(tile, weighted, rows, cols, ld, scale, max_z);
   }
 }
 

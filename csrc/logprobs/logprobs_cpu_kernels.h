@@ -50,6 +50,12 @@ struct RunningStats {
 void fold_tile(const float* tile, int64_t rows, int64_t cols, int64_t ld, float scale, RunningStats stats,
                bool avx512);
 
+// Overwrites the logits tile with e = exp(z - max_z[t]) (z = scale * tile), and writes e (z - max_z[t])
+// to weighted when given (same layout): the softmax weights, relative to the running max, of the
+// gradient terms accumulated in the forward (see logprobs_cpu.cpp). Columns cols..ld-1 are zeroed.
+void exp_tile(float* tile, float* weighted, int64_t rows, int64_t cols, int64_t ld, float scale, const float* max_z,
+              bool avx512);
+
 // Per-token inputs of the backward epilogue (offset to the tile's first token). grad_logprob is
 // zero for ignored tokens, so their gradient is exactly zero.
 struct GradInputs {

@@ -67,14 +67,18 @@ Stats stats_of(at::Tensor& stats) {
   return {stats[0].data_ptr<float>(), stats[1].data_ptr<float>(), stats[2].data_ptr<float>()};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_cuda(const at::Tensor& hidden, const at::Tensor& weight,
-                                                                   const at::Tensor& targets, double temperature,
-                                                                   int64_t ignore_index) {
+// hidden_grad_terms is not implemented here yet: grad_terms comes back empty and the backward
+// recomputes the logits instead (pykernels/ops/logprobs.py falls back on an empty grad_terms).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_logprobs_cuda(
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, double temperature,
+    int64_t ignore_index, int64_t hidden_grad_terms) {
   const Sizes s = check_inputs(hidden, weight, targets, temperature);
+  check_terms(hidden_grad_terms);
   const c10::cuda::CUDAGuard guard(hidden.device());
   const auto f32 = hidden.options().dtype(at::kFloat);
   at::Tensor logprobs = at::zeros({s.n}, f32), entropy = at::zeros({s.n}, f32), lse = at::zeros({s.n}, f32);
-  if (s.n == 0) return {logprobs, entropy, lse};
+  const at::Tensor no_terms = at::empty({0}, f32);
+  if (s.n == 0) return {logprobs, entropy, lse, no_terms};
   check_targets(targets, s.v, ignore_index);
   const cudaStream_t stream = current_stream(hidden);
   const float scale = static_cast<float>(1.0 / temperature);
@@ -95,7 +99,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_cuda(const at::Ten
   check_launch(launch_finalize({s.n, targets.data_ptr<int64_t>(), ignore_index, stats_of(stats),
                                 picked.data_ptr<float>(), logprobs.data_ptr<float>(), entropy.data_ptr<float>(),
                                 lse.data_ptr<float>()}, stream));
-  return {logprobs, entropy, lse};
+  return {logprobs, entropy, lse, no_terms};
 }
 
 std::tuple<at::Tensor, at::Tensor> token_logprobs_backward_cuda(

@@ -40,6 +40,12 @@ inline Sizes check_inputs(const at::Tensor& hidden, const at::Tensor& weight, co
   return {hidden.size(0), hidden.size(1), weight.size(0)};
 }
 
+inline void check_terms(int64_t hidden_grad_terms) {
+  TORCH_CHECK_VALUE(hidden_grad_terms >= 0 && hidden_grad_terms <= 2,
+                    "hidden_grad_terms must be 0 (none), 1 (logprob) or 2 (logprob and entropy), got ",
+                    hidden_grad_terms);
+}
+
 // Per-token gradient inputs of the backward (fp32 [N], contiguous); grad_entropy may be absent.
 inline void check_grad(const at::Tensor& g, const char* name, int64_t n, const at::Tensor& hidden) {
   TORCH_CHECK_VALUE(g.dim() == 1 && g.size(0) == n, name, " must have shape (", n, ",), got ",
