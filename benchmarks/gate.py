@@ -8,7 +8,8 @@ Speedup = baseline time / ours time, per case, both the best round of the same r
            guard: one noisy case cannot fail it, a 2x slowdown of ours halves it), and optionally
   each     floor every single case must meet (hard targets, e.g. "never slower than X").
 A rule "<family>.<op>.<baseline>.peak_memory" compares the working memory the benchmark recorded
-(extra_info["peak_extra_bytes"], baseline / ours) instead of the time.
+(extra_info["peak_extra_bytes"], baseline / ours) instead of the time. `cases = "text"` limits a
+rule to the cases whose name contains text (a target stated for one size, e.g. "V151936").
 A rule with no measured case fails: a benchmark that silently stopped running must not pass.
 Ratios, never absolute times: the machines are shared and noisy, two codes timed side by side are
 affected alike.
@@ -33,6 +34,7 @@ class Floor:
     geomean: float
     each: float | None = None
     metric: str = "time"
+    cases: str | None = None  # only cases whose name contains this
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,8 @@ def evaluate(results: list[Result], floors: dict[str, Floor]) -> list[Check]:
     checks = []
     for rule, floor in sorted(floors.items()):
         family, op, baseline = rule.removesuffix(".peak_memory").rsplit(".", 2)
-        cases = sorted({r.case for r in results if (r.family, r.op) == (family, op)})
+        cases = sorted({r.case for r in results if (r.family, r.op) == (family, op)
+                        and (floor.cases is None or floor.cases in r.case)})
         ratios = []
         for case in cases:
             ours = by_key.get((family, op, case, "ours"))
@@ -95,11 +98,13 @@ def load_floors(path: Path, device_class: str) -> dict[str, Floor]:
             value = {"geomean": value}
         metric = "peak_memory" if rule.endswith(".peak_memory") else "time"
         if rule.removesuffix(".peak_memory").count(".") != 2 or not isinstance(value, dict) \
-                or set(value) - {"geomean", "each"} or not isinstance(value.get("geomean"), (int, float)):
+                or set(value) - {"geomean", "each", "cases"} or not isinstance(value.get("geomean"), (int, float)) \
+                or not isinstance(value.get("cases", ""), str):
             raise SystemExit(f"gate: {path} [{device_class}] {rule} = {value!r}: expected "
                              "\"<family>.<op>.<baseline>[.peak_memory]\" = <geomean floor> or "
-                             "{ geomean = x, each = y }")
-        floors[rule] = Floor(float(value["geomean"]), None if "each" not in value else float(value["each"]), metric)
+                             "{ geomean = x, each = y, cases = \"text\" }")
+        floors[rule] = Floor(float(value["geomean"]), None if "each" not in value else float(value["each"]), metric,
+                             value.get("cases"))
     return floors
 
 

@@ -57,15 +57,16 @@ def hidden_states(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
 
 
 def completion_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature: float = 1.0,
-                        return_entropy: bool = False):
+                        return_entropy: bool = False, entropy_grad: bool = True):
     """Per-token logprobs of each completion under softmax(logits / temperature), padded to
-    [num_sequences, max_completion_length] fp32, with the matching mask (and entropy if asked)."""
+    [num_sequences, max_completion_length] fp32, with the matching mask (and entropy if asked;
+    entropy_grad=False returns it detached, for logging, which spares the forward its gradient)."""
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     positions = batch.completion_positions()
     targets = packed_targets(batch.input_ids[0], batch.cu_seqlens)[positions]
     hidden = hidden_states(model, batch)[positions]
     result = token_logprobs(hidden, causal_lm.get_output_embeddings().weight, targets, temperature=temperature,
-                            return_entropy=return_entropy)
+                            return_entropy=return_entropy, entropy_grad=entropy_grad)
     logprobs, entropy = result if return_entropy else (result, None)
     width = max(batch.completion_lengths, default=0)
     mask = torch.zeros(batch.num_sequences, width, device=logprobs.device)

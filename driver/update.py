@@ -99,7 +99,7 @@ def micro_batch_loss(config: Config, policy: Policy, batch: RolloutBatch, part: 
     algo = config.algo
     packed = pack(batch.prompt_ids[part], batch.completion_ids[part], device=policy.device)
     logps, entropy, mask = completion_logprobs(policy.model, packed, config.rollout.sampling.temperature,
-                                               return_entropy=True)
+                                               return_entropy=True, entropy_grad=False)  # entropy: a metric
     width = logps.shape[1]
     old = old_logps[part, :width] if old_logps is not None else logps.detach()
     sampling = batch.sampling_logprobs[part, :width]

@@ -124,3 +124,15 @@ def test_peak_memory_rule_compares_recorded_memory_not_time(tmp_path, capsys):
     bad.write_text('[cpu]\n"nf4.dequantize.bitsandbytes.bytes" = { geomean = 8 }\n')
     with pytest.raises(SystemExit, match=r"\[\.peak_memory\]"):
         gate.load_floors(bad, "cpu")
+
+
+def test_cases_filter_limits_a_rule_to_matching_cases(tmp_path):
+    thresholds = tmp_path / "t.toml"
+    thresholds.write_text('[cpu]\n"nf4.dequantize.bitsandbytes" = { geomean = 3.0, each = 3.0, cases = "14336" }\n')
+    results = write_results(tmp_path / "r.json", 3.0, 12.0)
+    data = json.loads(results.read_text())
+    data["benchmarks"][1]["stats"]["min"] = 0.003  # 4096x4096: 1x, outside the rule's cases
+    results.write_text(json.dumps(data))
+    assert gate.main([str(results), "--thresholds", str(thresholds)]) == 0
+    check, = gate.evaluate(gate.load_results(results), gate.load_floors(thresholds, "cpu"))
+    assert [c.case for c in check.cases] == ["4096x14336"]
