@@ -9,6 +9,7 @@
 // chunks diverges: Liger-Kernel#512) without an fp32 [V, H] buffer. The backward recomputes each
 // tile from the saved log-sum-exp, turns it into dz in place and feeds dz to two GEMMs:
 // dW_block += dz^T h and dh += dz W_block (per-thread fp32 partials of dh, summed at the end).
+// With a frozen W the forward computes dlogprob/dh itself and nothing is recomputed (see forward).
 //
 // GEMMs: bf16 inputs on a CPU with AVX-512 BF16 use our micro-kernel (exact bf16 products, fp32
 // sums, so logits are as good as fp32 logits of the bf16 inputs); anything else goes to torch's
@@ -63,9 +64,10 @@ class Bf16Gemms {
                    cpu::panel_stride(h_), tile, ld, false);
   }
 
-  // dw_block [rows, H] (+)= dz^T h and dh[t0:] += dz W_block, from the fp32 tile of scale * dz.
-  void backward(int64_t rows, int64_t t0, int64_t tokens, const float* dz, int64_t ld, float* dh, float* dw_block,
-                bool first_chunk) const {
+  // dw_block [rows, H] (+)= dz^T h and dh[t0:] += dz W_block, from an fp32 tile dz [rows][ld] (scale * dz
+  // in the backward; softmax weights in a forward that accumulates hidden-gradient terms).
+  void accumulate(int64_t rows, int64_t t0, int64_t tokens, const float* dz, int64_t ld, float* dh, float* dw_block,
+                  bool first_chunk) const {
     thread_local std::vector<uint16_t> dz_t, dz_rows;
     const int64_t k_tokens = round_up(tokens, 2), k_rows = round_up(rows, 2);
     dz_t.resize(rows * k_tokens);
@@ -106,8 +108,8 @@ class Fp32Gemms {
     at::mm_out(out, block(), hidden_.narrow(0, t0, tokens).t());
   }
 
-  void backward(int64_t rows, int64_t t0, int64_t tokens, float* dz, int64_t ld, float* dh, float* dw_block,
-                bool first_chunk) const {
+  void accumulate(int64_t rows, int64_t t0, int64_t tokens, float* dz, int64_t ld, float* dh, float* dw_block,
+                  bool first_chunk) const {
     const at::Tensor dz_t = at::from_blob(dz, {rows, tokens});
     if (dw_block) {
       at::Tensor dw = at::from_blob(dw_block, {rows, hidden_.size(1)});
@@ -242,8 +244,8 @@ Forward forward(const at::Tensor& hidden, const at::Tensor& weight, const at::Te
             if (terms > 1) weighted[row * ld + t] = 0.0f;
           }
         }
-        gemms.backward(rows, t0, tokens, tile, ld, my_ua, nullptr, false);  // ua[t0:] += e W_block
-        if (terms > 1) gemms.backward(rows, t0, tokens, weighted.data(), ld, my_ue, nullptr, false);
+        gemms.accumulate(rows, t0, tokens, tile, ld, my_ua, nullptr, false);  // ua[t0:] += e W_block
+        if (terms > 1) gemms.accumulate(rows, t0, tokens, weighted.data(), ld, my_ue, nullptr, false);
       }
     }
   });
@@ -311,7 +313,7 @@ void backward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tens
           const int64_t row = tgt[t0 + t] - v0;
           if (row >= 0 && row < rows) tile[row * ld + t] += scale * g_lp[t0 + t];
         }
-        gemms.backward(rows, t0, tokens, tile, ld, dh, grad_weight ? dw_block.data() : nullptr, t0 == 0);
+        gemms.accumulate(rows, t0, tokens, tile, ld, dh, grad_weight ? dw_block.data() : nullptr, t0 == 0);
       }
       if (grad_weight && grad_weight->scalar_type() == at::kBFloat16) {  // rounded once, straight into place
         auto* out = reinterpret_cast<uint16_t*>(grad_weight->data_ptr()) + v0 * s.h;
