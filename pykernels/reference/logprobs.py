@@ -1,8 +1,9 @@
 """Pure-torch per-token logprobs (and entropy) under softmax(hidden @ weight.T / temperature).
 
-The readable statement of pykernels.logprobs' ops and their fallback until the fused kernels land
-(issue [4/8]). Chunked over tokens with activation checkpointing, so the [N, V] logits exist one
-chunk at a time in the forward and are recomputed chunk by chunk in the backward.
+The readable statement of pykernels.logprobs' ops: the test oracle and the fallback under
+pykernels.backend.set_kernels("reference"). Chunked over tokens with activation checkpointing, so
+the [N, V] logits exist one chunk at a time in the forward and are recomputed chunk by chunk in the
+backward (in fp32, from an fp32 copy of the weight: accurate, not lean).
 """
 
 from __future__ import annotations
