@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+MEMORY_RESOLUTION = 2**20  # bytes: allocations below glibc's pinned mmap threshold (benchmarks/conftest.py)
+
+
 @dataclass(frozen=True)
 class Result:
     family: str
@@ -23,8 +26,11 @@ class Result:
     peak_extra_bytes: float | None = None  # memory the call needed beyond its inputs
 
     def metric(self, name: str) -> float | None:
-        """The value a gate rule compares: best time per call, or peak extra memory."""
-        return self.min_s if name == "time" else self.peak_extra_bytes
+        """The value a gate rule compares: best time per call, or peak extra memory, counted as at
+        least MEMORY_RESOLUTION (smaller needs may come out of resident heap and read as 0)."""
+        if name == "time":
+            return self.min_s
+        return None if self.peak_extra_bytes is None else max(self.peak_extra_bytes, MEMORY_RESOLUTION)
 
     @property
     def rule_key(self) -> str:

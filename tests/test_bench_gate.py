@@ -117,6 +117,9 @@ def test_peak_memory_rule_compares_recorded_memory_not_time(tmp_path, capsys):
     results.write_text(json.dumps(data))
     assert gate.main([str(results), "--thresholds", str(thresholds)]) == 0
     assert "1 MiB" in capsys.readouterr().out
+    data["benchmarks"][0]["extra_info"]["peak_extra_bytes"] = 0  # below resolution: counted as 1 MiB, no crash
+    results.write_text(json.dumps(data))
+    assert gate.main([str(results), "--thresholds", str(thresholds)]) == 0
     data["benchmarks"][1]["extra_info"]["peak_extra_bytes"] = 7 * 2**20  # one case only 7x leaner
     results.write_text(json.dumps(data))
     assert gate.main([str(results), "--thresholds", str(thresholds)]) == 1
