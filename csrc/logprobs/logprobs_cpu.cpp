@@ -348,27 +348,19 @@ std::tuple<at::Tensor, at::Tensor> token_logprobs_backward_cpu(
     const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy, const at::Tensor& hidden,
     const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& lse, const at::Tensor& entropy,
     double temperature, int64_t ignore_index, bool compute_grad_hidden, bool compute_grad_weight) {
-  const Sizes s = check_inputs(hidden, weight, targets, temperature);
-  check_grad(grad_logprobs, "grad_logprobs", s.n, hidden);
-  check_grad(lse, "lse", s.n, hidden);
-  check_grad(entropy, "entropy", s.n, hidden);
-  if (grad_entropy.has_value()) check_grad(*grad_entropy, "grad_entropy", s.n, hidden);
-  // Ignored tokens get no gradient at all (their incoming gradient is dropped here).
-  const at::Tensor keep = (targets != ignore_index).to(at::kFloat);
-  const at::Tensor g_lp = (grad_logprobs.to(at::kFloat) * keep).contiguous();
-  const at::Tensor g_ent = grad_entropy.has_value() ? (grad_entropy->to(at::kFloat) * keep).contiguous()
-                                                    : at::zeros({s.n}, at::kFloat);
+  const BackwardInputs in = check_backward_inputs(grad_logprobs, grad_entropy, hidden, weight, targets, lse, entropy,
+                                                  temperature, ignore_index);
+  const Sizes& s = in.sizes;
   at::Tensor grad_hidden = at::empty({0}, hidden.options()), grad_weight = at::empty({0}, weight.options());
   if (compute_grad_weight) grad_weight = at::empty_like(weight);
   if (s.n > 0 && (compute_grad_hidden || compute_grad_weight)) {
     const float scale = static_cast<float>(1.0 / temperature);
-    const at::Tensor lse_c = lse.to(at::kFloat).contiguous(), ent_c = entropy.to(at::kFloat).contiguous();
     at::Tensor* gh = compute_grad_hidden ? &grad_hidden : nullptr;
     at::Tensor* gw = compute_grad_weight ? &grad_weight : nullptr;
     if (use_bf16_gemm(hidden)) {
-      backward<Bf16Gemms>(hidden, weight, targets, lse_c, ent_c, g_lp, g_ent, scale, gh, gw);
+      backward<Bf16Gemms>(hidden, weight, targets, in.lse, in.entropy, in.grad_logprob, in.grad_entropy, scale, gh, gw);
     } else {
-      backward<Fp32Gemms>(hidden, weight, targets, lse_c, ent_c, g_lp, g_ent, scale, gh, gw);
+      backward<Fp32Gemms>(hidden, weight, targets, in.lse, in.entropy, in.grad_logprob, in.grad_entropy, scale, gh, gw);
     }
   } else {
     if (compute_grad_hidden) grad_hidden = at::zeros_like(hidden);

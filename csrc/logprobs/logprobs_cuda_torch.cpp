@@ -106,19 +106,13 @@ std::tuple<at::Tensor, at::Tensor> token_logprobs_backward_cuda(
     const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy, const at::Tensor& hidden,
     const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& lse, const at::Tensor& entropy,
     double temperature, int64_t ignore_index, bool compute_grad_hidden, bool compute_grad_weight) {
-  const Sizes s = check_inputs(hidden, weight, targets, temperature);
-  check_grad(grad_logprobs, "grad_logprobs", s.n, hidden);
-  check_grad(lse, "lse", s.n, hidden);
-  check_grad(entropy, "entropy", s.n, hidden);
-  if (grad_entropy.has_value()) check_grad(*grad_entropy, "grad_entropy", s.n, hidden);
   const c10::cuda::CUDAGuard guard(hidden.device());
+  const BackwardInputs in = check_backward_inputs(grad_logprobs, grad_entropy, hidden, weight, targets, lse, entropy,
+                                                  temperature, ignore_index);
+  const Sizes& s = in.sizes;
   const cudaStream_t stream = current_stream(hidden);
   const auto f32 = hidden.options().dtype(at::kFloat);
-  const at::Tensor keep = (targets != ignore_index).to(at::kFloat);
-  const at::Tensor g_lp = (grad_logprobs.to(at::kFloat) * keep).contiguous();
-  const at::Tensor g_ent = grad_entropy.has_value() ? (grad_entropy->to(at::kFloat) * keep).contiguous()
-                                                    : at::zeros({s.n}, f32);
-  const at::Tensor lse_c = lse.to(at::kFloat).contiguous(), ent_c = entropy.to(at::kFloat).contiguous();
+  const at::Tensor &g_lp = in.grad_logprob, &g_ent = in.grad_entropy, &lse_c = in.lse, &ent_c = in.entropy;
   at::Tensor dh = compute_grad_hidden ? at::zeros({s.n, s.h}, f32) : at::Tensor();
   at::Tensor grad_weight = compute_grad_weight ? at::empty_like(weight) : at::empty({0}, weight.options());
   if (s.n == 0 || !(compute_grad_hidden || compute_grad_weight)) {

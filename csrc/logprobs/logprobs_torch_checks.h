@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <optional>
 
 #include "nf4/nf4_torch_checks.h"
 
@@ -51,6 +52,30 @@ inline void check_grad(const at::Tensor& g, const char* name, int64_t n, const a
   TORCH_CHECK_VALUE(g.dim() == 1 && g.size(0) == n, name, " must have shape (", n, ",), got ",
                     nf4::shape_string(g.sizes()));
   TORCH_CHECK_VALUE(g.device() == hidden.device(), name, " must be on ", hidden.device(), ", got ", g.device());
+}
+
+// Checked, fp32, contiguous inputs of token_logprobs_backward. The incoming gradients are zeroed at
+// ignored tokens here, so those rows get no gradient at all; a missing grad_entropy becomes zeros.
+struct BackwardInputs {
+  Sizes sizes;
+  at::Tensor grad_logprob, grad_entropy, lse, entropy;
+};
+
+inline BackwardInputs check_backward_inputs(const at::Tensor& grad_logprobs,
+                                            const std::optional<at::Tensor>& grad_entropy,
+                                            const at::Tensor& hidden, const at::Tensor& weight,
+                                            const at::Tensor& targets, const at::Tensor& lse,
+                                            const at::Tensor& entropy, double temperature, int64_t ignore_index) {
+  const Sizes s = check_inputs(hidden, weight, targets, temperature);
+  check_grad(grad_logprobs, "grad_logprobs", s.n, hidden);
+  check_grad(lse, "lse", s.n, hidden);
+  check_grad(entropy, "entropy", s.n, hidden);
+  if (grad_entropy.has_value()) check_grad(*grad_entropy, "grad_entropy", s.n, hidden);
+  const at::Tensor keep = (targets != ignore_index).to(at::kFloat);
+  const auto f32 = hidden.options().dtype(at::kFloat);
+  return {s, (grad_logprobs.to(at::kFloat) * keep).contiguous(),
+          grad_entropy.has_value() ? (grad_entropy->to(at::kFloat) * keep).contiguous() : at::zeros({s.n}, f32),
+          lse.to(at::kFloat).contiguous(), entropy.to(at::kFloat).contiguous()};
 }
 
 }  // namespace pykernels::logprobs
