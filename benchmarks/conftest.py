@@ -47,6 +47,7 @@ def pytest_collection_modifyitems(session, config, items):
 PEAK_BANDWIDTH = {"H100 80GB HBM3": 3.35e12, "H100 PCIe": 2.0e12, "H100": 3.35e12, "H200": 4.8e12}
 PEAK_BF16_FLOPS = {"H100 80GB HBM3": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12}
 TARGET_SECONDS_PER_CASE = 1.0  # total timed wall time per benchmark, split into rounds
+HEAVY_SECONDS = 5.0  # calls longer than this get 2 rounds and no warm-up round (the suite's budget)
 
 
 def bench_device() -> torch.device:
@@ -160,12 +161,14 @@ def measure(benchmark, device):
     """measure(fn, bytes_moved=..., flops=..., family=..., op=..., case=..., impl=...) times fn and
     records extra_info: GB/s and % of peak bandwidth for memory-bound ops (bytes_moved), TFLOP/s
     and % of peak bf16 throughput for compute-bound ones (flops), and peak_extra_bytes when given
-    (measured by the caller with peak_extra_memory)."""
+    (measured by the caller with peak_extra_memory). warmed_up: the caller already ran fn."""
 
-    def run(fn, bytes_moved: int = 0, flops: float = 0.0, peak_extra_bytes: int | None = None, **labels: str) -> None:
+    def run(fn, bytes_moved: int = 0, flops: float = 0.0, peak_extra_bytes: int | None = None,
+            warmed_up: bool = False, **labels: str) -> None:
         dev = device.torch_device
-        fn()  # warm-up: first-call allocations, lazy init
-        synchronize(dev)
+        if not warmed_up:
+            fn()  # warm-up: first-call allocations, lazy init
+            synchronize(dev)
         start = time.perf_counter()
         fn()
         synchronize(dev)
@@ -178,14 +181,15 @@ def measure(benchmark, device):
                 fn()
             synchronize(dev)
 
-        rounds = max(3, min(50, int(TARGET_SECONDS_PER_CASE / (once * repeats))))
+        heavy = once * repeats > HEAVY_SECONDS
+        rounds = 2 if heavy else max(3, min(50, int(TARGET_SECONDS_PER_CASE / (once * repeats))))
         benchmark.group = f"{labels['family']}.{labels['op']}.{labels['case']}"
         benchmark.extra_info.update(labels, device_class=device.device_class, repeats=repeats,
                                     bytes_per_call=bytes_moved, peak_bandwidth=device.peak_bandwidth,
                                     peak_source=device.peak_source)
         if peak_extra_bytes is not None:
             benchmark.extra_info["peak_extra_bytes"] = peak_extra_bytes
-        benchmark.pedantic(timed, rounds=rounds, iterations=1, warmup_rounds=1)
+        benchmark.pedantic(timed, rounds=rounds, iterations=1, warmup_rounds=0 if heavy else 1)
         if benchmark.stats is not None:
             seconds = benchmark.stats.stats.min / repeats  # best round: interference only adds time
             if bytes_moved:

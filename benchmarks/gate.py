@@ -9,7 +9,9 @@ Speedup = baseline time / ours time, per case, both the best round of the same r
   each     floor every single case must meet (hard targets, e.g. "never slower than X").
 A rule "<family>.<op>.<baseline>.peak_memory" compares the working memory the benchmark recorded
 (extra_info["peak_extra_bytes"], baseline / ours) instead of the time. `cases = "text"` limits a
-rule to the cases whose name contains text (a target stated for one size, e.g. "V151936").
+rule to the cases whose name contains text (a target stated for one size, e.g. "V151936"); a
+list of such tables sets several floors on one rule (e.g. a regression guard at the small sizes
+and the issue's target at the size it was stated for).
 A rule with no measured case fails: a benchmark that silently stopped running must not pass.
 Ratios, never absolute times: the machines are shared and noisy, two codes timed side by side are
 affected alike.
@@ -72,10 +74,10 @@ class Check:
                 and all(self.case_passed(c) for c in self.cases))
 
 
-def evaluate(results: list[Result], floors: dict[str, Floor]) -> list[Check]:
+def evaluate(results: list[Result], floors: dict[str, list[Floor]]) -> list[Check]:
     by_key = {(r.family, r.op, r.case, r.impl): r for r in results}
     checks = []
-    for rule, floor in sorted(floors.items()):
+    for rule, floor in ((rule, floor) for rule, rule_floors in sorted(floors.items()) for floor in rule_floors):
         family, op, baseline = rule.removesuffix(".peak_memory").rsplit(".", 2)
         cases = sorted({r.case for r in results if (r.family, r.op) == (family, op)
                         and (floor.cases is None or floor.cases in r.case)})
@@ -88,23 +90,26 @@ def evaluate(results: list[Result], floors: dict[str, Floor]) -> list[Check]:
     return checks
 
 
-def load_floors(path: Path, device_class: str) -> dict[str, Floor]:
+def load_floors(path: Path, device_class: str) -> dict[str, list[Floor]]:
     thresholds = tomllib.loads(path.read_text())
     if device_class not in thresholds:
         raise SystemExit(f"gate: {path} has no [{device_class}] section; add floors for this device class")
     floors = {}
-    for rule, value in thresholds[device_class].items():
-        if isinstance(value, (int, float)):
-            value = {"geomean": value}
+    for rule, values in thresholds[device_class].items():
         metric = "peak_memory" if rule.endswith(".peak_memory") else "time"
-        if rule.removesuffix(".peak_memory").count(".") != 2 or not isinstance(value, dict) \
-                or set(value) - {"geomean", "each", "cases"} or not isinstance(value.get("geomean"), (int, float)) \
-                or not isinstance(value.get("cases", ""), str):
-            raise SystemExit(f"gate: {path} [{device_class}] {rule} = {value!r}: expected "
-                             "\"<family>.<op>.<baseline>[.peak_memory]\" = <geomean floor> or "
-                             "{ geomean = x, each = y, cases = \"text\" }")
-        floors[rule] = Floor(float(value["geomean"]), None if "each" not in value else float(value["each"]), metric,
-                             value.get("cases"))
+        floors[rule] = []
+        for value in values if isinstance(values, list) and values else [values]:
+            if isinstance(value, (int, float)):
+                value = {"geomean": value}
+            if rule.removesuffix(".peak_memory").count(".") != 2 or not isinstance(value, dict) \
+                    or set(value) - {"geomean", "each", "cases"} \
+                    or not isinstance(value.get("geomean"), (int, float)) \
+                    or not isinstance(value.get("cases", ""), str):
+                raise SystemExit(f"gate: {path} [{device_class}] {rule} = {values!r}: expected "
+                                 "\"<family>.<op>.<baseline>[.peak_memory]\" = <geomean floor>, "
+                                 "{ geomean = x, each = y, cases = \"text\" } or a list of such tables")
+            floors[rule].append(Floor(float(value["geomean"]), None if "each" not in value else float(value["each"]),
+                                      metric, value.get("cases")))
     return floors
 
 
@@ -121,7 +126,8 @@ def format_checks(checks: list[Check]) -> str:
     for check in checks:
         floor = check.floor
         verdict = "ok" if check.passed else ("MISSING" if check.geomean is None else "FAIL")
-        lines.append(f"{check.rule:<44} {'':>10} {'':>10} {ratio(check.geomean):>9} "
+        label = check.rule if floor.cases is None else f"{check.rule} [{floor.cases}]"
+        lines.append(f"{label:<44} {'':>10} {'':>10} {ratio(check.geomean):>9} "
                      f"{ratio(floor.geomean):>7}  {verdict} (geometric mean of {len(check.cases)} cases)")
         for case in check.cases:
             verdict = "ok" if check.case_passed(case) else ("MISSING" if case.speedup is None else "FAIL")

@@ -9,7 +9,9 @@ extra_info: TFLOP/s (2NHV forward, 8NHV forward+backward, 6NHV with a frozen lm_
 backward recomputes the logits, so these count the work we do, not the work torch does),
 peak_extra_bytes (working memory: the peak beyond the inputs, less the logprobs and gradients
 every implementation must return). bf16 throughout.
-GPUs run N in {4096, 16384}; the 2-core CPU runs N=512 so the suite stays within minutes.
+GPUs run N in {4096, 16384}; the 2-core CPU runs N=512 so the suite stays within minutes, plus one
+case at N=4096 (the issue's smallest size, where its CPU targets are stated) for forward+backward
+with a trainable lm_head against materialized torch: ~12 s and ~23 s a call, so 2 rounds each.
 """
 
 from __future__ import annotations
@@ -30,8 +32,19 @@ def cases(device_type: str) -> list[tuple[int, int, int]]:  # (N, H, V)
     return [(n, h, v) for n in (4096, 16384) for h in (2048, 4096) for v in (32000, 151936)]
 
 
-def all_cases() -> list[tuple[int, int, int]]:
-    return cases("cuda" if torch.cuda.is_available() else "cpu")
+# At N=512 a trainable lm_head is the one mode near parity on the CPU: torch's [N, V] logits are
+# small next to its 1.2 GB weight gradient and its GEMMs dominate (ours does 8NHV to its 6NHV). At
+# N=4096 its logits passes are ~6 GB and it is slower than ours; this case keeps that measured.
+CPU_LARGE = (4096, 2048, 151936)
+MODES = ("forward", "forward_backward", "forward_backward_frozen")
+
+
+def params() -> list:
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    runs = [(impl, case, mode) for mode in MODES for case in cases(device_type) for impl in IMPLS]
+    if device_type == "cpu":
+        runs += [(impl, CPU_LARGE, "forward_backward") for impl in ("ours", "torch_materialized")]
+    return [pytest.param(*run, id=f"{run[2]}-N{run[1][0]}-H{run[1][1]}-V{run[1][2]}-{run[0]}") for run in runs]
 
 
 def _torch_logprobs(hidden, weight, targets):
@@ -78,9 +91,7 @@ def make(case, device, cache):
     return cache[case]
 
 
-@pytest.mark.parametrize("mode", ["forward", "forward_backward", "forward_backward_frozen"])
-@pytest.mark.parametrize("case", all_cases(), ids=lambda c: f"N{c[0]}-H{c[1]}-V{c[2]}")
-@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize(("impl", "case", "mode"), params())
 def test_logprobs(measure, device, tensors, impl, case, mode):
     n, h, v = case
     hidden, weight, targets = make(case, device.torch_device, tensors)
@@ -105,4 +116,5 @@ def test_logprobs(measure, device, tensors, impl, case, mode):
     returned += weight.nbytes if mode == "forward_backward" else 0
     peak = peak_extra_memory(call, device.torch_device, output_bytes=returned)
     flops = {"forward": 2, "forward_backward": 8, "forward_backward_frozen": 6}[mode] * n * h * v
-    measure(call, flops=flops, peak_extra_bytes=peak, family="logprobs", op=mode, case=f"N{n}-H{h}-V{v}", impl=impl)
+    measure(call, flops=flops, peak_extra_bytes=peak, warmed_up=True, family="logprobs", op=mode,
+            case=f"N{n}-H{h}-V{v}", impl=impl)

@@ -58,7 +58,7 @@ def test_one_case_below_its_hard_target_fails_even_with_a_good_mean(tmp_path, ca
 def test_bare_number_sets_the_geomean_floor(tmp_path):
     thresholds = tmp_path / "t.toml"
     thresholds.write_text('[cpu]\n"nf4.dequantize.bitsandbytes" = 4.5\n')
-    assert gate.load_floors(thresholds, "cpu") == {"nf4.dequantize.bitsandbytes": gate.Floor(4.5, None)}
+    assert gate.load_floors(thresholds, "cpu") == {"nf4.dequantize.bitsandbytes": [gate.Floor(4.5, None)]}
     assert gate.main([str(write_results(tmp_path / "r.json", 3.0, 12.0)), "--thresholds", str(thresholds)]) == 1
 
 
@@ -98,7 +98,7 @@ def test_repository_thresholds_parse_for_every_device_class():
     for device_class in ("cpu", "h100", "h200"):
         floors = gate.load_floors(gate.DEFAULT_THRESHOLDS, device_class)
         assert floors
-        for rule, floor in floors.items():
+        for rule, floor in ((rule, floor) for rule, rule_floors in floors.items() for floor in rule_floors):
             # Ours must never be allowed to lose to a competitor. base_matmul is a lower bound
             # instead (the frozen layer alone: ours does that and LoRA on top), so its floor is < 1.
             if rule.endswith(".base_matmul"):
@@ -139,3 +139,24 @@ def test_cases_filter_limits_a_rule_to_matching_cases(tmp_path):
     assert gate.main([str(results), "--thresholds", str(thresholds)]) == 0
     check, = gate.evaluate(gate.load_results(results), gate.load_floors(thresholds, "cpu"))
     assert [c.case for c in check.cases] == ["4096x14336"]
+
+
+def test_a_list_sets_several_floors_on_one_rule(tmp_path, capsys):
+    thresholds = tmp_path / "t.toml"
+    thresholds.write_text('[cpu]\n"nf4.dequantize.bitsandbytes" = [{ geomean = 1.0, each = 1.0 },\n'
+                          '  { geomean = 3.0, each = 3.0, cases = "14336" }]\n')
+    results = write_results(tmp_path / "r.json", 3.0, 12.0)
+    data = json.loads(results.read_text())
+    data["benchmarks"][1]["stats"]["min"] = 0.006  # 4096x4096: 2x, meets the first floor only
+    results.write_text(json.dumps(data))
+    checks = gate.evaluate(gate.load_results(results), gate.load_floors(thresholds, "cpu"))
+    assert [(c.floor.cases, len(c.cases), c.passed) for c in checks] == [(None, 2, True), ("14336", 1, True)]
+    assert gate.main([str(results), "--thresholds", str(thresholds)]) == 0
+    assert "nf4.dequantize.bitsandbytes [14336]" in capsys.readouterr().out
+    data["benchmarks"][3]["stats"]["min"] = 0.006  # 4096x14336 now 2x too: below the second floor
+    results.write_text(json.dumps(data))
+    assert gate.main([str(results), "--thresholds", str(thresholds)]) == 1
+    empty = tmp_path / "empty.toml"
+    empty.write_text('[cpu]\n"nf4.dequantize.bitsandbytes" = []\n')
+    with pytest.raises(SystemExit, match="list of such tables"):
+        gate.load_floors(empty, "cpu")

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "common/cpu_isa.h"
+#include "common/cpu_memory.h"
 #include "logprobs/logprobs_cpu_kernels.h"
 #include "logprobs/logprobs_torch_checks.h"
 
@@ -34,6 +35,15 @@ constexpr int64_t kVocabBlock = 512;  // rows of W per task (also K of dh += dz 
 constexpr int64_t kTokenChunk = 512;  // multiple of cpu::kPanel
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Row stride of the fp32 accumulators the micro-kernel adds into (dh, dW blocks, gradient terms):
+// an odd number of cache lines. With H = 2048 or 4096 the rows of a 12-row C tile would be 4 KiB
+// multiples apart and all land in one L1 set, evicting each other and their prefetched successors;
+// an odd line stride walks them through every set.
+inline int64_t padded_ld(int64_t h) {
+  const int64_t lines = (h + 15) / 16;
+  return (lines % 2 == 0 ? lines + 1 : lines) * 16;
+}
 
 const uint16_t* bf16_data(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
 
@@ -50,10 +60,11 @@ class Bf16Gemms {
     }
   }
   static int64_t ld(int64_t tokens) { return round_up(tokens, cpu::kPanel); }
+  static int64_t acc_ld(int64_t h) { return padded_ld(h); }
 
   void begin_block(int64_t v0, int64_t rows, bool grad_hidden) {
     if (!grad_hidden) return;
-    thread_local std::vector<uint32_t> w;  // this block of W packed for dh = dz W
+    thread_local AlignedVector<uint32_t> w;  // this block of W packed for dh = dz W
     w.resize(cpu::panels(h_) * cpu::panel_stride(round_up(rows, 2)));
     cpu::pack_rows(weight_ + v0 * h_, rows, round_up(rows, 2), h_, h_, w.data());
     block_rows_ = w.data();
@@ -65,10 +76,11 @@ class Bf16Gemms {
   }
 
   // dw_block [rows, H] (+)= dz^T h and dh[t0:] += dz W_block, from an fp32 tile dz [rows][ld] (scale * dz
-  // in the backward; softmax weights in a forward that accumulates hidden-gradient terms).
+  // in the backward; softmax weights in a forward that accumulates hidden-gradient terms). dh and
+  // dw_block rows are acc_ld(H) apart.
   void accumulate(int64_t rows, int64_t t0, int64_t tokens, const float* dz, int64_t ld, float* dh, float* dw_block,
                   bool first_chunk) const {
-    thread_local std::vector<uint16_t> dz_t, dz_rows;
+    thread_local AlignedVector<uint16_t> dz_t, dz_rows;
     const int64_t k_tokens = round_up(tokens, 2), k_rows = round_up(rows, 2);
     dz_t.resize(rows * k_tokens);
     dz_rows.resize(dh ? tokens * k_rows : 0);
@@ -76,18 +88,18 @@ class Bf16Gemms {
     if (dw_block) {
       const int64_t stride = cpu::panel_stride(round_up(n_, 2));
       cpu::gemm_bf16(rows, h_, k_tokens, dz_t.data(), k_tokens, hidden_rows_.data() + t0 / 2 * cpu::kPanel, stride,
-                     dw_block, h_, !first_chunk);
+                     dw_block, acc_ld(h_), !first_chunk);
     }
     if (dh) {
       cpu::gemm_bf16(tokens, h_, k_rows, dz_rows.data(), k_rows, block_rows_, cpu::panel_stride(k_rows),
-                     dh + t0 * h_, h_, true);
+                     dh + t0 * acc_ld(h_), acc_ld(h_), true);
     }
   }
 
  private:
   int64_t n_, h_;
   const uint16_t* weight_;
-  std::vector<uint32_t> hidden_t_, hidden_rows_;
+  AlignedVector<uint32_t> hidden_t_, hidden_rows_;
   static thread_local const uint32_t* block_rows_;
 };
 thread_local const uint32_t* Bf16Gemms::block_rows_ = nullptr;
@@ -98,6 +110,7 @@ class Fp32Gemms {
   Fp32Gemms(const at::Tensor& hidden, const at::Tensor& weight, bool grad_weight)
       : hidden_(hidden.to(at::kFloat)), weight_(weight) {}
   static int64_t ld(int64_t tokens) { return tokens; }
+  static int64_t acc_ld(int64_t h) { return h; }
 
   void begin_block(int64_t v0, int64_t rows, bool grad_hidden) {
     block() = weight_.narrow(0, v0, rows).to(at::kFloat).contiguous();
@@ -132,7 +145,7 @@ class Fp32Gemms {
 
 // The tiles a thread works on, reused across calls (no allocation, so no page faults, per tile).
 float* thread_tile(int64_t floats) {
-  thread_local std::vector<float> tile;
+  thread_local AlignedVector<float> tile;
   if (static_cast<int64_t>(tile.size()) < floats) tile.resize(floats);
   return tile.data();
 }
@@ -198,8 +211,9 @@ Forward forward(const at::Tensor& hidden, const at::Tensor& weight, const at::Te
   stats.select(1, 0).fill_(-std::numeric_limits<float>::infinity());
   at::Tensor target_logit = at::zeros({s.n}, at::kFloat);
   // Per-thread term accumulators: ua = sum_{v != t} e_v W_v, ue = sum_{v != t} e_v (z_v - max) W_v.
-  at::Tensor ua = terms > 0 ? at::zeros({threads, s.n, s.h}, at::kFloat) : at::Tensor();
-  at::Tensor ue = terms > 1 ? at::zeros({threads, s.n, s.h}, at::kFloat) : at::Tensor();
+  const int64_t acc_ld = Gemms::acc_ld(s.h);
+  at::Tensor ua = terms > 0 ? at::zeros({threads, s.n, acc_ld}, at::kFloat) : at::Tensor();
+  at::Tensor ue = terms > 1 ? at::zeros({threads, s.n, acc_ld}, at::kFloat) : at::Tensor();
   Gemms gemms(hidden, weight, false);
   const int64_t* tgt = targets.data_ptr<int64_t>();
   float* picked = target_logit.data_ptr<float>();
@@ -209,10 +223,10 @@ Forward forward(const at::Tensor& hidden, const at::Tensor& weight, const at::Te
     const BelowAutograd below_autograd;
     const int thread = at::get_thread_num();
     float* mine = stats.data_ptr<float>() + thread * 3 * s.n;
-    float* my_ua = terms > 0 ? ua.data_ptr<float>() + thread * s.n * s.h : nullptr;
-    float* my_ue = terms > 1 ? ue.data_ptr<float>() + thread * s.n * s.h : nullptr;
+    float* my_ua = terms > 0 ? ua.data_ptr<float>() + thread * s.n * acc_ld : nullptr;
+    float* my_ue = terms > 1 ? ue.data_ptr<float>() + thread * s.n * acc_ld : nullptr;
     float* tile = thread_tile(kVocabBlock * Gemms::ld(kTokenChunk));
-    thread_local std::vector<float> weighted, old_max, old_sum;
+    thread_local AlignedVector<float> weighted, old_max, old_sum;
     if (terms > 1) weighted.resize(kVocabBlock * Gemms::ld(kTokenChunk));
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t v0 = b * kVocabBlock, rows = std::min(kVocabBlock, s.v - v0);
@@ -232,7 +246,7 @@ Forward forward(const at::Tensor& hidden, const at::Tensor& weight, const at::Te
         if (terms == 0) continue;
         for (int64_t t = 0; t < tokens; ++t) {
           if (old_sum[t] > 0 && old_max[t] != mine[t0 + t]) {
-            rebase_terms(my_ua + (t0 + t) * s.h, my_ue ? my_ue + (t0 + t) * s.h : nullptr, s.h, old_max[t],
+            rebase_terms(my_ua + (t0 + t) * acc_ld, my_ue ? my_ue + (t0 + t) * acc_ld : nullptr, s.h, old_max[t],
                          mine[t0 + t]);
           }
         }
@@ -276,8 +290,9 @@ Forward forward(const at::Tensor& hidden, const at::Tensor& weight, const at::Te
     out.entropy.data_ptr<float>()[t] = ignored ? 0.0f : static_cast<float>(std::log(sum) - sum_z / sum);
   }
   if (terms > 0) {
-    out.grad_terms = combine_terms(stats, ua, ue, max_all, sum_all, out, target_logit, weight, targets, ignore_index,
-                                   scale);
+    const at::Tensor ua_h = ua.narrow(2, 0, s.h), ue_h = terms > 1 ? ue.narrow(2, 0, s.h) : ue;  // padding off
+    out.grad_terms = combine_terms(stats, ua_h, ue_h, max_all, sum_all, out, target_logit, weight, targets,
+                                   ignore_index, scale);
   }
   return out;
 }
@@ -288,7 +303,8 @@ void backward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tens
               at::Tensor* grad_hidden, at::Tensor* grad_weight) {
   const Sizes s{hidden.size(0), hidden.size(1), weight.size(0)};
   const int threads = at::get_num_threads();
-  at::Tensor dh_parts = grad_hidden ? at::zeros({threads, s.n, s.h}, at::kFloat) : at::Tensor();
+  const int64_t acc_ld = Gemms::acc_ld(s.h);
+  at::Tensor dh_parts = grad_hidden ? at::zeros({threads, s.n, acc_ld}, at::kFloat) : at::Tensor();
   Gemms gemms(hidden, weight, grad_weight != nullptr);
   const int64_t* tgt = targets.data_ptr<int64_t>();
   const float* g_lp = grad_logprob.data_ptr<float>();
@@ -297,10 +313,10 @@ void backward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tens
   const int64_t blocks = (s.v + kVocabBlock - 1) / kVocabBlock;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     const BelowAutograd below_autograd;
-    float* dh = grad_hidden ? dh_parts.data_ptr<float>() + at::get_thread_num() * s.n * s.h : nullptr;
+    float* dh = grad_hidden ? dh_parts.data_ptr<float>() + at::get_thread_num() * s.n * acc_ld : nullptr;
     float* tile = thread_tile(kVocabBlock * Gemms::ld(kTokenChunk));
-    thread_local std::vector<float> dw_block;
-    if (grad_weight) dw_block.resize(kVocabBlock * s.h);
+    thread_local AlignedVector<float> dw_block;
+    if (grad_weight) dw_block.resize(kVocabBlock * acc_ld);
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t v0 = b * kVocabBlock, rows = std::min(kVocabBlock, s.v - v0);
       gemms.begin_block(v0, rows, grad_hidden != nullptr);
@@ -317,13 +333,13 @@ void backward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tens
       }
       if (grad_weight && grad_weight->scalar_type() == at::kBFloat16) {  // rounded once, straight into place
         auto* out = reinterpret_cast<uint16_t*>(grad_weight->data_ptr()) + v0 * s.h;
-        cpu::to_bf16_both(dw_block.data(), rows, s.h, s.h, out, s.h, nullptr, 0);
+        cpu::to_bf16_both(dw_block.data(), rows, s.h, acc_ld, out, s.h, nullptr, 0);
       } else if (grad_weight) {
-        grad_weight->narrow(0, v0, rows).copy_(at::from_blob(dw_block.data(), {rows, s.h}));
+        grad_weight->narrow(0, v0, rows).copy_(at::from_blob(dw_block.data(), {rows, s.h}, {acc_ld, 1}));
       }
     }
   });
-  if (grad_hidden) *grad_hidden = dh_parts.sum(0).to(hidden.scalar_type());
+  if (grad_hidden) *grad_hidden = dh_parts.sum(0).narrow(1, 0, s.h).to(hidden.scalar_type());
 }
 
 bool use_bf16_gemm(const at::Tensor& hidden) {
