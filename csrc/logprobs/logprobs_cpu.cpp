@@ -21,6 +21,7 @@
 #include <limits>
 #include <vector>
 
+#include "common/cpu_gemm_bf16.h"
 #include "common/cpu_isa.h"
 #include "common/cpu_memory.h"
 #include "logprobs/logprobs_cpu_kernels.h"
@@ -32,7 +33,7 @@ namespace {
 using BelowAutograd = at::AutoDispatchBelowADInplaceOrView;  // see lora_cpu.cpp
 
 constexpr int64_t kVocabBlock = 512;  // rows of W per task (also K of dh += dz W: fewer passes over dh)
-constexpr int64_t kTokenChunk = 512;  // multiple of cpu::kPanel
+constexpr int64_t kTokenChunk = 512;  // multiple of gemm::kPanel
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -52,27 +53,27 @@ class Bf16Gemms {
  public:
   Bf16Gemms(const at::Tensor& hidden, const at::Tensor& weight, bool grad_weight)
       : n_(hidden.size(0)), h_(hidden.size(1)), weight_(bf16_data(weight)) {
-    hidden_t_.resize(cpu::panels(n_) * cpu::panel_stride(h_));
-    cpu::pack_transposed(bf16_data(hidden), n_, h_, h_, hidden_t_.data());
+    hidden_t_.resize(gemm::panels(n_) * gemm::panel_stride(h_));
+    gemm::pack_transposed(bf16_data(hidden), n_, h_, h_, hidden_t_.data());
     if (grad_weight) {
-      hidden_rows_.resize(cpu::panels(h_) * cpu::panel_stride(round_up(n_, 2)));
-      cpu::pack_rows(bf16_data(hidden), n_, round_up(n_, 2), h_, h_, hidden_rows_.data());
+      hidden_rows_.resize(gemm::panels(h_) * gemm::panel_stride(round_up(n_, 2)));
+      gemm::pack_rows(bf16_data(hidden), n_, round_up(n_, 2), h_, h_, hidden_rows_.data());
     }
   }
-  static int64_t ld(int64_t tokens) { return round_up(tokens, cpu::kPanel); }
+  static int64_t ld(int64_t tokens) { return round_up(tokens, gemm::kPanel); }
   static int64_t acc_ld(int64_t h) { return padded_ld(h); }
 
   void begin_block(int64_t v0, int64_t rows, bool grad_hidden) {
     if (!grad_hidden) return;
     thread_local AlignedVector<uint32_t> w;  // this block of W packed for dh = dz W
-    w.resize(cpu::panels(h_) * cpu::panel_stride(round_up(rows, 2)));
-    cpu::pack_rows(weight_ + v0 * h_, rows, round_up(rows, 2), h_, h_, w.data());
+    w.resize(gemm::panels(h_) * gemm::panel_stride(round_up(rows, 2)));
+    gemm::pack_rows(weight_ + v0 * h_, rows, round_up(rows, 2), h_, h_, w.data());
     block_rows_ = w.data();
   }
 
   void logits(int64_t v0, int64_t rows, int64_t t0, int64_t tokens, float* tile, int64_t ld) const {
-    cpu::gemm_bf16(rows, tokens, h_, weight_ + v0 * h_, h_, hidden_t_.data() + t0 / cpu::kPanel * cpu::panel_stride(h_),
-                   cpu::panel_stride(h_), tile, ld, false);
+    gemm::gemm_bf16(rows, tokens, h_, weight_ + v0 * h_, h_, hidden_t_.data() + t0 / gemm::kPanel * gemm::panel_stride(h_),
+                   gemm::panel_stride(h_), tile, ld, false);
   }
 
   // dw_block [rows, H] (+)= dz^T h and dh[t0:] += dz W_block, from an fp32 tile dz [rows][ld] (scale * dz
@@ -86,12 +87,12 @@ class Bf16Gemms {
     dz_rows.resize(dh ? tokens * k_rows : 0);
     cpu::to_bf16_both(dz, rows, tokens, ld, dz_t.data(), k_tokens, dh ? dz_rows.data() : nullptr, k_rows);
     if (dw_block) {
-      const int64_t stride = cpu::panel_stride(round_up(n_, 2));
-      cpu::gemm_bf16(rows, h_, k_tokens, dz_t.data(), k_tokens, hidden_rows_.data() + t0 / 2 * cpu::kPanel, stride,
+      const int64_t stride = gemm::panel_stride(round_up(n_, 2));
+      gemm::gemm_bf16(rows, h_, k_tokens, dz_t.data(), k_tokens, hidden_rows_.data() + t0 / 2 * gemm::kPanel, stride,
                      dw_block, acc_ld(h_), !first_chunk);
     }
     if (dh) {
-      cpu::gemm_bf16(tokens, h_, k_rows, dz_rows.data(), k_rows, block_rows_, cpu::panel_stride(k_rows),
+      gemm::gemm_bf16(tokens, h_, k_rows, dz_rows.data(), k_rows, block_rows_, gemm::panel_stride(k_rows),
                      dh + t0 * acc_ld(h_), acc_ld(h_), true);
     }
   }
@@ -343,7 +344,7 @@ void backward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tens
 }
 
 bool use_bf16_gemm(const at::Tensor& hidden) {
-  return hidden.scalar_type() == at::kBFloat16 && active_cpu_isa() == CpuIsa::kAvx512 && cpu::has_bf16_gemm();
+  return hidden.scalar_type() == at::kBFloat16 && active_cpu_isa() == CpuIsa::kAvx512 && gemm::has_bf16_gemm();
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_logprobs_cpu(

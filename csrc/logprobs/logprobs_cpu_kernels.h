@@ -1,6 +1,6 @@
-// CPU kernels of the fused lm_head + log-softmax: a bf16 GEMM micro-kernel (AVX-512 BF16 dot
-// products, fp32 accumulation) with the packings it reads, and the log-softmax epilogues that run
-// on one logits tile while it is still in cache. Torch-free; logprobs_cpu.cpp drives them.
+// CPU kernels of the fused lm_head + log-softmax: the log-softmax epilogues that run on one logits
+// tile while it is still in cache (the GEMMs are common/cpu_gemm_bf16.h). Torch-free;
+// logprobs_cpu.cpp drives them.
 //
 // Tiles are transposed, [vocab rows][token columns], so every per-token reduction over the
 // vocabulary is a vertical (lane-wise) one: no horizontal shuffles in the epilogues.
@@ -9,32 +9,6 @@
 #include <cstdint>
 
 namespace pykernels::logprobs::cpu {
-
-// Width (columns) of a packed B panel: two 16-lane fp32 accumulators per row of the micro-tile.
-constexpr int64_t kPanel = 32;
-
-// True when the CPU has the AVX-512 BF16 dot-product instruction (vdpbf16ps) the GEMM needs.
-bool has_bf16_gemm();
-
-// Packed "B" operands of the GEMM, [ceil(cols / kPanel)][ceil(k / 2)][kPanel] pairs of bf16
-// (uint32: element k in the low half, k + 1 in the high half), zero padded. panel_stride() gives
-// the uint32 distance between panels.
-inline int64_t panel_stride(int64_t k) { return (k + 1) / 2 * kPanel; }
-inline int64_t panels(int64_t cols) { return (cols + kPanel - 1) / kPanel; }
-
-// B[k][c] = src[c][k] for src [cols][k] (row stride ld): rows of hidden become the columns of
-// logits^T = W h^T.
-void pack_transposed(const uint16_t* src, int64_t cols, int64_t k, int64_t ld, uint32_t* dst);
-
-// B[k][c] = src[k][c] for src [k][cols] (row stride ld), rows beyond `k` up to `k_padded` zero:
-// hidden for dW = dz^T h, a block of W for dh = dz W.
-void pack_rows(const uint16_t* src, int64_t k, int64_t k_padded, int64_t cols, int64_t ld, uint32_t* dst);
-
-// C[M, N] (+)= A[M, K] B[K, N] in fp32. A: bf16 rows (row stride lda, K contiguous; an odd K reads
-// no element past K); B: packed as above (panel_stride between panels); C: row stride ldc, only
-// columns < N are touched. accumulate = false overwrites C.
-void gemm_bf16(int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda, const uint32_t* b,
-               int64_t b_panel_stride, float* c, int64_t ldc, bool accumulate);
 
 // Running per-token statistics over the vocabulary seen so far, relative to the running max:
 // max_z = max z, sum_exp = sum exp(z - max_z), sum_exp_z = sum exp(z - max_z) (z - max_z). Then

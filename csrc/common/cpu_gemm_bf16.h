@@ -1,0 +1,36 @@
+// bf16 GEMM for the CPU kernels: an AVX-512 BF16 micro-kernel (vdpbf16ps: exact bf16 products,
+// fp32 sums) over a packed B operand, and the packings it reads. Torch-free. Used by the fused
+// lm_head + log-softmax (logprobs/) and the grouped MoE GEMM (moe/).
+#pragma once
+
+#include <cstdint>
+
+namespace pykernels::gemm {
+
+// Width (columns) of a packed B panel: two 16-lane fp32 accumulators per row of the micro-tile.
+constexpr int64_t kPanel = 32;
+
+// True when the CPU has the AVX-512 BF16 dot-product instruction (vdpbf16ps) the GEMM needs.
+bool has_bf16_gemm();
+
+// Packed "B" operands of the GEMM, [ceil(cols / kPanel)][ceil(k / 2)][kPanel] pairs of bf16
+// (uint32: element k in the low half, k + 1 in the high half), zero padded. panel_stride() gives
+// the uint32 distance between panels.
+inline int64_t panel_stride(int64_t k) { return (k + 1) / 2 * kPanel; }
+inline int64_t panels(int64_t cols) { return (cols + kPanel - 1) / kPanel; }
+
+// B[k][c] = src[c][k] for src [cols][k] (row stride ld): e.g. rows of hidden become the columns
+// of logits^T = W h^T.
+void pack_transposed(const uint16_t* src, int64_t cols, int64_t k, int64_t ld, uint32_t* dst);
+
+// B[k][c] = src[k][c] for src [k][cols] (row stride ld), rows beyond `k` up to `k_padded` zero:
+// e.g. hidden for dW = dz^T h, a block of W for dh = dz W.
+void pack_rows(const uint16_t* src, int64_t k, int64_t k_padded, int64_t cols, int64_t ld, uint32_t* dst);
+
+// C[M, N] (+)= A[M, K] B[K, N] in fp32. A: bf16 rows (row stride lda, K contiguous; an odd K reads
+// no element past K); B: packed as above (panel_stride between panels); C: row stride ldc, only
+// columns < N are touched. accumulate = false overwrites C.
+void gemm_bf16(int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda, const uint32_t* b,
+               int64_t b_panel_stride, float* c, int64_t ldc, bool accumulate);
+
+}  // namespace pykernels::gemm
