@@ -75,4 +75,33 @@ TORCH_LIBRARY(pykernels, m) {
       "token_logprobs_backward(Tensor grad_logprobs, Tensor? grad_entropy, Tensor hidden, Tensor weight, "
       "Tensor targets, Tensor lse, Tensor entropy, float temperature=1.0, int ignore_index=-100, "
       "bool compute_grad_hidden=True, bool compute_grad_weight=True) -> (Tensor grad_hidden, Tensor grad_weight)");
+
+  // ---- Grouped MoE GEMM (scatter2scatter, ScatterMoE https://arxiv.org/abs/2403.08245): top_k_index
+  //      [T, k] expert ids; assignment a = t * k + j; expert weights [E, out, in] (transformers 5
+  //      layout); LoRA on experts in PEFT's target_parameters layout, lora_a [r*E, in] expert-major,
+  //      lora_b [out, r*E] expert-minor (see pykernels/reference/moe.py).
+
+  // Assignments ordered by expert, stable: sorted_expert_idx [T*k] (E for ids outside [0, E), sorted
+  // last), sorted_token_idx [T*k] (the assignment in each slot), expert_offsets [E + 1]; all int64.
+  m.def(
+      "moe_sort_tokens(Tensor top_k_index, int num_experts) -> (Tensor sorted_expert_idx, "
+      "Tensor sorted_token_idx, Tensor expert_offsets)");
+
+  // y_s = x_s W_e^T (+ lora_scaling (x_s A_e^T) B_e^T) (* gates[a]) per slot s of expert e. x [T, in]
+  // gathered by token, or [T*k, in] in slot order (grouped_in); output [T*k, out] in slot order
+  // (grouped_out), in assignment order, or [T, out] summed over each token's slots (gates given and
+  // not grouped_out). fp32 accumulation, x's dtype out.
+  m.def(
+      "moe_grouped_linear(Tensor x, Tensor weight, Tensor sorted_expert_idx, Tensor sorted_token_idx, "
+      "Tensor expert_offsets, int top_k, bool grouped_in, bool grouped_out, Tensor? gates=None, "
+      "Tensor? lora_a=None, Tensor? lora_b=None, float lora_scaling=1.0) -> Tensor");
+
+  // Gradients of moe_grouped_linear: grad_x, grad_weight [E, out, in], grad_gates [T, k], grad_lora_a,
+  // grad_lora_b (fp32 sums, rounded once), each empty when its compute flag is false.
+  m.def(
+      "moe_grouped_linear_backward(Tensor grad_y, Tensor x, Tensor weight, Tensor sorted_expert_idx, "
+      "Tensor sorted_token_idx, Tensor expert_offsets, int top_k, bool grouped_in, bool grouped_out, "
+      "Tensor? gates, Tensor? lora_a, Tensor? lora_b, float lora_scaling, bool compute_grad_x, "
+      "bool compute_grad_weight, bool compute_grad_gates, bool compute_grad_lora) -> (Tensor grad_x, "
+      "Tensor grad_weight, Tensor grad_gates, Tensor grad_lora_a, Tensor grad_lora_b)");
 }

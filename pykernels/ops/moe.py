@@ -1,0 +1,158 @@
+"""Grouped MoE ops: public functions, autograd and fakes (schemas in csrc/torch_bindings.cpp, the
+pure-torch statement in pykernels/reference/moe.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from pykernels import backend
+from pykernels._extension import check_device, ops
+from pykernels.reference import moe as reference
+from pykernels.reference.moe import ACTIVATIONS, LoRAFactors
+
+_EMPTY_SHAPE = (0,)
+
+
+# ---------------------------------------------------------------- fake implementations
+@torch.library.register_fake("pykernels::moe_sort_tokens")
+def _sort_tokens_fake(top_k_index, num_experts):
+    slots = top_k_index.numel()
+    long = dict(dtype=torch.int64, device=top_k_index.device)
+    return torch.empty(slots, **long), torch.empty(slots, **long), torch.empty(num_experts + 1, **long)
+
+
+def _output_rows(slots, top_k, gates, grouped_out):
+    return slots // top_k if gates is not None and not grouped_out else slots
+
+
+@torch.library.register_fake("pykernels::moe_grouped_linear")
+def _grouped_linear_fake(x, weight, sorted_expert_idx, sorted_token_idx, expert_offsets, top_k, grouped_in,
+                         grouped_out, gates=None, lora_a=None, lora_b=None, lora_scaling=1.0):
+    torch._check(weight.shape[2] == x.shape[1], lambda: "weight's in_features must match x")
+    rows = _output_rows(sorted_token_idx.shape[0], top_k, gates, grouped_out)
+    return x.new_empty((rows, weight.shape[1]))
+
+
+@torch.library.register_fake("pykernels::moe_grouped_linear_backward")
+def _grouped_linear_backward_fake(grad_y, x, weight, sorted_expert_idx, sorted_token_idx, expert_offsets, top_k,
+                                  grouped_in, grouped_out, gates, lora_a, lora_b, lora_scaling, compute_grad_x,
+                                  compute_grad_weight, compute_grad_gates, compute_grad_lora):
+    lora = compute_grad_lora and lora_a is not None
+    return (x.new_empty(x.shape if compute_grad_x else _EMPTY_SHAPE),
+            weight.new_empty(weight.shape if compute_grad_weight else _EMPTY_SHAPE),
+            x.new_empty(gates.shape, dtype=gates.dtype) if compute_grad_gates and gates is not None
+            else x.new_empty(_EMPTY_SHAPE),
+            x.new_empty(lora_a.shape if lora else _EMPTY_SHAPE),
+            x.new_empty(lora_b.shape if lora else _EMPTY_SHAPE))
+
+
+# ---------------------------------------------------------------- autograd
+def _setup(ctx, inputs, output):
+    ctx.num_inputs = len(inputs)
+    x, weight, sorted_expert_idx, sorted_token_idx, expert_offsets, top_k, grouped_in, grouped_out, gates, \
+        lora_a, lora_b, lora_scaling = inputs
+    ctx.save_for_backward(x, weight, sorted_expert_idx, sorted_token_idx, expert_offsets, gates, lora_a, lora_b)
+    ctx.top_k, ctx.grouped_in, ctx.grouped_out, ctx.lora_scaling = top_k, grouped_in, grouped_out, lora_scaling
+
+
+def _backward(ctx, grad_y):
+    x, weight, sorted_expert_idx, sorted_token_idx, expert_offsets, gates, lora_a, lora_b = ctx.saved_tensors
+    need = (*ctx.needs_input_grad, *(False,) * 12)  # entries only for the arguments the caller passed
+    need_lora = need[9] or need[10]
+    grad_x, grad_weight, grad_gates, grad_a, grad_b = ops.moe_grouped_linear_backward(
+        grad_y.contiguous(), x, weight, sorted_expert_idx, sorted_token_idx, expert_offsets, ctx.top_k,
+        ctx.grouped_in, ctx.grouped_out, gates, lora_a, lora_b, ctx.lora_scaling, need[0], need[1], need[8],
+        need_lora)
+    grads = (grad_x if need[0] else None, grad_weight if need[1] else None, None, None, None, None, None, None,
+             grad_gates if need[8] else None, grad_a if need[9] else None, grad_b if need[10] else None, None)
+    return grads[:ctx.num_inputs]
+
+
+torch.library.register_autograd("pykernels::moe_grouped_linear", _backward, setup_context=_setup)
+
+
+# ---------------------------------------------------------------- public functions
+def sort_tokens(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The T*k assignments (a = t * k + j) of top_k_index [T, k] ordered by expert, stably:
+    (sorted_expert_idx [T*k], sorted_token_idx [T*k] (the assignment in each slot), expert_offsets
+    [E + 1]: expert e owns slots expert_offsets[e]:expert_offsets[e + 1]). Ids outside [0, E) (other
+    ranks' experts under expert parallelism) sort last and are skipped by grouped_linear. int64, on
+    top_k_index's device, no host synchronization on CUDA.
+
+    Example:
+        >>> sorted_expert_idx, sorted_token_idx, offsets = pykernels.moe.sort_tokens(top_k_index, 128)
+    """
+    if not isinstance(top_k_index, torch.Tensor):
+        raise ValueError(f"top_k_index must be a tensor, got {type(top_k_index).__name__}")
+    if backend.use_reference():
+        return reference.sort_tokens(top_k_index, num_experts)
+    check_device(top_k_index, "top_k_index")
+    return ops.moe_sort_tokens(top_k_index.contiguous(), int(num_experts))
+
+
+def _top_k(x, sorted_token_idx, grouped_in, gates) -> int:
+    slots = sorted_token_idx.shape[0]
+    if grouped_in:  # rows are slots already: k only matters for summing gated slots per token
+        return gates.shape[1] if gates is not None and gates.dim() == 2 else 1
+    if x.dim() != 2 or (x.shape[0] == 0 and slots) or (x.shape[0] and slots % x.shape[0]):
+        raise ValueError(f"x must be [tokens, in_features] with tokens dividing the {slots} assignments, got "
+                         f"{tuple(x.shape)}")
+    return slots // x.shape[0] if x.shape[0] else 1
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, sorted_expert_idx: torch.Tensor,
+                   sorted_token_idx: torch.Tensor, expert_offsets: torch.Tensor, grouped_in: bool = False,
+                   grouped_out: bool = False, gates: torch.Tensor | None = None,
+                   lora: LoRAFactors | None = None) -> torch.Tensor:
+    """Expert linear per assignment slot (scatter2scatter): y_s = x_s W_e^T (+ LoRA) (* gate) for
+    the slots of sort_tokens. weight [E, out, in] (transformers' expert layout); x [T, in] read by
+    token, or [T*k, in] already in slot order (grouped_in). Output [T*k, out] in slot order
+    (grouped_out), in assignment order, or, with gates [T, k] and not grouped_out, [T, out] summed
+    over each token's k experts. lora: LoRAFactors in PEFT's target_parameters layout. Gradients to
+    x, weight, gates and the LoRA factors; fp32 accumulation.
+
+    Example (one expert MLP's down projection, combined per token):
+        >>> y = pykernels.moe.grouped_linear(inner, down_proj, *sort_tokens(idx, E), grouped_in=True, gates=w)
+    """
+    if backend.use_reference():
+        top_k = _top_k(x, sorted_token_idx, grouped_in, gates)
+        return reference.grouped_linear(x, weight, sorted_expert_idx, sorted_token_idx, expert_offsets, top_k,
+                                        grouped_in, grouped_out, gates, lora)
+    check_device(x, "x")
+    top_k = _top_k(x, sorted_token_idx, grouped_in, gates)
+    lora_a, lora_b, scaling = (lora.a, lora.b, float(lora.scaling)) if lora is not None else (None, None, 1.0)
+    return ops.moe_grouped_linear(x, weight, sorted_expert_idx, sorted_token_idx, expert_offsets, top_k,
+                                  bool(grouped_in), bool(grouped_out), gates, lora_a, lora_b, scaling)
+
+
+def experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                    gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act: str = "silu",
+                    lora: dict[str, LoRAFactors] | None = None) -> torch.Tensor:
+    """Gated expert MLP of a transformers MoE block: out[t] = sum_j w[t, j] down_e(act(gate_e x_t) *
+    up_e x_t), e = top_k_index[t, j]. hidden [T, H]; gate_up_proj [E, 2I, H] (gate rows, then up);
+    down_proj [E, H, I]; top_k_weights [T, k] (fp32 or hidden's dtype); lora maps "gate_up_proj" /
+    "down_proj" to LoRAFactors. Gradients to hidden, top_k_weights, the expert weights and LoRA.
+
+    Example:
+        >>> out = pykernels.moe.experts_forward(h, idx, w, experts.gate_up_proj, experts.down_proj)
+    """
+    if act not in ACTIVATIONS:
+        raise ValueError(f"act must be one of {sorted(ACTIVATIONS)}, got {act!r}")
+    if gate_up_proj.dim() != 3 or down_proj.dim() != 3 or gate_up_proj.shape[1] != 2 * down_proj.shape[2]:
+        raise ValueError("gate_up_proj must be [E, 2I, H] and down_proj [E, H, I], got "
+                         f"{tuple(gate_up_proj.shape)} and {tuple(down_proj.shape)}")
+    if top_k_index.dim() != 2 or top_k_weights.shape != top_k_index.shape:
+        raise ValueError("top_k_index and top_k_weights must both be [tokens, top_k], got "
+                         f"{tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}")
+    lora = lora or {}
+    unknown = set(lora) - {"gate_up_proj", "down_proj"}
+    if unknown:
+        raise ValueError(f"lora keys must be 'gate_up_proj' and/or 'down_proj', got {sorted(unknown)}")
+    if backend.use_reference():
+        return reference.experts_forward(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act, lora)
+    routing = sort_tokens(top_k_index, gate_up_proj.shape[0])
+    gate_up = grouped_linear(hidden, gate_up_proj, *routing, grouped_out=True, lora=lora.get("gate_up_proj"))
+    gate, up = gate_up.chunk(2, dim=-1)
+    inner = ACTIVATIONS[act](gate) * up
+    return grouped_linear(inner, down_proj, *routing, grouped_in=True, gates=top_k_weights,
+                          lora=lora.get("down_proj"))
