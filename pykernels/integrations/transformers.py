@@ -1,4 +1,7 @@
-"""Run a transformers causal LM on packed sequences: one row, no padding, many sequences.
+"""transformers integrations: packed sequences (below) and the grouped MoE experts implementation
+(apply_moe_kernels, in moe_experts.py).
+
+Run a causal LM on packed sequences: one row, no padding, many sequences.
 
     >>> hidden = packed_hidden_states(model, input_ids_flat, cu_seqlens)      # [L, H]
     >>> targets = pykernels.logprobs.packed_targets(input_ids_flat, cu_seqlens)
@@ -12,6 +15,10 @@ across a sequence boundary.
 from __future__ import annotations
 
 import torch
+
+from pykernels.integrations.moe_experts import apply_moe_kernels
+
+__all__ = ["apply_moe_kernels", "block_causal_mask", "packed_hidden_states", "packed_position_ids"]
 
 _VARLEN_BACKENDS = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn", "kernels-community/vllm-flash-attn3")
 
