@@ -214,3 +214,32 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="lora keys"):
         moe.experts_forward(x, idx, torch.rand(6, 2), torch.randn(3, 10, 8), torch.randn(3, 8, 5),
                             lora={"up_proj": None})
+
+
+@pytest.mark.parametrize(("grouped_in", "grouped_out", "with_gates", "with_lora"), FLAGS,
+                         ids=[f"in{int(a)}-out{int(b)}-gates{int(c)}-lora{int(d)}" for a, b, c, d in FLAGS])
+@pytest.mark.parametrize(("tokens", "top_k", "num_experts", "in_f", "out_f", "rank"),
+                         [(37, 3, 5, 33, 70, 1), (600, 2, 3, 64, 600, 16)],  # odd in; > 256 slots and > 512 rows
+                         ids=["small-odd", "chunked"])
+def test_bf16_forward_on_every_cpu_path(cpu_isa, grouped_in, grouped_out, with_gates, with_lora, tokens, top_k,
+                                        num_experts, in_f, out_f, rank):
+    """bf16 in, bf16 out: within bf16 rounding of the fp64 result of the same bf16 inputs, on the
+    AVX-512 BF16 kernels and on the portable path."""
+    g = torch.Generator().manual_seed(3)
+    idx = make_routing(tokens, top_k, num_experts, seed=3, dropped=1)
+    routing = moe.sort_tokens(idx, num_experts)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).bfloat16()
+
+    x = rand(tokens * top_k if grouped_in else tokens, in_f)
+    weight = rand(num_experts, out_f, in_f, scale=in_f**-0.5)
+    gates = torch.rand(tokens, top_k, generator=g).bfloat16() if with_gates else None
+    lora = moe.LoRAFactors(rand(rank * num_experts, in_f, scale=in_f**-0.5), rand(out_f, rank * num_experts),
+                           0.5) if with_lora else None
+    ours = moe.grouped_linear(x, weight, *routing, grouped_in=grouped_in, grouped_out=grouped_out, gates=gates,
+                              lora=lora)
+    exact = direct_grouped_linear(x, weight, idx, grouped_in, grouped_out, gates, lora)
+    assert ours.dtype == torch.bfloat16 and ours.shape == exact.shape
+    # bf16 output rounding (2^-8 relative) plus LoRA's bf16 intermediate and the per-token sum.
+    assert (ours.double() - exact).abs().max() <= 2**-7 * exact.abs().max()

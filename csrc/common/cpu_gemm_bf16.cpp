@@ -104,6 +104,57 @@ void pack_transposed(const uint16_t* src, int64_t cols, int64_t k, int64_t ld, u
   }
 }
 
+// One panel of pack_transposed_gather with AVX-512 gathers: for each pair q, the 32-bit words at
+// element 2q of the panel's rows (element offsets fit in int32; scale 2 reads bf16 pairs at any
+// alignment). Only full pairs; the caller handles an odd K's last element.
+PK_AVX512 void gather_panel_avx512(const uint16_t* base, const int64_t* row_offsets, int64_t width, int64_t pairs,
+                                   uint32_t* out) {
+  __m512i idx[2];
+  __mmask16 valid[2];
+  for (int half = 0; half < 2; ++half) {
+    alignas(64) int32_t offsets[16];
+    for (int j = 0; j < 16; ++j) {
+      const int64_t c = 16 * half + j;
+      offsets[j] = c < width ? static_cast<int32_t>(row_offsets[c]) : 0;
+    }
+    idx[half] = _mm512_load_si512(offsets);
+    valid[half] = lane_mask(width - 16 * half);
+  }
+  const __m512i two = _mm512_set1_epi32(2);
+  for (int64_t q = 0; q < pairs; ++q) {
+    for (int half = 0; half < 2; ++half) {
+      const __m512i words = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid[half], idx[half], base, 2);
+      _mm512_storeu_si512(out + q * kPanel + 16 * half, words);
+      idx[half] = _mm512_add_epi32(idx[half], two);
+    }
+  }
+}
+
+void pack_transposed_gather(const uint16_t* base, const int64_t* row_offsets, int64_t cols, int64_t k,
+                            uint32_t* dst) {
+  const int64_t full_pairs = k / 2, all_pairs = (k + 1) / 2;
+  bool small = true;  // gathers take int32 offsets
+  for (int64_t c = 0; c < cols; ++c) small = small && row_offsets[c] + k < (int64_t{1} << 31);
+  const bool avx512 = has_bf16_gemm() && small;
+  for (int64_t p = 0; p < panels(cols); ++p) {
+    uint32_t* out = dst + p * panel_stride(k);
+    const int64_t width = std::min(kPanel, cols - p * kPanel);
+    const int64_t* offsets = row_offsets + p * kPanel;
+    const int64_t vector_pairs = avx512 ? full_pairs : 0;
+    if (avx512) gather_panel_avx512(base, offsets, width, full_pairs, out);
+    for (int64_t q = vector_pairs; q < all_pairs; ++q) {
+      for (int64_t j = 0; j < kPanel; ++j) {
+        uint32_t lo = 0, hi = 0;
+        if (j < width) {
+          lo = base[offsets[j] + 2 * q];
+          hi = 2 * q + 1 < k ? base[offsets[j] + 2 * q + 1] : 0;
+        }
+        out[q * kPanel + j] = lo | (hi << 16);
+      }
+    }
+  }
+}
+
 // Full 32-column panels of pack_rows, 16 pairs per instruction group: zero-extend each row's
 // bf16 to 32 bits and put row 2q + 1 in the high halves.
 PK_AVX512 void pack_rows_avx512(const uint16_t* r0, const uint16_t* r1, uint32_t* out) {

@@ -23,6 +23,11 @@ inline int64_t panels(int64_t cols) { return (cols + kPanel - 1) / kPanel; }
 // of logits^T = W h^T.
 void pack_transposed(const uint16_t* src, int64_t cols, int64_t k, int64_t ld, uint32_t* dst);
 
+// pack_transposed for rows scattered in memory: column c of B is the row at base + row_offsets[c]
+// (element offsets, k elements each), e.g. the tokens routed to one expert, gathered while packed.
+void pack_transposed_gather(const uint16_t* base, const int64_t* row_offsets, int64_t cols, int64_t k,
+                            uint32_t* dst);
+
 // B[k][c] = src[k][c] for src [k][cols] (row stride ld), rows beyond `k` up to `k_padded` zero:
 // e.g. hidden for dW = dz^T h, a block of W for dh = dz W.
 void pack_rows(const uint16_t* src, int64_t k, int64_t k_padded, int64_t cols, int64_t ld, uint32_t* dst);

@@ -156,14 +156,6 @@ void grad_tile_scalar(float* tile, int64_t rows, int64_t cols, int64_t ld, float
   }
 }
 
-inline uint16_t to_bf16(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;  // NaN stays NaN
-  bits += 0x7FFFu + ((bits >> 16) & 1u);                   // round to nearest even
-  return static_cast<uint16_t>(bits >> 16);
-}
-
 }  // namespace
 
 void fold_tile(const float* tile, int64_t rows, int64_t cols, int64_t ld, float scale, RunningStats stats,
@@ -207,7 +199,7 @@ void to_bf16_both(const float* src, int64_t rows, int64_t cols, int64_t ld, uint
     if (avx512) {
       row_to_bf16_avx512(src + r * ld, cols, dst + r * ld_dst);
     } else {
-      for (int64_t c = 0; c < cols; ++c) dst[r * ld_dst + c] = to_bf16(src[r * ld + c]);
+      for (int64_t c = 0; c < cols; ++c) dst[r * ld_dst + c] = round_to_bf16(src[r * ld + c]);
     }
     std::fill(dst + r * ld_dst + cols, dst + (r + 1) * ld_dst, uint16_t{0});
   }

@@ -4,20 +4,36 @@
 // works expert by expert, threads taking whole experts (each writes only its own slots' rows, its
 // own dW[e] and its own LoRA slices: no races, results independent of the thread count): gather
 // the expert's rows, one GEMM (+ the LoRA pair), gate, write its rows in slot order. Assignment
-// order and the per-token sum over k happen after, deterministically. GEMMs here are torch's on
-// fp32 copies (fp64 stays fp64).
+// order and the per-token sum over k happen after, deterministically.
+//
+// bf16 forward on a CPU with AVX-512 BF16: work items of up to kSlotChunk slots of one expert;
+// the slots' input rows are gathered straight into a packed GEMM operand, and the GEMM runs
+// transposed, out^T = W_e x^T, so that W_e's rows stream through unpacked (read once per item,
+// the dominant traffic at a few dozen tokens per expert); LoRA adds s B_e (A_e x^T) with the same
+// micro-kernel; the epilogue gates, rounds and writes the slots' rows. Everything else (other
+// dtypes, the backward for now) uses torch's GEMMs on fp32 copies.
 #include <ATen/Parallel.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/library.h>
 
 #include <vector>
 
+#include "common/cpu_gemm_bf16.h"
+#include "common/cpu_isa.h"
+#include "common/cpu_memory.h"
+#include "common/cpu_simd.h"
+#include "moe/moe_cpu_kernels.h"
 #include "moe/moe_torch_checks.h"
 
 namespace pykernels::moe {
 namespace {
 
 using BelowAutograd = at::AutoDispatchBelowADInplaceOrView;  // see lora_cpu.cpp
+
+constexpr int64_t kSlotChunk = 256;  // slots per work item (packed x: kSlotChunk x in bf16)
+constexpr int64_t kOutBlock = 512;   // rows of W_e per GEMM call: its A block (512 x 512 bf16) stays in L2
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> sort_tokens_cpu(const at::Tensor& top_k_index, int64_t num_experts) {
   check_top_k_index(top_k_index, num_experts);
@@ -105,6 +121,99 @@ at::Tensor from_slot_order(const at::Tensor& by_slot, const Problem& p, bool gro
   return by_assignment.view({p.size.tokens, p.size.top_k, by_slot.size(1)}).sum(1);
 }
 
+bool use_bf16_kernels(const Problem& p) {
+  return p.x.scalar_type() == at::kBFloat16 && active_cpu_isa() == CpuIsa::kAvx512 && gemm::has_bf16_gemm();
+}
+
+const uint16_t* bf16_data(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
+
+// The op's output in bf16 (see the header of this file). Each slot's row is written once, to its
+// place in the output (slot or assignment order), or, when gated rows are summed per token, to a
+// workspace kept across calls (fresh pages cost more than the sum on a VM) and then summed.
+at::Tensor forward_bf16(const Problem& p) {
+  const Sizes& z = p.size;
+  const bool combine = p.gates_flat.defined() && !p.grouped_out;
+  const int64_t* assignment = p.sorted_token_idx.data_ptr<int64_t>();
+  const int64_t valid = p.offsets[z.experts];
+  std::vector<int64_t> dst_row(z.slots);
+  for (int64_t s = 0; s < z.slots; ++s) dst_row[s] = p.grouped_out || combine ? s : assignment[s];
+  at::Tensor y = at::empty({combine ? z.tokens : z.slots, z.out}, p.x.options());
+  thread_local AlignedVector<uint16_t> workspace;  // this calling thread's slot rows when combining
+  if (combine) workspace.resize(z.slots * z.out);
+  uint16_t* dst = combine ? workspace.data() : reinterpret_cast<uint16_t*>(y.data_ptr());
+  if (!combine) {
+    for (int64_t s = valid; s < z.slots; ++s) std::fill_n(dst + dst_row[s] * z.out, z.out, uint16_t{0});  // dropped
+  }
+  struct Item {
+    int64_t e, s0, s1;
+  };
+  std::vector<Item> items;
+  for (int64_t e = 0; e < z.experts; ++e) {
+    for (int64_t s0 = p.offsets[e]; s0 < p.offsets[e + 1]; s0 += kSlotChunk) {
+      items.push_back({e, s0, std::min(s0 + kSlotChunk, p.offsets[e + 1])});
+    }
+  }
+  at::Tensor gate_of_slot = p.gates_flat.defined() ? p.gates_flat.index_select(0, p.sorted_token_idx).contiguous()
+                                                   : at::Tensor();
+  at::Tensor lora_a, lora_b_t;  // lora_b_t [E, out, r]: B_e contiguous (PEFT's columns e, e + E, ...)
+  if (p.lora_a) {
+    lora_a = p.lora_a->contiguous();
+    lora_b_t = p.lora_b->reshape({z.out, z.rank, z.experts}).permute({2, 0, 1}).contiguous();
+  }
+  const uint16_t *x = bf16_data(p.x), *w = bf16_data(p.weight);
+  const uint16_t* a = p.lora_a ? bf16_data(lora_a) : nullptr;
+  const uint16_t* b = p.lora_a ? bf16_data(lora_b_t) : nullptr;
+  const float scaling = static_cast<float>(p.scaling);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+    thread_local AlignedVector<uint32_t> packed_x, packed_u;
+    thread_local AlignedVector<float> tile, u;
+    thread_local AlignedVector<uint16_t> u_bf16;
+    thread_local std::vector<int64_t> row_offsets;
+    for (int64_t i = i0; i < i1; ++i) {
+      const Item& it = items[i];
+      const int64_t m = it.s1 - it.s0, ld = round_up(m, gemm::kPanel);
+      row_offsets.resize(m);
+      for (int64_t j = 0; j < m; ++j) {
+        const int64_t slot = it.s0 + j;
+        row_offsets[j] = (p.grouped_in ? slot : assignment[slot] / z.top_k) * z.in;
+      }
+      packed_x.resize(gemm::panels(m) * gemm::panel_stride(z.in));
+      gemm::pack_transposed_gather(x, row_offsets.data(), m, z.in, packed_x.data());
+      const int64_t r_pad = round_up(z.rank, 2);
+      if (a != nullptr) {  // u^T = A_e x^T [r, m], scaled and rounded to bf16 like a bf16 LoRA's x A^T
+        u.resize(z.rank * ld);
+        gemm::gemm_bf16(z.rank, m, z.in, a + it.e * z.rank * z.in, z.in, packed_x.data(), gemm::panel_stride(z.in),
+                        u.data(), ld, false);
+        u_bf16.resize(z.rank * ld);
+        for (int64_t q = 0; q < z.rank * ld; ++q) u_bf16[q] = round_to_bf16(scaling * u[q]);
+        packed_u.resize(gemm::panels(m) * gemm::panel_stride(r_pad));
+        gemm::pack_rows(u_bf16.data(), z.rank, r_pad, m, ld, packed_u.data());
+      }
+      const float* gates = gate_of_slot.defined() ? gate_of_slot.data_ptr<float>() + it.s0 : nullptr;
+      for (int64_t o0 = 0; o0 < z.out; o0 += kOutBlock) {
+        const int64_t rows = std::min(kOutBlock, z.out - o0);
+        tile.resize(rows * ld);
+        gemm::gemm_bf16(rows, m, z.in, w + (it.e * z.out + o0) * z.in, z.in, packed_x.data(),
+                        gemm::panel_stride(z.in), tile.data(), ld, false);
+        if (a != nullptr) {  // + s B_e (A_e x^T)
+          gemm::gemm_bf16(rows, m, z.rank, b + (it.e * z.out + o0) * z.rank, z.rank, packed_u.data(),
+                          gemm::panel_stride(r_pad), tile.data(), ld, true);
+        }
+        cpu::store_transposed_bf16(tile.data(), ld, rows, m, gates, dst + o0, dst_row.data() + it.s0, z.out);
+      }
+    }
+  });
+  if (combine) {
+    std::vector<int64_t> slot_of(z.slots, -1);  // dropped assignments stay -1
+    for (int64_t s = 0; s < valid; ++s) slot_of[assignment[s]] = s;
+    uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr());
+    at::parallel_for(0, z.tokens, 64, [&](int64_t t0, int64_t t1) {
+      cpu::sum_slots_bf16(dst, slot_of.data() + t0 * z.top_k, t1 - t0, z.top_k, z.out, out + t0 * z.out);
+    });
+  }
+  return y;
+}
+
 at::Tensor grouped_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& sorted_expert_idx,
                               const at::Tensor& sorted_token_idx, const at::Tensor& expert_offsets, int64_t top_k,
                               bool grouped_in, bool grouped_out, const std::optional<at::Tensor>& gates,
@@ -112,6 +221,7 @@ at::Tensor grouped_linear_cpu(const at::Tensor& x, const at::Tensor& weight, con
                               double lora_scaling) {
   const Problem p = make_problem(x, weight, sorted_expert_idx, sorted_token_idx, expert_offsets, top_k, grouped_in,
                                  grouped_out, gates, lora_a, lora_b, lora_scaling);
+  if (use_bf16_kernels(p)) return forward_bf16(p);
   at::Tensor y = at::zeros({p.size.slots, p.size.out}, x.options().dtype(p.compute));
   at::parallel_for(0, p.size.experts, 1, [&](int64_t e0, int64_t e1) {
     const BelowAutograd below_autograd;
