@@ -243,3 +243,39 @@ def test_bf16_forward_on_every_cpu_path(cpu_isa, grouped_in, grouped_out, with_g
     assert ours.dtype == torch.bfloat16 and ours.shape == exact.shape
     # bf16 output rounding (2^-8 relative) plus LoRA's bf16 intermediate and the per-token sum.
     assert (ours.double() - exact).abs().max() <= 2**-7 * exact.abs().max()
+
+
+@pytest.mark.parametrize(("grouped_in", "grouped_out", "with_gates", "with_lora"), FLAGS,
+                         ids=[f"in{int(a)}-out{int(b)}-gates{int(c)}-lora{int(d)}" for a, b, c, d in FLAGS])
+@pytest.mark.parametrize("trainable_weight", [False, True], ids=["frozen", "trainable"])
+def test_bf16_gradients_on_every_cpu_path(cpu_isa, grouped_in, grouped_out, with_gates, with_lora,
+                                          trainable_weight):
+    """bf16 gradients of x, gates, LoRA (and the weight when it is trainable) against fp64 on the
+    same bf16 inputs, on the AVX-512 BF16 kernels (frozen weight) and the portable path."""
+    tokens, top_k, num_experts, in_f, out_f, rank = 300, 3, 4, 40, 72, 5  # > 256 slots for some experts
+    g = torch.Generator().manual_seed(5)
+    idx = make_routing(tokens, top_k, num_experts, seed=5, dropped=2)
+    routing = moe.sort_tokens(idx, num_experts)
+    shapes = [(tokens * top_k if grouped_in else tokens, in_f), (num_experts, out_f, in_f), (tokens, top_k),
+              (rank * num_experts, in_f), (out_f, rank * num_experts)]
+    base = [(torch.randn(*s, generator=g) * (in_f**-0.5 if i in (1, 3) else 1.0)).bfloat16()
+            for i, s in enumerate(shapes)]
+    base[2] = torch.rand(tokens, top_k, generator=g).bfloat16()
+    used = [True, trainable_weight, with_gates, with_lora, with_lora]
+
+    def run(dtype, fn):
+        leaves = [t.to(dtype).requires_grad_(need) if keep else None
+                  for t, keep, need in zip(base, [True, True, with_gates, with_lora, with_lora], used)]
+        lora = moe.LoRAFactors(leaves[3], leaves[4], 0.5) if with_lora else None
+        y = fn(leaves[0], leaves[1], leaves[2], lora)
+        grad_out = torch.randn(y.shape, generator=torch.Generator().manual_seed(6)).to(dtype)
+        grads = torch.autograd.grad(y, [t for t, need in zip(leaves, used) if need], grad_out)
+        return grads
+
+    ours = run(torch.bfloat16, lambda xx, ww, gg, ff: moe.grouped_linear(
+        xx, ww, *routing, grouped_in=grouped_in, grouped_out=grouped_out, gates=gg, lora=ff))
+    exact = run(torch.float64, lambda xx, ww, gg, ff: direct_grouped_linear(xx, ww, idx, grouped_in, grouped_out, gg,
+                                                                            ff))
+    for a, b in zip(ours, exact):
+        assert a.dtype == torch.bfloat16 and a.shape == b.shape
+        assert (a.double() - b).abs().max() <= 2**-6 * b.abs().max()

@@ -19,6 +19,15 @@ bool has_bf16_gemm();
 inline int64_t panel_stride(int64_t k) { return (k + 1) / 2 * kPanel; }
 inline int64_t panels(int64_t cols) { return (cols + kPanel - 1) / kPanel; }
 
+// Row stride for an fp32 C the micro-kernel accumulates into: an odd number of cache lines. With
+// 2048 or 4096 columns the rows of a 12-row C tile would be 4 KiB multiples apart and all land in
+// one L1 set, evicting each other and their prefetched successors; an odd line stride walks them
+// through every set.
+inline int64_t padded_ld(int64_t cols) {
+  const int64_t lines = (cols + 15) / 16;
+  return (lines % 2 == 0 ? lines + 1 : lines) * 16;
+}
+
 // B[k][c] = src[c][k] for src [cols][k] (row stride ld): e.g. rows of hidden become the columns
 // of logits^T = W h^T.
 void pack_transposed(const uint16_t* src, int64_t cols, int64_t k, int64_t ld, uint32_t* dst);

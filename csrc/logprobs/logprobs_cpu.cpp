@@ -37,15 +37,6 @@ constexpr int64_t kTokenChunk = 512;  // multiple of gemm::kPanel
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// Row stride of the fp32 accumulators the micro-kernel adds into (dh, dW blocks, gradient terms):
-// an odd number of cache lines. With H = 2048 or 4096 the rows of a 12-row C tile would be 4 KiB
-// multiples apart and all land in one L1 set, evicting each other and their prefetched successors;
-// an odd line stride walks them through every set.
-inline int64_t padded_ld(int64_t h) {
-  const int64_t lines = (h + 15) / 16;
-  return (lines % 2 == 0 ? lines + 1 : lines) * 16;
-}
-
 const uint16_t* bf16_data(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
 
 // bf16 GEMMs on packed operands (see the header of this file).
@@ -61,7 +52,7 @@ class Bf16Gemms {
     }
   }
   static int64_t ld(int64_t tokens) { return round_up(tokens, gemm::kPanel); }
-  static int64_t acc_ld(int64_t h) { return padded_ld(h); }
+  static int64_t acc_ld(int64_t h) { return gemm::padded_ld(h); }
 
   void begin_block(int64_t v0, int64_t rows, bool grad_hidden) {
     if (!grad_hidden) return;

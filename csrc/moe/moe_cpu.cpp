@@ -238,6 +238,109 @@ at::Tensor grouped_linear_cpu(const at::Tensor& x, const at::Tensor& weight, con
   return from_slot_order(y, p, grouped_out, gates.has_value()).to(x.scalar_type());
 }
 
+using Grads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// bf16 backward for frozen expert weights (grad_x, grad_gates, LoRA grads), whole experts per
+// thread (the LoRA gradients of an expert are summed by one thread: deterministic). dx = dy W_e on
+// the micro-kernel with W_e packed once per expert (K = out is W's row index, so W_e cannot stream
+// unpacked here); the rank-r LoRA terms are small fp32 GEMMs.
+Grads backward_bf16(const Problem& p, const at::Tensor& g, const at::Tensor& grad_row_of_slot, bool compute_grad_x,
+                    bool compute_grad_gates, bool compute_grad_lora) {
+  const Sizes& z = p.size;
+  const bool combine_x = !p.grouped_in;  // each token's k slot rows summed into its row of dx
+  const int64_t* assignment = p.sorted_token_idx.data_ptr<int64_t>();
+  const int64_t* grad_row = grad_row_of_slot.data_ptr<int64_t>();
+  const int64_t valid = p.offsets[z.experts];
+  at::Tensor dx = compute_grad_x ? at::empty({combine_x ? z.tokens : z.slots, z.in}, p.x.options()) : at::Tensor();
+  thread_local AlignedVector<uint16_t> workspace;  // slot rows of dx before the per-token sum
+  uint16_t* dx_rows = nullptr;
+  if (compute_grad_x) {
+    if (combine_x) workspace.resize(z.slots * z.in);
+    dx_rows = combine_x ? workspace.data() : reinterpret_cast<uint16_t*>(dx.data_ptr());
+    if (!combine_x) dx.narrow(0, valid, z.slots - valid).zero_();
+  }
+  std::vector<float> dgate(z.slots, 0.0f);
+  at::Tensor gate_of_slot = p.gates_flat.defined() ? p.gates_flat.index_select(0, p.sorted_token_idx).contiguous()
+                                                   : at::Tensor();
+  const auto f32 = p.x.options().dtype(at::kFloat);
+  at::Tensor da = compute_grad_lora ? at::zeros(p.lora_a->sizes(), f32) : at::Tensor();
+  at::Tensor db_t = compute_grad_lora ? at::zeros({z.experts, z.out, z.rank}, f32) : at::Tensor();  // [E, out, r]
+  at::Tensor lora_b_t = p.lora_a ? p.lora_b->reshape({z.out, z.rank, z.experts}).permute({2, 0, 1}).to(at::kFloat)
+                                 : at::Tensor();  // B_e = lora_b_t[e] [out, r]
+  at::Tensor lora_a = p.lora_a ? p.lora_a->to(at::kFloat) : at::Tensor();
+  const uint16_t *x = bf16_data(p.x), *w = bf16_data(p.weight), *gy = bf16_data(g);
+  const int64_t k_pad = round_up(z.out, 2), ldc = gemm::padded_ld(z.in);
+  at::parallel_for(0, z.experts, 1, [&](int64_t e0, int64_t e1) {
+    const BelowAutograd below_autograd;
+    thread_local AlignedVector<uint32_t> packed_w;
+    thread_local AlignedVector<uint16_t> g_rows;
+    thread_local AlignedVector<float> c;
+    thread_local std::vector<int64_t> x_offsets;
+    for (int64_t e = e0; e < e1; ++e) {
+      if (p.offsets[e + 1] == p.offsets[e]) continue;
+      packed_w.resize(gemm::panels(z.in) * gemm::panel_stride(k_pad));
+      gemm::pack_rows(w + e * z.out * z.in, z.out, k_pad, z.in, z.in, packed_w.data());
+      for (int64_t s0 = p.offsets[e]; s0 < p.offsets[e + 1]; s0 += kSlotChunk) {
+        const int64_t m = std::min(kSlotChunk, p.offsets[e + 1] - s0);
+        g_rows.resize(m * k_pad);
+        x_offsets.resize(m);
+        for (int64_t j = 0; j < m; ++j) {
+          std::copy_n(gy + grad_row[s0 + j] * z.out, z.out, g_rows.data() + j * k_pad);
+          if (k_pad > z.out) g_rows[j * k_pad + z.out] = 0;
+          x_offsets[j] = (p.grouped_in ? s0 + j : assignment[s0 + j] / z.top_k) * z.in;
+        }
+        c.resize(m * ldc);
+        gemm::gemm_bf16(m, z.in, z.out, g_rows.data(), k_pad, packed_w.data(), gemm::panel_stride(k_pad), c.data(),
+                        ldc, false);  // dy W_e
+        const float* gates = gate_of_slot.defined() ? gate_of_slot.data_ptr<float>() + s0 : nullptr;
+        if (p.lora_a) {
+          const at::Tensor gf = at::from_blob(g_rows.data(), {m, z.out}, {k_pad, 1}, at::kBFloat16).to(at::kFloat);
+          const at::Tensor xf = p.x.index_select(0, at::from_blob(x_offsets.data(), {m}, at::kLong).div(
+                                                        z.in, "floor")).to(at::kFloat);
+          const at::Tensor a_e = lora_a.narrow(0, e * z.rank, z.rank), b_e = lora_b_t.select(0, e);
+          const at::Tensor v = at::mm(gf, b_e);  // dy B_e [m, r]
+          at::from_blob(c.data(), {m, z.in}, {ldc, 1}, at::kFloat).addmm_(v, a_e, 1.0, p.scaling);
+          if (compute_grad_lora) {
+            const at::Tensor gate = gates ? at::from_blob(const_cast<float*>(gates), {m, 1}, at::kFloat)
+                                          : at::ones({m, 1}, f32);
+            da.narrow(0, e * z.rank, z.rank).addmm_((v * gate).t(), xf, 1.0, p.scaling);
+            db_t.select(0, e).addmm_((gf * gate).t(), at::mm(xf, a_e.t()), 1.0, p.scaling);
+          }
+        }
+        if (compute_grad_x || compute_grad_gates) {
+          thread_local std::vector<int64_t> dst_rows;
+          dst_rows.resize(m);
+          for (int64_t j = 0; j < m; ++j) dst_rows[j] = compute_grad_x ? s0 + j : j;
+          thread_local AlignedVector<uint16_t> scratch;  // dx rows not asked for
+          if (!compute_grad_x) scratch.resize(m * z.in);
+          cpu::gate_rows_bf16(c.data(), ldc, m, z.in, gates, x, x_offsets.data(),
+                              compute_grad_gates ? dgate.data() + s0 : nullptr,
+                              compute_grad_x ? dx_rows : scratch.data(), dst_rows.data(), z.in);
+        }
+      }
+    }
+  });
+  if (compute_grad_x && combine_x) {
+    std::vector<int64_t> slot_of(z.slots, -1);
+    for (int64_t s = 0; s < valid; ++s) slot_of[assignment[s]] = s;
+    uint16_t* out = reinterpret_cast<uint16_t*>(dx.data_ptr());
+    at::parallel_for(0, z.tokens, 64, [&](int64_t t0, int64_t t1) {
+      cpu::sum_slots_bf16(dx_rows, slot_of.data() + t0 * z.top_k, t1 - t0, z.top_k, z.in, out + t0 * z.in);
+    });
+  }
+  auto empty = [&](const at::Tensor& like) { return at::empty({0}, like.options()); };
+  at::Tensor grad_gates = empty(p.x);
+  if (compute_grad_gates) {
+    at::Tensor by_slot = at::from_blob(dgate.data(), {z.slots}, at::kFloat);
+    grad_gates = at::zeros({z.slots}, at::kFloat).index_copy_(0, p.sorted_token_idx, by_slot)
+                     .view({z.tokens, z.top_k});  // fp32: the caller casts to gates' dtype
+  }
+  return {compute_grad_x ? dx : empty(p.x), empty(p.weight), grad_gates,
+          compute_grad_lora ? da.to(p.lora_a->scalar_type()) : empty(p.x),
+          compute_grad_lora ? db_t.permute({1, 2, 0}).reshape({z.out, z.rank * z.experts}).to(p.lora_b->scalar_type())
+                            : empty(p.x)};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> grouped_linear_backward_cpu(
     const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& sorted_expert_idx,
     const at::Tensor& sorted_token_idx, const at::Tensor& expert_offsets, int64_t top_k, bool grouped_in,
@@ -257,6 +360,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> grouped_l
   const at::Tensor grad_row_of_slot = grouped_out ? at::arange(p.size.slots, sorted_token_idx.options())
                                       : summed    ? at::floor_divide(sorted_token_idx, top_k)
                                                   : sorted_token_idx;
+  if (use_bf16_kernels(p) && g.scalar_type() == at::kBFloat16 && !compute_grad_weight) {
+    auto [grad_x, grad_weight, grad_gates, grad_a, grad_b] =
+        backward_bf16(p, g, grad_row_of_slot, compute_grad_x, compute_grad_gates, compute_grad_lora);
+    if (compute_grad_gates) grad_gates = grad_gates.to(gates->scalar_type());
+    return {grad_x, grad_weight, grad_gates, grad_a, grad_b};
+  }
   const auto opts = x.options().dtype(p.compute);
   at::Tensor dx = compute_grad_x ? at::zeros({p.size.slots, p.size.in}, opts) : at::Tensor();
   at::Tensor dgate = compute_grad_gates ? at::zeros({p.size.slots, 1}, opts) : at::Tensor();

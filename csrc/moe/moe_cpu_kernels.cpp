@@ -49,7 +49,32 @@ PK_AVX512_BF16 void sum_slots_avx512(const uint16_t* rows, const int64_t* slot_o
   }
 }
 
+PK_AVX512_BF16 void gate_rows_avx512(const float* c, int64_t ldc, int64_t rows, int64_t cols, const float* gates,
+                                     const uint16_t* x, const int64_t* x_offsets, float* dgate, uint16_t* dst,
+                                     const int64_t* dst_rows, int64_t ld_dst) {
+  for (int64_t j = 0; j < rows; ++j) {
+    const float* row = c + j * ldc;
+    const __m512 gate = _mm512_set1_ps(gates ? gates[j] : 1.0f);
+    __m512 dot = _mm512_setzero_ps();
+    for (int64_t k = 0; k < cols; k += 16) {
+      const __mmask16 m = lane_mask(cols - k);
+      const __m512 v = _mm512_maskz_loadu_ps(m, row + k);
+      if (dgate) {
+        const __m256i xb = _mm256_maskz_loadu_epi16(m, x + x_offsets[j] + k);
+        dot = _mm512_fmadd_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(xb), 16)), dot);
+      }
+      _mm256_mask_storeu_epi16(dst + dst_rows[j] * ld_dst + k, m, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(gate, v)));
+    }
+    if (dgate) dgate[j] = _mm512_reduce_add_ps(dot);
+  }
+}
+
 }  // namespace
+
+void gate_rows_bf16(const float* c, int64_t ldc, int64_t rows, int64_t cols, const float* gates, const uint16_t* x,
+                    const int64_t* x_offsets, float* dgate, uint16_t* dst, const int64_t* dst_rows, int64_t ld_dst) {
+  gate_rows_avx512(c, ldc, rows, cols, gates, x, x_offsets, dgate, dst, dst_rows, ld_dst);
+}
 
 void store_transposed_bf16(const float* tile, int64_t ld, int64_t rows, int64_t cols, const float* gates,
                            uint16_t* dst, const int64_t* dst_rows, int64_t ld_dst) {
