@@ -106,3 +106,37 @@ def test_a_dense_model_is_left_alone():
                                       num_attention_heads=2, num_key_value_heads=1)
     model = transformers.Qwen2ForCausalLM(config)
     assert apply_moe_kernels(model) == 0
+
+
+def test_peft_experts_run_fused_without_dense_deltas_and_honour_disabled_and_merged_adapters(monkeypatch):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    base = build("qwen3_moe")
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        base_logits = base(input_ids=ids).logits
+    reference = get_peft_model(copy.deepcopy(base), config)
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+        expected = reference(input_ids=ids).logits
+    model = get_peft_model(copy.deepcopy(base), config)
+    model.load_state_dict(reference.state_dict())
+    apply_moe_kernels(model)
+
+    def no_parametrization(*args, **kwargs):
+        raise AssertionError("PEFT's dense W + B A path ran")
+
+    with torch.no_grad():
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.nn.utils.parametrize, "register_parametrization", no_parametrization)
+            torch.testing.assert_close(model(input_ids=ids).logits, expected, atol=2e-6, rtol=0)
+        with model.disable_adapter():
+            torch.testing.assert_close(model(input_ids=ids).logits, base_logits, atol=2e-6, rtol=0)
+        model.merge_adapter()
+        torch.testing.assert_close(model(input_ids=ids).logits, expected, atol=2e-5, rtol=0)
+        model.unmerge_adapter()
+        torch.testing.assert_close(model(input_ids=ids).logits, expected, atol=2e-5, rtol=0)

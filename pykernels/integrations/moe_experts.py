@@ -2,15 +2,20 @@
 experts interface (transformers >= 5: experts classes decorated with use_experts_implementation,
 gate_up_proj [E, 2I, H], down_proj [E, H, I]).
 
-PEFT LoRA on experts (LoraConfig(target_parameters=["mlp.experts.gate_up_proj", ...])) works by
-parametrizing the expert weights during its forward: reading self.gate_up_proj would build the
-dense W + B A for every expert. We read the base weight and the LoRA factors instead and run LoRA
-inside the grouped GEMM (pykernels.moe.grouped_linear). Anything we do not cover (biases,
-transposed or interleaved weights, other activations, several active adapters) runs transformers'
-own forward.
+PEFT LoRA on experts (LoraConfig(target_parameters=["mlp.experts.gate_up_proj", ...])) wraps the
+experts module in ParamWrappers that parametrize the expert weights during the forward, and
+registering that parametrization alone computes W + B A densely for every expert, twice per
+forward. apply_moe_kernels therefore also routes the outermost wrapper's forward straight to the
+grouped kernels with PEFT's LoRA factors (LoRA inside the grouped GEMM, nothing dense); when PEFT's
+own path runs anyway (e.g. another experts implementation was chosen), the experts function reads
+the factors from the parametrization instead of the dense weight. Anything we do not cover
+(biases, transposed or interleaved weights, other activations, several active adapters, merged
+and disabled adapters being unmerged) runs PEFT's and transformers' own forward.
 """
 
 from __future__ import annotations
+
+import types
 
 import torch
 from torch.nn.utils import parametrize
@@ -42,20 +47,77 @@ def _weight_and_lora(module: torch.nn.Module, name: str) -> tuple[torch.Tensor, 
     return chain.original, LoRAFactors(lora_a, lora_b, float(chain[0].scaling))
 
 
+def _activation(experts: torch.nn.Module) -> str | None:
+    """Our activation name when we cover this experts module's layout, else None."""
+    covered = (getattr(experts, "has_gate", True) and not getattr(experts, "has_bias", False)
+               and not getattr(experts, "is_transposed", False) and getattr(experts, "is_concatenated", True))
+    return _ACTIVATIONS.get(getattr(experts.config, "hidden_act", None)) if covered else None
+
+
 def pykernels_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                               top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers experts-interface function (self is the experts module)."""
     from pykernels.moe import experts_forward
 
-    act = _ACTIVATIONS.get(getattr(self.config, "hidden_act", None))
-    covered = (act is not None and getattr(self, "has_gate", True) and not getattr(self, "has_bias", False)
-               and not getattr(self, "is_transposed", False) and getattr(self, "is_concatenated", True))
-    weights = [_weight_and_lora(self, name) for name in ("gate_up_proj", "down_proj")] if covered else [None]
+    act = _activation(self)
+    weights = [_weight_and_lora(self, name) for name in ("gate_up_proj", "down_proj")] if act else [None]
     if any(w is None for w in weights):
         return type(self).forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
     (gate_up, gate_up_lora), (down, down_lora) = weights
     lora = {name: f for name, f in (("gate_up_proj", gate_up_lora), ("down_proj", down_lora)) if f is not None}
     return experts_forward(hidden_states, top_k_index, top_k_weights, gate_up, down, act=act, lora=lora)
+
+
+def _is_param_wrapper(module: torch.nn.Module) -> bool:
+    return hasattr(module, "parameter_name") and hasattr(module, "base_layer") and hasattr(module, "lora_A")
+
+
+def _peft_factors(wrapper: torch.nn.Module, dtype: torch.dtype) -> LoRAFactors | None | bool:
+    """PEFT's LoRA factors on one expert parameter (its layout is ours); None when no LoRA applies
+    (merged into the weight, disabled, no active adapter); False when only PEFT can run it."""
+    if wrapper.merged or wrapper.disable_adapters:
+        return False if wrapper.merged and wrapper.disable_adapters else None  # PEFT would unmerge first
+    adapters = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
+    if not adapters:
+        return None
+    if len(adapters) != 1 or not getattr(wrapper, "_did_swap_in_out_features", False):
+        return False
+    name = adapters[0]
+    return LoRAFactors(wrapper.lora_A[name].weight.to(dtype), wrapper.lora_B[name].weight.to(dtype),
+                       float(wrapper.scaling[name]))
+
+
+def _fused_peft_forward(self, hidden_states, top_k_index=None, top_k_weights=None, *args, **kwargs):
+    """Forward of the outermost PEFT ParamWrapper around an experts module (see the header)."""
+    from pykernels.moe import experts_forward
+
+    experts, wrappers = self, {}
+    while _is_param_wrapper(experts):
+        wrappers[experts.parameter_name] = experts
+        experts = experts.base_layer
+    act = _activation(experts)
+    if (act and not args and not kwargs and top_k_weights is not None and set(wrappers) <= {"gate_up_proj", "down_proj"}
+            and experts.config._experts_implementation == IMPLEMENTATION):
+        factors = {name: _peft_factors(w, hidden_states.dtype) for name, w in wrappers.items()}
+        if all(f is not False for f in factors.values()):
+            lora = {name: f for name, f in factors.items() if f is not None}
+            return experts_forward(hidden_states, top_k_index, top_k_weights, experts.gate_up_proj,
+                                   experts.down_proj, act=act, lora=lora)
+    return type(self).forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+
+
+def _route_peft_wrappers(model: torch.nn.Module, experts: list[torch.nn.Module]) -> None:
+    wrappers = [m for m in model.modules() if _is_param_wrapper(m)]
+    inner = {id(w.base_layer) for w in wrappers}
+    targets = {id(e) for e in experts}
+    for wrapper in wrappers:
+        if id(wrapper) in inner:
+            continue
+        bottom = wrapper
+        while _is_param_wrapper(bottom):
+            bottom = bottom.base_layer
+        if id(bottom) in targets:
+            wrapper.forward = types.MethodType(_fused_peft_forward, wrapper)
 
 
 def _experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -80,6 +142,7 @@ def apply_moe_kernels(model: torch.nn.Module) -> int:
     if not experts:
         return 0
     ExpertsInterface.register(IMPLEMENTATION, pykernels_experts_forward)
+    _route_peft_wrappers(model, experts)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if hasattr(base, "set_experts_implementation"):
         base.set_experts_implementation(IMPLEMENTATION)

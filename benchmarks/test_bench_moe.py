@@ -1,0 +1,118 @@
+"""Grouped MoE experts: ours (the "pykernels" experts implementation, pykernels.moe) vs transformers'
+"eager" experts loop and its "grouped_mm" implementation (torch's grouped GEMM), forward and
+forward+backward, with and without LoRA r=16 on the experts (PEFT target_parameters, as users run
+it: PEFT hands the baselines W + B A per expert, built densely every forward).
+
+The module is transformers' own Qwen3MoeExperts at the case's shapes, bf16, random weights and
+routing (top-k of random logits, softmax weights). forward+backward is the RL setting: frozen
+expert weights, gradients to the hidden states, the routing weights and the LoRA factors.
+TFLOP/s counts 6 T k H I (forward) and 12 T k H I (forward+backward: dx only, the weights are
+frozen), LoRA not counted. transformers' batched_mm gathers one [2I, H] weight per token-expert
+pair (25 GB at Qwen3-30B-A3B shapes and T=512) and is left out where that exceeds 2 GB.
+CPU: T=512 at Qwen3-30B-A3B shapes and at Mixtral's with I scaled 14336 -> 3584 (2-core budget);
+GPUs: T in {512, 4096, 16384} at Qwen3-30B-A3B shapes, {512, 4096} at Mixtral's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+from pykernels.integrations.transformers import apply_moe_kernels
+
+LORA_RANK = 16
+# name: (hidden H, expert intermediate I, experts E, top-k)
+SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral": (4096, 14336, 8, 2),
+          "mixtral-i3584": (4096, 3584, 8, 2)}
+
+
+def cases(device_type: str) -> list[tuple[str, int]]:  # (shape, tokens)
+    if device_type == "cpu":
+        return [("qwen3-30b-a3b", 512), ("mixtral-i3584", 512)]
+    return [("qwen3-30b-a3b", t) for t in (512, 4096, 16384)] + [("mixtral", t) for t in (512, 4096)]
+
+
+def impls(shape: str, tokens: int) -> list[str]:
+    hidden, inter, _, top_k = SHAPES[shape]
+    batched_bytes = tokens * top_k * 2 * inter * hidden * 2
+    return ["ours", "eager", "grouped_mm"] + (["batched_mm"] if batched_bytes <= 2**31 else [])
+
+
+def params() -> list:
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    runs = [(impl, shape, tokens, mode, lora) for shape, tokens in cases(device_type)
+            for mode in ("forward", "forward_backward") for lora in (False, True)
+            for impl in impls(shape, tokens)]
+    return [pytest.param(*run, id=f"{run[3]}-{run[1]}-T{run[2]}-{'lora' if run[4] else 'base'}-{run[0]}")
+            for run in runs]
+
+
+class Block(torch.nn.Module):
+    def __init__(self, experts: torch.nn.Module):
+        super().__init__()
+        self.experts = experts
+
+
+def make_block(shape: str, lora: bool, device: torch.device) -> tuple[torch.nn.Module, transformers.PretrainedConfig]:
+    hidden, inter, num_experts, top_k = SHAPES[shape]
+    config = transformers.Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=inter, num_experts=num_experts,
+                                         num_experts_per_tok=top_k, hidden_act="silu")
+    torch.manual_seed(0)
+    experts = Qwen3MoeExperts(config).to(device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, hidden**-0.5)
+        experts.down_proj.normal_(0, inter**-0.5)
+    experts.requires_grad_(False)
+    block = Block(experts)
+    if lora:
+        from peft import LoraConfig, inject_adapter_in_model
+
+        block = inject_adapter_in_model(LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK,
+                                                   target_parameters=["experts.gate_up_proj", "experts.down_proj"]),
+                                        block)
+        block.to(device=device, dtype=torch.bfloat16)
+        with torch.no_grad():
+            for name, param in block.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.01)
+    apply_moe_kernels(block)  # registers "pykernels"; the test picks the implementation per run
+    return block, config
+
+
+@pytest.fixture(scope="module")
+def blocks():
+    return {}
+
+
+@pytest.mark.parametrize(("impl", "shape", "tokens", "mode", "lora"), params())
+def test_moe_experts(measure, device, blocks, impl, shape, tokens, mode, lora):
+    key = (shape, lora)
+    if key not in blocks:
+        blocks.clear()  # one block alive at a time: up to ~0.8 GB of bf16 experts
+        blocks[key] = make_block(shape, lora, device.torch_device)
+    block, config = blocks[key]
+    config._experts_implementation = "pykernels" if impl == "ours" else impl
+    hidden, inter, num_experts, top_k = SHAPES[shape]
+    gen = torch.Generator(device=device.torch_device).manual_seed(1)
+    x = torch.randn(tokens, hidden, device=device.torch_device, generator=gen).bfloat16()
+    logits = torch.randn(tokens, num_experts, device=device.torch_device, generator=gen)
+    weights, index = logits.softmax(-1).topk(top_k, dim=-1)
+    weights = weights.bfloat16()
+    backward = mode == "forward_backward"
+    x.requires_grad_(backward)
+    weights.requires_grad_(backward)
+
+    def call():
+        x.grad = weights.grad = None
+        if not backward:
+            with torch.no_grad():
+                return block.experts(x, index, weights)
+        out = block.experts(x, index, weights)
+        out.float().square().mean().backward()
+        return out
+
+    flops = (12 if backward else 6) * tokens * top_k * hidden * inter
+    measure(call, flops=flops, family="moe", op=f"{mode}_{'lora' if lora else 'base'}", case=f"{shape}-T{tokens}",
+            impl=impl)
