@@ -34,17 +34,21 @@ def cases(device_type: str) -> list[tuple[str, int]]:  # (shape, tokens)
     return [("qwen3-30b-a3b", t) for t in (512, 4096, 16384)] + [("mixtral", t) for t in (512, 4096)]
 
 
-def impls(shape: str, tokens: int) -> list[str]:
+def impls(shape: str, tokens: int, mode: str, lora: bool, device_type: str) -> list[str]:
     hidden, inter, _, top_k = SHAPES[shape]
     batched_bytes = tokens * top_k * 2 * inter * hidden * 2
-    return ["ours", "eager", "grouped_mm"] + (["batched_mm"] if batched_bytes <= 2**31 else [])
+    # eager + PEFT forward+backward with LoRA on the experts takes 75 s a call on the CPU at Qwen3
+    # shapes (PEFT's dense B A per expert, twice, and its backward); measured once in results/cpu.md.
+    slow_eager = device_type == "cpu" and lora and mode == "forward_backward"
+    return (["ours"] + ([] if slow_eager else ["eager"]) + ["grouped_mm"]
+            + (["batched_mm"] if batched_bytes <= 2**31 else []))
 
 
 def params() -> list:
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     runs = [(impl, shape, tokens, mode, lora) for shape, tokens in cases(device_type)
             for mode in ("forward", "forward_backward") for lora in (False, True)
-            for impl in impls(shape, tokens)]
+            for impl in impls(shape, tokens, mode, lora, device_type)]
     return [pytest.param(*run, id=f"{run[3]}-{run[1]}-T{run[2]}-{'lora' if run[4] else 'base'}-{run[0]}")
             for run in runs]
 

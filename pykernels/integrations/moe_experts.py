@@ -59,6 +59,10 @@ def pykernels_experts_forward(self, hidden_states: torch.Tensor, top_k_index: to
     """transformers experts-interface function (self is the experts module)."""
     from pykernels.moe import experts_forward
 
+    if hidden_states.device.type != "cpu":  # no CUDA kernels yet: transformers' own grouped GEMM
+        from transformers.integrations.moe import grouped_mm_experts_forward
+
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     act = _activation(self)
     weights = [_weight_and_lora(self, name) for name in ("gate_up_proj", "down_proj")] if act else [None]
     if any(w is None for w in weights):
@@ -97,7 +101,7 @@ def _fused_peft_forward(self, hidden_states, top_k_index=None, top_k_weights=Non
         experts = experts.base_layer
     act = _activation(experts)
     if (act and not args and not kwargs and top_k_weights is not None and set(wrappers) <= {"gate_up_proj", "down_proj"}
-            and experts.config._experts_implementation == IMPLEMENTATION):
+            and experts.config._experts_implementation == IMPLEMENTATION and hidden_states.device.type == "cpu"):
         factors = {name: _peft_factors(w, hidden_states.dtype) for name, w in wrappers.items()}
         if all(f is not False for f in factors.values()):
             lora = {name: f for name, f in factors.items() if f is not None}

@@ -72,6 +72,14 @@ torch.library.register_autograd("pykernels::moe_grouped_linear", _backward, setu
 
 
 # ---------------------------------------------------------------- public functions
+def _reference_for(tensor: torch.Tensor) -> bool:
+    """The pure-torch path: when asked for, and on GPUs until the CUDA kernels of [5/8] land."""
+    if backend.use_reference() or tensor.device.type == "cuda":
+        return True
+    check_device(tensor, "input")  # anything but CPU and CUDA: a clear error
+    return False
+
+
 def sort_tokens(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The T*k assignments (a = t * k + j) of top_k_index [T, k] ordered by expert, stably:
     (sorted_expert_idx [T*k], sorted_token_idx [T*k] (the assignment in each slot), expert_offsets
@@ -84,9 +92,8 @@ def sort_tokens(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     """
     if not isinstance(top_k_index, torch.Tensor):
         raise ValueError(f"top_k_index must be a tensor, got {type(top_k_index).__name__}")
-    if backend.use_reference():
+    if _reference_for(top_k_index):
         return reference.sort_tokens(top_k_index, num_experts)
-    check_device(top_k_index, "top_k_index")
     return ops.moe_sort_tokens(top_k_index.contiguous(), int(num_experts))
 
 
@@ -114,11 +121,10 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, sorted_expert_idx: tor
     Example (one expert MLP's down projection, combined per token):
         >>> y = pykernels.moe.grouped_linear(inner, down_proj, *sort_tokens(idx, E), grouped_in=True, gates=w)
     """
-    if backend.use_reference():
+    if _reference_for(x):
         top_k = _top_k(x, sorted_token_idx, grouped_in, gates)
         return reference.grouped_linear(x, weight, sorted_expert_idx, sorted_token_idx, expert_offsets, top_k,
                                         grouped_in, grouped_out, gates, lora)
-    check_device(x, "x")
     top_k = _top_k(x, sorted_token_idx, grouped_in, gates)
     lora_a, lora_b, scaling = (lora.a, lora.b, float(lora.scaling)) if lora is not None else (None, None, 1.0)
     return ops.moe_grouped_linear(x, weight, sorted_expert_idx, sorted_token_idx, expert_offsets, top_k,
@@ -148,7 +154,7 @@ def experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weigh
     unknown = set(lora) - {"gate_up_proj", "down_proj"}
     if unknown:
         raise ValueError(f"lora keys must be 'gate_up_proj' and/or 'down_proj', got {sorted(unknown)}")
-    if backend.use_reference():
+    if _reference_for(hidden):
         return reference.experts_forward(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act, lora)
     routing = sort_tokens(top_k_index, gate_up_proj.shape[0])
     gate_up = grouped_linear(hidden, gate_up_proj, *routing, grouped_out=True, lora=lora.get("gate_up_proj"))
