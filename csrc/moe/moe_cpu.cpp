@@ -127,6 +127,19 @@ bool use_bf16_kernels(const Problem& p) {
 
 const uint16_t* bf16_data(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
 
+// out [T, cols] bf16 = each token's k slot rows (bf16 [slots, cols] in slot order) summed in
+// fp32, in j order; dropped assignments add nothing.
+void sum_per_token(const Problem& p, const uint16_t* slot_rows, int64_t cols, at::Tensor& out) {
+  const Sizes& z = p.size;
+  const int64_t* assignment = p.sorted_token_idx.data_ptr<int64_t>();
+  std::vector<int64_t> slot_of(z.slots, -1);
+  for (int64_t s = 0; s < p.offsets[z.experts]; ++s) slot_of[assignment[s]] = s;
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, z.tokens, 64, [&](int64_t t0, int64_t t1) {
+    cpu::sum_slots_bf16(slot_rows, slot_of.data() + t0 * z.top_k, t1 - t0, z.top_k, cols, dst + t0 * cols);
+  });
+}
+
 // The op's output in bf16 (see the header of this file). Each slot's row is written once, to its
 // place in the output (slot or assignment order), or, when gated rows are summed per token, to a
 // workspace kept across calls (fresh pages cost more than the sum on a VM) and then summed.
@@ -203,14 +216,7 @@ at::Tensor forward_bf16(const Problem& p) {
       }
     }
   });
-  if (combine) {
-    std::vector<int64_t> slot_of(z.slots, -1);  // dropped assignments stay -1
-    for (int64_t s = 0; s < valid; ++s) slot_of[assignment[s]] = s;
-    uint16_t* out = reinterpret_cast<uint16_t*>(y.data_ptr());
-    at::parallel_for(0, z.tokens, 64, [&](int64_t t0, int64_t t1) {
-      cpu::sum_slots_bf16(dst, slot_of.data() + t0 * z.top_k, t1 - t0, z.top_k, z.out, out + t0 * z.out);
-    });
-  }
+  if (combine) sum_per_token(p, dst, z.out, y);
   return y;
 }
 
@@ -320,14 +326,7 @@ Grads backward_bf16(const Problem& p, const at::Tensor& g, const at::Tensor& gra
       }
     }
   });
-  if (compute_grad_x && combine_x) {
-    std::vector<int64_t> slot_of(z.slots, -1);
-    for (int64_t s = 0; s < valid; ++s) slot_of[assignment[s]] = s;
-    uint16_t* out = reinterpret_cast<uint16_t*>(dx.data_ptr());
-    at::parallel_for(0, z.tokens, 64, [&](int64_t t0, int64_t t1) {
-      cpu::sum_slots_bf16(dx_rows, slot_of.data() + t0 * z.top_k, t1 - t0, z.top_k, z.in, out + t0 * z.in);
-    });
-  }
+  if (compute_grad_x && combine_x) sum_per_token(p, dx_rows, z.in, dx);
   auto empty = [&](const at::Tensor& like) { return at::empty({0}, like.options()); };
   at::Tensor grad_gates = empty(p.x);
   if (compute_grad_gates) {
