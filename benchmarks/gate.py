@@ -15,18 +15,25 @@ and the issue's target at the size it was stated for).
 A rule with no measured case fails: a benchmark that silently stopped running must not pass.
 Ratios, never absolute times: the machines are shared and noisy, two codes timed side by side are
 affected alike.
+
+With --remeasure, the cases of failing rules are timed once more (ours and the baseline side by
+side, in a fresh process) and the gate judges the best of both runs. A burst of interference on a
+shared machine hits one case of one run (CI, 2026-11-22: three gate runs of one tree failed on
+three different single cases, every one of which passed in the other runs); a real regression
+fails both runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import subprocess
 import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.results_file import Result, load_results
+from benchmarks.results_file import Result, best_of, load_results
 
 DEFAULT_THRESHOLDS = Path(__file__).with_name("thresholds.toml")
 
@@ -72,6 +79,12 @@ class Check:
     def passed(self) -> bool:
         return (self.geomean is not None and self.geomean >= self.floor.geomean
                 and all(self.case_passed(c) for c in self.cases))
+
+    def cases_to_remeasure(self) -> list[str]:
+        """A failed mean is every case's business; otherwise only the cases below `each`."""
+        if self.geomean is not None and self.geomean < self.floor.geomean:
+            return [c.case for c in self.cases]
+        return [c.case for c in self.cases if not self.case_passed(c)]
 
 
 def evaluate(results: list[Result], floors: dict[str, list[Floor]]) -> list[Check]:
@@ -138,10 +151,30 @@ def format_checks(checks: list[Check]) -> str:
     return "\n".join(lines)
 
 
+def remeasure_tests(checks: list[Check], results: list[Result]) -> list[str]:
+    """pytest node ids of ours and the baseline for every case a failed check would look at again."""
+    wanted = set()
+    for check in (c for c in checks if not c.passed):
+        family, op, baseline = check.rule.removesuffix(".peak_memory").rsplit(".", 2)
+        wanted |= {(family, op, case, impl) for case in check.cases_to_remeasure() for impl in ("ours", baseline)}
+    return list(dict.fromkeys(r.test for r in results if r.key in wanted and r.test))
+
+
+def run_benchmarks(tests: list[str], json_path: Path) -> bool:
+    """Time the given benchmark tests in a fresh pytest process; True when it wrote its results."""
+    json_path.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "pytest", *tests, "--benchmark-only", f"--benchmark-json={json_path}",
+               "-q", "-p", "no:cacheprovider"]
+    subprocess.run(command, check=False)
+    return json_path.exists()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", type=Path, help="pytest-benchmark JSON (--benchmark-json)")
     parser.add_argument("--thresholds", type=Path, default=DEFAULT_THRESHOLDS)
+    parser.add_argument("--remeasure", action="store_true",
+                        help="time the cases of failing rules once more and judge the best of both runs")
     args = parser.parse_args(argv)
 
     if not args.results.exists():
@@ -154,10 +187,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gate: expected results from one device class, found {sorted(classes) or 'none'}", file=sys.stderr)
         return 2
     device_class = classes.pop()
-    checks = evaluate(results, load_floors(args.thresholds, device_class))
+    floors = load_floors(args.thresholds, device_class)
+    checks = evaluate(results, floors)
     print(f"benchmark gate [{device_class}] ({args.thresholds})")
     print(format_checks(checks))
     failed = [c for c in checks if not c.passed]
+    tests = remeasure_tests(checks, results) if args.remeasure else []
+    if tests:
+        again = args.results.with_suffix(".remeasured.json")
+        print(f"\n{len(failed)} rule(s) failed; timing their {len(tests)} benchmark(s) once more, side by side")
+        if run_benchmarks(tests, again):
+            checks = evaluate(best_of(results, load_results(again)), floors)
+            retried = {c.rule for c in failed}
+            print(f"\nbenchmark gate [{device_class}], best of both runs for the re-measured rules")
+            print(format_checks([c for c in checks if c.rule in retried]))
+            failed = [c for c in checks if not c.passed]
+        else:
+            print(f"gate: re-measuring wrote no {again}; judging the first run", file=sys.stderr)
     print(f"\n{len(checks) - len(failed)}/{len(checks)} rules passed")
     return 1 if failed else 0
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 
@@ -24,6 +24,7 @@ class Result:
     tflops: float | None = None
     pct_peak_flops: float | None = None  # of the device's bf16 throughput
     peak_extra_bytes: float | None = None  # memory the call needed beyond its inputs
+    test: str | None = None  # pytest node id that measured it, to measure it again
 
     def metric(self, name: str) -> float | None:
         """The value a gate rule compares: best time per call, or peak extra memory, counted as at
@@ -31,6 +32,10 @@ class Result:
         if name == "time":
             return self.min_s
         return None if self.peak_extra_bytes is None else max(self.peak_extra_bytes, MEMORY_RESOLUTION)
+
+    @property
+    def key(self) -> tuple[str, str, str, str]:
+        return self.family, self.op, self.case, self.impl
 
     @property
     def rule_key(self) -> str:
@@ -50,5 +55,20 @@ def load_results(path: str | Path) -> list[Result]:
         results.append(Result(info["family"], info["op"], info["case"], info["impl"], info["device_class"],
                               stats["min"] / repeats, stats["median"] / repeats, info.get("gbps"),
                               info.get("pct_peak"), info.get("tflops"), info.get("pct_peak_flops"),
-                              info.get("peak_extra_bytes")))
+                              info.get("peak_extra_bytes"), bench.get("fullname")))
     return results
+
+
+def best_of(first: list[Result], second: list[Result]) -> list[Result]:
+    """Each measurement of `first` merged with its repeat in `second` (same family, op, case and
+    impl): the best time and the smallest memory of the two runs. Interference only ever adds."""
+    again = {r.key: r for r in second}
+
+    def merged(a: Result, b: Result | None) -> Result:
+        if b is None:
+            return a
+        memory = [m for m in (a.peak_extra_bytes, b.peak_extra_bytes) if m is not None]
+        return replace(a, min_s=min(a.min_s, b.min_s), median_s=min(a.median_s, b.median_s),
+                       peak_extra_bytes=min(memory) if memory else None)
+
+    return [merged(r, again.get(r.key)) for r in first]
