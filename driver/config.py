@@ -141,7 +141,8 @@ class TrainConfig(Section):
     max_grad_norm: float | None = Field(1.0, description="gradient clipping norm (null: off)")
     seed: int = Field(0, description="seed for data order, sampling and initialization")
     kernels: Literal["auto", "reference"] = Field("auto", description="pykernels ops where they exist (fused "
-                                                 "LoRA, NF4, logprobs), or PEFT and the pure-torch references")
+                                                 "LoRA, NF4, logprobs, grouped MoE experts), or PEFT, transformers' "
+                                                 "experts and the pure-torch references")
 
 
 class LoggingConfig(Section):

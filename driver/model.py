@@ -27,6 +27,7 @@ class Policy:
     model: nn.Module  # peft.PeftModel
     tokenizer: object
     model_dir: str  # local directory of the base model (what vLLM loads)
+    kernels: str = "pure torch (train.kernels: reference)"  # what runs on pykernels' kernels, for the log
 
     @property
     def causal_lm(self) -> nn.Module:
@@ -69,14 +70,19 @@ def load_policy(config: Config) -> Policy:
             target_parameters=list(config.lora.expert_targets) or None,
             use_rslora=config.lora.rslora, bias="none", task_type="CAUSAL_LM")
         model = get_peft_model(model, lora)
+    kernels = Policy.kernels
     if config.train.kernels == "auto":
         from pykernels.integrations.peft import apply_fused_lora
+        from pykernels.integrations.transformers import apply_moe_kernels
 
-        apply_fused_lora(model)  # LoRA layers on pykernels' fused kernel (dense and NF4 bases)
+        fused = apply_fused_lora(model)  # LoRA layers on pykernels' fused kernel (dense and NF4 bases)
+        grouped = apply_moe_kernels(model)  # MoE experts (and LoRA on them) on the grouped kernels; 0 if dense
+        kernels = f"fused LoRA on {fused} layers" + (f", grouped MoE kernels on {grouped} experts modules"
+                                                      if grouped else "")
     # Loaded (and NF4-quantized) on the CPU, then moved: a large model never has to fit on the GPU
     # in 16-bit before quantization.
     model.to(resolve_device(config.model.device))
-    return Policy(model=model, tokenizer=tokenizer, model_dir=model_dir)
+    return Policy(model=model, tokenizer=tokenizer, model_dir=model_dir, kernels=kernels)
 
 
 def resolve_device(name: str) -> torch.device:

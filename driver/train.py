@@ -58,6 +58,7 @@ def run(config: Config) -> bool:
     verifier = sync.make_verifier(config, policy)
     logger = MetricsLogger(output_dir, total_steps=config.train.steps, start_step=step,
                            tensorboard=config.logging.tensorboard, progress=config.logging.progress)
+    logger.print(f"pykernels: {policy.kernels}")
     try:
         sync.push_adapter(config, policy, generator, verifier, version=step)
         with GracefulInterrupt() as interrupt:

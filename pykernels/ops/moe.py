@@ -7,6 +7,8 @@ import torch
 
 from pykernels import backend
 from pykernels._extension import check_device, ops
+from pykernels.nf4_weight import NF4Weight
+from pykernels.ops import moe_nf4
 from pykernels.reference import moe as reference
 from pykernels.reference.moe import ACTIVATIONS, LoRAFactors
 
@@ -132,21 +134,28 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, sorted_expert_idx: tor
 
 
 def experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                    gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act: str = "silu",
+                    gate_up_proj: torch.Tensor | NF4Weight, down_proj: torch.Tensor | NF4Weight, act: str = "silu",
                     lora: dict[str, LoRAFactors] | None = None) -> torch.Tensor:
     """Gated expert MLP of a transformers MoE block: out[t] = sum_j w[t, j] down_e(act(gate_e x_t) *
     up_e x_t), e = top_k_index[t, j]. hidden [T, H]; gate_up_proj [E, 2I, H] (gate rows, then up);
     down_proj [E, H, I]; top_k_weights [T, k] (fp32 or hidden's dtype); lora maps "gate_up_proj" /
     "down_proj" to LoRAFactors. Gradients to hidden, top_k_weights, the expert weights and LoRA.
+    The expert weights may both be frozen NF4Weights [E, out, in] (QLoRA): only the experts that
+    received tokens are dequantized, in the forward and again in the backward.
 
     Example:
         >>> out = pykernels.moe.experts_forward(h, idx, w, experts.gate_up_proj, experts.down_proj)
     """
     if act not in ACTIVATIONS:
         raise ValueError(f"act must be one of {sorted(ACTIVATIONS)}, got {act!r}")
-    if gate_up_proj.dim() != 3 or down_proj.dim() != 3 or gate_up_proj.shape[1] != 2 * down_proj.shape[2]:
-        raise ValueError("gate_up_proj must be [E, 2I, H] and down_proj [E, H, I], got "
-                         f"{tuple(gate_up_proj.shape)} and {tuple(down_proj.shape)}")
+    nf4 = isinstance(gate_up_proj, NF4Weight)
+    if nf4 != isinstance(down_proj, NF4Weight):
+        raise ValueError("gate_up_proj and down_proj must both be NF4Weights or both be tensors, got "
+                         f"{type(gate_up_proj).__name__} and {type(down_proj).__name__}")
+    gate_up_shape, down_shape = tuple(gate_up_proj.shape), tuple(down_proj.shape)
+    if len(gate_up_shape) != 3 or len(down_shape) != 3 or gate_up_shape[1] != 2 * down_shape[2]:
+        raise ValueError(f"gate_up_proj must be [E, 2I, H] and down_proj [E, H, I], got {gate_up_shape} and "
+                         f"{down_shape}")
     if top_k_index.dim() != 2 or top_k_weights.shape != top_k_index.shape:
         raise ValueError("top_k_index and top_k_weights must both be [tokens, top_k], got "
                          f"{tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}")
@@ -155,10 +164,30 @@ def experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weigh
     if unknown:
         raise ValueError(f"lora keys must be 'gate_up_proj' and/or 'down_proj', got {sorted(unknown)}")
     if _reference_for(hidden):
+        if nf4:
+            gate_up_proj, down_proj = gate_up_proj.dequantize(hidden.dtype), down_proj.dequantize(hidden.dtype)
         return reference.experts_forward(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act, lora)
-    routing = sort_tokens(top_k_index, gate_up_proj.shape[0])
+    routing = sort_tokens(top_k_index, gate_up_shape[0])
+    if nf4:
+        return _experts_forward_nf4(hidden, top_k_weights, gate_up_proj, down_proj, act, lora, routing)
     gate_up = grouped_linear(hidden, gate_up_proj, *routing, grouped_out=True, lora=lora.get("gate_up_proj"))
     gate, up = gate_up.chunk(2, dim=-1)
     inner = ACTIVATIONS[act](gate) * up
     return grouped_linear(inner, down_proj, *routing, grouped_in=True, gates=top_k_weights,
                           lora=lora.get("down_proj"))
+
+
+def _experts_forward_nf4(hidden, top_k_weights, gate_up_proj: NF4Weight, down_proj: NF4Weight, act, lora, routing):
+    if down_proj.shape[0] != gate_up_proj.shape[0]:
+        raise ValueError(f"gate_up_proj has {gate_up_proj.shape[0]} experts and down_proj {down_proj.shape[0]}")
+    for weight, name in ((gate_up_proj, "gate_up_proj"), (down_proj, "down_proj")):
+        if weight.device != hidden.device:
+            raise ValueError(f"{name} is on {weight.device} but hidden is on {hidden.device}")
+    routed = moe_nf4.compact_routing(*routing)
+    top_k = top_k_weights.shape[1]
+    gate_up = moe_nf4.grouped_linear_nf4(hidden, gate_up_proj, routed, top_k, grouped_out=True,
+                                         lora=lora.get("gate_up_proj"))
+    gate, up = gate_up.chunk(2, dim=-1)
+    inner = ACTIVATIONS[act](gate) * up
+    return moe_nf4.grouped_linear_nf4(inner, down_proj, routed, top_k, grouped_in=True, gates=top_k_weights,
+                                      lora=lora.get("down_proj"))

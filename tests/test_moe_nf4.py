@@ -1,0 +1,114 @@
+"""experts_forward on NF4 expert weights (QLoRA on MoE): equal to the same kernels on the dequantized
+weights, close to an fp64 reference, only routed experts dequantized, no dense weight kept for the
+backward, and clear errors."""
+
+import pytest
+import torch
+
+import pykernels.nf4 as nf4
+from pykernels import backend, moe
+from pykernels.nf4_weight import NF4Weight
+from pykernels.ops import moe_nf4
+from pykernels.reference import moe as reference
+
+# (tokens, hidden, inter, experts, top_k, unrouted experts, blocksize). 2I*H = 2*16*24 = 768 is not a
+# multiple of 512: that case dequantizes every expert (no block boundary between experts).
+CASES = [(37, 64, 32, 8, 2, 3, 64), (9, 24, 16, 5, 3, 1, 128), (5, 24, 16, 6, 1, 4, 512), (16, 32, 16, 1, 1, 0, 64)]
+
+
+def make_problem(tokens, hidden, inter, experts, top_k, unrouted, blocksize, dtype, double_quant, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, experts - unrouted, (tokens, top_k), generator=g)
+    gate_up = nf4.quantize((torch.randn(experts, 2 * inter, hidden, generator=g) / 8).to(dtype), blocksize,
+                           double_quant=double_quant)
+    down = nf4.quantize((torch.randn(experts, hidden, inter, generator=g) / 8).to(dtype), blocksize,
+                        double_quant=double_quant)
+    r = 4
+    leaves = [torch.randn(*s, generator=g).to(dtype).requires_grad_() for s in
+              [(tokens, hidden), (tokens, top_k), (r * experts, hidden), (2 * inter, r * experts),
+               (r * experts, inter), (hidden, r * experts)]]
+    return idx, gate_up, down, leaves
+
+
+def run(fn, idx, gate_up, down, leaves):
+    x, w, a1, b1, a2, b2 = leaves
+    lora = {"gate_up_proj": moe.LoRAFactors(a1, b1, 0.5), "down_proj": moe.LoRAFactors(a2, b2, 2.0)}
+    out = fn(x, idx, w, gate_up, down, lora=lora)
+    return [out, *torch.autograd.grad(out.square().sum(), leaves)]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_nf4_experts_equal_the_kernels_on_dequantized_weights(case, dtype, double_quant):
+    idx, gate_up, down, leaves = make_problem(*case, dtype, double_quant)
+    ours = run(moe.experts_forward, idx, gate_up, down, leaves)
+    dense = run(moe.experts_forward, idx, gate_up.dequantize(dtype), down.dequantize(dtype), leaves)
+    for name, a, b in zip(["out", "x", "gates", "A1", "B1", "A2", "B2"], ours, dense):
+        assert torch.equal(a, b), name  # compaction only drops experts the GEMM never reads
+    if dtype == torch.float32:
+        exact = run(reference.experts_forward, idx, gate_up.dequantize().double(),
+                    down.dequantize().double(), [t.detach().double().requires_grad_() for t in leaves])
+        for name, a, b in zip(["out", "x", "gates", "A1", "B1", "A2", "B2"], ours, exact):
+            assert (a.double() - b).abs().max() <= 1e-5 * b.abs().max(), name
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_dequantize_experts_is_the_full_dequantize_of_those_experts(double_quant):
+    weight = nf4.quantize(torch.randn(7, 48, 32, dtype=torch.bfloat16), 64, double_quant=double_quant)
+    for experts in ([0], [1, 4, 6], [6], list(range(7))):
+        ids = torch.tensor(experts)
+        assert torch.equal(moe_nf4.dequantize_experts(weight, ids, torch.bfloat16),
+                           weight.dequantize(torch.bfloat16)[ids]), experts
+
+
+def test_only_routed_experts_are_dequantized_and_no_dense_weight_is_kept(monkeypatch):
+    tokens, hidden, inter, experts = 37, 64, 32, 8
+    idx, gate_up, down, leaves = make_problem(tokens, hidden, inter, experts, 2, 3, 64, torch.float32, True)
+    routed = idx.unique().numel()
+    dequantized = []
+    original = NF4Weight.dequantize
+    monkeypatch.setattr(NF4Weight, "dequantize", lambda self, dtype=None: dequantized.append(self.shape[0])
+                        or original(self, dtype))
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        x, w, a1, b1, a2, b2 = leaves
+        out = moe.experts_forward(x, idx, w, gate_up, down, lora={"gate_up_proj": moe.LoRAFactors(a1, b1, 0.5)})
+    assert dequantized == [routed, routed]  # gate_up and down, routed experts only
+    assert max(saved) < routed * inter * hidden  # no dequantized expert weight waits for the backward
+    out.sum().backward()
+    assert dequantized == [routed] * 4  # dequantized again for grad_x
+    assert x.grad is not None and w.grad is not None and a1.grad is not None
+
+
+def test_reference_backend_dequantizes_and_runs_the_reference():
+    idx, gate_up, down, leaves = make_problem(*CASES[1], torch.float32, False)
+    backend.set_kernels("reference")
+    try:
+        ours = run(moe.experts_forward, idx, gate_up, down, leaves)
+    finally:
+        backend.set_kernels("auto")
+    ref = run(reference.experts_forward, idx, gate_up.dequantize(), down.dequantize(), leaves)
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, b)
+
+
+def test_bad_nf4_inputs_are_clear_errors():
+    idx, gate_up, down, leaves = make_problem(*CASES[1], torch.float32, False)
+    x, w = leaves[:2]
+    with pytest.raises(ValueError, match="both be NF4Weights or both be tensors"):
+        moe.experts_forward(x, idx, w, gate_up, down.dequantize())
+    flat = nf4.quantize(torch.randn(32, 24), 64)
+    with pytest.raises(ValueError, match=r"gate_up_proj must be \[E, 2I, H\]"):
+        moe.experts_forward(x, idx, w, flat, down)
+    other = nf4.quantize(torch.randn(4, 24, 16), 64)
+    with pytest.raises(ValueError, match="gate_up_proj has 5 experts and down_proj 4"):
+        moe.experts_forward(x, idx, w, gate_up, other)
+    bad_lora = moe.LoRAFactors(torch.randn(7, 24), torch.randn(32, 7), 1.0)
+    with pytest.raises(ValueError, match=r"LoRA factors for 5 experts must be A \[r\*E, in\]"):
+        moe.experts_forward(x, idx, w, gate_up, down, lora={"gate_up_proj": bad_lora})
