@@ -1,5 +1,5 @@
 // Shared helpers of the AVX-512 code paths: function target attributes (kernels are compiled for
-// several instruction sets and dispatched at run time, see cpu_isa.h) and lane masks.
+// several instruction sets and dispatched at run time, see cpu_isa.h), lane masks and bf16 conversions.
 #pragma once
 
 #include <immintrin.h>
@@ -15,6 +15,11 @@ namespace pykernels {
 // Mask of the first `valid` of 16 lanes (0 and 16 included).
 inline __mmask16 lane_mask(int64_t valid) {
   return valid >= 16 ? __mmask16(0xFFFF) : valid <= 0 ? __mmask16(0) : __mmask16((1u << valid) - 1);
+}
+
+// 16 bf16 values -> fp32, exactly: a bf16 is the upper half of the fp32 with the same value.
+PK_AVX512 inline __m512 widen_bf16(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
 // fp32 -> bf16 bits, round to nearest even (as vcvtneps2bf16); NaN stays NaN.

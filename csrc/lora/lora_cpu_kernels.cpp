@@ -11,8 +11,7 @@
 #include "common/cpu_isa.h"
 
 #if defined(__x86_64__)
-#include <immintrin.h>
-#define PYKERNELS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#include "common/cpu_simd.h"
 #endif
 
 namespace pykernels::lora::cpu {
@@ -86,11 +85,11 @@ void a_grad_scalar(const float* x, int64_t rows, int64_t k, const float* dxa, in
 // of A^T / B^T / B and dB they read and write (16-32 KiB) then stays in L1 across the rows instead
 // of streaming from L2 or memory once per row group. lora_a_grad instead sums a whole chunk of rows
 // into a register tile of dA.
-PYKERNELS_AVX512 inline __mmask16 tail_mask(int64_t remaining) {
+PK_AVX512 inline __mmask16 tail_mask(int64_t remaining) {
   return remaining >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << remaining) - 1);
 }
 
-PYKERNELS_AVX512 inline __mmask16 lane_mask(int64_t remaining) {  // tail_mask, and no lanes when <= 0
+PK_AVX512 inline __mmask16 lane_mask(int64_t remaining) {  // tail_mask, and no lanes when <= 0
   return remaining <= 0 ? __mmask16(0) : tail_mask(remaining);
 }
 
@@ -98,7 +97,7 @@ PYKERNELS_AVX512 inline __mmask16 lane_mask(int64_t remaining) {  // tail_mask, 
 // `first`. Register tiles have compile-time sizes (kRows, kV) and fully unrolled loops: with a
 // runtime vector count GCC kept the accumulators on the stack, a load and a store per FMA.
 template <int kRows, int kV>
-PYKERNELS_AVX512 void down_block(const float* x, int64_t k, int64_t k0, int64_t k1, const float* a_t, int64_t r,
+PK_AVX512 void down_block(const float* x, int64_t k, int64_t k0, int64_t k1, const float* a_t, int64_t r,
                                  int64_t c0, bool first, float* xa) {
   __m512 acc[kRows][kV];
   __mmask16 mask[kV];
@@ -127,7 +126,7 @@ PYKERNELS_AVX512 void down_block(const float* x, int64_t k, int64_t k0, int64_t 
 }
 
 template <int kV>
-PYKERNELS_AVX512 void down_tile(const float* x, int64_t rows, int64_t k, int64_t k0, int64_t k1, const float* a_t,
+PK_AVX512 void down_tile(const float* x, int64_t rows, int64_t k, int64_t k0, int64_t k1, const float* a_t,
                                 int64_t r, int64_t c0, float* xa) {
   int64_t i = 0;
   for (; i + kDownRows <= rows; i += kDownRows)
@@ -135,7 +134,7 @@ PYKERNELS_AVX512 void down_tile(const float* x, int64_t rows, int64_t k, int64_t
   for (; i < rows; ++i) down_block<1, kV>(x + i * k, k, k0, k1, a_t, r, c0, k0 == 0, xa + i * r);
 }
 
-PYKERNELS_AVX512 void down_avx512(const float* x, int64_t rows, int64_t k, const float* a_t, int64_t r, float* xa) {
+PK_AVX512 void down_avx512(const float* x, int64_t rows, int64_t k, const float* a_t, int64_t r, float* xa) {
   for (int64_t c0 = 0; c0 < r; c0 += kMaxVectors * kLanes) {
     const int vectors = static_cast<int>(std::min<int64_t>(kMaxVectors, (r - c0 + kLanes - 1) / kLanes));
     const int64_t tile = kTileVectorRows / vectors;
@@ -152,7 +151,7 @@ PYKERNELS_AVX512 void down_avx512(const float* x, int64_t rows, int64_t k, const
 }
 
 // Rounds a vector to bf16 (nearest even, NaN -> 0x7FC0, as c10::BFloat16) in the low 16 bits of each lane.
-PYKERNELS_AVX512 inline __m256i fp32_to_bf16_bits(__m512 v) {
+PK_AVX512 inline __m256i fp32_to_bf16_bits(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
@@ -162,7 +161,7 @@ PYKERNELS_AVX512 inline __m256i fp32_to_bf16_bits(__m512 v) {
 
 // out[index .. index + 16) (lanes in `mask`) = v, rounded to kOut.
 template <DType kOut>
-PYKERNELS_AVX512 inline void store_lanes(void* out, int64_t index, __mmask16 mask, __m512 v) {
+PK_AVX512 inline void store_lanes(void* out, int64_t index, __mmask16 mask, __m512 v) {
   if constexpr (kOut == DType::kFloat32) {
     _mm512_mask_storeu_ps(static_cast<float*>(out) + index, mask, v);
   } else if constexpr (kOut == DType::kBFloat16) {
@@ -178,7 +177,7 @@ PYKERNELS_AVX512 inline void store_lanes(void* out, int64_t index, __mmask16 mas
 // B^T and kRows broadcasts for 4 kRows FMAs, and the sum goes straight to `out` as kOut (an fp32
 // scratch output cost three extra passes over L2: zero, read, convert).
 template <int kRows, DType kOut>
-PYKERNELS_AVX512 void up_block(void* out, int64_t n, int64_t c, int64_t c1, const float* xa, int64_t r,
+PK_AVX512 void up_block(void* out, int64_t n, int64_t c, int64_t c1, const float* xa, int64_t r,
                                const float* bt, const float* bias) {
   __mmask16 mask[kMaxVectors];
   __m512 acc[kRows][kMaxVectors];
@@ -207,7 +206,7 @@ PYKERNELS_AVX512 void up_block(void* out, int64_t n, int64_t c, int64_t c1, cons
 }
 
 template <DType kOut>
-PYKERNELS_AVX512 void up_rows(void* out, int64_t rows, int64_t n, const float* xa, int64_t r, const float* bt,
+PK_AVX512 void up_rows(void* out, int64_t rows, int64_t n, const float* xa, int64_t r, const float* bt,
                               const float* bias) {
   using Element = std::conditional_t<kOut == DType::kFloat32, float, uint16_t>;
   auto* out_rows = static_cast<Element*>(out);
@@ -224,7 +223,7 @@ PYKERNELS_AVX512 void up_rows(void* out, int64_t rows, int64_t n, const float* x
   }
 }
 
-PYKERNELS_AVX512 void up_avx512(void* out, DType out_dtype, int64_t rows, int64_t n, const float* xa, int64_t r,
+PK_AVX512 void up_avx512(void* out, DType out_dtype, int64_t rows, int64_t n, const float* xa, int64_t r,
                                 const float* bt, const float* bias) {
   switch (out_dtype) {
     case DType::kFloat32: return up_rows<DType::kFloat32>(out, rows, n, xa, r, bt, bias);
@@ -237,7 +236,7 @@ PYKERNELS_AVX512 void up_avx512(void* out, DType out_dtype, int64_t rows, int64_
 // Per column of dy: kRows broadcasts, then per vector one load of B, a read-modify-write of dB and
 // 2 kRows FMAs.
 template <int kRows, int kV>
-PYKERNELS_AVX512 void backward_block(const float* dy, int64_t n, int64_t n0, int64_t n1, const float* b,
+PK_AVX512 void backward_block(const float* dy, int64_t n, int64_t n0, int64_t n1, const float* b,
                                      const float* xa, int64_t r, int64_t c0, float scale, bool first, float* dxa,
                                      float* db) {
   __m512 grad[kRows][kV], xa_v[kRows][kV];
@@ -278,7 +277,7 @@ template <int kV>
 constexpr int kBackwardRows = kV <= 2 ? 4 : 2;
 
 template <int kV>
-PYKERNELS_AVX512 void backward_tile(const float* dy, int64_t rows, int64_t n, int64_t n0, int64_t n1, const float* b,
+PK_AVX512 void backward_tile(const float* dy, int64_t rows, int64_t n, int64_t n0, int64_t n1, const float* b,
                                     const float* xa, int64_t r, int64_t c0, float scale, float* dxa, float* db) {
   constexpr int kRows = kBackwardRows<kV>;
   int64_t i = 0;
@@ -288,7 +287,7 @@ PYKERNELS_AVX512 void backward_tile(const float* dy, int64_t rows, int64_t n, in
     backward_block<1, kV>(dy + i * n, n, n0, n1, b, xa + i * r, r, c0, scale, n0 == 0, dxa + i * r, db);
 }
 
-PYKERNELS_AVX512 void backward_avx512(const float* dy, int64_t rows, int64_t n, const float* b, const float* xa,
+PK_AVX512 void backward_avx512(const float* dy, int64_t rows, int64_t n, const float* b, const float* xa,
                                       int64_t r, float scale, float* dxa, float* db) {
   for (int64_t c0 = 0; c0 < r; c0 += kMaxVectors * kLanes) {
     const int vectors = static_cast<int>(std::min<int64_t>(kMaxVectors, (r - c0 + kLanes - 1) / kLanes));
@@ -309,7 +308,7 @@ PYKERNELS_AVX512 void backward_avx512(const float* dy, int64_t rows, int64_t n, 
 // added to dA once. (Updating dA in memory per few rows made this the slowest LoRA kernel: a load
 // and a store of dA for every 4 FMAs.) Per row: two loads of x, kJ broadcasts of dxa, 2 kJ FMAs.
 template <int kJ>
-PYKERNELS_AVX512 void a_grad_block(const float* x, int64_t rows, int64_t k, int64_t c, const float* dxa, int64_t r,
+PK_AVX512 void a_grad_block(const float* x, int64_t rows, int64_t k, int64_t c, const float* dxa, int64_t r,
                                    int64_t j0, float* da) {
   const __mmask16 mask0 = lane_mask(k - c), mask1 = lane_mask(k - c - kLanes);
   __m512 acc0[kJ], acc1[kJ];
@@ -334,7 +333,7 @@ PYKERNELS_AVX512 void a_grad_block(const float* x, int64_t rows, int64_t k, int6
 }
 
 // 32 columns at a time (that strip of x, rows x 128 B, stays in L1 across all blocks of r).
-PYKERNELS_AVX512 void a_grad_avx512(const float* x, int64_t rows, int64_t k, const float* dxa, int64_t r, float* da) {
+PK_AVX512 void a_grad_avx512(const float* x, int64_t rows, int64_t k, const float* dxa, int64_t r, float* da) {
   for (int64_t c = 0; c < k; c += 2 * kLanes) {
     int64_t j = 0;
     for (; j + kAGradJ <= r; j += kAGradJ) a_grad_block<kAGradJ>(x, rows, k, c, dxa, r, j, da);
@@ -347,15 +346,15 @@ PYKERNELS_AVX512 void a_grad_avx512(const float* x, int64_t rows, int64_t k, con
 bool use_avx512() { return active_cpu_isa() == CpuIsa::kAvx512; }
 
 #if defined(__x86_64__)
-PYKERNELS_AVX512 void bf16_to_fp32_avx512(const uint16_t* src, int64_t count, float* dst) {
+PK_AVX512 void bf16_to_fp32_avx512(const uint16_t* src, int64_t count, float* dst) {
   for (int64_t i = 0; i < count; i += kLanes) {
     const __mmask16 mask = tail_mask(count - i);
     const __m256i bits = _mm256_maskz_loadu_epi16(mask, src + i);
-    _mm512_mask_storeu_ps(dst + i, mask, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
+    _mm512_mask_storeu_ps(dst + i, mask, widen_bf16(bits));
   }
 }
 
-PYKERNELS_AVX512 void fp16_to_fp32_avx512(const uint16_t* src, int64_t count, float* dst) {
+PK_AVX512 void fp16_to_fp32_avx512(const uint16_t* src, int64_t count, float* dst) {
   for (int64_t i = 0; i < count; i += kLanes) {
     const __mmask16 mask = tail_mask(count - i);
     _mm512_mask_storeu_ps(dst + i, mask, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, src + i)));

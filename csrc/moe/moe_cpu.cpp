@@ -94,6 +94,14 @@ struct Problem {
     return lora_b->slice(1, e, size.rank * size.experts, size.experts).to(compute);  // columns e, e + E, ...
   }
   at::Tensor gate(const ExpertSlots& es) const { return gates_flat.index_select(0, es.assignment).unsqueeze(1); }
+  // The routing gate of every slot, in slot order; undefined without gates.
+  at::Tensor gate_of_slot() const {
+    return gates_flat.defined() ? gates_flat.index_select(0, sorted_token_idx).contiguous() : at::Tensor();
+  }
+  // LoRA B as [E, out, r] with each B_e contiguous (PEFT's columns e, e + E, ...), in `dtype`.
+  at::Tensor lora_b_by_expert(at::ScalarType dtype) const {
+    return lora_b->reshape({size.out, size.rank, size.experts}).permute({2, 0, 1}).to(dtype).contiguous();
+  }
 };
 
 Problem make_problem(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& sorted_expert_idx,
@@ -166,12 +174,11 @@ at::Tensor forward_bf16(const Problem& p) {
       items.push_back({e, s0, std::min(s0 + kSlotChunk, p.offsets[e + 1])});
     }
   }
-  at::Tensor gate_of_slot = p.gates_flat.defined() ? p.gates_flat.index_select(0, p.sorted_token_idx).contiguous()
-                                                   : at::Tensor();
-  at::Tensor lora_a, lora_b_t;  // lora_b_t [E, out, r]: B_e contiguous (PEFT's columns e, e + E, ...)
+  const at::Tensor gate_of_slot = p.gate_of_slot();
+  at::Tensor lora_a, lora_b_t;  // lora_b_t [E, out, r]
   if (p.lora_a) {
     lora_a = p.lora_a->contiguous();
-    lora_b_t = p.lora_b->reshape({z.out, z.rank, z.experts}).permute({2, 0, 1}).contiguous();
+    lora_b_t = p.lora_b_by_expert(at::kBFloat16);
   }
   const uint16_t *x = bf16_data(p.x), *w = bf16_data(p.weight);
   const uint16_t* a = p.lora_a ? bf16_data(lora_a) : nullptr;
@@ -266,13 +273,11 @@ Grads backward_bf16(const Problem& p, const at::Tensor& g, const at::Tensor& gra
     if (!combine_x) dx.narrow(0, valid, z.slots - valid).zero_();
   }
   std::vector<float> dgate(z.slots, 0.0f);
-  at::Tensor gate_of_slot = p.gates_flat.defined() ? p.gates_flat.index_select(0, p.sorted_token_idx).contiguous()
-                                                   : at::Tensor();
+  const at::Tensor gate_of_slot = p.gate_of_slot();
   const auto f32 = p.x.options().dtype(at::kFloat);
   at::Tensor da = compute_grad_lora ? at::zeros(p.lora_a->sizes(), f32) : at::Tensor();
   at::Tensor db_t = compute_grad_lora ? at::zeros({z.experts, z.out, z.rank}, f32) : at::Tensor();  // [E, out, r]
-  at::Tensor lora_b_t = p.lora_a ? p.lora_b->reshape({z.out, z.rank, z.experts}).permute({2, 0, 1}).to(at::kFloat)
-                                 : at::Tensor();  // B_e = lora_b_t[e] [out, r]
+  const at::Tensor lora_b_t = p.lora_a ? p.lora_b_by_expert(at::kFloat) : at::Tensor();  // B_e = lora_b_t[e]
   at::Tensor lora_a = p.lora_a ? p.lora_a->to(at::kFloat) : at::Tensor();
   const uint16_t *x = bf16_data(p.x), *w = bf16_data(p.weight), *gy = bf16_data(g);
   const int64_t k_pad = round_up(z.out, 2), ldc = gemm::padded_ld(z.in);

@@ -43,7 +43,7 @@ PK_AVX512_BF16 void sum_slots_avx512(const uint16_t* rows, const int64_t* slot_o
     for (int64_t j = 0; j < top_k; ++j) {
       if (slot_of[j] < 0) continue;
       const __m256i v = _mm256_maskz_loadu_epi16(m, rows + slot_of[j] * n + c);
-      sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)));
+      sum = _mm512_add_ps(sum, widen_bf16(v));
     }
     _mm256_mask_storeu_epi16(out + c, m, (__m256i)_mm512_cvtneps_pbh(sum));
   }
@@ -61,7 +61,7 @@ PK_AVX512_BF16 void gate_rows_avx512(const float* c, int64_t ldc, int64_t rows, 
       const __m512 v = _mm512_maskz_loadu_ps(m, row + k);
       if (dgate) {
         const __m256i xb = _mm256_maskz_loadu_epi16(m, x + x_offsets[j] + k);
-        dot = _mm512_fmadd_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(xb), 16)), dot);
+        dot = _mm512_fmadd_ps(v, widen_bf16(xb), dot);
       }
       _mm256_mask_storeu_epi16(dst + dst_rows[j] * ld_dst + k, m, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(gate, v)));
     }

@@ -22,8 +22,7 @@
 #include "common/cpu_isa.h"
 
 #if defined(__x86_64__)
-#include <immintrin.h>
-#define PYKERNELS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#include "common/cpu_simd.h"
 #endif
 
 namespace pykernels::nf4::cpu {
@@ -92,12 +91,11 @@ void dequantize_values_scalar(const uint8_t* packed, float scale, int64_t begin,
 #if defined(__x86_64__)
 // ---------------------------------------------------------------- AVX-512 path
 template <typename T>
-PYKERNELS_AVX512 inline __m512 load16(const T* p) {
+PK_AVX512 inline __m512 load16(const T* p) {
   if constexpr (std::is_same_v<T, float>) {
     return _mm512_loadu_ps(p);
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   } else {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
@@ -105,7 +103,7 @@ PYKERNELS_AVX512 inline __m512 load16(const T* p) {
 
 // 16 values rounded to a 16-bit type (bf16: nearest even like c10::BFloat16, NaN -> 0x7FC0).
 template <typename T>
-PYKERNELS_AVX512 inline __m256i to_16bit(__m512 v) {
+PK_AVX512 inline __m256i to_16bit(__m512 v) {
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     const __m512i bits = _mm512_castps_si512(v);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
@@ -124,7 +122,7 @@ PYKERNELS_AVX512 inline __m256i to_16bit(__m512 v) {
 // pass instead of two. They need a 64-byte aligned destination and an sfence before other
 // threads read it.
 template <typename T, bool kStream>
-PYKERNELS_AVX512 inline void store32(T* dst, __m512 first, __m512 second) {
+PK_AVX512 inline void store32(T* dst, __m512 first, __m512 second) {
   if constexpr (std::is_same_v<T, float>) {
     if constexpr (kStream) {
       _mm512_stream_ps(dst, first);
@@ -145,7 +143,7 @@ PYKERNELS_AVX512 inline void store32(T* dst, __m512 first, __m512 second) {
 
 // 16 NF4 codes of v by branch-free binary search over the 15 midpoints (lane 15 is +inf and never
 // probed). _CMP_NGE_UQ is "!(midpoint >= v)", true for NaN, so NaN ends at 15 like bucketize.
-PYKERNELS_AVX512 inline __m512i nf4_codes16(__m512 v, __m512 midpoints) {
+PK_AVX512 inline __m512i nf4_codes16(__m512 v, __m512 midpoints) {
   __m512i code = _mm512_setzero_si512();
   for (int step : {8, 4, 2, 1}) {
     const __m512i probe_index = _mm512_add_epi32(code, _mm512_set1_epi32(step - 1));
@@ -158,7 +156,7 @@ PYKERNELS_AVX512 inline __m512i nf4_codes16(__m512 v, __m512 midpoints) {
 
 // A full block (blocksize % 32 == 0) starting at flat index `begin`.
 template <typename T>
-PYKERNELS_AVX512 void quantize_block_avx512(const T* x, int64_t begin, int64_t blocksize,
+PK_AVX512 void quantize_block_avx512(const T* x, int64_t begin, int64_t blocksize,
                                             uint8_t* packed, float* absmax_out) {
   const T* block = x + begin;
   __m512 running_max = _mm512_setzero_ps();
@@ -202,7 +200,7 @@ PYKERNELS_AVX512 void quantize_block_avx512(const T* x, int64_t begin, int64_t b
 // A full block starting at element `begin` (even) into dst[0, blocksize): 16 products
 // code[i] * scale form a lookup table, so each output is exactly the scalar path's fp32 product.
 template <typename T, bool kStream>
-PYKERNELS_AVX512 void dequantize_block_avx512(const uint8_t* packed, float scale, int64_t begin,
+PK_AVX512 void dequantize_block_avx512(const uint8_t* packed, float scale, int64_t begin,
                                               int64_t blocksize, T* dst) {
   const __m512 table = _mm512_mul_ps(_mm512_loadu_ps(kCode), _mm512_set1_ps(scale));
   const __m128i low_mask = _mm_set1_epi8(0x0F);
