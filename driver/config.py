@@ -20,7 +20,8 @@ class ModelConfig(Section):
                       "tiny://qwen3-moe for a tiny random model built locally (no download)")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of the trainer's weights and of vLLM's")
-    qlora: bool = Field(False, description="train on an NF4-quantized base (pykernels.nn.NF4Linear); vLLM "
+    qlora: bool = Field(False, description="train on an NF4-quantized base (pykernels.nn.NF4Linear, MoE experts as "
+                        "NF4ExpertWeight on the grouped kernels); vLLM "
                         "serves the bf16 base + adapter and importance sampling absorbs the difference")
     qlora_blocksize: int = Field(64, description="NF4 block size for qlora (power of two, 32..4096)")
     attention: Literal["sdpa", "eager", "flash_attention_2"] = Field(
@@ -175,8 +176,6 @@ class Config(Section):
     def _check_consistency(self) -> Config:
         if self.algo.epsilon_high is not None and self.algo.epsilon_high < self.algo.epsilon:
             raise ValueError("algo.epsilon_high must be >= algo.epsilon")
-        if self.lora.expert_targets and self.model.qlora:
-            raise ValueError("lora.expert_targets with model.qlora is not supported yet (issue [5/8])")
         return self
 
     @property

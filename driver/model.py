@@ -70,6 +70,11 @@ def load_policy(config: Config) -> Policy:
             target_parameters=list(config.lora.expert_targets) or None,
             use_rslora=config.lora.rslora, bias="none", task_type="CAUSAL_LM")
         model = get_peft_model(model, lora)
+        if config.model.qlora:
+            from pykernels.integrations.transformers import quantize_moe_experts
+
+            # After get_peft_model: PEFT reads the expert parameters' shapes when it wraps them.
+            quantize_moe_experts(model, config.model.qlora_blocksize)
     kernels = Policy.kernels
     if config.train.kernels == "auto":
         from pykernels.integrations.peft import apply_fused_lora
@@ -92,7 +97,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def quantize_linears(model: nn.Module, blocksize: int) -> int:
-    """Replace every nn.Linear except the head and routers by an NF4Linear (double-quantized)."""
+    """Replace every nn.Linear except the head and routers by an NF4Linear (double-quantized). MoE
+    experts (3-D parameters, not nn.Linear) are quantized in load_policy once PEFT has wrapped them."""
     from pykernels.nn import NF4Linear
 
     replaced = 0

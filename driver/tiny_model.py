@@ -1,9 +1,9 @@
 """Tiny random models and a local tokenizer, built deterministically and cached.
 
 Nothing can be downloaded at run time, so the default config, the tests and the demo train
-models built here: `tiny://qwen2` (dense), `tiny://qwen3-moe` (8 experts, top-2) and
-`tiny://llama`. Head dim is 64 (vLLM's CPU attention does not support 16), embeddings are untied
-(vLLM's weight reload does not refresh a tied lm_head). The same name always gives the same bytes.
+models built here: `tiny://qwen2` (dense), `tiny://qwen3-moe` (8 experts, top-2),
+`tiny://qwen3-moe-wide` (hidden 512, 32 experts, top-4) and `tiny://llama`. Head dim is 64 (vLLM's
+CPU attention does not support 16), embeddings are untied (vLLM's weight reload does not refresh a tied lm_head). The same name always gives the same bytes.
 """
 
 from __future__ import annotations
@@ -33,6 +33,12 @@ ARCHITECTURES = {
     "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(intermediate_size=256, moe_intermediate_size=64, num_local_experts=8,
                        num_experts_per_tok=2, norm_topk_prob=True, head_dim=64)),
+    # Wide enough (32 experts of 512 x 256, top-4) for the experts' GEMMs to dominate a training
+    # step on CPU: what the driver's MoE step time is measured on (results/cpu.md).
+    "qwen3-moe-wide": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                       dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, intermediate_size=1024,
+                            moe_intermediate_size=256, num_local_experts=32, num_experts_per_tok=4,
+                            norm_topk_prob=True, head_dim=64)),
 }
 
 
@@ -87,7 +93,7 @@ def _write_model(kind: str, directory: Path) -> None:
     config_name, model_name, extra = ARCHITECTURES[kind]
     config = getattr(transformers, config_name)(
         vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, **_COMMON, **extra)
+        pad_token_id=tokenizer.pad_token_id, **{**_COMMON, **extra})
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(SEED)

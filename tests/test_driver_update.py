@@ -94,3 +94,25 @@ def test_num_iterations_takes_several_updates_against_fixed_old_logprobs(base_po
     changed = [n for (n, a), (_, b) in zip(once.model.named_parameters(), twice.model.named_parameters())
                if a.requires_grad and not torch.equal(a, b)]
     assert changed and metrics["learning_rate"] > 0
+
+
+def test_moe_qlora_policy_trains_expert_lora_on_nf4_experts():
+    from pykernels.nn import NF4ExpertWeight, NF4Linear
+
+    overrides = {"model": {"path": "tiny://qwen3-moe", "qlora": True},
+                 "lora": {"r": 4, "targets": ["q_proj", "v_proj"],
+                          "expert_targets": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}}
+    policy = load_policy(Config.model_validate(overrides))
+    modules = list(policy.model.modules())
+    assert sum(isinstance(m, NF4ExpertWeight) for m in modules) == 4 and any(isinstance(m, NF4Linear) for m in modules)
+    assert "grouped MoE kernels on 2 experts modules" in policy.kernels
+    torch.manual_seed(0)
+    for name, param in policy.model.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.05)
+    batch = make_batch(policy, ADVANTAGES)
+    updated, metrics = run_update(policy, batch, **overrides, train={"micro_batch_size": 3}, algo={"beta": 0.04})
+    grads = adapter_grads(updated)
+    expert_grads = [g for n, g in grads.items() if "experts" in n]
+    assert len(expert_grads) == 8 and all(g.abs().sum() > 0 for g in expert_grads)  # A and B, 2 params, 2 layers
+    assert metrics["grad_norm"] > 0

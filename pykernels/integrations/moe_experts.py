@@ -20,6 +20,8 @@ import types
 import torch
 from torch.nn.utils import parametrize
 
+from pykernels.nf4_weight import NF4Weight
+from pykernels.nn.nf4_experts import NF4ExpertWeight
 from pykernels.reference.moe import LoRAFactors
 
 IMPLEMENTATION = "pykernels"
@@ -31,7 +33,7 @@ def _weight_and_lora(module: torch.nn.Module, name: str) -> tuple[torch.Tensor, 
     """The base weight and PEFT's LoRA factors of one expert parameter; None when PEFT is adding a
     dense delta we cannot split (several adapters, fp8)."""
     if not parametrize.is_parametrized(module, name):
-        return getattr(module, name), None
+        return _base_weight(module, name), None
     from peft.tuners.lora.layer import _LoraFactorsProxy  # only parametrized by PEFT's ParamWrapper
 
     chain = module.parametrizations[name]
@@ -47,6 +49,21 @@ def _weight_and_lora(module: torch.nn.Module, name: str) -> tuple[torch.Tensor, 
     return chain.original, LoRAFactors(lora_a, lora_b, float(chain[0].scaling))
 
 
+def _base_weight(experts: torch.nn.Module, name: str) -> torch.Tensor | NF4Weight:
+    weight = getattr(experts, name)
+    return weight.weight if isinstance(weight, NF4ExpertWeight) else weight
+
+
+def _is_quantized(experts: torch.nn.Module) -> bool:
+    return any(isinstance(getattr(experts, name, None), NF4ExpertWeight) for name in ("gate_up_proj", "down_proj"))
+
+
+def _no_fallback(experts: torch.nn.Module) -> RuntimeError:
+    return RuntimeError(f"{type(experts).__name__} holds NF4 expert weights, which only pykernels' experts kernels "
+                        "run (silu/gelu/relu gated experts, one active LoRA adapter, not merged); this call needs "
+                        "transformers' or PEFT's own forward")
+
+
 def _activation(experts: torch.nn.Module) -> str | None:
     """Our activation name when we cover this experts module's layout, else None."""
     covered = (getattr(experts, "has_gate", True) and not getattr(experts, "has_bias", False)
@@ -59,13 +76,16 @@ def pykernels_experts_forward(self, hidden_states: torch.Tensor, top_k_index: to
     """transformers experts-interface function (self is the experts module)."""
     from pykernels.moe import experts_forward
 
-    if hidden_states.device.type != "cpu":  # no CUDA kernels yet: transformers' own grouped GEMM
+    quantized = _is_quantized(self)
+    if hidden_states.device.type != "cpu" and not quantized:  # no CUDA kernels yet: transformers' grouped GEMM
         from transformers.integrations.moe import grouped_mm_experts_forward
 
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     act = _activation(self)
     weights = [_weight_and_lora(self, name) for name in ("gate_up_proj", "down_proj")] if act else [None]
     if any(w is None for w in weights):
+        if quantized:
+            raise _no_fallback(self)
         return type(self).forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
     (gate_up, gate_up_lora), (down, down_lora) = weights
     lora = {name: f for name, f in (("gate_up_proj", gate_up_lora), ("down_proj", down_lora)) if f is not None}
@@ -99,14 +119,17 @@ def _fused_peft_forward(self, hidden_states, top_k_index=None, top_k_weights=Non
     while _is_param_wrapper(experts):
         wrappers[experts.parameter_name] = experts
         experts = experts.base_layer
-    act = _activation(experts)
+    act, quantized = _activation(experts), _is_quantized(experts)
     if (act and not args and not kwargs and top_k_weights is not None and set(wrappers) <= {"gate_up_proj", "down_proj"}
-            and experts.config._experts_implementation == IMPLEMENTATION and hidden_states.device.type == "cpu"):
+            and experts.config._experts_implementation == IMPLEMENTATION
+            and (hidden_states.device.type == "cpu" or quantized)):
         factors = {name: _peft_factors(w, hidden_states.dtype) for name, w in wrappers.items()}
         if all(f is not False for f in factors.values()):
             lora = {name: f for name, f in factors.items() if f is not None}
-            return experts_forward(hidden_states, top_k_index, top_k_weights, experts.gate_up_proj,
-                                   experts.down_proj, act=act, lora=lora)
+            return experts_forward(hidden_states, top_k_index, top_k_weights, _base_weight(experts, "gate_up_proj"),
+                                   _base_weight(experts, "down_proj"), act=act, lora=lora)
+    if quantized:
+        raise _no_fallback(experts)
     return type(self).forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
 
 
@@ -154,3 +177,31 @@ def apply_moe_kernels(model: torch.nn.Module) -> int:
         for module in experts:
             module.config._experts_implementation = IMPLEMENTATION
     return len(experts)
+
+
+def quantize_moe_experts(model: torch.nn.Module, blocksize: int = 64, double_quant: bool = True) -> int:
+    """QLoRA for MoE experts: replace the gate_up_proj / down_proj Parameters of every experts module
+    we run (see apply_moe_kernels) by frozen NF4ExpertWeights and switch the model to the kernels;
+    returns how many experts modules were quantized. Call it after get_peft_model when LoRA targets
+    the experts (PEFT reads the expert parameters' shapes when it wraps them), before otherwise.
+    Experts layouts we do not run (biases, transposed, other activations) are left in 16 bits.
+
+    Example:
+        >>> model = get_peft_model(model, LoraConfig(target_parameters=["mlp.experts.gate_up_proj"], ...))
+        >>> pykernels.integrations.transformers.quantize_moe_experts(model)
+        48
+    """
+    quantized = 0
+    for experts in _experts_modules(model):
+        if _activation(experts) is None or _is_quantized(experts):
+            continue
+        for name in ("gate_up_proj", "down_proj"):
+            if parametrize.is_parametrized(experts, name):
+                raise ValueError(f"{type(experts).__name__}.{name} is parametrized (PEFT is inside its forward?): "
+                                 "quantize outside a forward pass")
+            weight = experts._parameters.pop(name)
+            setattr(experts, name, NF4ExpertWeight.from_tensor(weight, blocksize=blocksize, double_quant=double_quant))
+        quantized += 1
+    if quantized:
+        apply_moe_kernels(model)
+    return quantized
