@@ -10,12 +10,15 @@
 // the slots' input rows are gathered straight into a packed GEMM operand, and the GEMM runs
 // transposed, out^T = W_e x^T, so that W_e's rows stream through unpacked (read once per item,
 // the dominant traffic at a few dozen tokens per expert); LoRA adds s B_e (A_e x^T) with the same
-// micro-kernel; the epilogue gates, rounds and writes the slots' rows. Everything else (other
-// dtypes, the backward for now) uses torch's GEMMs on fp32 copies.
+// micro-kernel; the epilogue gates, rounds and writes the slots' rows. The bf16 backward for frozen
+// expert weights is described at backward_bf16. Everything else (other dtypes, CPUs without
+// AVX-512 BF16, weight gradients) uses torch's GEMMs on fp32 copies.
 #include <ATen/Parallel.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <atomic>
 #include <vector>
 
 #include "common/cpu_gemm_bf16.h"
@@ -32,6 +35,19 @@ using BelowAutograd = at::AutoDispatchBelowADInplaceOrView;  // see lora_cpu.cpp
 
 constexpr int64_t kSlotChunk = 256;  // slots per work item (packed x: kSlotChunk x in bf16)
 constexpr int64_t kOutBlock = 512;   // rows of W_e per GEMM call: its A block (512 x 512 bf16) stays in L2
+constexpr int64_t kInBlock = 128;    // dx columns per backward work item: W_e's packed [out, 128] slice
+constexpr int64_t kItemsPerThread = 8;  // forward: split output rows until each thread has this many items
+
+// fn(i) for i in [0, n), items claimed one at a time by the threads (a shared counter): items of
+// uneven cost, ordered largest first, balance dynamically. Each item writes its own outputs, so
+// results do not depend on which thread ran what.
+template <typename Fn>
+void for_each_item(int64_t n, const Fn& fn) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) fn(i);
+  });
+}
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -165,15 +181,28 @@ at::Tensor forward_bf16(const Problem& p) {
   if (!combine) {
     for (int64_t s = valid; s < z.slots; ++s) std::fill_n(dst + dst_row[s] * z.out, z.out, uint16_t{0});  // dropped
   }
+  // Work items: kSlotChunk slots of one expert x a group of output rows. With few experts
+  // (Mixtral: 8) the rows are split too, so that the threads get several items each to balance.
   struct Item {
-    int64_t e, s0, s1;
+    int64_t e, s0, s1, o0, o1;
   };
+  int64_t chunks = 0;
+  for (int64_t e = 0; e < z.experts; ++e) chunks += (p.offsets[e + 1] - p.offsets[e] + kSlotChunk - 1) / kSlotChunk;
+  const int64_t out_blocks = (z.out + kOutBlock - 1) / kOutBlock;
+  const int64_t groups = std::clamp<int64_t>((kItemsPerThread * at::get_num_threads() + chunks - 1) / std::max<int64_t>(chunks, 1),
+                                             1, out_blocks);
+  const int64_t group_rows = (out_blocks + groups - 1) / groups * kOutBlock;
   std::vector<Item> items;
   for (int64_t e = 0; e < z.experts; ++e) {
     for (int64_t s0 = p.offsets[e]; s0 < p.offsets[e + 1]; s0 += kSlotChunk) {
-      items.push_back({e, s0, std::min(s0 + kSlotChunk, p.offsets[e + 1])});
+      for (int64_t o0 = 0; o0 < z.out; o0 += group_rows) {
+        items.push_back({e, s0, std::min(s0 + kSlotChunk, p.offsets[e + 1]), o0, std::min(o0 + group_rows, z.out)});
+      }
     }
   }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {  // largest first
+    return (a.s1 - a.s0) * (a.o1 - a.o0) > (b.s1 - b.s0) * (b.o1 - b.o0);
+  });
   const at::Tensor gate_of_slot = p.gate_of_slot();
   at::Tensor lora_a, lora_b_t;  // lora_b_t [E, out, r]
   if (p.lora_a) {
@@ -184,43 +213,41 @@ at::Tensor forward_bf16(const Problem& p) {
   const uint16_t* a = p.lora_a ? bf16_data(lora_a) : nullptr;
   const uint16_t* b = p.lora_a ? bf16_data(lora_b_t) : nullptr;
   const float scaling = static_cast<float>(p.scaling);
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+  for_each_item(static_cast<int64_t>(items.size()), [&](int64_t i) {
     thread_local AlignedVector<uint32_t> packed_x, packed_u;
     thread_local AlignedVector<float> tile, u;
     thread_local AlignedVector<uint16_t> u_bf16;
     thread_local std::vector<int64_t> row_offsets;
-    for (int64_t i = i0; i < i1; ++i) {
-      const Item& it = items[i];
-      const int64_t m = it.s1 - it.s0, ld = round_up(m, gemm::kPanel);
-      row_offsets.resize(m);
-      for (int64_t j = 0; j < m; ++j) {
-        const int64_t slot = it.s0 + j;
-        row_offsets[j] = (p.grouped_in ? slot : assignment[slot] / z.top_k) * z.in;
+    const Item& it = items[i];
+    const int64_t m = it.s1 - it.s0, ld = round_up(m, gemm::kPanel);
+    row_offsets.resize(m);
+    for (int64_t j = 0; j < m; ++j) {
+      const int64_t slot = it.s0 + j;
+      row_offsets[j] = (p.grouped_in ? slot : assignment[slot] / z.top_k) * z.in;
+    }
+    packed_x.resize(gemm::panels(m) * gemm::panel_stride(z.in));
+    gemm::pack_transposed_gather(x, row_offsets.data(), m, z.in, packed_x.data());
+    const int64_t r_pad = round_up(z.rank, 2);
+    if (a != nullptr) {  // u^T = A_e x^T [r, m], scaled and rounded to bf16 like a bf16 LoRA's x A^T
+      u.resize(z.rank * ld);
+      gemm::gemm_bf16(z.rank, m, z.in, a + it.e * z.rank * z.in, z.in, packed_x.data(), gemm::panel_stride(z.in),
+                      u.data(), ld, false);
+      u_bf16.resize(z.rank * ld);
+      for (int64_t q = 0; q < z.rank * ld; ++q) u_bf16[q] = round_to_bf16(scaling * u[q]);
+      packed_u.resize(gemm::panels(m) * gemm::panel_stride(r_pad));
+      gemm::pack_rows(u_bf16.data(), z.rank, r_pad, m, ld, packed_u.data());
+    }
+    const float* gates = gate_of_slot.defined() ? gate_of_slot.data_ptr<float>() + it.s0 : nullptr;
+    for (int64_t o0 = it.o0; o0 < it.o1; o0 += kOutBlock) {
+      const int64_t rows = std::min(kOutBlock, it.o1 - o0);
+      tile.resize(rows * ld);
+      gemm::gemm_bf16(rows, m, z.in, w + (it.e * z.out + o0) * z.in, z.in, packed_x.data(),
+                      gemm::panel_stride(z.in), tile.data(), ld, false);
+      if (a != nullptr) {  // + s B_e (A_e x^T)
+        gemm::gemm_bf16(rows, m, z.rank, b + (it.e * z.out + o0) * z.rank, z.rank, packed_u.data(),
+                        gemm::panel_stride(r_pad), tile.data(), ld, true);
       }
-      packed_x.resize(gemm::panels(m) * gemm::panel_stride(z.in));
-      gemm::pack_transposed_gather(x, row_offsets.data(), m, z.in, packed_x.data());
-      const int64_t r_pad = round_up(z.rank, 2);
-      if (a != nullptr) {  // u^T = A_e x^T [r, m], scaled and rounded to bf16 like a bf16 LoRA's x A^T
-        u.resize(z.rank * ld);
-        gemm::gemm_bf16(z.rank, m, z.in, a + it.e * z.rank * z.in, z.in, packed_x.data(), gemm::panel_stride(z.in),
-                        u.data(), ld, false);
-        u_bf16.resize(z.rank * ld);
-        for (int64_t q = 0; q < z.rank * ld; ++q) u_bf16[q] = round_to_bf16(scaling * u[q]);
-        packed_u.resize(gemm::panels(m) * gemm::panel_stride(r_pad));
-        gemm::pack_rows(u_bf16.data(), z.rank, r_pad, m, ld, packed_u.data());
-      }
-      const float* gates = gate_of_slot.defined() ? gate_of_slot.data_ptr<float>() + it.s0 : nullptr;
-      for (int64_t o0 = 0; o0 < z.out; o0 += kOutBlock) {
-        const int64_t rows = std::min(kOutBlock, z.out - o0);
-        tile.resize(rows * ld);
-        gemm::gemm_bf16(rows, m, z.in, w + (it.e * z.out + o0) * z.in, z.in, packed_x.data(),
-                        gemm::panel_stride(z.in), tile.data(), ld, false);
-        if (a != nullptr) {  // + s B_e (A_e x^T)
-          gemm::gemm_bf16(rows, m, z.rank, b + (it.e * z.out + o0) * z.rank, z.rank, packed_u.data(),
-                          gemm::panel_stride(r_pad), tile.data(), ld, true);
-        }
-        cpu::store_transposed_bf16(tile.data(), ld, rows, m, gates, dst + o0, dst_row.data() + it.s0, z.out);
-      }
+      cpu::store_transposed_bf16(tile.data(), ld, rows, m, gates, dst + o0, dst_row.data() + it.s0, z.out);
     }
   });
   if (combine) sum_per_token(p, dst, z.out, y);
@@ -253,89 +280,133 @@ at::Tensor grouped_linear_cpu(const at::Tensor& x, const at::Tensor& weight, con
 
 using Grads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-// bf16 backward for frozen expert weights (grad_x, grad_gates, LoRA grads), whole experts per
-// thread (the LoRA gradients of an expert are summed by one thread: deterministic). dx = dy W_e on
-// the micro-kernel with W_e packed once per expert (K = out is W's row index, so W_e cannot stream
-// unpacked here); the rank-r LoRA terms are small fp32 GEMMs.
+// bf16 backward for frozen expert weights (grad_x, grad_gates, LoRA grads). dx = dy W_e runs on the
+// micro-kernel with K = out, W's row index, so W_e must be packed: work items are (expert, block of
+// kInBlock columns of dx), each packing its [out, kInBlock] slice of W_e into a buffer that stays
+// in cache while every slot chunk of the expert runs against it. W is read from memory once, never
+// written back packed, and small-E models (Mixtral: 8 experts) still split evenly over the threads.
+// dy's rows in slot order (the GEMM's A operand) are gathered once for all items. The rank-r LoRA
+// terms are fp32 GEMMs per expert (one thread per expert: deterministic sums); a gate's gradient
+// is summed from per-column-block partial dots in a fixed order.
 Grads backward_bf16(const Problem& p, const at::Tensor& g, const at::Tensor& grad_row_of_slot, bool compute_grad_x,
                     bool compute_grad_gates, bool compute_grad_lora) {
   const Sizes& z = p.size;
   const bool combine_x = !p.grouped_in;  // each token's k slot rows summed into its row of dx
-  const int64_t* assignment = p.sorted_token_idx.data_ptr<int64_t>();
   const int64_t* grad_row = grad_row_of_slot.data_ptr<int64_t>();
   const int64_t valid = p.offsets[z.experts];
+  const int64_t k_pad = round_up(z.out, 2);
   at::Tensor dx = compute_grad_x ? at::empty({combine_x ? z.tokens : z.slots, z.in}, p.x.options()) : at::Tensor();
-  thread_local AlignedVector<uint16_t> workspace;  // slot rows of dx before the per-token sum
+  // This calling thread's buffers, kept across calls (fresh pages are slow to fault in on a VM):
+  // dx's slot rows before the per-token sum, and dy's rows in slot order [valid, k_pad].
+  thread_local AlignedVector<uint16_t> dx_workspace, dy_workspace;
   uint16_t* dx_rows = nullptr;
   if (compute_grad_x) {
-    if (combine_x) workspace.resize(z.slots * z.in);
-    dx_rows = combine_x ? workspace.data() : reinterpret_cast<uint16_t*>(dx.data_ptr());
+    if (combine_x) dx_workspace.resize(z.slots * z.in);
+    dx_rows = combine_x ? dx_workspace.data() : reinterpret_cast<uint16_t*>(dx.data_ptr());
     if (!combine_x) dx.narrow(0, valid, z.slots - valid).zero_();
   }
-  std::vector<float> dgate(z.slots, 0.0f);
-  const at::Tensor gate_of_slot = p.gate_of_slot();
-  const auto f32 = p.x.options().dtype(at::kFloat);
-  at::Tensor da = compute_grad_lora ? at::zeros(p.lora_a->sizes(), f32) : at::Tensor();
-  at::Tensor db_t = compute_grad_lora ? at::zeros({z.experts, z.out, z.rank}, f32) : at::Tensor();  // [E, out, r]
-  const at::Tensor lora_b_t = p.lora_a ? p.lora_b_by_expert(at::kFloat) : at::Tensor();  // B_e = lora_b_t[e]
-  at::Tensor lora_a = p.lora_a ? p.lora_a->to(at::kFloat) : at::Tensor();
-  const uint16_t *x = bf16_data(p.x), *w = bf16_data(p.weight), *gy = bf16_data(g);
-  const int64_t k_pad = round_up(z.out, 2), ldc = gemm::padded_ld(z.in);
-  at::parallel_for(0, z.experts, 1, [&](int64_t e0, int64_t e1) {
-    const BelowAutograd below_autograd;
-    thread_local AlignedVector<uint32_t> packed_w;
-    thread_local AlignedVector<uint16_t> g_rows;
-    thread_local AlignedVector<float> c;
-    thread_local std::vector<int64_t> x_offsets;
-    for (int64_t e = e0; e < e1; ++e) {
-      if (p.offsets[e + 1] == p.offsets[e]) continue;
-      packed_w.resize(gemm::panels(z.in) * gemm::panel_stride(k_pad));
-      gemm::pack_rows(w + e * z.out * z.in, z.out, k_pad, z.in, z.in, packed_w.data());
-      for (int64_t s0 = p.offsets[e]; s0 < p.offsets[e + 1]; s0 += kSlotChunk) {
-        const int64_t m = std::min(kSlotChunk, p.offsets[e + 1] - s0);
-        g_rows.resize(m * k_pad);
-        x_offsets.resize(m);
-        for (int64_t j = 0; j < m; ++j) {
-          std::copy_n(gy + grad_row[s0 + j] * z.out, z.out, g_rows.data() + j * k_pad);
-          if (k_pad > z.out) g_rows[j * k_pad + z.out] = 0;
-          x_offsets[j] = (p.grouped_in ? s0 + j : assignment[s0 + j] / z.top_k) * z.in;
-        }
-        c.resize(m * ldc);
-        gemm::gemm_bf16(m, z.in, z.out, g_rows.data(), k_pad, packed_w.data(), gemm::panel_stride(k_pad), c.data(),
-                        ldc, false);  // dy W_e
-        const float* gates = gate_of_slot.defined() ? gate_of_slot.data_ptr<float>() + s0 : nullptr;
-        if (p.lora_a) {
-          const at::Tensor gf = at::from_blob(g_rows.data(), {m, z.out}, {k_pad, 1}, at::kBFloat16).to(at::kFloat);
-          const at::Tensor xf = p.x.index_select(0, at::from_blob(x_offsets.data(), {m}, at::kLong).div(
-                                                        z.in, "floor")).to(at::kFloat);
-          const at::Tensor a_e = lora_a.narrow(0, e * z.rank, z.rank), b_e = lora_b_t.select(0, e);
-          const at::Tensor v = at::mm(gf, b_e);  // dy B_e [m, r]
-          at::from_blob(c.data(), {m, z.in}, {ldc, 1}, at::kFloat).addmm_(v, a_e, 1.0, p.scaling);
-          if (compute_grad_lora) {
-            const at::Tensor gate = gates ? at::from_blob(const_cast<float*>(gates), {m, 1}, at::kFloat)
-                                          : at::ones({m, 1}, f32);
-            da.narrow(0, e * z.rank, z.rank).addmm_((v * gate).t(), xf, 1.0, p.scaling);
-            db_t.select(0, e).addmm_((gf * gate).t(), at::mm(xf, a_e.t()), 1.0, p.scaling);
-          }
-        }
-        if (compute_grad_x || compute_grad_gates) {
-          thread_local std::vector<int64_t> dst_rows;
-          dst_rows.resize(m);
-          for (int64_t j = 0; j < m; ++j) dst_rows[j] = compute_grad_x ? s0 + j : j;
-          thread_local AlignedVector<uint16_t> scratch;  // dx rows not asked for
-          if (!compute_grad_x) scratch.resize(m * z.in);
-          cpu::gate_rows_bf16(c.data(), ldc, m, z.in, gates, x, x_offsets.data(),
-                              compute_grad_gates ? dgate.data() + s0 : nullptr,
-                              compute_grad_x ? dx_rows : scratch.data(), dst_rows.data(), z.in);
-        }
-      }
+  dy_workspace.resize(valid * k_pad);
+  uint16_t* dy_sorted = dy_workspace.data();
+  const uint16_t* gy = bf16_data(g);
+  at::parallel_for(0, valid, 64, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      std::copy_n(gy + grad_row[s] * z.out, z.out, dy_sorted + s * k_pad);
+      if (k_pad > z.out) dy_sorted[s * k_pad + z.out] = 0;
     }
   });
+  const at::Tensor x_rows = p.grouped_in ? at::arange(valid, p.sorted_token_idx.options())
+                                         : at::floor_divide(p.sorted_token_idx.narrow(0, 0, valid), z.top_k);
+  std::vector<int64_t> x_offsets(valid);  // element offset of each slot's input row
+  for (int64_t s = 0; s < valid; ++s) x_offsets[s] = x_rows.data_ptr<int64_t>()[s] * z.in;
+  const at::Tensor gate_of_slot = p.gate_of_slot();
+  const float* gate_data = gate_of_slot.defined() ? gate_of_slot.data_ptr<float>() : nullptr;
+  const auto f32 = p.x.options().dtype(at::kFloat);
+
+  // LoRA, per expert: v = dy B_e [m, r] (its term in dx is s v A_e) and the factors' gradients.
+  at::Tensor v, lora_a;
+  at::Tensor da = compute_grad_lora ? at::zeros(p.lora_a->sizes(), f32) : at::Tensor();
+  at::Tensor db_t = compute_grad_lora ? at::zeros({z.experts, z.out, z.rank}, f32) : at::Tensor();  // [E, out, r]
+  if (p.lora_a) {
+    v = at::empty({valid, z.rank}, f32);
+    lora_a = p.lora_a->to(at::kFloat).contiguous();
+    const at::Tensor lora_b_t = p.lora_b_by_expert(at::kFloat);  // B_e = lora_b_t[e] [out, r]
+    const at::Tensor dy = at::from_blob(dy_sorted, {valid, z.out}, {k_pad, 1}, at::kBFloat16);
+    at::parallel_for(0, z.experts, 1, [&](int64_t e0, int64_t e1) {
+      const BelowAutograd below_autograd;
+      for (int64_t e = e0; e < e1; ++e) {
+        const int64_t s0 = p.offsets[e], m = p.offsets[e + 1] - s0;
+        if (m == 0) continue;
+        const at::Tensor gf = dy.narrow(0, s0, m).to(at::kFloat);
+        at::Tensor v_e = v.narrow(0, s0, m);
+        at::mm_out(v_e, gf, lora_b_t.select(0, e));
+        if (!compute_grad_lora) continue;
+        const at::Tensor a_e = lora_a.narrow(0, e * z.rank, z.rank);
+        const at::Tensor xf = p.x.index_select(0, x_rows.narrow(0, s0, m)).to(at::kFloat);
+        const at::Tensor gate = gate_data ? at::from_blob(const_cast<float*>(gate_data + s0), {m, 1}, at::kFloat)
+                                          : at::ones({m, 1}, f32);
+        da.narrow(0, e * z.rank, z.rank).addmm_((v_e * gate).t(), xf, 1.0, p.scaling);
+        db_t.select(0, e).addmm_((gf * gate).t(), at::mm(xf, a_e.t()), 1.0, p.scaling);
+      }
+    });
+  }
+
+  // dx and the gates' gradients, by (expert, column block).
+  const int64_t col_blocks = (z.in + kInBlock - 1) / kInBlock;
+  struct Item {
+    int64_t e, block;
+  };
+  std::vector<Item> items;
+  for (int64_t e = 0; e < z.experts; ++e) {
+    if (p.offsets[e + 1] == p.offsets[e]) continue;
+    for (int64_t block = 0; block < col_blocks; ++block) items.push_back({e, block});
+  }
+  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {  // most slots first
+    return p.offsets[a.e + 1] - p.offsets[a.e] > p.offsets[b.e + 1] - p.offsets[b.e];
+  });
+  std::vector<float> dgate_parts(compute_grad_gates ? col_blocks * valid : 0, 0.0f);  // [block][slot]
+  const uint16_t *x = bf16_data(p.x), *w = bf16_data(p.weight);
+  const float* v_data = v.defined() ? v.data_ptr<float>() : nullptr;
+  if (compute_grad_x || compute_grad_gates) {
+    for_each_item(static_cast<int64_t>(items.size()), [&](int64_t i) {
+      const BelowAutograd below_autograd;
+      thread_local AlignedVector<uint32_t> packed_w;
+      thread_local AlignedVector<float> c;
+      thread_local AlignedVector<uint16_t> scratch;  // dx rows when only the gates' gradients are asked for
+      thread_local std::vector<int64_t> dst_rows;
+      const int64_t e = items[i].e, c0 = items[i].block * kInBlock, cols = std::min(kInBlock, z.in - c0);
+      const int64_t ldc = gemm::padded_ld(cols);
+      packed_w.resize(gemm::panels(cols) * gemm::panel_stride(k_pad));
+      gemm::pack_rows(w + e * z.out * z.in + c0, z.out, k_pad, cols, z.in, packed_w.data());
+      for (int64_t s0 = p.offsets[e]; s0 < p.offsets[e + 1]; s0 += kSlotChunk) {
+        const int64_t m = std::min(kSlotChunk, p.offsets[e + 1] - s0);
+        c.resize(m * ldc);
+        gemm::gemm_bf16(m, cols, z.out, dy_sorted + s0 * k_pad, k_pad, packed_w.data(), gemm::panel_stride(k_pad),
+                        c.data(), ldc, false);  // dy W_e[:, c0:c0+cols]
+        if (v_data != nullptr) {  // + s (dy B_e) A_e[:, c0:c0+cols]
+          at::from_blob(c.data(), {m, cols}, {ldc, 1}, at::kFloat)
+              .addmm_(at::from_blob(const_cast<float*>(v_data + s0 * z.rank), {m, z.rank}, at::kFloat),
+                      lora_a.narrow(0, e * z.rank, z.rank).narrow(1, c0, cols), 1.0, p.scaling);
+        }
+        dst_rows.resize(m);
+        for (int64_t j = 0; j < m; ++j) dst_rows[j] = compute_grad_x ? s0 + j : j;
+        if (!compute_grad_x) scratch.resize(m * cols);
+        cpu::gate_rows_bf16(c.data(), ldc, m, cols, gate_data ? gate_data + s0 : nullptr, x + c0,
+                            x_offsets.data() + s0,
+                            compute_grad_gates ? dgate_parts.data() + items[i].block * valid + s0 : nullptr,
+                            compute_grad_x ? dx_rows + c0 : scratch.data(), dst_rows.data(),
+                            compute_grad_x ? z.in : cols);
+      }
+    });
+  }
   if (compute_grad_x && combine_x) sum_per_token(p, dx_rows, z.in, dx);
   auto empty = [&](const at::Tensor& like) { return at::empty({0}, like.options()); };
   at::Tensor grad_gates = empty(p.x);
   if (compute_grad_gates) {
-    at::Tensor by_slot = at::from_blob(dgate.data(), {z.slots}, at::kFloat);
+    at::Tensor by_slot = at::zeros({z.slots}, at::kFloat);
+    float* dgate = by_slot.data_ptr<float>();
+    for (int64_t block = 0; block < col_blocks; ++block) {  // fixed order: independent of the threads
+      for (int64_t s = 0; s < valid; ++s) dgate[s] += dgate_parts[block * valid + s];
+    }
     grad_gates = at::zeros({z.slots}, at::kFloat).index_copy_(0, p.sorted_token_idx, by_slot)
                      .view({z.tokens, z.top_k});  // fp32: the caller casts to gates' dtype
   }
