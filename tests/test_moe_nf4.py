@@ -98,6 +98,19 @@ def test_reference_backend_dequantizes_and_runs_the_reference():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("tokens", [0, 6])
+def test_no_routed_expert_gives_zeros(tokens):
+    idx, gate_up, down, leaves = make_problem(*CASES[1], torch.float32, False)
+    x = torch.randn(tokens, 24, requires_grad=True)
+    w = torch.rand(tokens, 3, requires_grad=True)
+    dropped = torch.full((tokens, 3), 5)  # every id belongs to another rank (expert parallelism)
+    lora = {"down_proj": moe.LoRAFactors(*leaves[4:], 1.0)}
+    out = moe.experts_forward(x, dropped, w, gate_up, down, lora=lora)
+    assert out.shape == (tokens, 24) and not out.any()
+    out.sum().backward()
+    assert not x.grad.any() and not w.grad.any()
+
+
 def test_bad_nf4_inputs_are_clear_errors():
     idx, gate_up, down, leaves = make_problem(*CASES[1], torch.float32, False)
     x, w = leaves[:2]

@@ -37,6 +37,7 @@ inline Sizes check_grouped_linear(const at::Tensor& x, const at::Tensor& weight,
                     ", got weight ", nf4::shape_string(weight.sizes()));
   TORCH_CHECK_VALUE(top_k >= 1, "top_k must be at least 1, got ", top_k);
   const int64_t experts = weight.size(0), slots = sorted_token_idx.numel();
+  TORCH_CHECK_VALUE(experts >= 1, "weight must have at least one expert, got ", nf4::shape_string(weight.sizes()));
   for (const auto* t : {&sorted_expert_idx, &sorted_token_idx, &expert_offsets}) {
     TORCH_CHECK_VALUE(t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous(),
                       "sorted_expert_idx, sorted_token_idx and expert_offsets must be contiguous 1-D int64 "

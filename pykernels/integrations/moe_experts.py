@@ -10,7 +10,8 @@ grouped kernels with PEFT's LoRA factors (LoRA inside the grouped GEMM, nothing 
 own path runs anyway (e.g. another experts implementation was chosen), the experts function reads
 the factors from the parametrization instead of the dense weight. Anything we do not cover
 (biases, transposed or interleaved weights, other activations, several active adapters, merged
-and disabled adapters being unmerged) runs PEFT's and transformers' own forward.
+and disabled adapters being unmerged, CUDA tensors with a build without CUDA kernels) runs PEFT's
+and transformers' own forward.
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ def _base_weight(experts: torch.nn.Module, name: str) -> torch.Tensor | NF4Weigh
     return weight.weight if isinstance(weight, NF4ExpertWeight) else weight
 
 
+def _has_kernels_for(tensor: torch.Tensor) -> bool:
+    from pykernels import _C
+
+    return tensor.device.type == "cpu" or (tensor.device.type == "cuda" and _C.has_cuda())
+
+
 def _is_quantized(experts: torch.nn.Module) -> bool:
     return any(isinstance(getattr(experts, name, None), NF4ExpertWeight) for name in ("gate_up_proj", "down_proj"))
 
@@ -77,7 +84,7 @@ def pykernels_experts_forward(self, hidden_states: torch.Tensor, top_k_index: to
     from pykernels.moe import experts_forward
 
     quantized = _is_quantized(self)
-    if hidden_states.device.type != "cpu" and not quantized:  # no CUDA kernels yet: transformers' grouped GEMM
+    if not _has_kernels_for(hidden_states) and not quantized:  # e.g. a CPU-only build: transformers' grouped GEMM
         from transformers.integrations.moe import grouped_mm_experts_forward
 
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
@@ -122,7 +129,7 @@ def _fused_peft_forward(self, hidden_states, top_k_index=None, top_k_weights=Non
     act, quantized = _activation(experts), _is_quantized(experts)
     if (act and not args and not kwargs and top_k_weights is not None and set(wrappers) <= {"gate_up_proj", "down_proj"}
             and experts.config._experts_implementation == IMPLEMENTATION
-            and (hidden_states.device.type == "cpu" or quantized)):
+            and (_has_kernels_for(hidden_states) or quantized)):
         factors = {name: _peft_factors(w, hidden_states.dtype) for name, w in wrappers.items()}
         if all(f is not False for f in factors.values()):
             lora = {name: f for name, f in factors.items() if f is not None}

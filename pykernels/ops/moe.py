@@ -75,10 +75,10 @@ torch.library.register_autograd("pykernels::moe_grouped_linear", _backward, setu
 
 # ---------------------------------------------------------------- public functions
 def _reference_for(tensor: torch.Tensor) -> bool:
-    """The pure-torch path: when asked for, and on GPUs until the CUDA kernels of [5/8] land."""
-    if backend.use_reference() or tensor.device.type == "cuda":
+    """The pure-torch path, when asked for (pykernels.backend.set_kernels("reference"))."""
+    if backend.use_reference():
         return True
-    check_device(tensor, "input")  # anything but CPU and CUDA: a clear error
+    check_device(tensor, "input")  # anything but CPU, and CUDA without CUDA kernels: a clear error
     return False
 
 

@@ -39,6 +39,8 @@ def compact_routing(sorted_expert_idx: torch.Tensor, sorted_token_idx: torch.Ten
     """Drop the experts without tokens from sort_tokens' routing (one host synchronization)."""
     num_experts = expert_offsets.numel() - 1
     experts = torch.nonzero(expert_offsets.diff() > 0).flatten()
+    if experts.numel() == 0:  # no tokens, or every id dropped: keep one (empty) expert, the ops need E >= 1
+        experts = experts.new_zeros(1)
     renumber = torch.full((num_experts + 1,), experts.numel(), dtype=torch.int64, device=experts.device)
     renumber[experts] = torch.arange(experts.numel(), device=experts.device)  # dropped ids (= E) stay last
     offsets = torch.cat([expert_offsets[experts], expert_offsets[-1:]])
