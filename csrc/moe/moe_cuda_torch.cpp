@@ -1,0 +1,311 @@
+// CUDA implementations of the grouped MoE ops (schemas in csrc/torch_bindings.cpp; the same results
+// as moe_cpu.cpp up to rounding): checks, allocation on the current device and the composition of
+// the launchers in moe.cu on torch's current stream. Nothing here reads device memory on the host:
+// no synchronization, so the routing values are not validated (moe.h says what happens instead).
+//
+// With slot s of expert e, gate g_s (1 without gates) and u, v the rank-r LoRA activations:
+//   forward   u_s  = scaling x_s A_e^T                      grouped rows GEMM [slots, r8]
+//             y_s  = g_s (x_s W_e^T + u_s B_e^T)            grouped rows GEMM, LoRA as extra K-steps,
+//                                                           rows scattered to slot / assignment order
+//                                                           or to a workspace summed per token
+//   backward  v_s  = scaling dy_s B_e                       grouped rows GEMM [slots, r8]
+//             dx_s = g_s (dy_s W_e + v_s A_e)               grouped rows GEMM whose epilogue also
+//             dg_s = (dy_s W_e + v_s A_e) . x_s             leaves per-column-tile partial dots
+//             dW_e = sum_s g_s dy_s^T x_s                   slot-reduction GEMMs (one CTA per output
+//             dB_e = sum_s g_s dy_s^T u_s                   tile sums all of an expert's slots:
+//             dA_e = sum_s g_s v_s^T x_s                    deterministic)
+// u and v are rounded to x's dtype (like the CPU's bf16 path) and padded to r8 = r rounded up to 8
+// columns of zeros, which keeps their rows 16-byte aligned for the tensor-core kernels.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <optional>
+
+#include "moe/moe.h"
+#include "moe/moe_torch_checks.h"
+
+namespace pykernels::moe {
+namespace {
+
+void check_launch(const char* error) { TORCH_CHECK(error == nullptr, error); }
+
+cudaStream_t current_stream(const at::Tensor& t) {
+  return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+}
+
+DType dtype_of(const at::Tensor& t) { return nf4::float_dtype(t.scalar_type(), "tensor"); }
+
+const int64_t* data_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr<int64_t>() : nullptr; }
+
+// Rows of a contiguous 2-D tensor read by slot through map (undefined: slot s reads row s).
+SlotRows slot_rows(const at::Tensor& t, const at::Tensor& map = {}) {
+  return {t.data_ptr(), t.size(1), t.size(0), t.size(1), data_or_null(map)};
+}
+
+// A contiguous [E, N, K] tensor as b_e[n, k], or a contiguous [E, K, N] tensor as b_e[n, k] whose
+// rows at k >= k_limit read as zero.
+ExpertMatrix k_major(const at::Tensor& w) { return {w.data_ptr(), w.size(1) * w.size(2), w.size(2), 1, w.size(2)}; }
+ExpertMatrix n_major(const at::Tensor& w, int64_t k_limit) {
+  return {w.data_ptr(), w.size(1) * w.size(2), 1, w.size(2), k_limit};
+}
+
+// Everything one call needs, shared by forward and backward.
+struct Problem {
+  Sizes size;
+  at::Tensor x, weight, sorted_token_idx, expert_offsets;
+  at::Tensor gates;          // [T * k] contiguous, or undefined
+  at::Tensor lora_a, lora_b; // contiguous, or undefined
+  float scaling;
+  bool grouped_in, grouped_out;
+  cudaStream_t stream;
+  // Per-slot maps (moe.h, launch_routing_maps).
+  at::Tensor token_of_slot, slot_of_assignment, gate_of_slot;
+
+  bool lora() const { return lora_a.defined(); }
+  bool summed() const { return gates.defined() && !grouped_out; }  // output rows summed per token
+  int64_t padded_rank() const { return (size.rank + 7) / 8 * 8; }
+  SlotRows x_rows() const { return slot_rows(x, grouped_in ? at::Tensor() : token_of_slot); }
+  at::Tensor lora_a_by_expert() const { return lora_a.view({size.experts, size.rank, size.in}); }  // A_e = [e]
+};
+
+// Inputs already checked (check_grouped_linear: shapes, dtypes, devices), under a guard of x's device.
+Problem make_problem(const Sizes& size, const at::Tensor& x, const at::Tensor& weight,
+                     const at::Tensor& sorted_token_idx, const at::Tensor& expert_offsets, bool grouped_in,
+                     bool grouped_out, const std::optional<at::Tensor>& gates,
+                     const std::optional<at::Tensor>& lora_a, const std::optional<at::Tensor>& lora_b,
+                     double scaling) {
+  TORCH_CHECK_VALUE(size.slots < (int64_t{1} << 31), "the number of assignments T * k must be below 2^31, got ",
+                    size.slots);
+  Problem p{size, x.contiguous(), weight.contiguous(), sorted_token_idx, expert_offsets,
+            gates ? gates->reshape(-1).contiguous() : at::Tensor(),
+            lora_a ? lora_a->contiguous() : at::Tensor(), lora_b ? lora_b->contiguous() : at::Tensor(),
+            static_cast<float>(scaling), grouped_in, grouped_out, current_stream(x), {}, {}, {}};
+  const auto long_options = sorted_token_idx.options();
+  p.token_of_slot = at::empty({p.size.slots}, long_options);
+  p.slot_of_assignment = at::empty({p.size.slots}, long_options);
+  RoutingMapsParams maps{sorted_token_idx.data_ptr<int64_t>(), expert_offsets.data_ptr<int64_t>(), p.size.slots,
+                         p.size.experts, p.size.top_k, p.token_of_slot.data_ptr<int64_t>(),
+                         p.slot_of_assignment.data_ptr<int64_t>(), nullptr, DType::kFloat32, nullptr};
+  if (p.gates.defined()) {
+    p.gate_of_slot = at::empty({p.size.slots}, x.options().dtype(at::kFloat));
+    maps.gates = p.gates.data_ptr();
+    maps.gates_dtype = dtype_of(p.gates);
+    maps.gate_of_slot = p.gate_of_slot.data_ptr<float>();
+  }
+  check_launch(launch_routing_maps(maps, p.stream));
+  return p;
+}
+
+// A rows GEMM over every slot with n_cols output columns; the caller fills in operands and output.
+GroupedRowsParams rows_gemm(const Problem& p, int64_t n_cols) {
+  GroupedRowsParams g{};
+  g.dtype = dtype_of(p.x);
+  g.slots = p.size.slots;
+  g.experts = p.size.experts;
+  g.n_cols = n_cols;
+  g.expert_offsets = p.expert_offsets.data_ptr<int64_t>();
+  g.alpha = 1.0f;
+  g.out_rows = p.size.slots;
+  return g;
+}
+
+void run_rows_gemm(const GroupedRowsParams& g, const Problem& p) {
+  const at::Tensor workspace = at::empty({grouped_rows_workspace_bytes(g)}, p.x.options().dtype(at::kByte));
+  check_launch(launch_grouped_rows(g, workspace.data_ptr(), p.stream));
+}
+
+// out[e * expert_stride + m * ld_m + n * ld_n] = sum over the slots s of expert e of a[s, m] b[s, n].
+void weight_grad_gemm(const Problem& p, SlotRows a, SlotRows b, int64_t m_rows, int64_t n_cols, at::Tensor& out,
+                      int64_t expert_stride, int64_t ld_m, int64_t ld_n) {
+  GroupedWeightGradParams g{dtype_of(p.x), p.size.slots, p.size.experts, m_rows, n_cols,
+                            p.expert_offsets.data_ptr<int64_t>(), a, b, 1.0f, out.data_ptr(), expert_stride,
+                            ld_m, ld_n};
+  check_launch(launch_grouped_weight_grad(g, p.stream));
+}
+
+// Rows [slots, cols] in slot order -> [T, cols], each token's k rows summed (dropped ones skipped).
+at::Tensor sum_per_token(const Problem& p, const at::Tensor& slot_rows_in) {
+  at::Tensor out = at::empty({p.size.tokens, slot_rows_in.size(1)}, slot_rows_in.options());
+  SumPerTokenParams s{dtype_of(out), slot_rows_in.data_ptr(), p.slot_of_assignment.data_ptr<int64_t>(),
+                      p.size.tokens, p.size.top_k, slot_rows_in.size(1), out.data_ptr()};
+  check_launch(launch_sum_per_token(s, p.stream));
+  return out;
+}
+
+// src's slot rows times each slot's gate, in slot order [slots, src.cols]; src itself without gates.
+SlotRows gated(const Problem& p, SlotRows src, at::Tensor& storage) {
+  if (!p.gates.defined()) return src;
+  storage = at::empty({p.size.slots, src.cols}, p.x.options());
+  ScaleRowsParams s{dtype_of(p.x), p.size.slots, src, p.gate_of_slot.data_ptr<float>(), storage.data_ptr(),
+                    src.cols};
+  check_launch(launch_scale_rows(s, p.stream));
+  return slot_rows(storage);
+}
+
+// u = scaling x_s A_e^T [slots, r8] in slot order (padding columns zero).
+at::Tensor lora_u(const Problem& p) {
+  at::Tensor u = at::zeros({p.size.slots, p.padded_rank()}, p.x.options());
+  GroupedRowsParams g = rows_gemm(p, p.size.rank);
+  g.a = p.x_rows();
+  g.b = k_major(p.lora_a_by_expert());
+  g.alpha = p.scaling;
+  g.out = u.data_ptr();
+  g.ld_out = u.size(1);
+  run_rows_gemm(g, p);
+  return u;
+}
+
+// B_e = lora_b[:, e::E] as [E, out, r8] (B_e contiguous, padding columns zero).
+at::Tensor lora_b_by_expert(const Problem& p) {
+  const Sizes& z = p.size;
+  at::Tensor b = at::zeros({z.experts, z.out, p.padded_rank()}, p.x.options());
+  b.narrow(2, 0, z.rank).copy_(p.lora_b.view({z.out, z.rank, z.experts}).permute({2, 0, 1}));
+  return b;
+}
+
+// ------------------------------------------------------------------ ops
+std::tuple<at::Tensor, at::Tensor, at::Tensor> sort_tokens_cuda(const at::Tensor& top_k_index, int64_t num_experts) {
+  check_top_k_index(top_k_index, num_experts);
+  const c10::cuda::CUDAGuard guard(top_k_index.device());
+  const at::Tensor ids = top_k_index.contiguous();
+  const auto long_options = ids.options().dtype(at::kLong);
+  at::Tensor sorted_expert = at::empty({ids.numel()}, long_options);
+  at::Tensor sorted_token = at::empty({ids.numel()}, long_options);
+  at::Tensor offsets = at::empty({num_experts + 1}, long_options);
+  SortParams s{ids.data_ptr(), ids.scalar_type() == at::kLong, ids.numel(), num_experts,
+               sorted_expert.data_ptr<int64_t>(), sorted_token.data_ptr<int64_t>(), offsets.data_ptr<int64_t>()};
+  const at::Tensor workspace = at::empty({sort_workspace_bytes(s)}, ids.options().dtype(at::kByte));
+  check_launch(launch_sort_tokens(s, workspace.data_ptr(), current_stream(ids)));
+  return {sorted_expert, sorted_token, offsets};
+}
+
+at::Tensor grouped_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& sorted_expert_idx,
+                               const at::Tensor& sorted_token_idx, const at::Tensor& expert_offsets, int64_t top_k,
+                               bool grouped_in, bool grouped_out, const std::optional<at::Tensor>& gates,
+                               const std::optional<at::Tensor>& lora_a, const std::optional<at::Tensor>& lora_b,
+                               double lora_scaling) {
+  const Sizes sizes = check_grouped_linear(x, weight, sorted_expert_idx, sorted_token_idx, expert_offsets, top_k,
+                                           grouped_in, gates, lora_a, lora_b);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const Problem p = make_problem(sizes, x, weight, sorted_token_idx, expert_offsets, grouped_in, grouped_out, gates,
+                                 lora_a, lora_b, lora_scaling);
+  const Sizes& z = p.size;
+  // Slot rows land in y (slot or assignment order) or, summed per token, in a slot-order workspace.
+  at::Tensor rows = at::empty({z.slots, z.out}, p.x.options());
+  GroupedRowsParams g = rows_gemm(p, z.out);
+  g.a = p.x_rows();
+  g.b = k_major(p.weight);
+  at::Tensor u, b_by_expert;
+  if (p.lora()) {
+    u = lora_u(p);
+    b_by_expert = lora_b_by_expert(p);
+    g.a2 = slot_rows(u);
+    g.b2 = k_major(b_by_expert);
+  }
+  if (p.gates.defined()) g.gate_of_slot = p.gate_of_slot.data_ptr<float>();
+  g.out = rows.data_ptr();
+  g.ld_out = z.out;
+  g.out_map = p.summed() || p.grouped_out ? nullptr : p.sorted_token_idx.data_ptr<int64_t>();
+  run_rows_gemm(g, p);
+  return p.summed() ? sum_per_token(p, rows) : rows;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> grouped_linear_backward_cuda(
+    const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& sorted_expert_idx,
+    const at::Tensor& sorted_token_idx, const at::Tensor& expert_offsets, int64_t top_k, bool grouped_in,
+    bool grouped_out, const std::optional<at::Tensor>& gates, const std::optional<at::Tensor>& lora_a,
+    const std::optional<at::Tensor>& lora_b, double lora_scaling, bool compute_grad_x, bool compute_grad_weight,
+    bool compute_grad_gates, bool compute_grad_lora) {
+  const Sizes sizes = check_grouped_linear(x, weight, sorted_expert_idx, sorted_token_idx, expert_offsets, top_k,
+                                           grouped_in, gates, lora_a, lora_b);
+  const int64_t grad_rows = gates.has_value() && !grouped_out ? sizes.tokens : sizes.slots;
+  TORCH_CHECK_VALUE(grad_y.dim() == 2 && grad_y.size(0) == grad_rows && grad_y.size(1) == sizes.out,
+                    "grad_y must have shape (", grad_rows, ", ", sizes.out, "), got ",
+                    nf4::shape_string(grad_y.sizes()));
+  TORCH_CHECK_VALUE(grad_y.device() == x.device(), "grad_y must be on x's device ", x.device(), ", got ",
+                    grad_y.device());
+  const c10::cuda::CUDAGuard guard(x.device());
+  const Problem p = make_problem(sizes, x, weight, sorted_token_idx, expert_offsets, grouped_in, grouped_out, gates,
+                                 lora_a, lora_b, lora_scaling);
+  const Sizes& z = p.size;
+  compute_grad_gates = compute_grad_gates && p.gates.defined();
+  compute_grad_lora = compute_grad_lora && p.lora();
+  const at::Tensor dy = grad_y.to(x.scalar_type()).contiguous();
+  // The row of dy each slot reads: its own, its token's (summed output) or its assignment's.
+  const SlotRows dy_rows =
+      slot_rows(dy, grouped_out ? at::Tensor() : p.summed() ? p.token_of_slot : p.sorted_token_idx);
+  auto empty = [](const at::Tensor& like) { return at::empty({0}, like.options()); };
+  at::Tensor grad_x = empty(x), grad_weight = empty(weight), grad_gates = empty(x);
+  at::Tensor grad_a = empty(x), grad_b = empty(x);
+
+  at::Tensor v;
+  if (p.lora() && (compute_grad_x || compute_grad_gates || compute_grad_lora)) {
+    const at::Tensor b_by_expert = lora_b_by_expert(p);
+    v = at::empty({z.slots, p.padded_rank()}, p.x.options());  // scaling dy_s B_e (padding: zero columns of B)
+    GroupedRowsParams g = rows_gemm(p, p.padded_rank());
+    g.a = dy_rows;
+    g.b = n_major(b_by_expert, z.out);
+    g.alpha = p.scaling;
+    g.out = v.data_ptr();
+    g.ld_out = v.size(1);
+    run_rows_gemm(g, p);
+  }
+  if (compute_grad_x || compute_grad_gates) {
+    GroupedRowsParams g = rows_gemm(p, z.in);
+    g.a = dy_rows;
+    g.b = n_major(p.weight, z.out);
+    if (p.lora()) {
+      g.a2 = slot_rows(v);
+      g.b2 = n_major(p.lora_a_by_expert(), z.rank);
+    }
+    if (p.gates.defined()) g.gate_of_slot = p.gate_of_slot.data_ptr<float>();
+    at::Tensor dx_rows, partial;  // dx in slot order; per column tile gate-gradient dots
+    if (compute_grad_x) {
+      dx_rows = at::empty({z.slots, z.in}, p.x.options());
+      g.out = dx_rows.data_ptr();
+      g.ld_out = z.in;
+    }
+    if (compute_grad_gates) {
+      partial = at::empty({grouped_rows_column_tiles(g), z.slots}, p.x.options().dtype(at::kFloat));
+      g.dgate_partial = partial.data_ptr<float>();
+      g.dot_rows = p.x_rows();
+    }
+    run_rows_gemm(g, p);
+    if (compute_grad_x) grad_x = grouped_in ? dx_rows : sum_per_token(p, dx_rows);
+    if (compute_grad_gates) {
+      grad_gates = at::empty({z.tokens, z.top_k}, p.gates.options());
+      GateGradParams gg{partial.data_ptr<float>(), partial.size(0), z.slots, p.slot_of_assignment.data_ptr<int64_t>(),
+                        grad_gates.data_ptr(), dtype_of(grad_gates)};
+      check_launch(launch_gate_grad(gg, p.stream));
+    }
+  }
+  if (compute_grad_weight || compute_grad_lora) {
+    at::Tensor gated_dy_storage;
+    const SlotRows gated_dy = gated(p, dy_rows, gated_dy_storage);  // g_s dy_s
+    if (compute_grad_weight) {
+      grad_weight = at::empty(p.weight.sizes(), p.weight.options());
+      weight_grad_gemm(p, gated_dy, p.x_rows(), z.out, z.in, grad_weight, z.out * z.in, z.in, 1);
+    }
+    if (compute_grad_lora) {
+      const at::Tensor u = lora_u(p);
+      grad_b = at::empty(p.lora_b.sizes(), p.lora_b.options());  // dB_e = columns e, e + E, ...
+      weight_grad_gemm(p, gated_dy, slot_rows(u), z.out, z.rank, grad_b, 1, z.rank * z.experts, z.experts);
+      at::Tensor gated_v_storage;
+      grad_a = at::empty(p.lora_a.sizes(), p.lora_a.options());  // dA_e = rows e r .. e r + r - 1
+      weight_grad_gemm(p, gated(p, slot_rows(v), gated_v_storage), p.x_rows(), z.rank, z.in, grad_a,
+                       z.rank * z.in, z.in, 1);
+    }
+  }
+  return {grad_x, grad_weight, grad_gates, grad_a, grad_b};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pykernels, CUDA, m) {
+  m.impl("moe_sort_tokens", &sort_tokens_cuda);
+  m.impl("moe_grouped_linear", &grouped_linear_cuda);
+  m.impl("moe_grouped_linear_backward", &grouped_linear_backward_cuda);
+}
+
+}  // namespace pykernels::moe

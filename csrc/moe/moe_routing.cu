@@ -1,0 +1,219 @@
+// Grouped MoE CUDA kernels, routing side (declarations and the math in moe.h; the grouped GEMMs are
+// in moe_gemm.cu, the shared helpers in moe_cuda_common.cuh).
+//
+// sort      counting sort by expert, deterministic and stable without atomics: one warp per chunk
+//           of 1024 assignments counts its buckets (lanes with the same bucket grouped by
+//           __match_any_sync), one block scans all counts in bucket-major order, and each warp
+//           scatters its chunk again in assignment order from its chunk's first slot per bucket.
+// maps      per-slot token / inverse-permutation / gate maps from the sorted routing.
+// small     grid-stride element-wise kernels around the GEMMs: the sum over a token's k expert
+// kernels   rows, the gating of slot rows and the reduction of the gate-gradient partials.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "common/cuda_convert.cuh"
+#include "moe/moe.h"
+#include "moe/moe_cuda_common.cuh"
+
+namespace pykernels::moe {
+using namespace detail;
+
+namespace {
+
+constexpr int kThreads = 256;  // element-wise kernels
+
+int grid_for(int64_t work_items) {
+  const int64_t blocks = (work_items + kThreads - 1) / kThreads;
+  return static_cast<int>(blocks < (int64_t{1} << 20) ? (blocks > 0 ? blocks : 1) : (int64_t{1} << 20));
+}
+
+// ------------------------------------------------------------------ sort
+// counts[b * chunks + c] is chunk c's count of bucket b (an expert, or E for dropped ids). Scanned
+// in this bucket-major order, it becomes the first slot of chunk c within bucket b: one flat scan
+// gives both the stable per-chunk starts and expert_offsets[b] = counts[b * chunks].
+constexpr int kSortChunk = 1024;  // assignments per warp: 32 rounds of 32
+constexpr int kSortWarps = 4;     // warps per block
+
+template <typename Index>
+__device__ int64_t bucket_of(const Index* ids, int64_t a, int64_t slots, int64_t experts) {
+  if (a >= slots) return -1;  // past the end: a bucket of its own, never counted
+  const int64_t id = ids[a];
+  return id >= 0 && id < experts ? id : experts;
+}
+
+// One warp walks its chunk in rounds of 32 assignments, in order (what makes the sort stable).
+// Lanes of a round with the same bucket form a group (__match_any_sync); `rank` is a lane's
+// position in its group. Groups of one round have distinct buckets, so each group's leader moves
+// cursor[bucket] without atomics. kScatter false: the cursors count; true: they start at the
+// chunk's first slot per bucket and each assignment lands at cursor + rank. The cursors live in
+// shared memory when E + 1 of them per warp fit, else in place in counts (stride chunks).
+template <typename Index, bool kScatter>
+__global__ void __launch_bounds__(32 * kSortWarps) sort_chunk_kernel(const Index* ids,  // [slots]
+                                                                      int64_t slots, int64_t experts, int64_t chunks,
+                                                                      int* counts,  // [experts + 1, chunks]
+                                                                      bool shared_cursors,
+                                                                      int64_t* sorted_expert_idx,
+                                                                      int64_t* sorted_token_idx) {
+  extern __shared__ int cursor_rows[];  // [kSortWarps, experts + 1] when shared_cursors
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t chunk = int64_t(blockIdx.x) * kSortWarps + warp;
+  if (chunk >= chunks) return;  // whole warps
+  const int64_t buckets = experts + 1;
+  int* global = counts + chunk;  // this chunk's counts, stride chunks
+  int* cursor = shared_cursors ? cursor_rows + warp * buckets : global;
+  const int64_t stride = shared_cursors ? 1 : chunks;
+  if (shared_cursors || !kScatter) {
+    for (int64_t b = lane; b < buckets; b += 32) cursor[b * stride] = kScatter ? global[b * chunks] : 0;
+    __syncwarp();
+  }
+  for (int64_t a0 = chunk * kSortChunk; a0 < (chunk + 1) * kSortChunk && a0 < slots; a0 += 32) {
+    const int64_t a = a0 + lane;
+    const int64_t bucket = bucket_of(ids, a, slots, experts);
+    const unsigned group = __match_any_sync(0xffffffffu, bucket);
+    const int rank = __popc(group & ((1u << lane) - 1));
+    const int first = bucket >= 0 ? cursor[bucket * stride] : 0;
+    if (kScatter && bucket >= 0) {
+      sorted_expert_idx[first + rank] = bucket;
+      sorted_token_idx[first + rank] = a;
+    }
+    __syncwarp();  // every lane has read its cursor before the leaders move it
+    if (bucket >= 0 && rank == 0) cursor[bucket * stride] = first + __popc(group);
+    __syncwarp();
+  }
+  if (!kScatter && shared_cursors) {
+    for (int64_t b = lane; b < buckets; b += 32) global[b * chunks] = cursor[b];
+  }
+}
+
+// counts -> each chunk's first slot per bucket (see above); expert_offsets [E + 1].
+__global__ void __launch_bounds__(kScanThreads) sort_scan_kernel(int* counts, int64_t chunks, int64_t experts,
+                                                                 int64_t* expert_offsets) {
+  __shared__ BlockScan::TempStorage scratch;
+  exclusive_scan(counts, (experts + 1) * chunks, scratch);
+  for (int64_t b = threadIdx.x; b <= experts; b += kScanThreads)
+    expert_offsets[b] = chunks > 0 ? counts[b * chunks] : 0;
+}
+
+// ------------------------------------------------------------------ per-slot maps
+template <typename G>
+__global__ void __launch_bounds__(kThreads) routing_maps_kernel(const RoutingMapsParams p) {
+  const int64_t valid_end = bucket_slots(p.expert_offsets, p.experts, p.slots, p.experts).begin;
+  const G* gates = static_cast<const G*>(p.gates);
+  for (int64_t s = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; s < p.slots; s += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t a = p.sorted_token_idx[s];
+    const bool in_range = a >= 0 && a < p.slots;
+    if (p.token_of_slot != nullptr) p.token_of_slot[s] = in_range ? a / p.top_k : -1;
+    if (p.slot_of_assignment != nullptr && in_range) p.slot_of_assignment[a] = s < valid_end ? s : -1;
+    if (p.gate_of_slot != nullptr) p.gate_of_slot[s] = in_range && gates != nullptr ? to_float(gates[a]) : 0.0f;
+  }
+}
+
+// ------------------------------------------------------------------ element-wise kernels
+template <typename T>
+__global__ void __launch_bounds__(kThreads) sum_per_token_kernel(const SumPerTokenParams p) {
+  const T* rows = static_cast<const T*>(p.rows);
+  const int64_t slots = p.tokens * p.top_k;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < p.tokens * p.cols;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / p.cols, c = i % p.cols;
+    float sum = 0.0f;
+    for (int64_t j = 0; j < p.top_k; ++j) {
+      const int64_t s = p.slot_of_assignment[t * p.top_k + j];
+      if (s >= 0 && s < slots) sum += to_float(rows[s * p.cols + c]);
+    }
+    static_cast<T*>(p.out)[i] = from_float<T>(sum);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) scale_rows_kernel(const ScaleRowsParams p) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < p.slots * p.src.cols;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t s = i / p.src.cols, c = i % p.src.cols;
+    const T* src = slot_row<T>(p.src, s);
+    const float value = src != nullptr ? to_float(src[c]) * p.gate_of_slot[s] : 0.0f;
+    static_cast<T*>(p.out)[s * p.ld_out + c] = from_float<T>(value);
+  }
+}
+
+template <typename G>
+__global__ void __launch_bounds__(kThreads) gate_grad_kernel(const GateGradParams p) {
+  for (int64_t a = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; a < p.slots; a += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t s = p.slot_of_assignment[a];
+    float sum = 0.0f;
+    if (s >= 0 && s < p.slots) {
+      for (int64_t i = 0; i < p.column_tiles; ++i) sum += p.dgate_partial[i * p.slots + s];
+    }
+    static_cast<G*>(p.grad_gates)[a] = from_float<G>(sum);
+  }
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------ launchers
+int64_t sort_workspace_bytes(const SortParams& p) {
+  return div_up(p.slots, kSortChunk) * (p.experts + 1) * int64_t(sizeof(int));
+}
+
+const char* launch_sort_tokens(const SortParams& p, void* workspace, cudaStream_t stream) {
+  if (p.slots < 0 || p.slots > INT32_MAX || p.experts < 1 || p.experts >= INT32_MAX)
+    return fail("moe sort: need 0 <= T * k < 2^31 and 1 <= num_experts < 2^31, got " + std::to_string(p.slots) +
+                " assignments and " + std::to_string(p.experts) + " experts");
+  const int64_t chunks = div_up(p.slots, kSortChunk);
+  if ((p.experts + 1) * chunks > INT32_MAX) return "moe sort: num_experts * T * k / 1024 must be below 2^31";
+  int* counts = static_cast<int*>(workspace);
+  const int blocks = static_cast<int>(div_up(chunks, kSortWarps));
+  const int64_t cursor_bytes = kSortWarps * (p.experts + 1) * int64_t(sizeof(int));
+  const bool shared_cursors = cursor_bytes <= 48 * 1024;  // E < 3072: no opt-in needed
+  const size_t smem = shared_cursors ? static_cast<size_t>(cursor_bytes) : 0;
+  const auto run = [&](auto index) {
+    using Index = decltype(index);
+    const Index* ids = static_cast<const Index*>(p.top_k_index);
+    if (chunks > 0)
+      sort_chunk_kernel<Index, false><<<blocks, 32 * kSortWarps, smem, stream>>>(
+          ids, p.slots, p.experts, chunks, counts, shared_cursors, nullptr, nullptr);
+    sort_scan_kernel<<<1, kScanThreads, 0, stream>>>(counts, chunks, p.experts, p.expert_offsets);
+    if (chunks > 0)
+      sort_chunk_kernel<Index, true><<<blocks, 32 * kSortWarps, smem, stream>>>(
+          ids, p.slots, p.experts, chunks, counts, shared_cursors, p.sorted_expert_idx, p.sorted_token_idx);
+    return launch_status("moe sort: kernel launch failed");
+  };
+  return p.index_is_int64 ? run(int64_t{}) : run(int32_t{});
+}
+
+const char* launch_routing_maps(const RoutingMapsParams& p, cudaStream_t stream) {
+  if (p.slots == 0) return nullptr;
+  if (p.top_k < 1) return "moe routing maps: top_k must be >= 1";
+  return with_element(p.gates_dtype, [&](auto gate) {
+    routing_maps_kernel<decltype(gate)><<<grid_for(p.slots), kThreads, 0, stream>>>(p);
+    return launch_status("moe routing maps: kernel launch failed");
+  });
+}
+
+const char* launch_sum_per_token(const SumPerTokenParams& p, cudaStream_t stream) {
+  if (p.tokens * p.cols == 0) return nullptr;
+  return with_element(p.dtype, [&](auto element) {
+    sum_per_token_kernel<decltype(element)><<<grid_for(p.tokens * p.cols), kThreads, 0, stream>>>(p);
+    return launch_status("moe sum per token: kernel launch failed");
+  });
+}
+
+const char* launch_scale_rows(const ScaleRowsParams& p, cudaStream_t stream) {
+  if (p.slots * p.src.cols == 0) return nullptr;
+  return with_element(p.dtype, [&](auto element) {
+    scale_rows_kernel<decltype(element)><<<grid_for(p.slots * p.src.cols), kThreads, 0, stream>>>(p);
+    return launch_status("moe scale rows: kernel launch failed");
+  });
+}
+
+const char* launch_gate_grad(const GateGradParams& p, cudaStream_t stream) {
+  if (p.slots == 0) return nullptr;
+  return with_element(p.gates_dtype, [&](auto gate) {
+    gate_grad_kernel<decltype(gate)><<<grid_for(p.slots), kThreads, 0, stream>>>(p);
+    return launch_status("moe gate grad: kernel launch failed");
+  });
+}
+
+}  // namespace pykernels::moe
