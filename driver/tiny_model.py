@@ -3,7 +3,8 @@
 Nothing can be downloaded at run time, so the default config, the tests and the demo train
 models built here: `tiny://qwen2` (dense), `tiny://qwen3-moe` (8 experts, top-2),
 `tiny://qwen3-moe-wide` (hidden 512, 32 experts, top-4) and `tiny://llama`. Head dim is 64 (vLLM's
-CPU attention does not support 16), embeddings are untied (vLLM's weight reload does not refresh a tied lm_head). The same name always gives the same bytes.
+CPU attention does not support 16), embeddings are untied (vLLM's weight reload does not refresh
+a tied lm_head). The same name always gives the same bytes.
 """
 
 from __future__ import annotations

@@ -17,10 +17,10 @@ _FIELDS = ("packed", "absmax", "absmax_q", "nested_absmax", "nested_offset", "ne
 
 
 class NF4ExpertWeight(nn.Module):
-    """Example:
-        >>> w = NF4ExpertWeight.from_tensor(experts.gate_up_proj)   # [E, 2I, H] -> NF4
+    """Example (Qwen3-30B-A3B's experts: E 128, I 768, H 2048):
+        >>> w = NF4ExpertWeight.from_tensor(experts.gate_up_proj)   # [E, 2I, H] bf16 -> NF4
         >>> w.weight.dequantize().shape
-        torch.Size([E, 2I, H])
+        torch.Size([128, 1536, 2048])
     """
 
     def __init__(self, weight: NF4Weight) -> None:
