@@ -22,6 +22,14 @@ PK_AVX512 inline __m512 widen_bf16(__m256i bits) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
+// bf16 bits -> fp32, exactly.
+inline float bf16_to_float(uint16_t bits) {
+  const uint32_t wide = uint32_t{bits} << 16;
+  float x;
+  std::memcpy(&x, &wide, sizeof(x));
+  return x;
+}
+
 // fp32 -> bf16 bits, round to nearest even (as vcvtneps2bf16); NaN stays NaN.
 inline uint16_t round_to_bf16(float x) {
   uint32_t bits;

@@ -280,14 +280,86 @@ at::Tensor grouped_linear_cpu(const at::Tensor& x, const at::Tensor& weight, con
 
 using Grads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
+// One expert's LoRA terms in the bf16 backward, all on the micro-kernel with this thread's buffers
+// (fresh per-expert fp32 temporaries cost more in page faults than their GEMMs at ~32 tokens):
+//   v = dy_e B_e [m, r] in fp32, stored as bf16(s v) for its dx term (like the forward's u);
+//   with gradients: dA_e = s (g v)^T x_e [r, in] and dB_e = s (g dy_e)^T u_e [out, r], u_e = x_e A_e^T,
+// g the slots' gates, the rank-r operands rounded to bf16 as a bf16 LoRA's are. One thread per
+// expert: its sums are deterministic.
+struct LoraBackward {
+  Sizes size;
+  int64_t k_pad, r_pad;
+  float scaling;
+  const uint16_t* dy_sorted;  // [valid, k_pad]
+  const uint16_t* x;
+  const int64_t* x_offsets;   // per slot
+  const float* gates;         // per slot, or null
+  const uint16_t* lora_a;     // [E * r, in]
+  const uint16_t* lora_b_t;   // [E, out, r]
+  uint16_t* v_scaled;         // [valid, r_pad] out
+  float* da;                  // [E * r, in] (zeros) or null: no gradients
+  float* db_t;                // [E, out, r] (zeros)
+};
+
+void lora_backward_expert(const LoraBackward& l, int64_t e, int64_t s0, int64_t s1) {
+  const Sizes& z = l.size;
+  const int64_t m = s1 - s0, m_pad = round_up(m, 2), r = z.rank;
+  if (m == 0) return;
+  thread_local AlignedVector<uint32_t> packed_b, packed_x, packed_at, packed_u;
+  thread_local AlignedVector<float> v, u;
+  thread_local AlignedVector<uint16_t> x_rows, vg_t, dyg_t, u_bf16;
+  const auto gate = [&](int64_t j) { return l.gates ? l.gates[s0 + j] : 1.0f; };
+  // v = dy_e B_e
+  packed_b.resize(gemm::panels(r) * gemm::panel_stride(l.k_pad));
+  gemm::pack_rows(l.lora_b_t + e * z.out * r, z.out, l.k_pad, r, r, packed_b.data());
+  v.resize(m * r);
+  gemm::gemm_bf16(m, r, z.out, l.dy_sorted + s0 * l.k_pad, l.k_pad, packed_b.data(), gemm::panel_stride(l.k_pad),
+                  v.data(), r, false);
+  for (int64_t j = 0; j < m; ++j) {
+    uint16_t* dst = l.v_scaled + (s0 + j) * l.r_pad;
+    for (int64_t q = 0; q < r; ++q) dst[q] = round_to_bf16(l.scaling * v[j * r + q]);
+    if (l.r_pad > r) dst[r] = 0;
+  }
+  if (l.da == nullptr) return;
+  // The expert's input rows, contiguous, and packed as B [m, in] for dA.
+  x_rows.resize(m * z.in);
+  for (int64_t j = 0; j < m; ++j) std::copy_n(l.x + l.x_offsets[s0 + j], z.in, x_rows.data() + j * z.in);
+  packed_x.resize(gemm::panels(z.in) * gemm::panel_stride(m_pad));
+  gemm::pack_rows(x_rows.data(), m, m_pad, z.in, z.in, packed_x.data());
+  // dA_e = (s g v)^T x_e
+  vg_t.resize(r * m_pad);
+  for (int64_t q = 0; q < r; ++q) {
+    for (int64_t j = 0; j < m; ++j) vg_t[q * m_pad + j] = round_to_bf16(l.scaling * gate(j) * v[j * r + q]);
+  }
+  gemm::gemm_bf16(r, z.in, m, vg_t.data(), m_pad, packed_x.data(), gemm::panel_stride(m_pad), l.da + e * r * z.in,
+                  z.in, false);
+  // u_e = x_e A_e^T, then dB_e = (s g dy_e)^T u_e
+  packed_at.resize(gemm::panels(r) * gemm::panel_stride(z.in));
+  gemm::pack_transposed(l.lora_a + e * r * z.in, r, z.in, z.in, packed_at.data());
+  u.resize(m * r);
+  gemm::gemm_bf16(m, r, z.in, x_rows.data(), z.in, packed_at.data(), gemm::panel_stride(z.in), u.data(), r, false);
+  u_bf16.resize(m * r);
+  for (int64_t q = 0; q < m * r; ++q) u_bf16[q] = round_to_bf16(u[q]);
+  packed_u.resize(gemm::panels(r) * gemm::panel_stride(m_pad));
+  gemm::pack_rows(u_bf16.data(), m, m_pad, r, r, packed_u.data());
+  dyg_t.resize(z.out * m_pad);
+  for (int64_t j = 0; j < m; ++j) {
+    const uint16_t* dy = l.dy_sorted + (s0 + j) * l.k_pad;
+    const float scale = l.scaling * gate(j);
+    for (int64_t o = 0; o < z.out; ++o) dyg_t[o * m_pad + j] = round_to_bf16(scale * bf16_to_float(dy[o]));
+  }
+  gemm::gemm_bf16(z.out, r, m, dyg_t.data(), m_pad, packed_u.data(), gemm::panel_stride(m_pad),
+                  l.db_t + e * z.out * r, r, false);
+}
+
 // bf16 backward for frozen expert weights (grad_x, grad_gates, LoRA grads). dx = dy W_e runs on the
 // micro-kernel with K = out, W's row index, so W_e must be packed: work items are (expert, block of
 // kInBlock columns of dx), each packing its [out, kInBlock] slice of W_e into a buffer that stays
 // in cache while every slot chunk of the expert runs against it. W is read from memory once, never
 // written back packed, and small-E models (Mixtral: 8 experts) still split evenly over the threads.
 // dy's rows in slot order (the GEMM's A operand) are gathered once for all items. The rank-r LoRA
-// terms are fp32 GEMMs per expert (one thread per expert: deterministic sums); a gate's gradient
-// is summed from per-column-block partial dots in a fixed order.
+// terms run on the micro-kernel too (lora_backward_expert); a gate's gradient is summed from
+// per-column-block partial dots in a fixed order.
 Grads backward_bf16(const Problem& p, const at::Tensor& g, const at::Tensor& grad_row_of_slot, bool compute_grad_x,
                     bool compute_grad_gates, bool compute_grad_lora) {
   const Sizes& z = p.size;
@@ -321,32 +393,27 @@ Grads backward_bf16(const Problem& p, const at::Tensor& g, const at::Tensor& gra
   const at::Tensor gate_of_slot = p.gate_of_slot();
   const float* gate_data = gate_of_slot.defined() ? gate_of_slot.data_ptr<float>() : nullptr;
   const auto f32 = p.x.options().dtype(at::kFloat);
+  const uint16_t* x = bf16_data(p.x);
 
-  // LoRA, per expert: v = dy B_e [m, r] (its term in dx is s v A_e) and the factors' gradients.
-  at::Tensor v, lora_a;
+  // LoRA, per expert (lora_backward_expert): v = dy B_e and, when asked for, the factors'
+  // gradients. v's term in dx, s v A_e, runs on the micro-kernel after dy W_e (r more K steps).
+  const int64_t r_pad = round_up(z.rank, 2);
+  thread_local AlignedVector<uint16_t> v_workspace;  // bf16(s v) [valid, r_pad]
+  uint16_t* v_scaled = nullptr;
+  at::Tensor lora_a_bf16, lora_b_t;
   at::Tensor da = compute_grad_lora ? at::zeros(p.lora_a->sizes(), f32) : at::Tensor();
   at::Tensor db_t = compute_grad_lora ? at::zeros({z.experts, z.out, z.rank}, f32) : at::Tensor();  // [E, out, r]
   if (p.lora_a) {
-    v = at::empty({valid, z.rank}, f32);
-    lora_a = p.lora_a->to(at::kFloat).contiguous();
-    const at::Tensor lora_b_t = p.lora_b_by_expert(at::kFloat);  // B_e = lora_b_t[e] [out, r]
-    const at::Tensor dy = at::from_blob(dy_sorted, {valid, z.out}, {k_pad, 1}, at::kBFloat16);
+    v_workspace.resize(valid * r_pad);
+    v_scaled = v_workspace.data();
+    lora_a_bf16 = p.lora_a->contiguous();
+    lora_b_t = p.lora_b_by_expert(at::kBFloat16);  // B_e = lora_b_t[e] [out, r]
+    const LoraBackward lora{z, k_pad, r_pad, static_cast<float>(p.scaling), dy_sorted, x, x_offsets.data(),
+                            gate_data, bf16_data(lora_a_bf16), bf16_data(lora_b_t), v_scaled,
+                            compute_grad_lora ? da.data_ptr<float>() : nullptr,
+                            compute_grad_lora ? db_t.data_ptr<float>() : nullptr};
     at::parallel_for(0, z.experts, 1, [&](int64_t e0, int64_t e1) {
-      const BelowAutograd below_autograd;
-      for (int64_t e = e0; e < e1; ++e) {
-        const int64_t s0 = p.offsets[e], m = p.offsets[e + 1] - s0;
-        if (m == 0) continue;
-        const at::Tensor gf = dy.narrow(0, s0, m).to(at::kFloat);
-        at::Tensor v_e = v.narrow(0, s0, m);
-        at::mm_out(v_e, gf, lora_b_t.select(0, e));
-        if (!compute_grad_lora) continue;
-        const at::Tensor a_e = lora_a.narrow(0, e * z.rank, z.rank);
-        const at::Tensor xf = p.x.index_select(0, x_rows.narrow(0, s0, m)).to(at::kFloat);
-        const at::Tensor gate = gate_data ? at::from_blob(const_cast<float*>(gate_data + s0), {m, 1}, at::kFloat)
-                                          : at::ones({m, 1}, f32);
-        da.narrow(0, e * z.rank, z.rank).addmm_((v_e * gate).t(), xf, 1.0, p.scaling);
-        db_t.select(0, e).addmm_((gf * gate).t(), at::mm(xf, a_e.t()), 1.0, p.scaling);
-      }
+      for (int64_t e = e0; e < e1; ++e) lora_backward_expert(lora, e, p.offsets[e], p.offsets[e + 1]);
     });
   }
 
@@ -364,12 +431,12 @@ Grads backward_bf16(const Problem& p, const at::Tensor& g, const at::Tensor& gra
     return p.offsets[a.e + 1] - p.offsets[a.e] > p.offsets[b.e + 1] - p.offsets[b.e];
   });
   std::vector<float> dgate_parts(compute_grad_gates ? col_blocks * valid : 0, 0.0f);  // [block][slot]
-  const uint16_t *x = bf16_data(p.x), *w = bf16_data(p.weight);
-  const float* v_data = v.defined() ? v.data_ptr<float>() : nullptr;
+  const uint16_t* w = bf16_data(p.weight);
+  const uint16_t* a_bf16 = lora_a_bf16.defined() ? bf16_data(lora_a_bf16) : nullptr;
   if (compute_grad_x || compute_grad_gates) {
     for_each_item(static_cast<int64_t>(items.size()), [&](int64_t i) {
       const BelowAutograd below_autograd;
-      thread_local AlignedVector<uint32_t> packed_w;
+      thread_local AlignedVector<uint32_t> packed_w, packed_a;
       thread_local AlignedVector<float> c;
       thread_local AlignedVector<uint16_t> scratch;  // dx rows when only the gates' gradients are asked for
       thread_local std::vector<int64_t> dst_rows;
@@ -377,15 +444,18 @@ Grads backward_bf16(const Problem& p, const at::Tensor& g, const at::Tensor& gra
       const int64_t ldc = gemm::padded_ld(cols);
       packed_w.resize(gemm::panels(cols) * gemm::panel_stride(k_pad));
       gemm::pack_rows(w + e * z.out * z.in + c0, z.out, k_pad, cols, z.in, packed_w.data());
+      if (a_bf16 != nullptr) {
+        packed_a.resize(gemm::panels(cols) * gemm::panel_stride(r_pad));
+        gemm::pack_rows(a_bf16 + e * z.rank * z.in + c0, z.rank, r_pad, cols, z.in, packed_a.data());
+      }
       for (int64_t s0 = p.offsets[e]; s0 < p.offsets[e + 1]; s0 += kSlotChunk) {
         const int64_t m = std::min(kSlotChunk, p.offsets[e + 1] - s0);
         c.resize(m * ldc);
         gemm::gemm_bf16(m, cols, z.out, dy_sorted + s0 * k_pad, k_pad, packed_w.data(), gemm::panel_stride(k_pad),
                         c.data(), ldc, false);  // dy W_e[:, c0:c0+cols]
-        if (v_data != nullptr) {  // + s (dy B_e) A_e[:, c0:c0+cols]
-          at::from_blob(c.data(), {m, cols}, {ldc, 1}, at::kFloat)
-              .addmm_(at::from_blob(const_cast<float*>(v_data + s0 * z.rank), {m, z.rank}, at::kFloat),
-                      lora_a.narrow(0, e * z.rank, z.rank).narrow(1, c0, cols), 1.0, p.scaling);
+        if (a_bf16 != nullptr) {  // + s (dy B_e) A_e[:, c0:c0+cols]
+          gemm::gemm_bf16(m, cols, z.rank, v_scaled + s0 * r_pad, r_pad, packed_a.data(), gemm::panel_stride(r_pad),
+                          c.data(), ldc, true);
         }
         dst_rows.resize(m);
         for (int64_t j = 0; j < m; ++j) dst_rows[j] = compute_grad_x ? s0 + j : j;
