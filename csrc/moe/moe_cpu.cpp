@@ -189,8 +189,8 @@ at::Tensor forward_bf16(const Problem& p) {
   int64_t chunks = 0;
   for (int64_t e = 0; e < z.experts; ++e) chunks += (p.offsets[e + 1] - p.offsets[e] + kSlotChunk - 1) / kSlotChunk;
   const int64_t out_blocks = (z.out + kOutBlock - 1) / kOutBlock;
-  const int64_t groups = std::clamp<int64_t>((kItemsPerThread * at::get_num_threads() + chunks - 1) / std::max<int64_t>(chunks, 1),
-                                             1, out_blocks);
+  const int64_t wanted = kItemsPerThread * at::get_num_threads();
+  const int64_t groups = std::clamp<int64_t>((wanted + chunks - 1) / std::max<int64_t>(chunks, 1), 1, out_blocks);
   const int64_t group_rows = (out_blocks + groups - 1) / groups * kOutBlock;
   std::vector<Item> items;
   for (int64_t e = 0; e < z.experts; ++e) {
