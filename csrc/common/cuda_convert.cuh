@@ -1,9 +1,11 @@
-// fp32 <-> element conversions for CUDA kernels templated on float / __half / __nv_bfloat16
-// (round to nearest even), shared by the kernel families.
+// CUDA element types of the kernel families (float / __half / __nv_bfloat16): the run-time dtype
+// dispatch and fp32 <-> element conversions (round to nearest even).
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+#include "common/dtype.h"
 
 namespace pykernels {
 
@@ -16,5 +18,16 @@ template <typename T> __device__ __forceinline__ T from_float(float v);
 template <> __device__ __forceinline__ float from_float(float v) { return v; }
 template <> __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+
+// Calls fn(T{}) with T the CUDA element type of dtype; fn returns an error message or nullptr.
+template <typename Fn>
+const char* with_element(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::kFloat32: return fn(float{});
+    case DType::kFloat16: return fn(__half{});
+    case DType::kBFloat16: return fn(__nv_bfloat16{});
+  }
+  return "unknown dtype";
+}
 
 }  // namespace pykernels

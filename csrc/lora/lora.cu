@@ -185,17 +185,6 @@ const char* dispatch_output(const GemmParams& p, cudaStream_t stream) {
   return "lora gemm: d_dtype must be ab_dtype or float32";
 }
 
-// Calls fn(T{}) with T the CUDA element type of dtype.
-template <typename Fn>
-const char* with_element(DType dtype, Fn&& fn) {
-  switch (dtype) {
-    case DType::kFloat32: return fn(float{});
-    case DType::kFloat16: return fn(__half{});
-    case DType::kBFloat16: return fn(__nv_bfloat16{});
-  }
-  return "lora: unknown dtype";
-}
-
 constexpr int kThreads = 256;
 
 const char* launch_status(const char* what) {

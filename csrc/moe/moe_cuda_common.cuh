@@ -1,7 +1,8 @@
 // Shared helpers of the grouped MoE CUDA kernels (moe_routing.cu: sort, routing maps, element-wise
-// kernels; moe_gemm.cu: grouped GEMMs): launch error messages, the dtype dispatch, the clamped
-// bucket ranges and slot rows every kernel addresses memory through, and the one-block scan of the
-// sort and of the GEMM row-tile schedule. Declarations and the math are in moe.h.
+// kernels; moe_gemm.cu: grouped GEMMs): launch error messages, the clamped bucket ranges and slot
+// rows every kernel addresses memory through, and the one-block scan of the sort and of the GEMM
+// row-tile schedule (the dtype dispatch is common/cuda_convert.cuh's). Declarations and the math
+// are in moe.h.
 //
 // Everything lives in pykernels::moe::detail; the .cu files pull it in with a using-directive.
 #pragma once
@@ -33,17 +34,6 @@ inline const char* launch_status(const char* what) {
 }
 
 inline __host__ __device__ int64_t div_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-// Calls fn(T{}) with T the CUDA element type of dtype.
-template <typename Fn>
-const char* with_element(DType dtype, Fn&& fn) {
-  switch (dtype) {
-    case DType::kFloat32: return fn(float{});
-    case DType::kFloat16: return fn(__half{});
-    case DType::kBFloat16: return fn(__nv_bfloat16{});
-  }
-  return "moe: unknown dtype";
-}
 
 // The slots of bucket b (an expert, or b == experts: the dropped assignments), clamped into
 // [0, slots] so that malformed offsets cannot address memory outside the operands.
