@@ -14,6 +14,7 @@ import torch
 import pykernels.lora as lora
 import pykernels.nf4 as nf4
 from conftest import requires_cuda
+from cuda_oracle import check_outputs, error_budget
 from pykernels._extension import ops
 
 pytestmark = [requires_cuda, pytest.mark.cuda]
@@ -106,27 +107,6 @@ def torch_math(t, weight, dtype):
             "grad_A": dxa.T @ x_lora, "grad_B": SCALING * (dy.T @ xa)}
 
 
-def error_budget(exact, lowprec, dtype):
-    err_torch = (lowprec.double() - exact).abs().max().item()
-    return 2 * err_torch + HALF_ULP[dtype] * exact.abs().max().item()
-
-
-def check_outputs(cuda, cpu, exact, lowprec, dtype):
-    for name in OUTPUTS:
-        got, want = cuda[name], cpu[name]
-        assert (got.dtype, got.shape) == (want.dtype, want.shape), \
-            f"{name}: cuda {got.dtype} {tuple(got.shape)} != cpu {want.dtype} {tuple(want.shape)}"
-        assert got.is_cuda, f"{name} is on {got.device}"
-        if exact[name] is None:
-            assert got.numel() == 0, f"{name} must be empty, got shape {tuple(got.shape)}"
-            continue
-        budget = error_budget(exact[name], lowprec[name], dtype)
-        err = (got.double() - exact[name]).abs().max().item()
-        assert err <= budget, f"{name}: max|cuda - fp64| = {err:.3e} > budget {budget:.3e}"
-        gap = (got.double() - want.cuda().double()).abs().max().item()
-        assert gap <= 2 * budget, f"{name}: max|cuda - cpu| = {gap:.3e} > twice the budget {budget:.3e}"
-
-
 def weight_for(kind, dense):
     """(weight given to the op, the dense weight it stands for)."""
     if kind == "dense":
@@ -143,7 +123,8 @@ def test_cuda_matches_fp64_and_cpu(case, dtype, weight_kind):
     weight, dense = weight_for(weight_kind, t["weight"])
     cuda = run_ops(t, weight, "cuda")
     cpu = run_ops(t, weight, "cpu")
-    check_outputs(cuda, cpu, torch_math(t, dense, torch.float64), torch_math(t, dense, dtype), dtype)
+    check_outputs(cuda, cpu, torch_math(t, dense, torch.float64), torch_math(t, dense, dtype), OUTPUTS,
+                  HALF_ULP[dtype])
 
 
 @pytest.mark.parametrize("weight_kind", WEIGHTS)
@@ -177,7 +158,7 @@ def test_cuda_unaligned_views(offset, weight_kind):
     exact, lowprec = torch_math(t, dense, torch.float64), torch_math(t, dense, dtype)
     for name in ["y", "xa", "grad_x", "grad_A", "grad_B"]:
         err = (cuda[name].double() - exact[name]).abs().max().item()
-        assert err <= error_budget(exact[name], lowprec[name], dtype), name
+        assert err <= error_budget(exact[name], lowprec[name], HALF_ULP[dtype]), name
 
 
 @pytest.mark.parametrize("weight_kind", WEIGHTS)

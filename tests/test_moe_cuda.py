@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import requires_cuda
+from cuda_oracle import check_outputs
 from pykernels import moe
 from pykernels._extension import ops
 from pykernels.reference import moe as reference
@@ -138,21 +139,7 @@ def check_against_oracles(case, grouped_in, grouped_out, dtype, seed=0):
     cpu = run_ops(case, grouped_in, grouped_out, dy, "cpu")
     exact = torch_math(case, grouped_in, grouped_out, dy, torch.float64)
     lowprec = torch_math(case, grouped_in, grouped_out, dy, dtype)
-    for name in OUTPUTS:
-        got, want = cuda[name], cpu[name]
-        assert (got.dtype, got.shape) == (want.dtype, want.shape), \
-            f"{name}: cuda {got.dtype} {tuple(got.shape)} != cpu {want.dtype} {tuple(want.shape)}"
-        assert got.is_cuda, f"{name} is on {got.device}"
-        if exact[name] is None:
-            assert got.numel() == 0, f"{name} must be empty, got shape {tuple(got.shape)}"
-            continue
-        scale = exact[name].abs().max().item() if exact[name].numel() else 0.0
-        budget = 2 * (lowprec[name].double() - exact[name]).abs().max().item() + ULP[dtype] * scale \
-            if exact[name].numel() else 0.0
-        err = (got.double() - exact[name]).abs().max().item() if got.numel() else 0.0
-        assert err <= budget, f"{name}: max|cuda - fp64| = {err:.3e} > budget {budget:.3e}"
-        gap = (got.double() - want.cuda().double()).abs().max().item() if got.numel() else 0.0
-        assert gap <= 2 * budget, f"{name}: max|cuda - cpu| = {gap:.3e} > twice the budget {budget:.3e}"
+    check_outputs(cuda, cpu, exact, lowprec, OUTPUTS, ULP[dtype])
 
 
 # ---------------------------------------------------------------- sort_tokens
