@@ -430,7 +430,8 @@ Grads backward_bf16(const Problem& p, const at::Tensor& g, const at::Tensor& gra
   const at::Tensor x_rows = p.grouped_in ? at::arange(valid, p.sorted_token_idx.options())
                                          : at::floor_divide(p.sorted_token_idx.narrow(0, 0, valid), z.top_k);
   std::vector<int64_t> x_offsets(valid);  // element offset of each slot's input row
-  for (int64_t s = 0; s < valid; ++s) x_offsets[s] = x_rows.data_ptr<int64_t>()[s] * z.in;
+  const int64_t* x_row = x_rows.data_ptr<int64_t>();
+  for (int64_t s = 0; s < valid; ++s) x_offsets[s] = x_row[s] * z.in;
   const at::Tensor gate_of_slot = p.gate_of_slot();
   const float* gate_data = gate_of_slot.defined() ? gate_of_slot.data_ptr<float>() : nullptr;
   const auto f32 = p.x.options().dtype(at::kFloat);
