@@ -3,33 +3,15 @@
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, field, replace
 
 import torch
 
 from driver.advantages import combine_rewards
+from driver.batch import RolloutBatch
 from driver.config import Config
 from driver.data import Prompt, PromptSource
 from driver.rewards import RewardFunctions
 from driver.rollout.base import Completion, Generator
-
-
-@dataclass
-class RolloutBatch:
-    prompt_ids: list[list[int]]  # one entry per completion (each prompt repeated num_generations times)
-    completion_ids: list[list[int]]
-    sampling_logprobs: torch.Tensor  # [N, T] the engine's logprobs of the sampled tokens, 0 on padding
-    mask: torch.Tensor  # [N, T] 1.0 on completion tokens
-    advantages: torch.Tensor  # [N]
-    metrics: dict[str, float] = field(default_factory=dict)
-    samples: list[tuple[str, str, float]] = field(default_factory=list)  # (prompt, completion, reward)
-
-    def __len__(self) -> int:
-        return len(self.completion_ids)
-
-    def to(self, device: torch.device) -> RolloutBatch:
-        return replace(self, sampling_logprobs=self.sampling_logprobs.to(device), mask=self.mask.to(device),
-                       advantages=self.advantages.to(device))
 
 
 def step_seed(seed: int, step: int, round_: int) -> int:

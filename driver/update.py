@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import torch
 
-from driver.collect import RolloutBatch
+from driver.batch import RolloutBatch
 from driver.config import Config
 from driver.losses import StepNormalizers, all_zero, connected_zero, importance_weights, off_policy_sequence_mask, policy_loss
 from driver.model import Policy

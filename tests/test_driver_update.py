@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from driver.collect import RolloutBatch
+from driver.batch import RolloutBatch
 from driver.config import Config
 from driver.model import load_policy
 from driver.optim import build_optimizer, build_scheduler
