@@ -1,23 +1,77 @@
 """Reward functions named in the config, called once per rollout batch (TRL's signature:
-fn(prompts, completions, **columns) -> list[float | None]); None becomes NaN and is left out of
-the statistics downstream."""
+fn(prompts, completions, completion_ids, **columns) -> list[float | None]); None becomes NaN and is
+left out of the statistics downstream.
+
+The keyword arguments of a call (`reward_kwargs`, `group_call`) and the checks on what a function
+returns (`reward_table`) are shared with the reward worker pool (driver/reward_pool.py), so a reward
+sees the same arguments and fails with the same message in a worker as in this process."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
 from driver.cli import import_dotted
 from driver.config import RewardsConfig
 
+if TYPE_CHECKING:
+    from driver.rollout.records import Group
+
 
 class RewardError(RuntimeError):
     pass
 
 
+def reward_kwargs(prompts: list[str], completions: list[str], columns: list[dict],
+                  completion_ids: list[list[int]]) -> dict:
+    """The keyword arguments of one call: every dataset column as a list, one entry per completion
+    ("prompt" is left out: `prompts` already carries the prompt text)."""
+    keyword_columns = {key: [row.get(key) for row in columns] for key in columns[0]} if columns else {}
+    keyword_columns.pop("prompt", None)
+    return {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **keyword_columns}
+
+
+def group_call(group: Group, texts: list[str]) -> dict:
+    """The keyword arguments scoring one group: its G completions (decoded `texts`) under one prompt."""
+    if len(texts) != len(group.samples):
+        raise ValueError(f"group {group.group_id}: {len(texts)} texts for {len(group.samples)} samples")
+    size = len(texts)
+    return reward_kwargs([group.prompt.text] * size, list(texts), [group.prompt.columns] * size,
+                         [list(sample.token_ids) for sample in group.samples])
+
+
+def reward_column(name: str, values, completions: list[str]) -> list[float]:
+    """One function's return value as N floats (NaN for None); RewardError naming the function otherwise."""
+    if not isinstance(values, (list, tuple)) or len(values) != len(completions):
+        raise RewardError(f"reward '{name}' returned {type(values).__name__} of length "
+                          f"{len(values) if hasattr(values, '__len__') else '?'} for {len(completions)} completions")
+    column = []
+    for row, value in enumerate(values):
+        if value is None:
+            column.append(math.nan)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) or hasattr(value, "item"):
+            column.append(float(value))
+        else:
+            raise RewardError(f"reward '{name}' returned {value!r} for completion {row} "
+                              f"({completions[row][:80]!r}); expected a number or None")
+    return column
+
+
+def reward_table(names: list[str], values_per_function: Iterable, completions: list[str]) -> torch.Tensor:
+    """[N, F] float32 from each function's return value, checked in function order (a lazy iterable
+    is checked before the next function runs)."""
+    table = torch.empty(len(completions), len(names), dtype=torch.float32)
+    for column, (name, values) in enumerate(zip(names, values_per_function)):
+        table[:, column] = torch.tensor(reward_column(name, values, completions), dtype=torch.float32)
+    return table
+
+
 class RewardFunctions:
     def __init__(self, config: RewardsConfig) -> None:
+        self.paths = [f.path for f in config.functions]
         self.functions = [import_dotted(f.path, f"rewards.functions[{i}].path")
                           for i, f in enumerate(config.functions)]
         self.names = [f.name or fn.__name__ for f, fn in zip(config.functions, self.functions)]
@@ -26,21 +80,5 @@ class RewardFunctions:
     def __call__(self, prompts: list[str], completions: list[str], columns: list[dict],
                  completion_ids: list[list[int]]) -> torch.Tensor:
         """[N, F] float32 rewards, NaN where a function returned None."""
-        keyword_columns = {key: [row.get(key) for row in columns] for key in columns[0]} if columns else {}
-        keyword_columns.pop("prompt", None)
-        table = torch.empty(len(completions), len(self.functions), dtype=torch.float32)
-        for column, (name, function) in enumerate(zip(self.names, self.functions)):
-            values = function(prompts=prompts, completions=completions, completion_ids=completion_ids,
-                              **keyword_columns)
-            if not isinstance(values, (list, tuple)) or len(values) != len(completions):
-                raise RewardError(f"reward '{name}' returned {type(values).__name__} of length "
-                                  f"{len(values) if hasattr(values, '__len__') else '?'} for {len(completions)} completions")
-            for row, value in enumerate(values):
-                if value is None:
-                    table[row, column] = math.nan
-                elif isinstance(value, (int, float)) and not isinstance(value, bool) or hasattr(value, "item"):
-                    table[row, column] = float(value)
-                else:
-                    raise RewardError(f"reward '{name}' returned {value!r} for completion {row} "
-                                      f"({completions[row][:80]!r}); expected a number or None")
-        return table
+        kwargs = reward_kwargs(prompts, completions, columns, completion_ids)
+        return reward_table(self.names, (function(**kwargs) for function in self.functions), completions)
