@@ -2,7 +2,8 @@
 
 output_dir/checkpoints/step-000012/
     adapter/               PEFT format (adapter_config.json, adapter_model.safetensors)
-    trainer_state.pt       optimizer, scheduler, RNG states, data position, step
+    trainer_state.pt       optimizer, scheduler, RNG states, data position, step, and the rollout state
+                           (groups in flight, re-roll and replay queues: driver/rollouts.py)
 Written to a temporary directory and renamed, so a crash never leaves half a checkpoint.
 """
 
@@ -32,14 +33,15 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
 
 
-def save_checkpoint(output_dir: Path, step: int, policy, optimizer, scheduler, prompts, keep: int) -> Path:
+def save_checkpoint(output_dir: Path, step: int, policy, optimizer, scheduler, prompts, keep: int,
+                    rollouts: dict | None = None) -> Path:
     target = checkpoint_dir(output_dir, step)
     staging = target.with_name(target.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     policy.save_adapter(staging / "adapter")
     torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "rng": rng_state(), "data": prompts.state_dict()}, staging / STATE_FILE)
+                "rng": rng_state(), "data": prompts.state_dict(), "rollouts": rollouts}, staging / STATE_FILE)
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
     for old in sorted(target.parent.glob("step-*[0-9]"))[:-keep]:
@@ -60,8 +62,9 @@ def find_checkpoint(output_dir: Path, resume: str) -> Path:
     return candidates[-1]
 
 
-def load_checkpoint(path: Path, policy, optimizer, scheduler, prompts) -> int:
-    """Restore the adapter weights and all trainer state; returns the step the checkpoint ends."""
+def load_checkpoint(path: Path, policy, optimizer, scheduler, prompts) -> tuple[int, dict | None]:
+    """Restore the adapter weights and all trainer state; returns the step the checkpoint ends and
+    the rollout state (None in checkpoints written before it existed)."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
@@ -75,4 +78,4 @@ def load_checkpoint(path: Path, policy, optimizer, scheduler, prompts) -> int:
     scheduler.load_state_dict(state["scheduler"])
     prompts.load_state_dict(state["data"])
     set_rng_state(state["rng"])
-    return int(state["step"])
+    return int(state["step"]), state.get("rollouts")

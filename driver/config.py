@@ -73,6 +73,10 @@ class RewardsConfig(Section):
     aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
         "sum_then_normalize", description="weighted-sum the rewards then normalize per group, or normalize "
         "each reward per group then sum")
+    reward_num_workers: int = Field(0, ge=0, description="score groups in this many spawned worker processes, "
+                                    "in parallel with generation (0: in the trainer's main thread)")
+    reward_timeout: float = Field(120.0, gt=0, description="seconds one group's reward call may take in a worker; "
+                                  "a hung or crashed worker is replaced and the group retried once")
 
 
 class SamplingConfig(Section):
@@ -99,6 +103,22 @@ class RolloutConfig(Section):
     verify_sync: bool = Field(True, description="after every adapter sync, score a probe with vLLM and the "
                               "trainer and fail when vLLM still serves old weights")
     sync_tolerance: float = Field(1e-3, gt=0, description="largest probe logprob difference accepted as in sync")
+    vllm_sync_interval: int = Field(1, ge=1, description="push the adapter to vLLM every this many optimizer steps "
+                                    "(samples are then up to interval - 1 versions older)")
+    async_prefetch: bool = Field(False, description="generate the next batches in a background thread while the "
+                                 "trainer updates (samples become up to prefetch_depth versions stale; importance "
+                                 "sampling against the stored sampling logprobs corrects for it)")
+    prefetch_depth: int = Field(1, ge=1, description="async_prefetch: batches generated ahead of the trainer")
+    max_staleness: int | None = Field(None, ge=0, description="drop samples older than this many versions when "
+                                      "trained on (default: what the schedule itself produces, prefetch_depth + "
+                                      "vllm_sync_interval - 1 with async_prefetch, vllm_sync_interval - 1 without; "
+                                      "+ 1 with partial rollouts, so a group may be continued once)")
+    stale_policy: Literal["drop", "regenerate"] = Field(
+        "regenerate", description="a too-stale group is dropped, or its prompt generated again with a newer adapter")
+    partial_rollout_tokens: int | None = Field(
+        None, ge=1, description="partial rollouts: generate at most this many tokens per sample per round; unfinished "
+        "groups are continued from their token ids in later batches (with newer adapters) instead of holding "
+        "this one back (null: off)")
 
 
 class ImportanceSamplingConfig(Section):
@@ -128,6 +148,19 @@ class AlgoConfig(Section):
         None, description="drop sequences with negative advantage whose mean KL(sampling || policy) exceeds this")
     skip_zero_advantage: bool = Field(True, description="skip the policy loss of micro-batches whose advantages "
                                       "are all zero (kept connected to the graph; not skipped when beta > 0)")
+    filter_zero_advantage: bool = Field(True, description="remove completions with zero advantage (groups of equal "
+                                        "rewards) before the update; the loss keeps the unfiltered step's "
+                                        "normalization, so the update is unchanged (only applied when beta = 0)")
+    replay_buffer_size: int = Field(0, ge=0, description="keep up to this many high-signal groups (sum |A| x reward "
+                                    "std) and use them to refill the groups filtered for zero advantage (0: off)")
+    replay_max_age: int = Field(4, ge=0, description="replayed groups are at most this many versions old")
+    reroll_failed: bool = Field(False, description="groups that failed entirely (every total reward <= "
+                                "reroll_threshold) come back later in training, when the policy may solve them")
+    reroll_threshold: float = Field(0.0, description="a group failed entirely when every reward is <= this")
+    reroll_after: float = Field(0.1, gt=0, le=1, description="re-roll a failed group after this fraction of "
+                                "train.steps (at least prefetch_depth + 1 steps)")
+    reroll_max_attempts: int = Field(2, ge=1, description="times one prompt is rolled at most")
+    reroll_queue_size: int = Field(256, ge=1, description="failed prompts waiting at most")
 
 
 class TrainConfig(Section):
@@ -176,7 +209,32 @@ class Config(Section):
     def _check_consistency(self) -> Config:
         if self.algo.epsilon_high is not None and self.algo.epsilon_high < self.algo.epsilon:
             raise ValueError("algo.epsilon_high must be >= algo.epsilon")
+        rollout = self.rollout
+        if rollout.max_staleness is not None and rollout.max_staleness < self.schedule_staleness:
+            raise ValueError(f"rollout.max_staleness = {rollout.max_staleness} would drop every batch: with "
+                             f"prefetch_depth = {self.prefetch_depth} and vllm_sync_interval = "
+                             f"{rollout.vllm_sync_interval} samples are {self.schedule_staleness} versions old "
+                             "when trained on; raise it or lower those")
+        if rollout.partial_rollout_tokens is not None and rollout.partial_rollout_tokens >= rollout.sampling.max_tokens:
+            raise ValueError(f"rollout.partial_rollout_tokens = {rollout.partial_rollout_tokens} must be below "
+                             f"rollout.sampling.max_tokens = {rollout.sampling.max_tokens} (or null for off)")
         return self
+
+    @property
+    def prefetch_depth(self) -> int:
+        """Jobs generated ahead of the trainer: 0 for the synchronous loop."""
+        return self.rollout.prefetch_depth if self.rollout.async_prefetch else 0
+
+    @property
+    def schedule_staleness(self) -> int:
+        return self.prefetch_depth + self.rollout.vllm_sync_interval - 1
+
+    @property
+    def max_staleness(self) -> int:
+        if self.rollout.max_staleness is not None:
+            return self.rollout.max_staleness
+        # Partial rollouts: a group may be continued once, in the next batch, by a newer version.
+        return self.schedule_staleness + (self.rollout.partial_rollout_tokens is not None)
 
     @property
     def output_dir(self) -> Path:

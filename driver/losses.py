@@ -13,6 +13,11 @@ whatever the split. The exception is "bnpo", by its definition in TRL: the mean 
 each micro-batch's token mean, equal to the step's token mean only when micro-batches hold equal
 token counts ("dapo" is the split-independent token mean).
 
+After zero-advantage filtering (driver/filtering.py) the normalizers still count the unfiltered step,
+so the loss and its gradient are those of the unfiltered batch: the filtered rows add exactly 0 to
+every numerator. For bnpo a micro-batch also adds the tokens its filtered rows held
+(micro_batch_filtered_tokens) to its own token count.
+
 Padding may hold anything (0, garbage, -inf from an inference engine, NaN weights): every log-ratio
 is zeroed there before exp and every per-token value at the end, so losses, weights and gradients
 stay finite; torch.where sends no gradient to the branch it did not pick.
@@ -38,13 +43,17 @@ class StepNormalizers:
     num_tokens: int  # completion tokens (sum of mask) in the step
     num_micro_batches: int
     max_completion_length: int  # the sampling limit (Dr. GRPO's constant), not this step's longest
+    # bnpo only, the one per-micro-batch count (the update sets it for each micro-batch): completion
+    # tokens of this micro-batch's rows removed by zero-advantage filtering, still in its token mean
+    micro_batch_filtered_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_sequences", "num_micro_batches", "max_completion_length"):
             if getattr(self, name) < 1:
                 raise ValueError(f"StepNormalizers.{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_tokens < 0:
-            raise ValueError(f"StepNormalizers.num_tokens must be >= 0, got {self.num_tokens}")
+        for name in ("num_tokens", "micro_batch_filtered_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"StepNormalizers.{name} must be >= 0, got {getattr(self, name)}")
 
 
 def policy_loss(
@@ -91,7 +100,8 @@ def _normalize(per_token: torch.Tensor,  # [n, T], 0 on padding
         sequence_means = per_token.sum(dim=1) / mask.sum(dim=1).clamp(min=1)
         return sequence_means.sum() / normalizers.num_sequences
     if loss_type == "bnpo":  # this micro-batch's token mean, averaged over the step's micro-batches
-        return per_token.sum() / mask.sum().clamp(min=1) / normalizers.num_micro_batches
+        num_tokens = mask.sum() + normalizers.micro_batch_filtered_tokens
+        return per_token.sum() / num_tokens.clamp(min=1) / normalizers.num_micro_batches
     if loss_type == "dr_grpo":  # a constant normalizer: no length bias (Dr. GRPO)
         return per_token.sum() / (normalizers.num_sequences * normalizers.max_completion_length)
     # dapo: the step's token mean, every token weighs the same whatever its sequence's length

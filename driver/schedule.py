@@ -33,3 +33,10 @@ def steady_staleness(depth: int, interval: int) -> int:
 def staleness(step: int, version: int) -> int:
     """Versions between the trainer (after `step` optimizer steps) and the policy that sampled."""
     return step - version
+
+
+def versions_kept(depth: int, interval: int) -> int:
+    """Adapter versions to keep servable: after the push of version v, unconsumed jobs (j >= v) still
+    use versions down to v - d - k + 1, i.e. the (d + k - 1) // k newest multiples of k below v, plus
+    v itself and one spare (the synchronous loop's 2: the version served and the one before)."""
+    return (depth + interval - 1) // interval + 2

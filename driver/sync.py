@@ -14,7 +14,7 @@ from driver.rollout.base import Generator
 from driver.rollout.sync_check import PROBE_TEXT, SyncVerifier
 from driver.scoring import completion_logprobs, pack
 
-ADAPTERS_KEPT = 2  # the version being served and the one before it
+ADAPTERS_KEPT = 2  # the synchronous loop's: the version being served and the one before it
 
 
 def make_verifier(config: Config, policy: Policy) -> SyncVerifier | None:
@@ -37,7 +37,9 @@ def trainer_probe(policy: Policy, token_ids: list[int]) -> torch.Tensor:
 
 
 def push_adapter(config: Config, policy: Policy, generator: Generator, verifier: SyncVerifier | None,
-                 version: int) -> dict[str, float]:
+                 version: int, keep: int = ADAPTERS_KEPT) -> dict[str, float]:
+    """Save version `version` of the adapter, serve it, verify; keep the newest `keep` directories
+    (an engine loads an adapter from disk lazily, when a request first names its version)."""
     started = time.perf_counter()
     adapters = config.output_dir / "adapters"
     directory = policy.save_adapter(adapters / f"v{version:06d}")
@@ -46,7 +48,7 @@ def push_adapter(config: Config, policy: Policy, generator: Generator, verifier:
     if verifier is not None:
         metrics = verifier.check(generator.prompt_logprobs(verifier.probe_ids),
                                  trainer_probe(policy, verifier.probe_ids), version)
-    for old in sorted(adapters.glob("v*"))[:-ADAPTERS_KEPT]:
+    for old in sorted(adapters.glob("v*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     metrics["time/sync"] = time.perf_counter() - started
     return metrics

@@ -46,3 +46,10 @@ def corpus() -> list[str]:
     lines += ["The quick brown fox jumps over the lazy dog. 0123456789 " * 3,
               "Question: what is 12 + 30? Answer: 42. #### 42"]
     return lines
+
+
+def digit_fraction_steps(prompts: list[str], completions: list[str], **columns) -> list[float | None]:
+    """digit_fraction rounded down to quarters: a coarse reward under which whole groups often score
+    the same (all 0 early, all 1 late), to exercise zero-advantage filtering, replay and re-rolls."""
+    return [None if value is None else int(value * 4) / 4
+            for value in digit_fraction(prompts, completions, **columns)]

@@ -3,7 +3,9 @@
 One step: prompts -> vLLM samples num_generations completions each (with their logprobs) ->
 rewards -> group advantages (DeepSeekMath GRPO, https://arxiv.org/abs/2402.03300) -> clipped,
 importance-corrected loss on packed sequences -> optimizer update(s) -> adapter sync to vLLM,
-verified with a logprob probe.
+verified with a logprob probe. driver/rollouts.py feeds the batches: synchronously, or generated
+ahead in a thread (rollout.async_prefetch), with partial rollouts, reward workers, zero-advantage
+filtering, replay and re-rolls.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import pykernels.backend
 from driver import memory, sync
 from driver.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from driver.cli import ConfigError, config_from_argv, exit_on_config_error
-from driver.collect import collect
 from driver.config import Config
 from driver.data import PromptSource
 from driver.interrupt import GracefulInterrupt
@@ -29,9 +30,10 @@ from driver.metrics import MetricsLogger
 from driver.model import load_policy
 from driver.optim import build_optimizer, build_scheduler
 from driver.plots import plot_metrics
-from driver.rewards import RewardError, RewardFunctions
+from driver.rewards import RewardError
 from driver.rollout import RolloutError, make_generator
-from driver.update import merge, optimize
+from driver.rollouts import Rollouts
+from driver.update import optimize
 
 
 INTERRUPTED_EXIT_CODE = 130  # the shell's convention for a run stopped by SIGINT
@@ -47,52 +49,56 @@ def run(config: Config) -> bool:
 
     policy = load_policy(config)
     prompts = PromptSource(config.data, policy.tokenizer, config.train.seed)
-    rewards = RewardFunctions(config.rewards)
     optimizer = build_optimizer(policy.trainable_parameters(), config.train)
     scheduler = build_scheduler(optimizer, config.train, config.train.steps * config.algo.num_iterations)
-    step = 0
+    step, rollout_state = 0, None
     if config.checkpoint.resume:
-        step = load_checkpoint(find_checkpoint(output_dir, config.checkpoint.resume), policy, optimizer, scheduler, prompts)
+        step, rollout_state = load_checkpoint(find_checkpoint(output_dir, config.checkpoint.resume), policy,
+                                              optimizer, scheduler, prompts)
 
     generator = make_generator(config, policy)
     verifier = sync.make_verifier(config, policy)
     logger = MetricsLogger(output_dir, total_steps=config.train.steps, start_step=step,
                            tensorboard=config.logging.tensorboard, progress=config.logging.progress)
     logger.print(f"pykernels: {policy.kernels}")
+    rollouts = None
     try:
-        sync.push_adapter(config, policy, generator, verifier, version=step)
+        rollouts = Rollouts(config, policy, generator, prompts, verifier, step, rollout_state)
         with GracefulInterrupt() as interrupt:
             while step < config.train.steps and not interrupt.requested:
-                started, position = time.perf_counter(), prompts.state_dict()
+                started = time.perf_counter()
                 try:
-                    batches = [collect(config, generator, prompts, rewards, policy.tokenizer, step + 1, round_)
-                               for round_ in range(config.train.gradient_accumulation_steps)]
+                    batch = rollouts.next_batch(step, abandon=lambda: interrupt.requested)
                 except Exception:
                     if not interrupt.requested:
                         raise
-                    prompts.load_state_dict(position)  # abandoned step: its prompts come first on resume
+                    batch = None  # abandoned step: its prompts come first on resume
+                if batch is None:
                     break
                 generated = time.perf_counter()
-                batch = merge(batches)
                 memory.reset_peak(policy.device)
-                metrics = {**batches[0].metrics, **optimize(config, policy, batch, optimizer, scheduler)}
+                metrics = {**batch.metrics, **optimize(config, policy, batch, optimizer, scheduler)}
                 updated = time.perf_counter()
                 if (peak := memory.peak_gib(policy.device)) is not None:
                     metrics["memory/update_peak_gib"] = peak
                 step += 1
-                metrics.update(sync.push_adapter(config, policy, generator, verifier, version=step))
-                metrics.update({"time/generation": generated - started, "time/update": updated - generated,
+                metrics.update(rollouts.push(step))
+                metrics.update({"time/batch": generated - started, "time/update": updated - generated,
                                 "time/step": time.perf_counter() - started})
                 logger.log(step, metrics)
                 if step % config.logging.log_completions_every == 0:
                     show_samples(logger, batch, config.logging.log_completions)
                 if config.checkpoint.every and step % config.checkpoint.every == 0:
-                    save_checkpoint(output_dir, step, policy, optimizer, scheduler, prompts, config.checkpoint.keep)
-        save_checkpoint(output_dir, step, policy, optimizer, scheduler, prompts, config.checkpoint.keep)
+                    save_checkpoint(output_dir, step, policy, optimizer, scheduler, prompts, config.checkpoint.keep,
+                                    rollouts.state_dict())
+        save_checkpoint(output_dir, step, policy, optimizer, scheduler, prompts, config.checkpoint.keep,
+                        rollouts.state_dict())
         policy.save_adapter(output_dir / "adapter")
         if interrupt.requested:
             logger.print(f"interrupted: checkpoint of step {step} saved in {output_dir / 'checkpoints'}")
     finally:
+        if rollouts is not None:
+            rollouts.close()  # first: its thread must not hold the engine when the engine shuts down
         logger.close()
         generator.close()
     if config.logging.plots:

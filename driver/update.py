@@ -1,39 +1,23 @@
 """The policy update of one step: score the rollout batch on packed sequences and take
-num_iterations optimizer updates of the clipped, importance-corrected GRPO loss."""
+num_iterations optimizer updates of the clipped, importance-corrected GRPO loss.
+
+A zero-advantage filtered batch (driver/filtering.py) is trained with the normalizers of the
+unfiltered step, which makes its update equal to the unfiltered one when beta = 0."""
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 
 from driver.batch import RolloutBatch
 from driver.config import Config
+from driver.filtering import check_counts, merge, micro_batches  # noqa: F401  merge: train.py merges a step's batches here
 from driver.losses import StepNormalizers, all_zero, connected_zero, importance_weights, off_policy_sequence_mask, policy_loss
 from driver.model import Policy
 from driver.scoring import completion_logprobs, pack
-
-
-def merge(batches: list[RolloutBatch]) -> RolloutBatch:
-    if len(batches) == 1:
-        return batches[0]
-    width = max(b.mask.shape[1] for b in batches)
-
-    def padded(t: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.pad(t, (0, width - t.shape[1]))
-
-    return RolloutBatch(
-        prompt_ids=[p for b in batches for p in b.prompt_ids],
-        completion_ids=[c for b in batches for c in b.completion_ids],
-        sampling_logprobs=torch.cat([padded(b.sampling_logprobs) for b in batches]),
-        mask=torch.cat([padded(b.mask) for b in batches]),
-        advantages=torch.cat([b.advantages for b in batches]),
-        samples=[s for b in batches for s in b.samples])
-
-
-def micro_batches(size: int, total: int) -> list[slice]:
-    return [slice(start, min(start + size, total)) for start in range(0, total, size)]
 
 
 @torch.no_grad()
@@ -59,22 +43,23 @@ def frozen_logprobs(policy: Policy, batch: RolloutBatch, parts: list[slice], tem
 
 def optimize(config: Config, policy: Policy, batch: RolloutBatch, optimizer, scheduler) -> dict[str, float]:
     algo, temperature = config.algo, config.rollout.sampling.temperature
+    _check_filtered_batch(batch, algo.beta)
     batch = batch.to(policy.device)
-    parts = micro_batches(config.train.micro_batch_size, len(batch))
-    normalizers = StepNormalizers(num_sequences=len(batch), num_tokens=int(batch.mask.sum()),
-                                  num_micro_batches=len(parts),
-                                  max_completion_length=config.rollout.sampling.max_tokens)
+    parts = micro_batch_plan(batch, config.train.micro_batch_size, algo.loss_type,
+                             config.rollout.sampling.max_tokens)
+    slices = [part for part, _ in parts]
     # The reference is the base with the adapter disabled; the old policy is needed as a separate
     # pass only when one batch feeds several updates (with one update it equals the current one).
-    ref_logps = frozen_logprobs(policy, batch, parts, temperature, reference=True) if algo.beta > 0 else None
-    old_logps = frozen_logprobs(policy, batch, parts, temperature, reference=False) if algo.num_iterations > 1 else None
+    ref_logps = frozen_logprobs(policy, batch, slices, temperature, reference=True) if algo.beta > 0 else None
+    old_logps = frozen_logprobs(policy, batch, slices, temperature, reference=False) if algo.num_iterations > 1 else None
     params = policy.trainable_parameters()
     totals: dict[str, list[float]] = defaultdict(list)
     policy.model.train()
     for _ in range(algo.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         skipped, step_loss = 0, 0.0
-        for part in parts:
+        for part, normalizers in parts:
+            # Never after filtering (no zero rows are left); the unfiltered path with beta = 0 keeps it.
             if algo.skip_zero_advantage and algo.beta == 0 and all_zero(batch.advantages[part]):
                 connected_zero(params).backward()  # keeps every rank's backward (and allreduce) in step
                 skipped += 1
@@ -83,8 +68,10 @@ def optimize(config: Config, policy: Policy, batch: RolloutBatch, optimizer, sch
             step_loss += metrics.pop("loss")  # micro-batch losses are normalized to sum to the step's
             for key, value in metrics.items():
                 totals[key].append(value)
+        if batch.counts is not None:
+            zero_missing_grads(params)
         totals["loss"].append(step_loss)
-        totals["skipped_micro_batch_fraction"].append(skipped / len(parts))
+        totals["skipped_micro_batch_fraction"].append(skipped / len(parts) if parts else 0.0)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, config.train.max_grad_norm or math.inf)
         totals["grad_norm"].append(float(grad_norm))
         optimizer.step()
@@ -92,6 +79,54 @@ def optimize(config: Config, policy: Policy, batch: RolloutBatch, optimizer, sch
     metrics = {key: sum(values) / len(values) for key, values in totals.items()}
     metrics["learning_rate"] = scheduler.get_last_lr()[0]
     return metrics
+
+
+def micro_batch_plan(batch: RolloutBatch, micro_batch_size: int, loss_type: str,
+                     max_completion_length: int) -> list[tuple[slice, StepNormalizers]]:
+    """The micro-batches of the step, each with the normalizers its loss divides by.
+
+    Unfiltered: rows split every micro_batch_size. Filtered (batch.counts set): the normalizers count
+    the unfiltered step; bnpo trains the kept rows of each original micro-batch together (skipping
+    those left empty), adding their filtered tokens to the micro-batch's token count; the other loss
+    types re-pack the kept rows into full micro-batches (fewer forward passes, the point of filtering).
+    """
+    counts = batch.counts
+    if counts is None:
+        parts = micro_batches(micro_batch_size, len(batch))
+        normalizers = StepNormalizers(num_sequences=len(batch), num_tokens=int(batch.mask.sum()),
+                                      num_micro_batches=len(parts), max_completion_length=max_completion_length)
+        return [(part, normalizers) for part in parts]
+    normalizers = StepNormalizers(num_sequences=counts.num_sequences, num_tokens=counts.num_tokens,
+                                  num_micro_batches=len(counts.micro_batch_tokens),
+                                  max_completion_length=max_completion_length)
+    if loss_type != "bnpo":
+        return [(part, normalizers) for part in micro_batches(micro_batch_size, len(batch))]
+    plan, start = [], 0
+    for rows, tokens in zip(counts.micro_batch_rows, counts.micro_batch_tokens):
+        if rows:
+            part = slice(start, start + rows)
+            filtered_tokens = tokens - int(batch.mask[part].sum())
+            plan.append((part, replace(normalizers, micro_batch_filtered_tokens=filtered_tokens)))
+        start += rows
+    return plan
+
+
+def zero_missing_grads(params: list[torch.nn.Parameter]) -> None:
+    """Gives a zero gradient to every parameter no kept row reached (all of them for an empty batch):
+    the unfiltered update reached every one, and AdamW skips a parameter whose grad is None, while a
+    zero gradient still decays its moments, moves it by the momentum and counts its step."""
+    for param in params:
+        if param.requires_grad and param.grad is None:
+            param.grad = torch.zeros_like(param)
+
+
+def _check_filtered_batch(batch: RolloutBatch, beta: float) -> None:
+    check_counts(batch)
+    counts = batch.counts
+    if beta > 0 and counts is not None and counts.num_sequences != len(batch):
+        raise ValueError(f"the batch was zero-advantage filtered ({len(batch)} of {counts.num_sequences} rows kept) "
+                         f"but beta = {beta} > 0: the KL term acts on every row, so filtering changes the update "
+                         f"(filter_zero_advantage(..., beta=beta) keeps every row)")
 
 
 def micro_batch_loss(config: Config, policy: Policy, batch: RolloutBatch, part: slice, normalizers: StepNormalizers,

@@ -147,7 +147,7 @@ def test_generate_matches_trainer_logprobs(server, policy, tmp_path):
     assert [[c.token_ids for c in group] for group in again] == [[c.token_ids for c in group] for group in groups]
 
 
-def test_sync_serves_each_new_adapter_and_unloads_the_old(server, policy, probe_ids, tmp_path):
+def test_sync_serves_each_new_adapter_and_unloads_those_no_longer_kept(server, policy, probe_ids, tmp_path):
     server.sync(save_random_adapter(policy, seed=2, directory=tmp_path / "a"), version=2)
     first_name, first_trainer = server.served_model, trainer_probe(policy, probe_ids)
     first_engine = torch.tensor(server.prompt_logprobs(probe_ids))
@@ -160,8 +160,11 @@ def test_sync_serves_each_new_adapter_and_unloads_the_old(server, policy, probe_
     assert float((second_engine - second_trainer).abs().max()) < LOGPROB_ATOL  # not the stale first adapter
 
     assert server.adapter_version == 3 and server.served_model.startswith("adapter-v3-")
+    assert server.keep_versions == 2
     names = served_names(server.url)
-    assert server.served_model in names and first_name not in names
+    assert server.served_model in names and first_name in names  # prefetched jobs may still sample with it
+    server.sync(save_random_adapter(policy, seed=5, directory=tmp_path / "c"), version=4)
+    assert first_name not in served_names(server.url)
     stale = requests.post(f"{server.url}/v1/completions", json={"model": first_name, "prompt": probe_ids,
                                                                 "max_tokens": 1}, timeout=30)
     assert stale.status_code == 404

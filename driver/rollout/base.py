@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -12,6 +13,16 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]  # the engine's sampling logprobs (after temperature), one per token
     finish_reason: str  # "stop" (end of sequence) or "length" (hit max_tokens)
+
+
+@dataclass(frozen=True)
+class Request:
+    """n samples continuing token_ids (a prompt, or a prompt + the completion so far)."""
+
+    token_ids: list[int]
+    n: int
+    seed: int  # vLLM seeds sample j with seed + j
+    max_tokens: int
 
 
 def request_seed(seed: int, prompt_index: int, n: int) -> int:
@@ -30,12 +41,18 @@ class SyncError(RolloutError):
 
 class Generator(Protocol):
     adapter_version: int  # version of the adapter the engine currently serves (0: none yet)
+    keep_versions: int  # adapter versions kept servable (the newest ones)
 
     def generate(self, prompts: list[list[int]], n: int, seed: int) -> list[list[Completion]]:
         """n completions per prompt (token ids), with the adapter of the last sync."""
 
+    def stream(self, requests: list[Request], version: int) -> Iterator[tuple[int, list[Completion]]]:
+        """(request index, its n completions) as each request finishes, sampled by adapter `version`
+        (one synced earlier and still kept: see `keep_versions`)."""
+
     def sync(self, adapter_dir: Path, version: int) -> None:
-        """Serve the PEFT adapter saved in adapter_dir from now on."""
+        """Serve the PEFT adapter saved in adapter_dir as `version` from now on; earlier versions stay
+        servable until `keep_versions` newer ones exist (requests of prefetched jobs still name them)."""
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """logprob of token_ids[i] given token_ids[:i] for i >= 1 (temperature 1), current adapter."""

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from driver.config import Config
-from driver.rollout.base import Completion, SyncError, request_seed
+from driver.rollout.base import Completion, Request, RolloutError, SyncError, request_seed
 
 # vLLM accepts only these LoRA ranks as the engine's maximum.
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
@@ -27,6 +28,8 @@ def engine_kwargs(config: Config, model_dir: str) -> dict:
         model=model_dir, dtype=config.model.dtype, seed=config.train.seed,
         max_model_len=config.rollout.max_model_len,
         gpu_memory_utilization=config.rollout.gpu_memory_utilization,
+        # Two adapters in one engine batch at most: one job samples with one version, but a
+        # continuation and the version before it may overlap a sync's probe.
         enable_lora=True, max_lora_rank=engine_lora_rank(config.lora.r), max_loras=2,
         # Logprobs of the distribution actually sampled from (after temperature / top-k / top-p):
         # what importance sampling must compare the trainer's logprobs with.
@@ -48,23 +51,50 @@ class ColocatedGenerator:
 
         self.config = config
         self.adapter_version = 0
+        self.keep_versions = 2
         self._lora = None
+        self._loras: dict[int, object] = {}  # version -> LoRARequest, the newest keep_versions
         self.llm = LLM(**engine_kwargs(config, model_dir))
 
-    def _sampling_params(self, n: int, seed: int):
+    def _sampling_params(self, n: int, seed: int, max_tokens: int | None = None):
         from vllm import SamplingParams
 
         sampling = self.config.rollout.sampling
         return SamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                              max_tokens=sampling.max_tokens, logprobs=0, seed=seed)
+                              max_tokens=max_tokens or sampling.max_tokens, logprobs=0, seed=seed,
+                              detokenize=False)  # the driver decodes what it needs itself
 
     def generate(self, prompts: list[list[int]], n: int, seed: int) -> list[list[Completion]]:
+        requests = [Request(p, n, request_seed(seed, i, n), self.config.rollout.sampling.max_tokens)
+                    for i, p in enumerate(prompts)]
+        results = dict(self.stream(requests, self.adapter_version))
+        return [results[index] for index in range(len(requests))]
+
+    def stream(self, requests: list[Request], version: int) -> Iterator[tuple[int, list[Completion]]]:
+        """Requests finish in any order; each is yielded as soon as all its n samples are done, so
+        their rewards can be computed while the engine (its own process) generates the rest."""
         from vllm.inputs import TokensPrompt
 
-        params = [self._sampling_params(n, request_seed(seed, i, n)) for i in range(len(prompts))]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
-                                    lora_request=self._lora, use_tqdm=False)
-        return [[_completion(sample) for sample in output.outputs] for output in outputs]
+        lora = self._lora_of(version)
+        params = [self._sampling_params(r.n, r.seed, r.max_tokens) for r in requests]
+        ids = self.llm.enqueue([TokensPrompt(prompt_token_ids=r.token_ids) for r in requests], params,
+                               lora_request=lora, use_tqdm=False)
+        # Outputs carry the id given to the engine, before it appends a random suffix.
+        index_of = {request_id.split("-", 1)[0]: index for index, request_id in enumerate(ids)}
+        engine = self.llm.llm_engine
+        while index_of and engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished and output.request_id in index_of:
+                    yield index_of.pop(output.request_id), [_completion(s) for s in output.outputs]
+        if index_of:
+            raise RolloutError(f"vLLM finished without answering {len(index_of)} of {len(requests)} requests")
+
+    def _lora_of(self, version: int):
+        if not self._loras and version == 0:
+            return None  # nothing synced yet: the base model
+        if version not in self._loras:
+            raise RolloutError(f"adapter version {version} is not servable (kept: {sorted(self._loras)})")
+        return self._loras[version]
 
     def sync(self, adapter_dir: Path, version: int) -> None:
         from vllm.lora.request import LoRARequest
@@ -72,6 +102,9 @@ class ColocatedGenerator:
         # A new name and id per version: vLLM caches adapters by id, so reusing one would keep
         # serving the old weights (the field's most common silent failure).
         self._lora = LoRARequest(f"adapter-v{version}", version + 1, str(adapter_dir))
+        self._loras[version] = self._lora
+        for old in sorted(self._loras)[:-self.keep_versions]:
+            del self._loras[old]
         self.adapter_version = version
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:

@@ -55,6 +55,7 @@ class Group:
     total: torch.Tensor | None = None  # [G] weighted reward, set when the step's batch is assembled
     advantages: torch.Tensor | None = None  # [G], set when the step's batch is assembled
     replayed: bool = False  # taken from the replay buffer rather than generated for this step
+    texts: list[str] | None = None  # the decoded completions (rewards and logs read them)
 
     @property
     def version(self) -> int:

@@ -1,7 +1,7 @@
 """vLLM as an OpenAI-compatible server: launched here on 127.0.0.1, or reached at rollout.server_url.
 
-Every sync hot-loads the adapter under a new name (/v1/load_lora_adapter) and unloads the previous
-one; generation and the sync probe go through /v1/completions with token-id prompts, so nothing is
+Every sync hot-loads the adapter under a new name (/v1/load_lora_adapter) and unloads the ones
+older than the newest keep_versions (prefetched jobs may still sample with them); generation and the sync probe go through /v1/completions with token-id prompts, so nothing is
 re-tokenized on the way and the sampled token ids come back exactly ("token_id:123" strings).
 """
 
@@ -16,14 +16,15 @@ import socket
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import requests
 from requests.adapters import HTTPAdapter
 
 from driver.config import Config
-from driver.rollout.base import Completion, RolloutError, request_seed
+from driver.rollout.base import Completion, Request, RolloutError, request_seed
 from driver.rollout.colocate import engine_kwargs, set_cpu_defaults
 
 LOG_NAME = "vllm-server.log"  # in config.output_dir
@@ -157,7 +158,9 @@ class ServerGenerator:
     def __init__(self, config: Config, model_dir: str) -> None:
         self.config = config
         self.adapter_version = 0
+        self.keep_versions = 2
         self._adapter: str | None = None  # name of the adapter the server serves for us
+        self._names: dict[int, str] = {}  # version -> adapter name, the newest keep_versions
         self._server: LaunchedServer | None = None
         self._session = requests.Session()
         self._session.mount("http://", HTTPAdapter(pool_maxsize=MAX_CONCURRENT_REQUESTS))
@@ -242,30 +245,39 @@ class ServerGenerator:
             raise ServerError(f"loading adapter version {version} from {path} failed: {error}\nThe server must "
                               "run with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 and be able to "
                               "read that directory.", error.status) from error
-        previous, self._adapter, self.adapter_version = self._adapter, name, version
-        if previous is not None:
-            self._unload(previous)
+        self._adapter, self.adapter_version, self._names[version] = name, version, name
+        for old in sorted(self._names)[:-self.keep_versions]:
+            self._unload(self._names.pop(old))
 
     def _unload(self, name: str, timeout: float = REQUEST_TIMEOUT_S) -> None:
         # 404: already gone (e.g. unloaded by whoever runs the server); nothing left to free.
         self._request("POST", "/v1/unload_lora_adapter", {"lora_name": name}, allowed=(404,), timeout=timeout)
 
     def generate(self, prompts: list[list[int]], n: int, seed: int) -> list[list[Completion]]:
-        if not prompts:
-            return []
+        requests = [Request(p, n, request_seed(seed, i, n), self.config.rollout.sampling.max_tokens)
+                    for i, p in enumerate(prompts)]
+        results = dict(self.stream(requests, self.adapter_version))
+        return [results[index] for index in range(len(requests))]
+
+    def stream(self, requests: list[Request], version: int) -> Iterator[tuple[int, list[Completion]]]:
+        if not requests:
+            return
+        if self._names and version not in self._names:
+            raise ServerError(f"adapter version {version} is not loaded (kept: {sorted(self._names)})")
         sampling = self.config.rollout.sampling
-        request = dict(model=self.served_model, n=n, temperature=sampling.temperature, top_p=sampling.top_p,
-                       top_k=sampling.top_k, max_tokens=sampling.max_tokens, logprobs=0,
-                       return_tokens_as_token_ids=True, **NEUTRAL_SAMPLING)
+        common = dict(model=self._names.get(version, self.base_model), temperature=sampling.temperature,
+                      top_p=sampling.top_p, top_k=sampling.top_k, logprobs=0, return_tokens_as_token_ids=True,
+                      **NEUTRAL_SAMPLING)
 
-        def complete(index: int) -> list[Completion]:
-            # request_seed(): the colocated engine's convention, so both backends draw alike.
-            body = self._request("POST", "/v1/completions",
-                                 {**request, "prompt": prompts[index], "seed": request_seed(seed, index, n)}).json()
-            return _completions(body, n)
+        def complete(request: Request) -> list[Completion]:
+            body = self._request("POST", "/v1/completions", {**common, "prompt": request.token_ids, "n": request.n,
+                                                              "seed": request.seed, "max_tokens": request.max_tokens})
+            return _completions(body.json(), request.n)
 
-        with ThreadPoolExecutor(max_workers=min(len(prompts), MAX_CONCURRENT_REQUESTS)) as pool:
-            return list(pool.map(complete, range(len(prompts))))
+        with ThreadPoolExecutor(max_workers=min(len(requests), MAX_CONCURRENT_REQUESTS)) as pool:
+            futures = {pool.submit(complete, request): index for index, request in enumerate(requests)}
+            for future in as_completed(futures):
+                yield futures[future], future.result()
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         request = dict(model=self.served_model, prompt=token_ids, max_tokens=1, temperature=1.0, top_p=1.0,
@@ -281,13 +293,14 @@ class ServerGenerator:
         server, self._server = self._server, None
         if server is not None:
             server.stop()
-        elif self._adapter is not None and getattr(self, "url", None):
-            # A server we only connected to keeps running; free the adapter we loaded into it.
-            try:
-                self._unload(self._adapter, timeout=CLOSE_TIMEOUT_S)
-            except ServerError:
-                pass  # best effort: the server may be gone already
-        self._adapter = None
+        elif getattr(self, "url", None):
+            # A server we only connected to keeps running; free the adapters we loaded into it.
+            for name in self._names.values():
+                try:
+                    self._unload(name, timeout=CLOSE_TIMEOUT_S)
+                except ServerError:
+                    pass  # best effort: the server may be gone already
+        self._adapter, self._names = None, {}
         self._session.close()
 
 

@@ -1,0 +1,216 @@
+"""What feeds the trainer one RolloutBatch per step and keeps vLLM on the right adapter.
+
+Synchronous (default): job `step` is generated when the trainer asks for it, with the adapter of
+the last sync. With rollout.async_prefetch a thread (driver/prefetch.py) generates up to
+prefetch_depth jobs ahead while the trainer updates; job j is sampled by version
+driver.schedule.job_version(j) and starts only once that version is served and the trainer has
+assembled job j - depth - 1 (whose failed groups it may re-roll), so a run is reproducible.
+
+No race between a sync and an in-flight generation: every call into the engine holds
+`engine_lock`, a job samples with the adapter of the version it names (LoRA engines keep the newest
+few servable; the server keeps them loaded), and an engine that can hold only one set of weights
+(rollout.sync = weights) gets version v only after every job sampled with an older one finished.
+Rewards stream: a group is handed to the reward workers the moment its last sample finishes, so
+scoring overlaps the rest of the generation (and, asynchronously, the update).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from driver import sync
+from driver.assemble import assemble
+from driver.batch import RolloutBatch
+from driver.config import Config
+from driver.data import PromptSource
+from driver.model import Policy
+from driver.prefetch import Prefetcher
+from driver.producer import Job, Producer
+from driver.replay import ReplayBuffer
+from driver.reroll import RerollQueue, delay_steps
+from driver.reward_pool import RewardPool, make_reward_scorer
+from driver.rewards import group_call
+from driver.rollout.base import Generator
+from driver.rollout.records import Group
+from driver.schedule import job_version, sync_due, versions_kept
+
+POLL_S = 0.05  # the longest the reward pool is held by one wait, so submissions from the other thread get in
+
+
+class GroupScorer:
+    """The reward scorer (worker pool or inline) keyed by group id. The prefetch thread submits while
+    the trainer's thread waits: one lock around the pool, never held while waiting for a result."""
+
+    def __init__(self, config: Config) -> None:
+        self.scorer = make_reward_scorer(config.rewards, config.rewards.reward_num_workers,
+                                         config.rewards.reward_timeout)
+        self.names, self.weights = self.scorer.names, self.scorer.weights
+        self.in_workers = isinstance(self.scorer, RewardPool)
+        self._lock = threading.Lock()
+        self._done: dict[int, object] = {}
+
+    def submit_group(self, group: Group) -> None:
+        with self._lock:
+            self.scorer.submit(group.group_id, group_call(group, group.texts))
+
+    def wait(self, keys: list[int]) -> dict:
+        missing = set(keys)
+        while True:
+            with self._lock:
+                for result in self.scorer.poll(0.0 if not missing - self._done.keys() else POLL_S):
+                    self._done[result.key] = result
+                if missing <= self._done.keys():
+                    return {key: self._done.pop(key) for key in keys}
+
+    def metrics(self) -> dict[str, float]:
+        with self._lock:
+            return self.scorer.metrics()
+
+    def close(self) -> None:
+        self.scorer.close()
+
+
+class Rollouts:
+    def __init__(self, config: Config, policy: Policy, generator: Generator, prompts: PromptSource,
+                 verifier, start_step: int, state: dict | None = None) -> None:
+        self.config, self.policy, self.generator, self.verifier = config, policy, generator, verifier
+        self.depth, self.interval = config.prefetch_depth, config.rollout.vllm_sync_interval
+        if not getattr(generator, "serves_one_version", False):
+            generator.keep_versions = max(generator.keep_versions, versions_kept(self.depth, self.interval))
+        self.engine_lock = threading.Lock()
+        self.scorer = GroupScorer(config)
+        self._submitted: set[int] = set()  # groups handed to the scorer and not collected yet
+        self._submitted_lock = threading.Lock()
+        self.replay = (ReplayBuffer(config.algo.replay_buffer_size, config.algo.replay_max_age)
+                       if config.algo.replay_buffer_size else None)
+        self.reroll = (RerollQueue(max(delay_steps(config.algo.reroll_after, config.train.steps), self.depth + 1),
+                                   config.algo.reroll_max_attempts, config.algo.reroll_queue_size)
+                       if config.algo.reroll_failed else None)
+        self._reroll_lock = threading.Lock()
+        # Rewards in worker processes can start the moment a group finishes, in any thread; rewards in
+        # this process must run in the main thread (signal.alarm), so only the synchronous loop streams them.
+        stream_rewards = self.scorer.in_workers or self.depth == 0
+        self.producer = Producer(config, generator, prompts, policy.tokenizer,
+                                 on_finished=self._submit if stream_rewards else None)
+        # Checkpoints under prefetch: the producer's state before each job not assembled yet, and the
+        # re-rolled prompts each took from the queue (both under _state_lock).
+        self._state_lock = threading.Lock()
+        self._snapshots: dict[int, dict] = {}
+        self._taken: dict[int, list] = {}
+        if state is not None:
+            self._load_state_dict(state)
+        self.start_step = start_step
+        self.served = -1  # newest version pushed to the engine
+        self.assembled = start_step  # jobs 0 .. assembled - 1 are assembled (or belong to the resumed past)
+        self.prefetcher = None
+        self.push(start_step, force=True)
+        if self.depth:
+            self.prefetcher = Prefetcher(self._produce, start_step, self._may_start)
+
+    # -- generation side (the prefetch thread, or the trainer's thread when synchronous) --
+
+    def _version(self, job: int) -> int:
+        # After a resume at step s only version s exists: jobs that would have used an older one use it.
+        return max(job_version(job, self.depth, self.interval), self.start_step)
+
+    def _may_start(self, job: int) -> bool:  # read under the prefetcher's condition
+        return self.served >= self._version(job) and self.assembled >= job - self.depth
+
+    def _produce(self, job: int) -> Job:
+        with self._state_lock:
+            taken = []
+            if self.reroll is not None:
+                with self._reroll_lock:
+                    taken = self.reroll.due(job, self.producer.quota)
+            self.producer.front[:0] = taken
+            self._taken[job], self._snapshots[job] = taken, self.producer.state_dict()
+        with self.engine_lock:
+            produced = self.producer.produce(job, self._version(job))
+        produced.rerolled = taken
+        return produced
+
+    def _submit(self, group: Group) -> None:
+        with self._submitted_lock:
+            self._submitted.add(group.group_id)
+        self.scorer.submit_group(group)
+
+    # -- the trainer's side --
+
+    def next_batch(self, step: int, abandon=lambda: False) -> RolloutBatch | None:
+        """The batch of optimizer step step + 1; None when `abandon()` turned true while waiting."""
+        started = time.perf_counter()
+        if self.prefetcher is None:
+            job = self._produce(step)
+        else:
+            job = self.prefetcher.get(step, abandon)
+            if job is None:
+                return None
+        waited = time.perf_counter() - started
+        with self._submitted_lock:
+            submitted = set(self._submitted)
+        with self._reroll_lock:
+            batch = assemble(self.config, job, step, self.scorer, submitted, self.replay, self.reroll)
+        with self._submitted_lock:
+            self._submitted -= {group.group_id for group in job.groups}
+        batch.metrics["time/queue_wait"] = waited
+        if self.prefetcher is not None:
+            with self.prefetcher.condition:
+                self.assembled = step + 1
+                self.prefetcher.condition.notify_all()
+        else:
+            self.assembled = step + 1
+        with self._state_lock:
+            for old in [j for j in self._snapshots if j <= step]:
+                del self._snapshots[old], self._taken[old]
+        return batch
+
+    def push(self, step: int, force: bool = False) -> dict[str, float]:
+        """After `step` optimizer steps: save the adapter and make the engine serve it, when due."""
+        if not (force or sync_due(step, self.interval)):
+            return {}
+        if self.prefetcher is not None and getattr(self.generator, "serves_one_version", False):
+            # One set of weights: every job sampled with an older version must be done first.
+            self.prefetcher.wait_produced(step + self.depth)
+        with self.engine_lock:
+            metrics = sync.push_adapter(self.config, self.policy, self.generator, self.verifier, version=step,
+                                        keep=self.generator.keep_versions)
+        if self.prefetcher is not None:
+            with self.prefetcher.condition:
+                self.served = step
+                self.prefetcher.condition.notify_all()
+        else:
+            self.served = step
+        return metrics
+
+    def state_dict(self) -> dict:
+        """What a checkpoint after the last assembled step needs to continue without losing a prompt:
+        the generation state before the oldest job not trained on yet (with the re-rolled prompts that
+        later jobs already took), and the re-roll and replay queues."""
+        with self._state_lock:
+            oldest = self.assembled
+            if oldest in self._snapshots:
+                producer = self._snapshots[oldest]
+                producer["front"] += [item for job in sorted(self._taken) if job > oldest for item in self._taken[job]]
+            else:  # no job started beyond the trainer: the producer is idle
+                producer = self.producer.state_dict()
+        state = {"producer": producer}
+        if self.reroll is not None:
+            with self._reroll_lock:
+                state["reroll"] = self.reroll.state_dict()
+        if self.replay is not None:
+            state["replay"] = self.replay.state_dict()
+        return state
+
+    def _load_state_dict(self, state: dict) -> None:
+        self.producer.load_state_dict(state["producer"])
+        if self.reroll is not None and "reroll" in state:
+            self.reroll.load_state_dict(state["reroll"])
+        if self.replay is not None and "replay" in state:
+            self.replay.load_state_dict(state["replay"])
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.stop()
+            self.prefetcher = None
+        self.scorer.close()
