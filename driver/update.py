@@ -14,7 +14,8 @@ import torch
 
 from driver.batch import RolloutBatch
 from driver.config import Config
-from driver.filtering import check_counts, merge, micro_batches  # noqa: F401  merge: train.py merges a step's batches here
+# merge is re-exported: callers merge a step's rollout batches with the update's module
+from driver.filtering import check_counts, merge, micro_batches  # noqa: F401
 from driver.losses import StepNormalizers, all_zero, connected_zero, importance_weights, off_policy_sequence_mask, policy_loss
 from driver.model import Policy
 from driver.scoring import completion_logprobs, pack
@@ -47,11 +48,11 @@ def optimize(config: Config, policy: Policy, batch: RolloutBatch, optimizer, sch
     batch = batch.to(policy.device)
     parts = micro_batch_plan(batch, config.train.micro_batch_size, algo.loss_type,
                              config.rollout.sampling.max_tokens)
-    slices = [part for part, _ in parts]
+    rows = [part for part, _ in parts]
     # The reference is the base with the adapter disabled; the old policy is needed as a separate
     # pass only when one batch feeds several updates (with one update it equals the current one).
-    ref_logps = frozen_logprobs(policy, batch, slices, temperature, reference=True) if algo.beta > 0 else None
-    old_logps = frozen_logprobs(policy, batch, slices, temperature, reference=False) if algo.num_iterations > 1 else None
+    ref_logps = frozen_logprobs(policy, batch, rows, temperature, reference=True) if algo.beta > 0 else None
+    old_logps = frozen_logprobs(policy, batch, rows, temperature, reference=False) if algo.num_iterations > 1 else None
     params = policy.trainable_parameters()
     totals: dict[str, list[float]] = defaultdict(list)
     policy.model.train()

@@ -5,6 +5,7 @@ so autograd gives an independent gradient to compare with.
 """
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -176,6 +177,33 @@ def test_bnpo_is_the_mean_of_micro_batch_token_means(config):
         if split_is_invisible:
             torch.testing.assert_close(gradient(summed_loss, batch["logps"]), gradient(full_loss, batch["logps"]),
                                        atol=1e-12, rtol=1e-12)
+
+
+ZERO_ROWS_CONFIGS = {name: config for name, config in CONFIGS.items() if config["beta"] == 0}
+
+
+@pytest.mark.parametrize("config", ZERO_ROWS_CONFIGS.values(), ids=ZERO_ROWS_CONFIGS.keys())
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_removing_zero_advantage_rows_keeps_loss_and_gradient(loss_type, config):
+    """The zero-advantage filter's premise: with beta = 0 a row of advantage 0 adds exactly 0, so the
+    micro-batch without it gives the same loss and gradient, bnpo once its tokens are counted back."""
+    batch = make_batch(seed=3)
+    batch["advantages"][[0, 5]] = 0.0  # with ADVANTAGES[4] = 0: three zero rows, two in one micro-batch
+    batch["logps"].requires_grad_(True)
+    step = StepNormalizers(num_sequences=len(LENGTHS), num_tokens=sum(LENGTHS), num_micro_batches=len(MICRO_BATCHES),
+                           max_completion_length=MAX_COMPLETION_LENGTH)
+    for start, end in MICRO_BATCHES:
+        full_loss, _ = call_policy_loss(batch, (start, end), step, loss_type=loss_type, **config)
+        kept = [row for row in range(start, end) if batch["advantages"][row] != 0]
+        removed_tokens = sum(LENGTHS[row] for row in range(start, end) if row not in kept)
+        kept_batch = {name: tensor[kept] for name, tensor in batch.items()}
+        kept_loss, _ = call_policy_loss(kept_batch, (0, len(kept)),
+                                        replace(step, micro_batch_filtered_tokens=removed_tokens),
+                                        loss_type=loss_type, **config)
+        torch.testing.assert_close(kept_loss, full_loss, atol=1e-12, rtol=1e-12)
+        full_grad = gradient(full_loss, batch["logps"])
+        assert not full_grad[[row for row in range(start, end) if row not in kept]].any()
+        torch.testing.assert_close(gradient(kept_loss, batch["logps"])[kept], full_grad[kept], atol=1e-12, rtol=1e-12)
 
 
 def test_kl_metric_only_with_reference():
@@ -370,7 +398,8 @@ def test_policy_loss_bad_arguments_name_the_argument(overrides, argument):
         policy_loss(logps, old_logps, advantages, mask, **arguments)
 
 
-@pytest.mark.parametrize("field", ["num_sequences", "num_micro_batches", "max_completion_length", "num_tokens"])
+@pytest.mark.parametrize("field", ["num_sequences", "num_micro_batches", "max_completion_length", "num_tokens",
+                                   "micro_batch_filtered_tokens"])
 def test_step_normalizers_reject_bad_counts(field):
     counts = dict(num_sequences=8, num_tokens=28, num_micro_batches=3, max_completion_length=T)
     with pytest.raises(ValueError, match=field):
