@@ -97,10 +97,12 @@ def test_resume_is_exact(tmp_path):
     assert [r["reward"] for r in metrics(split)] == [r["reward"] for r in metrics(straight)]
 
 
-def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
+@pytest.mark.parametrize("overrides", [[], ["--rollout.async_prefetch=true", "--rewards.reward_num_workers=1"]],
+                         ids=["sync", "async"])
+def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path, overrides):
     output_dir = tmp_path / "run"
     command = [sys.executable, "-m", "driver.train", str(EXAMPLE), f"--logging.output_dir={output_dir}",
-               "--train.steps=1000", *QUIET]
+               "--train.steps=1000", *QUIET, *overrides]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while time.time() < deadline and not ((output_dir / "metrics.jsonl").exists()
@@ -113,6 +115,48 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     checkpoints = sorted((output_dir / "checkpoints").iterdir())
     state = torch.load(checkpoints[-1] / "trainer_state.pt", weights_only=False)
     assert state["step"] == len(metrics(output_dir)) >= 2
+
+
+ASYNC_EVERYTHING = ["--rollout.async_prefetch=true", "--rewards.reward_num_workers=2",
+                    "--rollout.partial_rollout_tokens=4", "--algo.replay_buffer_size=16", "--algo.reroll_failed=true",
+                    # quarters of the digit fraction: whole groups often score alike (all 0 early, all 1 late)
+                    '--rewards.functions=[{"path": "driver.toy_tasks.digit_fraction_steps"}]']
+
+
+def test_async_run_learns_with_every_sample_efficiency_mechanism_firing(tmp_path):
+    output_dir = tmp_path / "run"
+    assert_ok(train(output_dir, *ASYNC_EVERYTHING, *QUIET))
+    rows = metrics(output_dir)
+    rewards = [row["reward"] for row in rows]
+    assert len(rows) == 40
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last > first + 0.3, f"reward did not rise: first 10 steps {first:.3f}, last 10 {last:.3f}"
+
+    def total(key):
+        return sum(row.get(key) or 0 for row in rows)
+
+    assert max(row.get("rollout/staleness_max") or 0 for row in rows) >= 1  # prefetched: sampled a version back
+    assert max(row["rollout/version"] for row in rows) < 39
+    assert total("partial/continued_samples") > 0 and total("completions/continued_fraction") > 0
+    assert total("rollout/dropped_stale") > 0  # partial groups that waited too long
+    assert total("filter/filtered_sequences") > 0 and max(row["frac_reward_zero_std"] for row in rows) == 1.0
+    assert total("replay/replayed_groups") > 0
+    assert rows[-1]["reroll/rerolled"] > 0
+    assert rows[-1]["rewards/worker_restarts"] == 0 and total("rewards/failed_groups") == 0
+    assert max(row["sync/probe_max_abs_diff"] for row in rows) < 1e-3
+    # Empty batches (every group filtered) take no update time: the filter works before any forward.
+    empty = [row["time/update"] for row in rows if row["filter/kept_sequences"] == 0 and
+             not row.get("replay/replayed_groups")]
+    assert empty and max(empty) < 0.1
+
+
+def test_async_prefetch_on_a_single_weights_engine_waits_for_older_jobs_before_a_push(tmp_path):
+    output_dir = tmp_path / "run"
+    assert_ok(train(output_dir, "--train.steps=5", "--rollout.async_prefetch=true", "--rollout.prefetch_depth=2",
+                    *QUIET, example=MOE_EXAMPLE))
+    rows = metrics(output_dir)
+    assert [row["rollout/version"] for row in rows] == [0, 0, 0, 1, 2]
+    assert max(row["sync/probe_max_abs_diff"] for row in rows) < 1e-3
 
 
 def test_qlora_runs_and_verifies_syncs(tmp_path):
