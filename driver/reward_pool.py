@@ -23,12 +23,15 @@ queued work polls regularly.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import multiprocessing
 import signal
+import sys
 import time
 import traceback
+import types
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -150,6 +153,19 @@ class InlineRewards(_KeyedResults):
         return self._scored(key, values, kwargs)
 
 
+@contextlib.contextmanager
+def main_module_hidden():
+    """Spawn re-imports the parent's __main__ in every child (`python -m driver.train`: torch,
+    transformers, pykernels; ~4 s a worker here). The worker needs none of it (its target and the
+    reward functions are imported by name), so while it starts __main__ is a bare module."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
 @dataclass
 class _Call:
     key: int
@@ -162,7 +178,8 @@ class _Worker:
         self.conn, child_conn = context.Pipe()
         self.process = context.Process(target=reward_worker.serve, args=(child_conn,), daemon=True,
                                        name="reward-worker")
-        self.process.start()
+        with main_module_hidden():
+            self.process.start()
         child_conn.close()  # the parent's copy, or a dead worker's pipe would never read as EOF
         self.conn.send(paths)
         self.ready = False
@@ -202,7 +219,7 @@ class RewardPool(_KeyedResults):
         self._closed = False
         self._workers: list[_Worker] = []
         try:
-            # All started before any is waited for: they import (torch, if __main__ does) in parallel.
+            # All started before any is waited for: they import the reward functions in parallel.
             for _ in range(num_workers):
                 self._workers.append(self._start_worker())
             while not all(worker.ready for worker in self._workers):

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "tiny-grpo.yaml"
 MOE_EXAMPLE = ROOT / "examples" / "tiny-moe-grpo.yaml"
+ASYNC_EXAMPLE = ROOT / "examples" / "tiny-grpo-async.yaml"  # every sample-efficiency feature on
 QUIET = ["--logging.progress=false", "--logging.log_completions=0", "--logging.plots=false",
          "--logging.tensorboard=false"]
 
@@ -117,15 +118,9 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path, overrides):
     assert state["step"] == len(metrics(output_dir)) >= 2
 
 
-ASYNC_EVERYTHING = ["--rollout.async_prefetch=true", "--rewards.reward_num_workers=2",
-                    "--rollout.partial_rollout_tokens=4", "--algo.replay_buffer_size=16", "--algo.reroll_failed=true",
-                    # quarters of the digit fraction: whole groups often score alike (all 0 early, all 1 late)
-                    '--rewards.functions=[{"path": "driver.toy_tasks.digit_fraction_steps"}]']
-
-
 def test_async_run_learns_with_every_sample_efficiency_mechanism_firing(tmp_path):
     output_dir = tmp_path / "run"
-    assert_ok(train(output_dir, *ASYNC_EVERYTHING, *QUIET))
+    assert_ok(train(output_dir, *QUIET, example=ASYNC_EXAMPLE))
     rows = metrics(output_dir)
     rewards = [row["reward"] for row in rows]
     assert len(rows) == 40
