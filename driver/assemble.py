@@ -25,24 +25,26 @@ from driver.rewards import RewardError
 from driver.rollout.records import Group
 
 
-def score_groups(scorer, groups: list[Group], submitted: set[int]) -> float:
-    """Rewards of every group (submitting those nobody submitted yet); returns the seconds waited."""
+def score_groups(scorer, groups: list[Group], submit: bool) -> float:
+    """Rewards of every group (submitting them first unless scoring streamed); returns the seconds waited."""
     started = time.perf_counter()
-    for group in groups:
-        if group.group_id not in submitted:
+    if submit:
+        for group in groups:
             scorer.submit_group(group)
-            submitted.add(group.group_id)
     results = scorer.wait([group.group_id for group in groups])
     for group in groups:
         result = results[group.group_id]
         group.rewards, group.failure = result.table, result.failure
-        submitted.discard(group.group_id)
     return time.perf_counter() - started
 
 
-def assemble(config: Config, job: Job, step: int, scorer, submitted: set[int],
+def assemble(config: Config, job: Job, step: int, scorer, submit: bool,
              replay: ReplayBuffer | None, reroll: RerollQueue | None) -> RolloutBatch:
-    reward_wait = score_groups(scorer, job.groups, submitted)
+    """submit: the job's groups still need scoring (rewards in this process, under prefetch: they
+    must run here, in the main thread); otherwise they were submitted as they finished."""
+    if not submit:
+        scorer.discard(job.dropped)  # scored as they finished, then found too old to train on
+    reward_wait = score_groups(scorer, job.groups, submit)
     failed = [group for group in job.groups if group.failure is not None]
     if failed and reroll is None:
         raise RewardError(f"{len(failed)} group(s) could not be scored (set algo.reroll_failed to re-roll them "

@@ -37,6 +37,7 @@ class Job:
     groups: list[Group]  # finished, in group-id order
     metrics: dict[str, float] = field(default_factory=dict)
     rerolled: list[tuple[Prompt, int]] = field(default_factory=list)  # re-rolled prompts it took (attempts)
+    dropped: list[int] = field(default_factory=list)  # finished groups dropped as stale (scored for nothing)
 
 
 def group_seed(seed: int, group_id: int) -> int:
@@ -71,6 +72,8 @@ class Producer:
         metrics = {"rollout/version": float(version), "rollout/dropped_stale": 0.0,
                    "rollout/regenerated_stale": 0.0}
         finished = [g for g in self.ready if not self._stale(g, job, metrics)]
+        kept = {g.group_id for g in finished}
+        dropped = [g.group_id for g in self.ready if g.group_id not in kept]
         self.in_flight = [g for g in self.in_flight if not self._stale(g, job, metrics)]
         self.ready = []
         rounds = continued = truncated = sampled = 0
@@ -92,7 +95,7 @@ class Producer:
                             "partial/truncation_rate": truncated / max(sampled, 1),
                             "partial/in_flight_groups": float(len(self.in_flight)),
                             "partial/carried_finished_groups": float(len(self.ready))})
-        return Job(job, version, finished, metrics)
+        return Job(job, version, finished, metrics, dropped=dropped)
 
     def _stale(self, group: Group, job: int, metrics: dict[str, float]) -> bool:
         """Would the group be too old when trained on at step `job`? Then drop it (maybe regenerate)."""

@@ -29,46 +29,10 @@ from driver.prefetch import Prefetcher
 from driver.producer import Job, Producer
 from driver.replay import ReplayBuffer
 from driver.reroll import RerollQueue, delay_steps
-from driver.reward_pool import RewardPool, make_reward_scorer
-from driver.rewards import group_call
+from driver.group_scorer import GroupScorer
 from driver.rollout.base import Generator
 from driver.rollout.records import Group
 from driver.schedule import job_version, sync_due, versions_kept
-
-POLL_S = 0.05  # the longest the reward pool is held by one wait, so submissions from the other thread get in
-
-
-class GroupScorer:
-    """The reward scorer (worker pool or inline) keyed by group id. The prefetch thread submits while
-    the trainer's thread waits: one lock around the pool, never held while waiting for a result."""
-
-    def __init__(self, config: Config) -> None:
-        self.scorer = make_reward_scorer(config.rewards, config.rewards.reward_num_workers,
-                                         config.rewards.reward_timeout)
-        self.names, self.weights = self.scorer.names, self.scorer.weights
-        self.in_workers = isinstance(self.scorer, RewardPool)
-        self._lock = threading.Lock()
-        self._done: dict[int, object] = {}
-
-    def submit_group(self, group: Group) -> None:
-        with self._lock:
-            self.scorer.submit(group.group_id, group_call(group, group.texts))
-
-    def wait(self, keys: list[int]) -> dict:
-        missing = set(keys)
-        while True:
-            with self._lock:
-                for result in self.scorer.poll(0.0 if not missing - self._done.keys() else POLL_S):
-                    self._done[result.key] = result
-                if missing <= self._done.keys():
-                    return {key: self._done.pop(key) for key in keys}
-
-    def metrics(self) -> dict[str, float]:
-        with self._lock:
-            return self.scorer.metrics()
-
-    def close(self) -> None:
-        self.scorer.close()
 
 
 class Rollouts:
@@ -80,8 +44,6 @@ class Rollouts:
             generator.keep_versions = max(generator.keep_versions, versions_kept(self.depth, self.interval))
         self.engine_lock = threading.Lock()
         self.scorer = GroupScorer(config)
-        self._submitted: set[int] = set()  # groups handed to the scorer and not collected yet
-        self._submitted_lock = threading.Lock()
         self.replay = (ReplayBuffer(config.algo.replay_buffer_size, config.algo.replay_max_age)
                        if config.algo.replay_buffer_size else None)
         self.reroll = (RerollQueue(max(delay_steps(config.algo.reroll_after, config.train.steps), self.depth + 1),
@@ -90,9 +52,9 @@ class Rollouts:
         self._reroll_lock = threading.Lock()
         # Rewards in worker processes can start the moment a group finishes, in any thread; rewards in
         # this process must run in the main thread (signal.alarm), so only the synchronous loop streams them.
-        stream_rewards = self.scorer.in_workers or self.depth == 0
+        self.stream_rewards = self.scorer.in_workers or self.depth == 0
         self.producer = Producer(config, generator, prompts, policy.tokenizer,
-                                 on_finished=self._submit if stream_rewards else None)
+                                 on_finished=self.scorer.submit_group if self.stream_rewards else None)
         # Checkpoints under prefetch: the producer's state before each job not assembled yet, and the
         # re-rolled prompts each took from the queue (both under _state_lock).
         self._state_lock = threading.Lock()
@@ -130,11 +92,6 @@ class Rollouts:
         produced.rerolled = taken
         return produced
 
-    def _submit(self, group: Group) -> None:
-        with self._submitted_lock:
-            self._submitted.add(group.group_id)
-        self.scorer.submit_group(group)
-
     # -- the trainer's side --
 
     def next_batch(self, step: int, abandon=lambda: False) -> RolloutBatch | None:
@@ -147,12 +104,8 @@ class Rollouts:
             if job is None:
                 return None
         waited = time.perf_counter() - started
-        with self._submitted_lock:
-            submitted = set(self._submitted)
         with self._reroll_lock:
-            batch = assemble(self.config, job, step, self.scorer, submitted, self.replay, self.reroll)
-        with self._submitted_lock:
-            self._submitted -= {group.group_id for group in job.groups}
+            batch = assemble(self.config, job, step, self.scorer, not self.stream_rewards, self.replay, self.reroll)
         batch.metrics["time/queue_wait"] = waited
         if self.prefetcher is not None:
             with self.prefetcher.condition:
@@ -190,8 +143,9 @@ class Rollouts:
         with self._state_lock:
             oldest = self.assembled
             if oldest in self._snapshots:
-                producer = self._snapshots[oldest]
-                producer["front"] += [item for job in sorted(self._taken) if job > oldest for item in self._taken[job]]
+                snapshot = self._snapshots[oldest]
+                taken_later = [item for job in sorted(self._taken) if job > oldest for item in self._taken[job]]
+                producer = {**snapshot, "front": snapshot["front"] + taken_later}
             else:  # no job started beyond the trainer: the producer is idle
                 producer = self.producer.state_dict()
         state = {"producer": producer}

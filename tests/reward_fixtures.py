@@ -102,3 +102,11 @@ def raise_on_marker(completions, **columns):
 
 def wrong_length_on_marker(completions, **columns):
     return [1.0] if _marked(completions, "WRONG_LENGTH") else [0.0 for _ in completions]
+
+
+def sleep_then_length(completions, **columns):
+    """0.2 s per call, then each completion's length: the pump test's stand-in for a slow verifier."""
+    import time
+
+    time.sleep(0.2)
+    return [float(len(text)) for text in completions]
