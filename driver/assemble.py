@@ -68,13 +68,14 @@ def assemble(config: Config, job: Job, step: int, scorer, submit: bool,
     batch = batch_from_groups(groups, [group.texts for group in groups])
     metrics.update(completion_stats(groups))
     micro_batch_size = config.train.micro_batch_size
-    zero_groups = sum(not bool(group.advantages.any()) for group in groups)
-    if config.algo.filter_zero_advantage:  # filters nothing when beta > 0: the KL term acts on every row
+    filtering = config.algo.filter_zero_advantage and config.algo.beta == 0  # KL acts on every row
+    if filtering:
         batch, filter_metrics = filter_zero_advantage(batch, micro_batch_size, beta=config.algo.beta)
         metrics.update(filter_metrics)
     if replay is not None:
-        replay.add(groups, step)
-        replayed = replay.take(zero_groups, step) if zero_groups else []
+        filtered_groups = sum(not bool(group.advantages.any()) for group in groups) if filtering else 0
+        replayed = replay.take(filtered_groups, step) if filtered_groups else []
+        replay.add(groups, step)  # after taking: a group is never trained twice in one step
         if replayed:
             batch = extend_batch(batch, batch_from_groups(replayed, [group.texts for group in replayed]),
                                  micro_batch_size)

@@ -298,3 +298,25 @@ def _saved(state, tmp_path):
     path = tmp_path / "state.pt"
     torch.save(state, path)
     return path
+
+
+def test_filtered_groups_are_refilled_from_the_replay_buffer_with_their_stored_rows(tmp_path):
+    config = make_config(tmp_path, train={"prompts_per_step": 3}, algo={"replay_buffer_size": 4, "replay_max_age": 1})
+    rollouts = make_rollouts(config, FakeGenerator())
+    try:
+        first, second = run_steps(rollouts, 2)
+    finally:
+        rollouts.close()
+    # Step 2 (prompts delta, echo, flat foxtrot): the flat group leaves, a step-1 group takes its place.
+    assert second.metrics["replay/replayed_groups"] == 1 and second.metrics["filter/filtered_sequences"] >= 4
+    replayed_rows = [row for row, version in enumerate(second.versions) if version == 0]
+    assert len(replayed_rows) == 4 and replayed_rows == list(range(len(second) - 4, len(second)))
+    # The rows are the stored group's, token for token, with its sampling logprobs (behaviour policy).
+    stored = {tuple(c): row for row, c in enumerate(first.completion_ids)}
+    for row in replayed_rows:
+        original = stored[tuple(second.completion_ids[row])]
+        assert second.prompt_ids[row] == first.prompt_ids[original]
+        width = len(second.completion_ids[row])
+        assert torch.equal(second.sampling_logprobs[row, :width], first.sampling_logprobs[original, :width])
+        assert second.mask[row].sum() == width and second.advantages[row] == first.advantages[original]
+    assert second.counts.num_sequences == 12 + 4  # the unfiltered step plus the replayed rows
