@@ -28,8 +28,8 @@ def engine_kwargs(config: Config, model_dir: str) -> dict:
         model=model_dir, dtype=config.model.dtype, seed=config.train.seed,
         max_model_len=config.rollout.max_model_len,
         gpu_memory_utilization=config.rollout.gpu_memory_utilization,
-        # Two adapters in one engine batch at most: one job samples with one version, but a
-        # continuation and the version before it may overlap a sync's probe.
+        # Engine calls are serialized and each names one version, so one engine batch holds one
+        # adapter; the second slot keeps the previous version loaded for the job prefetched with it.
         enable_lora=True, max_lora_rank=engine_lora_rank(config.lora.r), max_loras=2,
         # Logprobs of the distribution actually sampled from (after temperature / top-k / top-p):
         # what importance sampling must compare the trainer's logprobs with.

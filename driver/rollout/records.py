@@ -62,13 +62,5 @@ class Group:
         return min(sample.version for sample in self.samples)
 
     @property
-    def newest_version(self) -> int:
-        return max((span.version for sample in self.samples for span in sample.spans), default=-1)
-
-    @property
     def finished(self) -> bool:
         return all(sample.finished for sample in self.samples)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(sample.token_ids) for sample in self.samples)

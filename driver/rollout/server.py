@@ -1,8 +1,9 @@
 """vLLM as an OpenAI-compatible server: launched here on 127.0.0.1, or reached at rollout.server_url.
 
-Every sync hot-loads the adapter under a new name (/v1/load_lora_adapter) and unloads the ones
-older than the newest keep_versions (prefetched jobs may still sample with them); generation and the sync probe go through /v1/completions with token-id prompts, so nothing is
-re-tokenized on the way and the sampled token ids come back exactly ("token_id:123" strings).
+Every sync hot-loads the adapter under a new name (/v1/load_lora_adapter) and unloads those older
+than the newest keep_versions (prefetched jobs may still sample with them); generation and the sync
+probe go through /v1/completions with token-id prompts, so nothing is re-tokenized on the way and
+the sampled token ids come back exactly ("token_id:123" strings).
 """
 
 from __future__ import annotations
