@@ -49,8 +49,8 @@ def serve(conn: Connection) -> None:
 
 def _one_thread() -> None:
     """Workers share the machine with the trainer: one OpenMP / BLAS thread each. The environment
-    covers libraries the rewards load later; torch is only set when it is already loaded (spawn
-    re-imports the parent's __main__, e.g. driver.train, before `serve` runs)."""
+    covers libraries the rewards load later; torch is only set when it is already loaded (the pool
+    starts workers without the parent's __main__, so only an import of the rewards could load it)."""
     for variable in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[variable] = "1"
     if "torch" in sys.modules:
