@@ -1,0 +1,115 @@
+"""EBFT features: the frozen base network's hidden states, normalized per token and pooled per sequence.
+
+The feature map phi(c, y) of EBFT (Jelassi et al. 2026, https://arxiv.org/abs/2603.12248) is read from
+a few intermediate layers of the *initial* network: for a LoRA policy, the same model with the adapter
+disabled (the caller enters `policy.reference()`; the adapter must never be merged into the base, or
+the "frozen" features drift).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+POOL_METHODS = ("last_token", "mean_pooling", "completion_mean", "concat")
+CONCAT_QUARTERS = (1, 2, 3)  # `concat` reads the completion at 25 / 50 / 75 % of its length
+
+
+def layer_indices(num_layers: int, fractions: list[float]) -> list[int]:
+    """Fractions of depth -> indices into transformers' `output_hidden_states` tuple.
+
+    Index 0 of that tuple is the embeddings and i the output of decoder layer i. The mapping is the
+    official code's `clamp(floor(f * L), 1, L)`, so the embeddings are never chosen (axolotl's
+    `int(f * L)` picks them for f = 0.25 on a 2-layer model).
+    """
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    if not fractions:
+        raise ValueError("fractions must name at least one layer, got []")
+    bad = [f for f in fractions if not 0.0 < f <= 1.0]
+    if bad:
+        raise ValueError(f"fractions must lie in (0, 1], got {bad}")
+    return [min(max(math.floor(f * num_layers), 1), num_layers) for f in fractions]
+
+
+def token_features(states: list[torch.Tensor]) -> torch.Tensor:  # states: k x [L, H] -> [L, k * H]
+    """Per token: L2-normalize each layer's vector, concatenate, divide by sqrt(k).
+
+    Every layer weighs the same whatever its scale, and each token's feature is a unit vector, so the
+    diversity dot products lie in [-1, 1] as in the official code.
+    """
+    if not states:
+        raise ValueError("states must hold at least one layer, got []")
+    normalized = [F.normalize(state, dim=-1) for state in states]
+    return torch.cat(normalized, dim=-1) / math.sqrt(len(states))
+
+
+@torch.no_grad()
+def hidden_layer_states(
+    model: nn.Module,  # causal LM, or a PEFT model wrapping one
+    input_ids: torch.Tensor,  # [1, L]
+    position_ids: torch.Tensor | None,  # [1, L]
+    attention_mask: torch.Tensor | None,  # [1, L] padding mask, or a 4-D mask for packed rows
+    layers: list[int],  # indices into the hidden-states tuple (see layer_indices)
+) -> list[torch.Tensor]:  # len(layers) x [L, H]
+    """One forward of the LM's body (no lm_head) returning the requested hidden states of the row.
+
+    Runs whatever weights are active: the caller disables the adapter (`policy.reference()`) and
+    puts the model in eval mode.
+    """
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids must have shape (1, L), got {tuple(input_ids.shape)}")
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    body = causal_lm.get_decoder()
+    outputs = body(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                   output_hidden_states=True, use_cache=False)
+    hidden_states = outputs.hidden_states  # (embeddings, layer 1, ..., layer N); the last is post-norm
+    bad = [i for i in layers if not 0 <= i < len(hidden_states)]
+    if bad:
+        raise ValueError(f"layers must lie in [0, {len(hidden_states) - 1}], got {bad}")
+    return [hidden_states[i][0] for i in layers]
+
+
+def pool(
+    features: torch.Tensor,  # [L, F] token features of one row
+    spans: list[tuple[int, int, int]],  # N x (sequence_start, completion_start, end) in the row
+    method: str,
+) -> torch.Tensor:  # [N, F], or [N, 3F] for "concat"
+    """One vector per sequence.
+
+    - "last_token": the sequence's last token.
+    - "mean_pooling": mean over the whole sequence, prompt included (axolotl's structured mode).
+    - "completion_mean": mean over the completion only.
+    - "concat": the completion's tokens at 25 / 50 / 75 % of its length, concatenated. Unlike
+      axolotl, whose quartiles are of prompt + completion (with a long prompt all three fall in the
+      prompt and every sample of a group gets the same features), only the completion is read.
+
+    An empty completion (completion_start == end) is represented by the last prompt token in every
+    method but "mean_pooling" (three copies of it for "concat"), so such a sample still gets a
+    defined feature rather than a NaN mean.
+    """
+    if method not in POOL_METHODS:
+        raise ValueError(f"method must be one of {list(POOL_METHODS)}, got {method!r}")
+    length = features.shape[0]
+    pooled = []
+    for sequence_start, completion_start, end in spans:
+        if not 0 <= sequence_start <= completion_start <= end <= length or sequence_start == end:
+            raise ValueError(f"span (sequence_start, completion_start, end) must satisfy "
+                             f"0 <= sequence_start <= completion_start <= end <= {length} and a "
+                             f"non-empty sequence, got {(sequence_start, completion_start, end)}")
+        completion_length = end - completion_start
+        if method == "mean_pooling":
+            pooled.append(features[sequence_start:end].mean(dim=0))
+        elif method == "last_token" or completion_length == 0:
+            last = features[end - 1]
+            pooled.append(torch.cat([last] * len(CONCAT_QUARTERS)) if method == "concat" else last)
+        elif method == "completion_mean":
+            pooled.append(features[completion_start:end].mean(dim=0))
+        else:
+            positions = [min(completion_start + completion_length * quarter // 4, end - 1)
+                         for quarter in CONCAT_QUARTERS]
+            pooled.append(features[positions].reshape(-1))
+    return torch.stack(pooled)
