@@ -51,12 +51,6 @@ class Prefetcher:
         with self.condition:
             self.condition.notify_all()
 
-    @property
-    def produced(self) -> int:
-        """Jobs finished so far (the next one the thread will produce)."""
-        with self.condition:
-            return self._next
-
     def wait_produced(self, count: int) -> None:
         """Block until jobs 0 .. count - 1 are produced (or the thread failed)."""
         with self.condition:
@@ -76,11 +70,6 @@ class Prefetcher:
     def _raise_error(self) -> None:
         if self._error is not None:
             raise self._error
-
-    def pending_jobs(self) -> list[object]:
-        """Produced jobs the trainer has not taken yet, oldest first."""
-        with self.condition:
-            return [self._jobs[index] for index in sorted(self._jobs)]
 
     def stop(self) -> None:
         with self.condition:

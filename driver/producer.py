@@ -36,7 +36,6 @@ class Job:
     version: int
     groups: list[Group]  # finished, in group-id order
     metrics: dict[str, float] = field(default_factory=dict)
-    rerolled: list[tuple[Prompt, int]] = field(default_factory=list)  # re-rolled prompts it took (attempts)
     dropped: list[int] = field(default_factory=list)  # finished groups dropped as stale (scored for nothing)
 
 

@@ -16,6 +16,7 @@ scoring overlaps the rest of the generation (and, asynchronously, the update).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -88,9 +89,7 @@ class Rollouts:
             self.producer.front[:0] = taken
             self._taken[job], self._snapshots[job] = taken, self.producer.state_dict()
         with self.engine_lock:
-            produced = self.producer.produce(job, self._version(job))
-        produced.rerolled = taken
-        return produced
+            return self.producer.produce(job, self._version(job))
 
     # -- the trainer's side --
 
@@ -107,12 +106,7 @@ class Rollouts:
         with self._reroll_lock:
             batch = assemble(self.config, job, step, self.scorer, not self.stream_rewards, self.replay, self.reroll)
         batch.metrics["time/queue_wait"] = waited
-        if self.prefetcher is not None:
-            with self.prefetcher.condition:
-                self.assembled = step + 1
-                self.prefetcher.condition.notify_all()
-        else:
-            self.assembled = step + 1
+        self._publish(assembled=step + 1)
         with self._state_lock:
             for old in [j for j in self._snapshots if j <= step]:
                 del self._snapshots[old], self._taken[old]
@@ -128,13 +122,18 @@ class Rollouts:
         with self.engine_lock:
             metrics = sync.push_adapter(self.config, self.policy, self.generator, self.verifier, version=step,
                                         keep=self.generator.keep_versions)
-        if self.prefetcher is not None:
-            with self.prefetcher.condition:
-                self.served = step
-                self.prefetcher.condition.notify_all()
-        else:
-            self.served = step
+        self._publish(served=step)
         return metrics
+
+    def _publish(self, served: int | None = None, assembled: int | None = None) -> None:
+        """Advance what the prefetch thread's start condition reads, and wake it."""
+        with self.prefetcher.condition if self.prefetcher is not None else contextlib.nullcontext():
+            if served is not None:
+                self.served = served
+            if assembled is not None:
+                self.assembled = assembled
+        if self.prefetcher is not None:
+            self.prefetcher.notify()
 
     def state_dict(self) -> dict:
         """What a checkpoint after the last assembled step needs to continue without losing a prompt:

@@ -31,6 +31,14 @@ def request_seed(seed: int, prompt_index: int, n: int) -> int:
     return seed + prompt_index * n
 
 
+def generate_by_stream(generator: Generator, prompts: list[list[int]], n: int, seed: int,
+                       max_tokens: int) -> list[list[Completion]]:
+    """Generator.generate for a backend that streams: every prompt with the served adapter, in order."""
+    requests = [Request(p, n, request_seed(seed, i, n), max_tokens) for i, p in enumerate(prompts)]
+    results = dict(generator.stream(requests, generator.adapter_version))
+    return [results[index] for index in range(len(requests))]
+
+
 class RolloutError(RuntimeError):
     """Generation failed in a way the user can act on (reported without a traceback)."""
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from driver.config import Config
-from driver.rollout.base import Completion, Request, RolloutError, SyncError, request_seed
+from driver.rollout.base import Completion, Request, RolloutError, SyncError, generate_by_stream
 
 # vLLM accepts only these LoRA ranks as the engine's maximum.
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
@@ -65,10 +65,7 @@ class ColocatedGenerator:
                               detokenize=False)  # the driver decodes what it needs itself
 
     def generate(self, prompts: list[list[int]], n: int, seed: int) -> list[list[Completion]]:
-        requests = [Request(p, n, request_seed(seed, i, n), self.config.rollout.sampling.max_tokens)
-                    for i, p in enumerate(prompts)]
-        results = dict(self.stream(requests, self.adapter_version))
-        return [results[index] for index in range(len(requests))]
+        return generate_by_stream(self, prompts, n, seed, self.config.rollout.sampling.max_tokens)
 
     def stream(self, requests: list[Request], version: int) -> Iterator[tuple[int, list[Completion]]]:
         """Requests finish in any order; each is yielded as soon as all its n samples are done, so

@@ -25,7 +25,7 @@ import requests
 from requests.adapters import HTTPAdapter
 
 from driver.config import Config
-from driver.rollout.base import Completion, Request, RolloutError, request_seed
+from driver.rollout.base import Completion, Request, RolloutError, generate_by_stream
 from driver.rollout.colocate import engine_kwargs, set_cpu_defaults
 
 LOG_NAME = "vllm-server.log"  # in config.output_dir
@@ -255,10 +255,7 @@ class ServerGenerator:
         self._request("POST", "/v1/unload_lora_adapter", {"lora_name": name}, allowed=(404,), timeout=timeout)
 
     def generate(self, prompts: list[list[int]], n: int, seed: int) -> list[list[Completion]]:
-        requests = [Request(p, n, request_seed(seed, i, n), self.config.rollout.sampling.max_tokens)
-                    for i, p in enumerate(prompts)]
-        results = dict(self.stream(requests, self.adapter_version))
-        return [results[index] for index in range(len(requests))]
+        return generate_by_stream(self, prompts, n, seed, self.config.rollout.sampling.max_tokens)
 
     def stream(self, requests: list[Request], version: int) -> Iterator[tuple[int, list[Completion]]]:
         if not requests:
