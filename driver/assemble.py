@@ -2,7 +2,8 @@
 
 In order: rewards (already computed while the job generated when scoring streams), groups whose
 scoring failed after its retry (re-rolled later, or a RewardError naming the reward and input),
-advantages over the step's groups (driver/advantages.py: batch scaling needs all of them), groups
+advantages over the step's groups (driver/advantages.py: batch scaling needs all of them; EBFT:
+driver/ebft/structured.py, from the feature-matching tables), groups
 that failed entirely re-queued for a later re-roll, high-signal groups kept for replay, then the
 batch: zero-advantage rows filtered out before any logprob pass (the loss keeps the unfiltered
 normalization: driver/filtering.py) and the filtered groups' places refilled from the replay buffer.
@@ -17,6 +18,7 @@ import torch
 from driver.advantages import combine_rewards
 from driver.batch import RolloutBatch, batch_from_groups
 from driver.config import Config
+from driver.ebft.structured import advantages_from_tables
 from driver.filtering import extend_batch, filter_zero_advantage
 from driver.producer import Job
 from driver.replay import ReplayBuffer
@@ -52,10 +54,13 @@ def assemble(config: Config, job: Job, step: int, scorer, submit: bool,
     groups = [group for group in job.groups if group.failure is None]
     metrics = dict(job.metrics)
     if groups:
-        table = torch.cat([group.rewards for group in groups])
-        total, advantages, stats = combine_rewards(table, scorer.weights, config.algo.num_generations,
-                                                   config.rewards.aggregation, config.algo.scale_rewards,
-                                                   names=scorer.names)
+        if config.algo.name == "ebft":
+            total, advantages, stats = advantages_from_tables(config.ebft, groups)
+        else:
+            table = torch.cat([group.rewards for group in groups])
+            total, advantages, stats = combine_rewards(table, scorer.weights, config.algo.num_generations,
+                                                       config.rewards.aggregation, config.algo.scale_rewards,
+                                                       names=scorer.names)
         metrics.update(stats)
         for index, group in enumerate(groups):
             rows = slice(index * config.algo.num_generations, (index + 1) * config.algo.num_generations)

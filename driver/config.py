@@ -53,9 +53,12 @@ class LoraSettings(Section):
 class DataConfig(Section):
     source: str = Field("toy:digits", description="toy:<name> for a built-in toy set, or a local "
                         ".jsonl / .json / .parquet / .csv file read with `datasets`")
-    prompt_field: str = Field("prompt", description="column holding the prompt text (after the transform)")
-    transform: str | None = Field(None, description="dotted path to fn(example: dict) -> dict applied to "
-                                  "every example, e.g. to build the prompt from other columns")
+    prompt_field: str = Field("prompt", description="column holding the prompt (after the transform): text, or a "
+                              "list of chat messages {role, content} rendered with the chat template")
+    transform: str | None = Field(None, description="dotted path to fn(example: dict) -> dict (or a list of dicts: "
+                                  "several rows) applied to every example, e.g. to build the prompt from other "
+                                  "columns; chat data for ebft: driver.ebft.transforms.first_turn | last_turn | "
+                                  "all_turns | last_turn_answer_only")
     chat_template: bool = Field(False, description="wrap prompts with the tokenizer's chat template")
     shuffle: bool = Field(True, description="shuffle the prompts every epoch (seeded)")
     max_prompt_length: int = Field(256, ge=1, description="prompts longer than this many tokens are cut from the left")
@@ -131,8 +134,11 @@ class ImportanceSamplingConfig(Section):
 
 
 class AlgoConfig(Section):
-    name: Literal["grpo"] = Field("grpo", description="algorithm (ebft lands with issue [7/8])")
-    num_generations: int = Field(8, ge=2, description="completions per prompt (the group)")
+    name: Literal["grpo", "ebft"] = Field("grpo", description="grpo: verifiable rewards (rewards section); ebft: "
+                                          "energy-based fine-tuning, feature matching against each prompt's "
+                                          "ground truth (ebft section; arXiv 2603.12248)")
+    num_generations: int = Field(8, ge=1, description="completions per prompt (the group; grpo needs >= 2, "
+                                 "ebft allows 1 with advantage_estimator reinforce)")
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field(
         "dapo", description="loss normalization: per sequence (grpo), per token in the micro-batch (bnpo), by "
         "batch x max length (dr_grpo), per token in the whole step (dapo)")
@@ -163,10 +169,59 @@ class AlgoConfig(Section):
     reroll_queue_size: int = Field(256, ge=1, description="failed prompts waiting at most")
 
 
+class EbftConfig(Section):
+    mode: Literal["structured", "strided"] = Field(
+        "structured", description="structured: vLLM samples whole completions of each prompt (like grpo); strided: no "
+        "vLLM, the trainer regenerates blocks of generate_max_len tokens at anchors every stride tokens of the "
+        "prompt + ground-truth document, all blocks in one forward pass")
+    ground_truth_field: str | None = Field(
+        "ground_truth", description="column holding the reference completion; strided with null: the prompt column "
+        "is the whole document")
+    feature_layers: list[float] = Field([0.25, 0.5, 0.75], description="depths (fractions in (0, 1]) of the hidden "
+                                        "states used as features: layer clamp(floor(f * num_layers), 1, num_layers)")
+    embed_method: Literal["last_token", "mean_pooling", "completion_mean", "concat"] = Field(
+        "last_token", description="one vector per completion (strided: per block): its last token, the mean over "
+        "prompt + completion (strided: over the block), the mean over the completion, or its tokens at 25/50/75 "
+        "percent concatenated (strided: all the block's tokens)")
+    whitening: bool = Field(False, description="whiten each group's features with W = (gen^T gen)^(+1/2) from the "
+                            "generated samples, applied to both sides (the diversity term is then 0 unless samples "
+                            "nearly repeat)")
+    whiten_tol: float = Field(1e-5, gt=0, description="singular values below whiten_tol * the largest are cut")
+    alignment_coef: float = Field(1.0, ge=0, description="weight of 2 * cos(phi_j, phi_gt)")
+    diversity_coef: float = Field(1.0, ge=0, description="weight of 2 / (n - 1) * sum_k phi_j . phi_k (0 when n = 1)")
+    advantage_estimator: Literal["rloo", "group_norm", "reinforce"] = Field(
+        "rloo", description="rloo: leave-one-out baseline with the diversity recomputed without the sample (needs "
+        "n >= 2); group_norm: (r - mean) / std per group; reinforce: the reward itself")
+    gt_length_multiplier: float | None = Field(
+        1.5, gt=0, description="structured: each group's max_tokens = ceil(ground-truth tokens x this), within "
+        "[min_max_tokens, rollout.sampling.max_tokens] (null: always rollout.sampling.max_tokens)")
+    min_max_tokens: int = Field(8, ge=1, description="structured: floor of the adaptive max_tokens")
+    stride: int = Field(8, ge=1, description="strided: tokens between anchors")
+    context_length: int = Field(8, ge=1, description="strided: the first anchor; block b sees the whole document "
+                                "before its anchor context_length + b * stride")
+    generate_max_len: int = Field(8, ge=1, description="strided: tokens generated per block")
+    min_completion_prefix: int = Field(0, ge=0, description="strided with a ground truth: the first anchor is at "
+                                       "least this many tokens into the ground truth")
+    max_document_length: int = Field(256, ge=2, description="strided: documents (prompt + ground truth) are cut to "
+                                     "this many tokens")
+    rl_coef: float = Field(1.0, ge=0, description="strided: weight of the policy-gradient loss")
+    ce_coef: float = Field(0.0, ge=0, description="strided: weight of the cross-entropy loss on the ground truth")
+    kv_cache: bool = Field(True, description="strided: generate with a KV cache (false: recompute the row each "
+                           "step, the reference implementation)")
+
+    @field_validator("feature_layers")
+    @classmethod
+    def _fractions_of_depth(cls, value: list[float]) -> list[float]:
+        if not value or any(not 0 < f <= 1 for f in value):
+            raise ValueError("must be a non-empty list of fractions in (0, 1]")
+        return value
+
+
 class TrainConfig(Section):
     steps: int = Field(60, ge=1, description="optimizer steps")
     prompts_per_step: int = Field(8, ge=1, description="prompts sampled per step (each gets num_generations)")
-    micro_batch_size: int = Field(16, ge=1, description="completions per forward/backward")
+    micro_batch_size: int = Field(16, ge=1, description="completions per forward/backward "
+                                  "(ebft strided: documents x num_generations, at least one document)")
     gradient_accumulation_steps: int = Field(1, ge=1, description="rollout batches per optimizer step")
     lr: float = Field(5e-3, gt=0, description="AdamW learning rate")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
@@ -201,6 +256,7 @@ class Config(Section):
     rewards: RewardsConfig = Field(default_factory=RewardsConfig, description="rewards")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="generation with vLLM")
     algo: AlgoConfig = Field(default_factory=AlgoConfig, description="the RL algorithm")
+    ebft: EbftConfig = Field(default_factory=EbftConfig, description="energy-based fine-tuning (algo.name: ebft)")
     train: TrainConfig = Field(default_factory=TrainConfig, description="optimization")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="outputs")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="checkpoints")
@@ -218,7 +274,39 @@ class Config(Section):
         if rollout.partial_rollout_tokens is not None and rollout.partial_rollout_tokens >= rollout.sampling.max_tokens:
             raise ValueError(f"rollout.partial_rollout_tokens = {rollout.partial_rollout_tokens} must be below "
                              f"rollout.sampling.max_tokens = {rollout.sampling.max_tokens} (or null for off)")
+        if self.algo.name == "grpo" and self.algo.num_generations < 2:
+            raise ValueError(f"algo.num_generations = {self.algo.num_generations}: grpo compares completions within "
+                             "a group and needs at least 2")
+        if self.algo.name == "ebft":
+            self._check_ebft()
         return self
+
+    def _check_ebft(self) -> None:
+        ebft, algo = self.ebft, self.algo
+        if algo.num_generations == 1 and ebft.advantage_estimator != "reinforce":
+            raise ValueError(f"ebft.advantage_estimator = {ebft.advantage_estimator} needs algo.num_generations >= 2 "
+                             "(a baseline from the other samples); with 1 sample use reinforce")
+        if "functions" in self.rewards.model_fields_set:
+            raise ValueError("rewards.functions are not used with algo.name = ebft (the reward is feature matching "
+                             "against the ground truth); remove them, or use algo.name = grpo")
+        if self.rewards.reward_num_workers:
+            raise ValueError("rewards.reward_num_workers must be 0 with algo.name = ebft: its reward is computed by "
+                             "the trainer's model, in the trainer's thread")
+        if algo.reroll_failed:
+            raise ValueError("algo.reroll_failed does not apply to ebft: feature-matching rewards have no failure "
+                             "threshold")
+        if ebft.mode == "strided":
+            unsupported = [key for key, on in (("rollout.async_prefetch", self.rollout.async_prefetch),
+                                               ("rollout.partial_rollout_tokens",
+                                                self.rollout.partial_rollout_tokens is not None),
+                                               ("algo.replay_buffer_size", algo.replay_buffer_size > 0),
+                                               ("algo.beta", algo.beta > 0)) if on]
+            if unsupported:
+                raise ValueError(f"{', '.join(unsupported)}: not supported by ebft.mode = strided (the trainer "
+                                 "generates its own blocks, no vLLM, no KL term); turn them off")
+            if self.model.attention == "flash_attention_2":
+                raise ValueError("model.attention = flash_attention_2 cannot take the block-parallel mask of "
+                                 "ebft.mode = strided; use sdpa or eager")
 
     @property
     def prefetch_depth(self) -> int:

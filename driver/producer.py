@@ -52,12 +52,16 @@ class Producer:
     """Owns what generation carries from job to job: the prompt order, groups in flight (partial
     rollouts), finished groups beyond a job's quota, and prompts to generate again.
 
-    on_finished(group) is called as soon as a group's last sample finishes (streaming scoring)."""
+    on_finished(group) is called as soon as a group's last sample finishes (streaming scoring);
+    max_tokens(prompt) is a group's completion budget (default rollout.sampling.max_tokens; EBFT
+    scales it with the length of the prompt's ground truth)."""
 
     def __init__(self, config: Config, generator: Generator, prompts: PromptSource, tokenizer,
-                 on_finished: Callable[[Group], None] | None = None) -> None:
+                 on_finished: Callable[[Group], None] | None = None,
+                 max_tokens: Callable[[Prompt], int] | None = None) -> None:
         self.config, self.generator, self.prompts, self.tokenizer = config, generator, prompts, tokenizer
         self.on_finished = on_finished
+        self.max_tokens = max_tokens or (lambda prompt: config.rollout.sampling.max_tokens)
         self.quota = config.train.prompts_per_step * config.train.gradient_accumulation_steps
         self.budget = config.rollout.partial_rollout_tokens or config.rollout.sampling.max_tokens
         self.next_group_id = 0
@@ -119,9 +123,9 @@ class Producer:
         """One round over every group in flight; returns (groups finished, continuations, samples
         stopped by the budget, samples generated)."""
         seed, group_size = self.config.train.seed, self.config.algo.num_generations
-        max_tokens = self.config.rollout.sampling.max_tokens
         requests, targets = [], []  # targets[i]: (group, sample index or None for a whole new group)
         for group in self.in_flight:
+            max_tokens = self.max_tokens(group.prompt)
             if not group.samples:
                 requests.append(Request(group.prompt.token_ids, group_size, group_seed(seed, group.group_id),
                                         min(self.budget, max_tokens)))
@@ -139,10 +143,11 @@ class Producer:
         done, finished_ids = [], set()
         for request_index, completions in self.generator.stream(requests, version):
             group, index = targets[request_index]
+            max_tokens = self.max_tokens(group.prompt)
             if index is None:
-                group.samples = [self._sample(c, version) for c in completions]
+                group.samples = [self._sample(c, version, max_tokens) for c in completions]
             else:
-                self._extend(group.samples[index], completions[0], version)
+                self._extend(group.samples[index], completions[0], version, max_tokens)
             changed = group.samples if index is None else [group.samples[index]]
             sampled += len(changed)
             truncated += sum(sample.finish_reason == "partial" for sample in changed)
@@ -155,12 +160,12 @@ class Producer:
         self.in_flight = [group for group in self.in_flight if group.group_id not in finished_ids]
         return done, continued, truncated, sampled
 
-    def _sample(self, completion: Completion, version: int) -> Sample:
+    def _sample(self, completion: Completion, version: int, max_tokens: int) -> Sample:
         sample = Sample([], [], "partial", [])
-        self._extend(sample, completion, version)
+        self._extend(sample, completion, version, max_tokens)
         return sample
 
-    def _extend(self, sample: Sample, completion: Completion, version: int) -> None:
+    def _extend(self, sample: Sample, completion: Completion, version: int, max_tokens: int) -> None:
         start = len(sample.token_ids)
         sample.token_ids = sample.token_ids + list(completion.token_ids)
         sample.logprobs = sample.logprobs + list(completion.logprobs)
@@ -168,7 +173,7 @@ class Producer:
             sample.spans = sample.spans + [Span(start, len(sample.token_ids), version)]
         if completion.finish_reason == "stop":
             sample.finish_reason = "stop"
-        elif len(sample.token_ids) >= self.config.rollout.sampling.max_tokens:
+        elif len(sample.token_ids) >= max_tokens:
             sample.finish_reason = "length"
         else:
             sample.finish_reason = "partial"  # stopped by the round's budget: continued later

@@ -36,6 +36,17 @@ from driver.rollout.records import Group
 from driver.schedule import job_version, sync_due, versions_kept
 
 
+def make_scorer(config: Config, policy: Policy):
+    """(the step's scorer, each group's max_tokens or None): the reward functions, or for EBFT the
+    feature scorer, which also sizes each group's budget from its ground truth."""
+    if config.algo.name != "ebft":
+        return GroupScorer(config), None
+    from driver.ebft.structured import FeatureScorer, adaptive_max_tokens
+
+    scorer = FeatureScorer(config, policy)
+    return scorer, lambda prompt: adaptive_max_tokens(len(scorer.ground_truths.token_ids(prompt)), config)
+
+
 class Rollouts:
     def __init__(self, config: Config, policy: Policy, generator: Generator, prompts: PromptSource,
                  verifier, start_step: int, state: dict | None = None) -> None:
@@ -44,7 +55,7 @@ class Rollouts:
         if not getattr(generator, "serves_one_version", False):
             generator.keep_versions = max(generator.keep_versions, versions_kept(self.depth, self.interval))
         self.engine_lock = threading.Lock()
-        self.scorer = GroupScorer(config)
+        self.scorer, max_tokens = make_scorer(config, policy)
         self.replay = (ReplayBuffer(config.algo.replay_buffer_size, config.algo.replay_max_age)
                        if config.algo.replay_buffer_size else None)
         self.reroll = (RerollQueue(max(delay_steps(config.algo.reroll_after, config.train.steps), self.depth + 1),
@@ -55,7 +66,8 @@ class Rollouts:
         # this process must run in the main thread (signal.alarm), so only the synchronous loop streams them.
         self.stream_rewards = self.scorer.in_workers or self.depth == 0
         self.producer = Producer(config, generator, prompts, policy.tokenizer,
-                                 on_finished=self.scorer.submit_group if self.stream_rewards else None)
+                                 on_finished=self.scorer.submit_group if self.stream_rewards else None,
+                                 max_tokens=max_tokens)
         # Checkpoints under prefetch: the producer's state before each job not assembled yet, and the
         # re-rolled prompts each took from the queue (both under _state_lock).
         self._state_lock = threading.Lock()

@@ -5,6 +5,10 @@ characters that are digits. A random model starts near 10/384 per token and GRPO
 whole output distribution towards the ten digit tokens within a few dozen steps, so "the reward
 went up" is a sharp end-to-end check of the loop (generation, rewards, advantages, loss, sync).
 
+`toy:digits-gt`: the same prompts, each with a `ground_truth` of digit groups (for algo.name = ebft,
+which matches the features of the completions to those of the ground truth instead of scoring a
+reward): a tiny model fits it by learning to write digits, so the feature-matching loss falls.
+
 Reward functions follow TRL's signature: fn(prompts, completions, **columns) -> list[float | None].
 """
 
@@ -14,18 +18,23 @@ import random
 
 WORDS = ("apple river stone cloud green seven light house music paper table window garden "
          "number letter quiet silver orange simple little water dream train").split()
-TASKS = {"digits": "Write digits:"}
+TASKS = {"digits": "Write digits:"}  # the tiny tokenizer's corpus reads this: changing it changes the tokenizer
+GROUND_TRUTH_TASKS = {"digits-gt": "digits"}  # toy set with a ground_truth column -> the task of its prompts
 
 
 def toy_dataset(name: str, size: int = 256, seed: int = 0) -> list[dict]:
-    if name not in TASKS:
+    task = GROUND_TRUTH_TASKS.get(name, name)
+    if task not in TASKS:
         raise ValueError(f"unknown toy dataset 'toy:{name}'; choose one of "
-                         + ", ".join(f"toy:{n}" for n in TASKS))
+                         + ", ".join(f"toy:{n}" for n in [*TASKS, *GROUND_TRUTH_TASKS]))
     rng = random.Random(seed)
     rows = []
     for index in range(size):
         words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 5)))
-        rows.append({"prompt": f"{TASKS[name]} {words}", "id": index})
+        rows.append({"prompt": f"{TASKS[task]} {words}", "id": index})
+    if name in GROUND_TRUTH_TASKS:
+        for row in rows:  # drawn after the prompts, so toy:digits and toy:digits-gt share their prompts
+            row["ground_truth"] = " " + " ".join(str(rng.randint(0, 99999)) for _ in range(rng.randint(2, 3)))
     return rows
 
 

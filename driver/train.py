@@ -1,11 +1,13 @@
-"""GRPO with LoRA / QLoRA against vLLM: `python -m driver.train cfg.yaml [--section.key=value ...]`.
+"""GRPO or EBFT with LoRA / QLoRA against vLLM: `python -m driver.train cfg.yaml [--section.key=value ...]`.
 
 One step: prompts -> vLLM samples num_generations completions each (with their logprobs) ->
 rewards -> group advantages (DeepSeekMath GRPO, https://arxiv.org/abs/2402.03300) -> clipped,
 importance-corrected loss on packed sequences -> optimizer update(s) -> adapter sync to vLLM,
 verified with a logprob probe. driver/rollouts.py feeds the batches: synchronously, or generated
 ahead in a thread (rollout.async_prefetch), with partial rollouts, reward workers, zero-advantage
-filtering, replay and re-rolls.
+filtering, replay and re-rolls. EBFT (algo.name: ebft, https://arxiv.org/abs/2603.12248) replaces the
+rewards by feature matching against a ground truth (driver/ebft/); its strided mode samples blocks
+in the trainer instead of vLLM (driver/ebft/strided.py feeds the batches, strided_update.py trains).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from driver.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from driver.cli import ConfigError, config_from_argv, exit_on_config_error
 from driver.config import Config
 from driver.data import PromptSource
+from driver.ebft.strided import StridedSource
+from driver.ebft.strided_update import optimize_strided
 from driver.interrupt import GracefulInterrupt
 from driver.metrics import MetricsLogger
 from driver.model import load_policy
@@ -56,14 +60,17 @@ def run(config: Config) -> bool:
         step, rollout_state = load_checkpoint(find_checkpoint(output_dir, config.checkpoint.resume), policy,
                                               optimizer, scheduler, prompts)
 
-    generator = make_generator(config, policy)
-    verifier = sync.make_verifier(config, policy)
+    strided = config.algo.name == "ebft" and config.ebft.mode == "strided"  # the trainer samples: no vLLM
+    generator = None if strided else make_generator(config, policy)
+    verifier = None if strided else sync.make_verifier(config, policy)
+    update = optimize_strided if strided else optimize
     logger = MetricsLogger(output_dir, total_steps=config.train.steps, start_step=step,
                            tensorboard=config.logging.tensorboard, progress=config.logging.progress)
     logger.print(f"pykernels: {policy.kernels}")
     rollouts = None
     try:
-        rollouts = Rollouts(config, policy, generator, prompts, verifier, step, rollout_state)
+        rollouts = (StridedSource(config, policy, prompts, rollout_state) if strided else
+                    Rollouts(config, policy, generator, prompts, verifier, step, rollout_state))
         with GracefulInterrupt() as interrupt:
             while step < config.train.steps and not interrupt.requested:
                 started = time.perf_counter()
@@ -77,7 +84,7 @@ def run(config: Config) -> bool:
                     break
                 generated = time.perf_counter()
                 memory.reset_peak(policy.device)
-                metrics = {**batch.metrics, **optimize(config, policy, batch, optimizer, scheduler)}
+                metrics = {**batch.metrics, **update(config, policy, batch, optimizer, scheduler)}
                 updated = time.perf_counter()
                 if (peak := memory.peak_gib(policy.device)) is not None:
                     metrics["memory/update_peak_gib"] = peak
@@ -100,7 +107,8 @@ def run(config: Config) -> bool:
         if rollouts is not None:
             rollouts.close()  # first: its thread must not hold the engine when the engine shuts down
         logger.close()
-        generator.close()
+        if generator is not None:
+            generator.close()
     if config.logging.plots:
         plot_metrics(output_dir / "metrics.jsonl", output_dir)
     return not interrupt.requested

@@ -54,6 +54,7 @@ def hidden_layer_states(
     position_ids: torch.Tensor | None,  # [1, L]
     attention_mask: torch.Tensor | None,  # [1, L] padding mask, or a 4-D mask for packed rows
     layers: list[int],  # indices into the hidden-states tuple (see layer_indices)
+    **attention_kwargs,  # e.g. cu_seq_lens_q/k for flash attention (pykernels' packed_attention_kwargs)
 ) -> list[torch.Tensor]:  # len(layers) x [L, H]
     """One forward of the LM's body (no lm_head) returning the requested hidden states of the row.
 
@@ -65,7 +66,7 @@ def hidden_layer_states(
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     body = causal_lm.get_decoder()
     outputs = body(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                   output_hidden_states=True, use_cache=False)
+                   output_hidden_states=True, use_cache=False, **attention_kwargs)
     hidden_states = outputs.hidden_states  # (embeddings, layer 1, ..., layer N); the last is post-norm
     bad = [i for i in layers if not 0 <= i < len(hidden_states)]
     if bad:

@@ -18,7 +18,7 @@ import torch
 
 from pykernels.integrations.moe_experts import apply_moe_kernels, quantize_moe_experts
 
-__all__ = ["apply_moe_kernels", "block_causal_mask", "packed_hidden_states", "packed_position_ids", "quantize_moe_experts"]
+__all__ = ["apply_moe_kernels", "block_causal_mask", "packed_attention_kwargs", "packed_hidden_states", "packed_position_ids", "quantize_moe_experts"]
 
 _VARLEN_BACKENDS = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn", "kernels-community/vllm-flash-attn3")
 
@@ -48,6 +48,17 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, length: int) -> None:
                          f"{cu_seqlens.tolist()}")
 
 
+def packed_attention_kwargs(causal_lm: torch.nn.Module, cu_seqlens: torch.Tensor) -> dict:
+    """The attention arguments of a decoder forward over packed sequences: cu_seqlens for the
+    flash-attention (varlen) backends, a block-diagonal causal mask for the others."""
+    if causal_lm.config._attn_implementation in _VARLEN_BACKENDS:
+        cu = cu_seqlens.to(dtype=torch.int32)
+        max_length = int(cu_seqlens.diff().max())
+        return dict(attention_mask=None, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_length,
+                    max_length_k=max_length)
+    return dict(attention_mask=block_causal_mask(cu_seqlens, causal_lm.dtype))
+
+
 def packed_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
                          position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Final hidden states [L, H] (after the last norm, before the lm_head) of packed sequences.
@@ -64,14 +75,6 @@ def packed_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, cu_seq
         position_ids = packed_position_ids(cu_seqlens)
     position_ids = position_ids.reshape(1, -1).to(input_ids.device)
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    decoder = causal_lm.get_decoder()
-    kwargs = {}
-    if causal_lm.config._attn_implementation in _VARLEN_BACKENDS:
-        cu = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)
-        max_length = int(cu_seqlens.diff().max())
-        kwargs = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_length, max_length_k=max_length)
-        mask = None
-    else:
-        mask = block_causal_mask(cu_seqlens.to(input_ids.device), causal_lm.dtype)
-    output = decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False, **kwargs)
+    output = causal_lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                     **packed_attention_kwargs(causal_lm, cu_seqlens.to(input_ids.device)))
     return output.last_hidden_state[0]

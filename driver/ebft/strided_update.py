@@ -1,0 +1,102 @@
+"""The EBFT strided update: loss = rl_coef * policy gradient + ce_coef * cross-entropy, one forward of
+each micro-batch's generation-order row (the sampling mask, adapter on).
+
+Policy gradient: every generated token is scored from its predictor row (the row whose logits
+sampled it: the context's last token for step 0, the block's previous token after; the row just
+before it in the row belongs to another block), at the sampling temperature, with its block's
+advantage, in driver/losses.py's clipped loss (one sequence per (sample, block); the old logprobs
+are the sampling logprobs, computed by these very weights, so the first update's ratio is 1).
+Cross-entropy: the ground truth (the whole document without one) at temperature 1, each document's
+token mean averaged over the step's documents, as in the official code. The document rows are plain
+causal, so the CE costs no second forward.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+
+from driver.config import Config
+from driver.ebft.strided import StridedBatch, StridedChunk, attention_mask_dtype
+from driver.ebft.strided_generate import row_inputs
+from driver.losses import StepNormalizers, policy_loss
+from driver.model import Policy
+from pykernels.logprobs import token_logprobs
+
+
+def optimize_strided(config: Config, policy: Policy, batch: StridedBatch, optimizer, scheduler) -> dict[str, float]:
+    algo, ebft = config.algo, config.ebft
+    normalizers = StepNormalizers(
+        num_sequences=sum(int(a.numel()) for chunk in batch.chunks for a in chunk.advantages),
+        num_tokens=sum(int(t.numel()) for chunk in batch.chunks for t in chunk.rollout.tokens),
+        num_micro_batches=len(batch.chunks), max_completion_length=ebft.generate_max_len)
+    num_documents = sum(len(chunk.documents) for chunk in batch.chunks)
+    params = policy.trainable_parameters()
+    totals: dict[str, list[float]] = defaultdict(list)
+    policy.model.train()
+    for _ in range(algo.num_iterations):
+        optimizer.zero_grad(set_to_none=True)
+        step_loss = 0.0
+        for chunk in batch.chunks:
+            metrics = chunk_loss(config, policy, chunk, normalizers, num_documents)
+            step_loss += metrics.pop("loss")
+            for key, value in metrics.items():
+                totals[key].append(value)
+        totals["loss"].append(step_loss)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, config.train.max_grad_norm or math.inf)
+        totals["grad_norm"].append(float(grad_norm))
+        optimizer.step()
+        scheduler.step()
+    metrics = {key: sum(values) / len(values) for key, values in totals.items()}
+    for key in ("ebft/rl_loss", "ebft/ce_loss"):  # each chunk's share of the step's loss: the step's is their sum
+        metrics[key] = sum(totals[key]) / algo.num_iterations
+    metrics["learning_rate"] = scheduler.get_last_lr()[0]
+    return metrics
+
+
+def chunk_loss(config: Config, policy: Policy, chunk: StridedChunk, normalizers: StepNormalizers,
+               num_documents: int) -> dict[str, float]:
+    """Backward of this chunk's share of the step loss; returns its metrics."""
+    algo, ebft, rollout = config.algo, config.ebft, chunk.rollout
+    device = policy.device
+    input_ids, position_ids, mask = row_inputs(rollout, device, attention_mask_dtype(policy))
+    causal_lm = policy.causal_lm
+    hidden = causal_lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                                     use_cache=False).last_hidden_state[0]  # PEFT's LoRA layers are in place
+    weight = causal_lm.get_output_embeddings().weight
+    generate_length = ebft.generate_max_len
+    predictors = torch.cat([rows.reshape(-1) for rows in rollout.predictor_rows]).to(device)
+    targets = torch.cat([tokens.reshape(-1) for tokens in rollout.tokens]).to(device)
+    logps = token_logprobs(hidden[predictors], weight, targets, temperature=config.rollout.sampling.temperature)
+    logps = logps.view(-1, generate_length)  # [(document, sample, block), G]
+    old = torch.cat([lp.reshape(-1, generate_length) for lp in rollout.sampling_logprobs]).to(device)
+    advantages = torch.cat([a.reshape(-1) for a in chunk.advantages]).to(device)
+    epsilon_high = algo.epsilon_high if algo.epsilon_high is not None else algo.epsilon
+    rl, metrics = policy_loss(logps, old, advantages, torch.ones_like(old), loss_type=algo.loss_type,
+                              epsilon_low=algo.epsilon, epsilon_high=epsilon_high, beta=0.0, normalizers=normalizers)
+    loss = ebft.rl_coef * rl
+    ce = ground_truth_cross_entropy(chunk, hidden, weight, device) / num_documents
+    if ebft.ce_coef > 0:
+        loss = loss + ebft.ce_coef * ce
+    loss.backward()
+    metrics.update({"loss": float(loss.detach()), "ebft/rl_loss": float(rl.detach()),
+                    "ebft/ce_loss": float(ce.detach())})
+    return metrics
+
+
+def ground_truth_cross_entropy(chunk: StridedChunk, hidden: torch.Tensor, weight: torch.Tensor,
+                               device: torch.device) -> torch.Tensor:
+    """Sum over the chunk's documents of the mean -log p(x_t | x_<t) over the ground-truth tokens."""
+    predictors, targets, owners = [], [], []
+    for index, (document, doc_rows) in enumerate(zip(chunk.documents, chunk.rollout.doc_rows)):
+        positions = torch.arange(max(document.ce_start, 1), len(document.token_ids))
+        predictors.append(doc_rows[positions - 1])
+        targets.append(torch.tensor(document.token_ids)[positions])
+        owners.append(torch.full((len(positions),), index))
+    predictors, targets, owners = (torch.cat(x).to(device) for x in (predictors, targets, owners))
+    logps = token_logprobs(hidden[predictors], weight, targets, temperature=1.0)
+    count = torch.bincount(owners, minlength=len(chunk.documents)).clamp(min=1)
+    per_document = torch.zeros(len(chunk.documents), device=device, dtype=logps.dtype).index_add(0, owners, -logps)
+    return (per_document / count).sum()

@@ -1,0 +1,162 @@
+"""EBFT structured mode: vLLM samples whole completions, as for GRPO; the reward of each is feature
+matching against its prompt's ground truth, read from the frozen base (adapter disabled).
+
+FeatureScorer stands where driver/group_scorer.py's GroupScorer stands in the rollout pipeline
+(submit_group / wait / discard / metrics): groups are queued as they finish and scored when the
+trainer assembles the step, in the trainer's thread, because the features come from the trainer's
+own model (under async prefetch the prefetch thread only drives vLLM). The sequences are the token
+ids themselves (prompt + completion, prompt + tokenized ground truth), never decoded and
+re-tokenized, packed into rows of train.micro_batch_size sequences.
+
+Each group's result is a [n, 3] table: cos(phi_j, phi_gt), the mean dot product with the group's other
+samples, and the group's CFM loss (repeated); advantages_from_tables turns tables into rewards and
+advantages (driver/ebft/advantages.py).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from driver.config import Config, EbftConfig
+from driver.ebft.advantages import ebft_advantages
+from driver.ebft.features import hidden_layer_states, layer_indices, pool, token_features
+from driver.ebft.rewards import RewardParts, group_rewards, reward_metrics
+from driver.model import Policy
+from driver.reward_pool import RewardResult
+from driver.rollout.records import Group
+from driver.scoring import pack
+from pykernels.integrations.transformers import packed_attention_kwargs
+
+TABLE_COLUMNS = ["alignment", "diversity", "cfm"]
+
+
+def adaptive_max_tokens(ground_truth_tokens: int, config: Config) -> int:
+    """A group's completion budget: ceil(ground-truth tokens x gt_length_multiplier), within
+    [min_max_tokens, rollout.sampling.max_tokens] (the sampling limit when the multiplier is null)."""
+    limit, ebft = config.rollout.sampling.max_tokens, config.ebft
+    if ebft.gt_length_multiplier is None:
+        return limit
+    return max(min(math.ceil(ground_truth_tokens * ebft.gt_length_multiplier), limit), min(ebft.min_max_tokens, limit))
+
+
+class GroundTruths:
+    """Token ids of each prompt's ground truth (tokenized once per dataset row)."""
+
+    def __init__(self, ebft: EbftConfig, tokenizer) -> None:
+        self.field, self.tokenizer = ebft.ground_truth_field, tokenizer
+        self._ids: dict[int, list[int]] = {}
+
+    def token_ids(self, prompt) -> list[int]:
+        if prompt.index not in self._ids:
+            text = prompt.columns.get(self.field)
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"ebft: data row {prompt.index} has no text column '{self.field}' (the ground truth; "
+                                 f"ebft.ground_truth_field); columns are {sorted(prompt.columns)}")
+            self._ids[prompt.index] = list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        return self._ids[prompt.index]
+
+
+def completion_ids(sample_ids: list[int], eos_token_id: int | None) -> list[int]:
+    """The completion without a final EOS: ground truths have none, and features compare like with like."""
+    if sample_ids and eos_token_id is not None and sample_ids[-1] == eos_token_id:
+        return sample_ids[:-1]
+    return sample_ids
+
+
+class FeatureScorer:
+    in_workers = False
+    names = TABLE_COLUMNS
+
+    def __init__(self, config: Config, policy: Policy) -> None:
+        self.config, self.policy, self.ebft = config, policy, config.ebft
+        self.layers = layer_indices(policy.causal_lm.config.num_hidden_layers, self.ebft.feature_layers)
+        self.ground_truths = GroundTruths(self.ebft, policy.tokenizer)
+        self.weights = torch.tensor([2 * self.ebft.alignment_coef, -2 * self.ebft.diversity_coef, 0.0])
+        self._queued: dict[int, Group] = {}
+        self._seconds = 0.0
+
+    def submit_group(self, group: Group) -> None:
+        self._queued[group.group_id] = group
+
+    def discard(self, keys: list[int]) -> None:
+        for key in keys:
+            self._queued.pop(key, None)
+
+    def wait(self, keys: list[int]) -> dict[int, RewardResult]:
+        missing = [key for key in keys if key not in self._queued]
+        if missing:
+            raise KeyError(f"groups {missing} were never submitted")
+        started = time.perf_counter()
+        groups = [self._queued.pop(key) for key in keys]
+        results = {}
+        if groups:
+            gen, gt = self.group_features(groups)
+            parts = group_rewards(gen, gt, self.ebft.alignment_coef, self.ebft.diversity_coef, self.ebft.whitening,
+                                  self.ebft.whiten_tol)
+            for index, group in enumerate(groups):
+                table = torch.stack([parts.alignment[index], parts.diversity[index],
+                                     parts.cfm[index].expand_as(parts.alignment[index])], dim=1).float()
+                results[group.group_id] = RewardResult(group.group_id, table, None)
+        self._seconds += time.perf_counter() - started
+        return results
+
+    @torch.no_grad()
+    def group_features(self, groups: list[Group]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pooled features (gen [P, n, F], gt [P, F]) of the groups' samples and ground truths."""
+        eos = self.policy.tokenizer.eos_token_id
+        prompts, completions = [], []
+        for group in groups:
+            prompt_ids = group.prompt.token_ids
+            prompts += [prompt_ids] * (len(group.samples) + 1)
+            completions += [completion_ids(s.token_ids, eos) for s in group.samples]
+            completions.append(self.ground_truths.token_ids(group.prompt))
+        pooled = self.pooled_features(prompts, completions)
+        per_group = len(groups[0].samples) + 1
+        pooled = pooled.view(len(groups), per_group, -1)
+        return pooled[:, :-1], pooled[:, -1]
+
+    def pooled_features(self, prompts: list[list[int]], completions: list[list[int]]) -> torch.Tensor:
+        """[N, F] one pooled feature vector per (prompt, completion), packed micro_batch_size at a time."""
+        policy, size = self.policy, self.config.train.micro_batch_size
+        was_training = policy.model.training
+        policy.model.eval()
+        out = []
+        try:
+            with policy.reference():
+                for start in range(0, len(prompts), size):
+                    packed = pack(prompts[start:start + size], completions[start:start + size], device=policy.device)
+                    attention = packed_attention_kwargs(policy.causal_lm, packed.cu_seqlens)
+                    mask = attention.pop("attention_mask")
+                    states = hidden_layer_states(policy.model, packed.input_ids, packed.position_ids, mask,
+                                                 self.layers, **attention)
+                    starts = packed.cu_seqlens[:-1].tolist()
+                    spans = [(s, s + p, s + p + c) for s, p, c in
+                             zip(starts, packed.prompt_lengths, packed.completion_lengths)]
+                    out.append(pool(token_features([state.float() for state in states]), spans,
+                                    self.ebft.embed_method))
+        finally:
+            policy.model.train(was_training)
+        return torch.cat(out).cpu()
+
+    def metrics(self) -> dict[str, float]:
+        seconds, self._seconds = self._seconds, 0.0
+        return {"time/ebft_features": seconds}
+
+    def close(self) -> None:
+        self._queued.clear()
+
+
+def advantages_from_tables(ebft: EbftConfig, groups: list[Group]) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """(rewards [N], advantages [N], metrics) of groups whose .rewards hold FeatureScorer tables."""
+    tables = torch.stack([group.rewards.double() for group in groups])  # [P, n, 3]
+    alignment, diversity = tables[..., 0], tables[..., 1]
+    reward = 2 * ebft.alignment_coef * alignment - 2 * ebft.diversity_coef * diversity
+    parts = RewardParts(alignment=alignment, diversity=diversity, reward=reward, cfm=tables[:, 0, 2])
+    advantages = ebft_advantages(parts, ebft.alignment_coef, ebft.diversity_coef, ebft.advantage_estimator)
+    metrics = reward_metrics(parts)
+    metrics["ebft/reward_std"] = float(reward.std(dim=1).mean()) if reward.shape[1] > 1 else 0.0
+    metrics["ebft/advantage_abs_mean"] = float(advantages.abs().mean())
+    return reward.reshape(-1).float(), advantages.reshape(-1).float(), metrics

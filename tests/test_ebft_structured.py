@@ -1,0 +1,214 @@
+"""EBFT structured mode: the config rules, per-group completion budgets, and the feature scorer
+against features computed one sequence at a time by a separately loaded base model."""
+
+import json
+import math
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from driver.config import Config
+from driver.data import Prompt, PromptSource
+from driver.ebft.advantages import ebft_advantages
+from driver.ebft.rewards import RewardParts, group_rewards
+from driver.ebft.structured import FeatureScorer, adaptive_max_tokens, advantages_from_tables, completion_ids
+from driver.producer import Producer
+from driver.rollout.records import Group, Sample, Span
+from tests.async_fakes import FakeGenerator, FakeTokenizer
+
+EBFT = {"algo": {"name": "ebft", "num_generations": 4}}
+
+
+def ebft_config(**sections) -> Config:
+    base = {section: dict(values) for section, values in EBFT.items()}
+    for section, values in sections.items():
+        base[section] = {**base.get(section, {}), **values}
+    return Config.model_validate(base)
+
+
+# -- config --
+
+@pytest.mark.parametrize("sections, message", [
+    ({"algo": {"num_generations": 1}}, "advantage_estimator = rloo needs algo.num_generations >= 2"),
+    ({"algo": {"num_generations": 1}, "ebft": {"advantage_estimator": "group_norm"}}, "group_norm needs"),
+    ({"rewards": {"functions": [{"path": "driver.toy_tasks.digit_fraction"}]}}, "rewards.functions are not used"),
+    ({"rewards": {"reward_num_workers": 2}}, "reward_num_workers must be 0"),
+    ({"algo": {"reroll_failed": True}}, "reroll_failed does not apply"),
+    ({"ebft": {"mode": "strided"}, "rollout": {"async_prefetch": True}}, "rollout.async_prefetch: not supported"),
+    ({"ebft": {"mode": "strided"}, "algo": {"beta": 0.1}}, "algo.beta: not supported"),
+    ({"ebft": {"mode": "strided"}, "model": {"attention": "flash_attention_2"}}, "cannot take the block-parallel"),
+    ({"ebft": {"feature_layers": [0.0, 0.5]}}, "fractions in \\(0, 1\\]"),
+    ({"ebft": {"embed_method": "max"}}, "embed_method"),
+])
+def test_config_rejects_what_ebft_cannot_do_and_says_why(sections, message):
+    with pytest.raises(ValidationError, match=message):
+        ebft_config(**sections)
+
+
+def test_config_allows_one_sample_with_reinforce_and_grpo_still_needs_two():
+    assert ebft_config(algo={"num_generations": 1}, ebft={"advantage_estimator": "reinforce"}).algo.num_generations == 1
+    with pytest.raises(ValidationError, match="grpo compares completions within a group"):
+        Config.model_validate({"algo": {"num_generations": 1}})
+
+
+# -- completion budgets --
+
+@pytest.mark.parametrize("gt_tokens, multiplier, floor, expected", [
+    (10, 1.5, 8, 15), (11, 1.5, 8, 17), (2, 1.5, 8, 8), (40, 1.5, 8, 32), (10, None, 8, 32), (1, 1.5, 64, 32),
+])
+def test_adaptive_max_tokens_scales_the_ground_truth_within_the_floor_and_the_sampling_limit(
+        gt_tokens, multiplier, floor, expected):
+    config = ebft_config(ebft={"gt_length_multiplier": multiplier, "min_max_tokens": floor},
+                         rollout={"sampling": {"max_tokens": 32}})
+    assert adaptive_max_tokens(gt_tokens, config) == expected
+
+
+@pytest.mark.parametrize("partial", [None, 2])
+def test_each_group_is_generated_and_finished_with_its_own_budget(tmp_path, partial):
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["short", "a much longer prompt"]))
+    config = ebft_config(data={"source": str(data), "shuffle": False}, train={"prompts_per_step": 2},
+                         rollout={"verify_sync": False, "partial_rollout_tokens": partial,
+                                  "sampling": {"max_tokens": 10}})
+    tokenizer = FakeTokenizer()
+    budgets = {0: 3, 1: 5}  # by dataset row
+    generator = FakeGenerator(lengths=(10,))  # every sample would run to 10 tokens
+    producer = Producer(config, generator, PromptSource(config.data, tokenizer, 0), tokenizer,
+                        max_tokens=lambda prompt: budgets[prompt.index])
+    job = producer.produce(0, version=0)
+    for group in job.groups:
+        for sample in group.samples:
+            assert len(sample.token_ids) == budgets[group.prompt.index]
+            assert sample.finish_reason == "length"
+    assert max(request.max_tokens for _, request in generator.requests) <= (partial or 5)
+
+
+def test_completion_ids_drop_only_a_final_eos():
+    assert completion_ids([5, 6, 2], eos_token_id=2) == [5, 6]
+    assert completion_ids([2, 6], eos_token_id=2) == [2, 6]
+    assert completion_ids([], eos_token_id=2) == []
+    assert completion_ids([5, 2], eos_token_id=None) == [5, 2]
+
+
+# -- the feature scorer against a separately loaded base model --
+
+GROUND_TRUTHS = [" 123 45", " 9 8 7 6 5"]
+
+
+@pytest.fixture(scope="module")
+def policy():
+    from driver.model import load_policy
+
+    policy = load_policy(ebft_config(lora={"r": 4}, ebft={"feature_layers": [0.5, 1.0]}))
+    with torch.no_grad():  # a non-zero adapter: features read with it enabled would differ
+        for name, param in policy.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    return policy
+
+
+@pytest.fixture(scope="module")
+def base_model(policy):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(policy.model_dir, dtype=torch.float32).eval()
+
+
+def make_groups(policy, num_samples=3):
+    tokenizer, eos = policy.tokenizer, policy.tokenizer.eos_token_id
+    generator = torch.Generator().manual_seed(0)
+    groups = []
+    for index, (prompt_text, gt) in enumerate(zip(["Write digits: apple river", "Write digits: stone"], GROUND_TRUTHS)):
+        ids = tokenizer(prompt_text, add_special_tokens=False).input_ids
+        samples = []
+        for j in range(num_samples):
+            tokens = torch.randint(10, 300, (3 + 2 * j + index,), generator=generator).tolist()
+            if j == 1:
+                tokens.append(eos)  # stopped on EOS: the EOS is not part of the features
+            samples.append(Sample(tokens, [-1.0] * len(tokens), "stop", [Span(0, len(tokens), 0)]))
+        prompt = Prompt(index, prompt_text, list(ids), {"prompt": prompt_text, "ground_truth": gt})
+        groups.append(Group(group_id=10 + index, prompt=prompt, samples=samples))
+    return groups
+
+
+@torch.no_grad()
+def oracle_feature(base_model, prompt_ids, completion, layers, method):
+    """One sequence alone through a plain causal LM: layers' hidden states, normalized, pooled."""
+    ids = torch.tensor([prompt_ids + completion])
+    states = base_model(input_ids=ids, output_hidden_states=True).hidden_states
+    features = torch.cat([torch.nn.functional.normalize(states[i][0], dim=-1) for i in layers], -1) / math.sqrt(len(layers))
+    start = len(prompt_ids)
+    if method == "last_token" or not completion:
+        return features[-1]
+    return features[start:].mean(0)
+
+
+@pytest.mark.parametrize("method, micro_batch_size, whitening", [
+    ("completion_mean", 64, False), ("completion_mean", 3, False), ("last_token", 2, True)])
+def test_feature_scorer_matches_per_sequence_features_of_the_base_model(policy, base_model, method,
+                                                                        micro_batch_size, whitening):
+    config = ebft_config(ebft={"feature_layers": [0.5, 1.0], "embed_method": method, "whitening": whitening,
+                               "diversity_coef": 0.5}, train={"micro_batch_size": micro_batch_size})
+    scorer = FeatureScorer(config, policy)
+    assert scorer.layers == [1, 2]
+    groups = make_groups(policy)
+    for group in groups:
+        scorer.submit_group(group)
+    results = scorer.wait([g.group_id for g in groups])
+    eos = policy.tokenizer.eos_token_id
+    gen, gt = [], []
+    for group, truth in zip(groups, GROUND_TRUTHS):
+        prompt_ids = group.prompt.token_ids
+        gen.append(torch.stack([oracle_feature(base_model, prompt_ids, completion_ids(s.token_ids, eos), [1, 2], method)
+                                for s in group.samples]))
+        truth_ids = policy.tokenizer(truth, add_special_tokens=False).input_ids
+        gt.append(oracle_feature(base_model, prompt_ids, truth_ids, [1, 2], method))
+    expected = group_rewards(torch.stack(gen), torch.stack(gt), 1.0, 0.5, whitening)
+    for index, group in enumerate(groups):
+        table = results[group.group_id].table
+        torch.testing.assert_close(table[:, 0], expected.alignment[index].float(), atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(table[:, 1], expected.diversity[index].float(), atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(table[:, 2], expected.cfm[index].float().expand(3), atol=2e-5, rtol=1e-4)
+    assert policy.model.training or not policy.model.training  # restored below
+    assert not scorer._queued
+
+
+def test_feature_scorer_restores_the_training_mode_and_rejects_unknown_groups(policy):
+    scorer = FeatureScorer(ebft_config(ebft={"feature_layers": [1.0]}), policy)
+    policy.model.train()
+    groups = make_groups(policy, num_samples=2)
+    scorer.submit_group(groups[0])
+    scorer.discard([groups[0].group_id])
+    with pytest.raises(KeyError, match="never submitted"):
+        scorer.wait([groups[0].group_id])
+    scorer.submit_group(groups[1])
+    scorer.wait([groups[1].group_id])
+    assert policy.model.training
+
+
+def test_a_missing_ground_truth_names_the_row_and_the_column(policy):
+    scorer = FeatureScorer(ebft_config(ebft={"feature_layers": [1.0], "ground_truth_field": "answer"}), policy)
+    group = make_groups(policy)[0]
+    scorer.submit_group(group)
+    with pytest.raises(ValueError, match="data row 0 has no text column 'answer'"):
+        scorer.wait([group.group_id])
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "group_norm", "reinforce"])
+def test_advantages_from_tables_are_the_ebft_advantages_of_the_groups(estimator):
+    generator = torch.Generator().manual_seed(1)
+    config = ebft_config(ebft={"advantage_estimator": estimator, "alignment_coef": 0.7, "diversity_coef": 0.3})
+    groups = []
+    for index in range(3):
+        table = torch.rand(4, 3, generator=generator)
+        table[:, 2] = table[0, 2]
+        groups.append(Group(group_id=index, prompt=None, samples=[], rewards=table))
+    rewards, advantages, metrics = advantages_from_tables(config.ebft, groups)
+    tables = torch.stack([g.rewards for g in groups]).double()
+    reward = 1.4 * tables[..., 0] - 0.6 * tables[..., 1]
+    parts = RewardParts(tables[..., 0], tables[..., 1], reward, tables[:, 0, 2])
+    torch.testing.assert_close(rewards, reward.reshape(-1).float())
+    torch.testing.assert_close(advantages, ebft_advantages(parts, 0.7, 0.3, estimator).reshape(-1).float())
+    assert metrics["ebft/cfm_loss"] == pytest.approx(float(tables[:, 0, 2].mean()))
+    assert metrics["ebft/alignment"] == pytest.approx(2 * float(tables[..., 0].mean()))
