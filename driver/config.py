@@ -208,6 +208,10 @@ class EbftConfig(Section):
     ce_coef: float = Field(0.0, ge=0, description="strided: weight of the cross-entropy loss on the ground truth")
     kv_cache: bool = Field(True, description="strided: generate with a KV cache (false: recompute the row each "
                            "step, the reference implementation)")
+    attention: Literal["auto", "flex", "dense"] = Field(
+        "auto", description="strided: the block-parallel mask of the feature and training forwards, as a "
+        "flex_attention BlockMask (block-sparse; CUDA only, FlexAttention has no backward on CPU) or a dense "
+        "[L, L] mask (SDPA / eager); auto = flex on CUDA. Generation always uses the dense mask")
 
     @field_validator("feature_layers")
     @classmethod

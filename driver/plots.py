@@ -15,14 +15,15 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 MAIN_CURVES = ("reward", "reward_std", "kl", "entropy", "completions/mean_length", "clip_ratio/region_mean",
-               "sampling/importance_sampling_ratio/mean", "loss")
+               "sampling/importance_sampling_ratio/mean", "loss",
+               "ebft/cfm_loss", "ebft/alignment", "ebft/diversity", "ebft/reward")  # EBFT runs log no "reward"
 PLOTS_DIR = "plots"
 # Weight of the previous average in the exponential moving average drawn over the raw values; 0.9
 # averages over roughly the last ten steps, TensorBoard's default look for noisy RL curves.
 EMA_SMOOTHING = 0.9
 # Keys whose "best" value has a clear direction; other curves report their range instead.
-HIGHER_IS_BETTER = ("reward", "rewards/")
-LOWER_IS_BETTER = ("loss",)
+HIGHER_IS_BETTER = ("reward", "rewards/", "ebft/alignment", "ebft/reward")
+LOWER_IS_BETTER = ("loss", "ebft/cfm_loss")
 
 
 def read_metrics(metrics_path: Path) -> list[dict]:

@@ -28,6 +28,7 @@ from driver.cli import ConfigError, config_from_argv, exit_on_config_error
 from driver.config import Config
 from driver.data import PromptSource
 from driver.ebft.strided import StridedSource
+from driver.ebft.structured import check_ground_truths
 from driver.ebft.strided_update import optimize_strided
 from driver.interrupt import GracefulInterrupt
 from driver.metrics import MetricsLogger
@@ -53,6 +54,8 @@ def run(config: Config) -> bool:
 
     policy = load_policy(config)
     prompts = PromptSource(config.data, policy.tokenizer, config.train.seed)
+    if config.algo.name == "ebft" and config.ebft.ground_truth_field is not None:
+        check_ground_truths(prompts, config.ebft.ground_truth_field)
     optimizer = build_optimizer(policy.trainable_parameters(), config.train)
     scheduler = build_scheduler(optimizer, config.train, config.train.steps * config.algo.num_iterations)
     step, rollout_state = 0, None
@@ -130,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return 0 if run(config) else INTERRUPTED_EXIT_CODE
+    except ConfigError as error:  # found once the data is read (a missing column, a rejected row)
+        exit_on_config_error(error)
     except (RolloutError, RewardError) as error:  # failures of the run, not bugs: say what, not where
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -12,6 +12,7 @@ from driver.config import Config
 from driver.data import Prompt
 from driver.ebft.rewards import group_rewards
 from driver.ebft.strided import StridedSource, pool_blocks
+from driver.ebft.strided_attention import full_row_attention, uses_flex
 from driver.ebft.strided_update import chunk_loss
 from driver.losses import StepNormalizers
 from driver.rollout import RolloutError
@@ -158,3 +159,28 @@ def test_the_strided_loss_has_the_gradient_of_the_loss_built_block_by_block(poli
     assert metrics["ebft/ce_loss"] == pytest.approx(float(ce.detach()), rel=1e-4)
     for mine, oracle in zip(ours, [p.grad for p in params]):
         torch.testing.assert_close(mine, oracle, atol=1e-5, rtol=1e-3)
+
+
+def test_flex_attention_is_picked_on_cuda_only_and_refused_on_cpu():
+    assert uses_flex("auto", torch.device("cuda", 0)) and uses_flex("flex", torch.device("cuda", 0))
+    assert not uses_flex("auto", torch.device("cpu")) and not uses_flex("dense", torch.device("cuda", 0))
+    with pytest.raises(RolloutError, match="ebft.attention = flex needs a CUDA device"):
+        uses_flex("flex", torch.device("cpu"))
+
+
+def test_the_flex_block_mask_computes_what_the_dense_mask_computes(policy):
+    """Forward only: on CPU FlexAttention has no backward (CUDA training runs this path)."""
+    source = StridedSource(strided_config(), policy, ListPrompts(make_prompts(policy)))
+    (chunk,) = source.next_batch(0).chunks
+    hidden = {}
+    with torch.no_grad():
+        for flex in (False, True):
+            with full_row_attention(policy, chunk.rollout, flex) as (input_ids, position_ids, mask):
+                hidden[flex] = policy.model.get_base_model().get_decoder()(
+                    input_ids=input_ids, position_ids=position_ids, attention_mask=mask).last_hidden_state
+    assert policy.causal_lm.config._attn_implementation == "sdpa"  # restored
+    torch.testing.assert_close(hidden[True], hidden[False], atol=1e-4, rtol=1e-4)
+    dense = source.block_rewards(chunk.documents, chunk.rollout)
+    source.flex = True
+    flex = source.block_rewards(chunk.documents, chunk.rollout)
+    torch.testing.assert_close(flex.reward, dense.reward, atol=1e-4, rtol=1e-4)

@@ -212,3 +212,15 @@ def test_advantages_from_tables_are_the_ebft_advantages_of_the_groups(estimator)
     torch.testing.assert_close(advantages, ebft_advantages(parts, 0.7, 0.3, estimator).reshape(-1).float())
     assert metrics["ebft/cfm_loss"] == pytest.approx(float(tables[:, 0, 2].mean()))
     assert metrics["ebft/alignment"] == pytest.approx(2 * float(tables[..., 0].mean()))
+
+
+def test_a_row_without_ground_truth_stops_the_run_before_it_starts_with_a_config_error(tmp_path, capsys):
+    from driver.train import main
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps({"prompt": "a", "ground_truth": " 1"}) + "\n" + json.dumps({"prompt": "b"}) + "\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--algo.name=ebft", "--algo.num_generations=2", f"--data.source={data}",
+              f"--logging.output_dir={tmp_path / 'out'}", "--logging.progress=false"])
+    assert exit_info.value.code == 2
+    assert "ebft.ground_truth_field: 1 rows (first: row 1) have no text column 'ground_truth'" in capsys.readouterr().err

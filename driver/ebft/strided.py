@@ -4,7 +4,7 @@ Each step takes train.prompts_per_step documents (prompt + ground truth, or the 
 when ebft.ground_truth_field is null), lays anchors every ebft.stride tokens inside the ground truth
 (driver/ebft/strided_layout.py), samples num_generations generations of every block in one row per
 micro-batch (driver/ebft/strided_generate.py, policy with its adapter), then reads the frozen base's
-features of that same row under the same mask (adapter disabled): block b's ground-truth features
+features of that same row under the same mask (adapter disabled; driver/ebft/strided_attention.py): block b's ground-truth features
 are those of x[a_b : a_b + G), computed causally with the same context as its generations. The
 samples of one (document, block) form a group: rewards and advantages as in structured mode, one
 advantage per generated block. StridedSource has the surface train.run uses of driver/rollouts.py.
@@ -22,7 +22,8 @@ from driver.data import Prompt, PromptSource
 from driver.ebft.advantages import ebft_advantages
 from driver.ebft.features import hidden_layer_states, layer_indices, token_features
 from driver.ebft.rewards import group_rewards, reward_metrics
-from driver.ebft.strided_generate import StridedRollout, row_inputs, sample_strided
+from driver.ebft.strided_attention import attention_mask_dtype, full_row_attention, uses_flex
+from driver.ebft.strided_generate import StridedRollout, sample_strided
 from driver.ebft.strided_layout import StridedLayout, strided_layout
 from driver.ebft.structured import GroundTruths
 from driver.model import Policy
@@ -55,12 +56,6 @@ class StridedBatch:
     samples: list[tuple[str, str, float]] = field(default_factory=list)  # (context, block, reward) for the logs
 
 
-def attention_mask_dtype(policy: Policy) -> torch.dtype | None:
-    """The eager backend adds the mask to its scores (a bool mask would be silently wrong there)."""
-    causal_lm = policy.causal_lm
-    return causal_lm.dtype if causal_lm.config._attn_implementation == "eager" else None
-
-
 def pool_blocks(features: torch.Tensor, method: str) -> torch.Tensor:  # [..., G, F] -> [..., F'] per block
     """last_token: the block's last token; mean_pooling / completion_mean: the mean over the block (a
     block is all completion); concat: every token of the block (the official code's `concat`)."""
@@ -78,6 +73,7 @@ class StridedSource:
         self.ground_truths = GroundTruths(self.ebft, policy.tokenizer) if self.ebft.ground_truth_field else None
         self.generator = torch.Generator(device=policy.device).manual_seed(config.train.seed)
         self.documents_per_chunk = max(1, config.train.micro_batch_size // config.algo.num_generations)
+        self.flex = uses_flex(self.ebft.attention, policy.device)  # the full-row forwards' mask
         if state is not None:
             self.generator.set_state(state["generator"])
 
@@ -130,11 +126,10 @@ class StridedSource:
         """Reward parts of every (document, block) group over its n samples, from one forward of the
         chunk's row through the frozen base (adapter disabled, eval mode)."""
         policy = self.policy
-        input_ids, position_ids, mask = row_inputs(rollout, policy.device, attention_mask_dtype(policy))
         was_training = policy.model.training
         policy.model.eval()
         try:
-            with policy.reference():
+            with policy.reference(), full_row_attention(policy, rollout, self.flex) as (input_ids, position_ids, mask):
                 states = hidden_layer_states(policy.model, input_ids, position_ids, mask, self.layers)
         finally:
             policy.model.train(was_training)

@@ -19,8 +19,8 @@ from collections import defaultdict
 import torch
 
 from driver.config import Config
-from driver.ebft.strided import StridedBatch, StridedChunk, attention_mask_dtype
-from driver.ebft.strided_generate import row_inputs
+from driver.ebft.strided import StridedBatch, StridedChunk
+from driver.ebft.strided_attention import full_row_attention, uses_flex
 from driver.losses import StepNormalizers, policy_loss
 from driver.model import Policy
 from pykernels.logprobs import token_logprobs
@@ -60,11 +60,10 @@ def chunk_loss(config: Config, policy: Policy, chunk: StridedChunk, normalizers:
                num_documents: int) -> dict[str, float]:
     """Backward of this chunk's share of the step loss; returns its metrics."""
     algo, ebft, rollout = config.algo, config.ebft, chunk.rollout
-    device = policy.device
-    input_ids, position_ids, mask = row_inputs(rollout, device, attention_mask_dtype(policy))
-    causal_lm = policy.causal_lm
-    hidden = causal_lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                                     use_cache=False).last_hidden_state[0]  # PEFT's LoRA layers are in place
+    device, causal_lm = policy.device, policy.causal_lm
+    with full_row_attention(policy, rollout, uses_flex(ebft.attention, device)) as (input_ids, position_ids, mask):
+        hidden = causal_lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                                         use_cache=False).last_hidden_state[0]  # PEFT's LoRA layers are in place
     weight = causal_lm.get_output_embeddings().weight
     generate_length = ebft.generate_max_len
     predictors = torch.cat([rows.reshape(-1) for rows in rollout.predictor_rows]).to(device)

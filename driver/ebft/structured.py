@@ -20,7 +20,9 @@ import time
 
 import torch
 
+from driver.cli import ConfigError
 from driver.config import Config, EbftConfig
+from driver.data import PromptSource
 from driver.ebft.advantages import ebft_advantages
 from driver.ebft.features import hidden_layer_states, layer_indices, pool, token_features
 from driver.ebft.rewards import RewardParts, group_rewards, reward_metrics
@@ -40,6 +42,15 @@ def adaptive_max_tokens(ground_truth_tokens: int, config: Config) -> int:
     if ebft.gt_length_multiplier is None:
         return limit
     return max(min(math.ceil(ground_truth_tokens * ebft.gt_length_multiplier), limit), min(ebft.min_max_tokens, limit))
+
+
+def check_ground_truths(prompts: PromptSource, field: str) -> None:
+    """Every row needs its ground truth: found before the run starts, not when its prompt comes up."""
+    missing = [p for p in prompts.prompts if not (isinstance(p.columns.get(field), str) and p.columns[field])]
+    if missing:
+        raise ConfigError(f"ebft.ground_truth_field: {len(missing)} rows (first: row {missing[0].index}) have no "
+                          f"text column '{field}' (the reference completion); columns are "
+                          f"{sorted(missing[0].columns)}")
 
 
 class GroundTruths:
