@@ -4,6 +4,8 @@ output_dir/checkpoints/step-000012/
     adapter/               PEFT format (adapter_config.json, adapter_model.safetensors)
     trainer_state.pt       optimizer, scheduler, RNG states, data position, step, and the rollout state
                            (groups in flight, re-roll and replay queues: driver/rollouts.py)
+    optimizer/             under torchrun: the sharded optimizer state (torch.distributed.checkpoint,
+                           one file per rank; loads at any world size), instead of trainer_state.pt's
 Written to a temporary directory and renamed, so a crash never leaves half a checkpoint.
 """
 
@@ -15,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from driver import distributed
 
 STATE_FILE = "trainer_state.pt"
 
@@ -35,17 +39,31 @@ def set_rng_state(state: dict) -> None:
 
 def save_checkpoint(output_dir: Path, step: int, policy, optimizer, scheduler, prompts, keep: int,
                     rollouts: dict | None = None) -> Path:
+    """Under torchrun every rank calls it: the adapter is gathered and written by rank 0, the sharded
+    optimizer state written by every rank (torch.distributed.checkpoint), the rest by rank 0."""
+    world = distributed.world()
     target = checkpoint_dir(output_dir, step)
     staging = target.with_name(target.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    if world.is_main:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    distributed.barrier()  # the directory exists before any rank writes into it
     policy.save_adapter(staging / "adapter")
-    torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "rng": rng_state(), "data": prompts.state_dict(), "rollouts": rollouts}, staging / STATE_FILE)
-    shutil.rmtree(target, ignore_errors=True)
-    staging.rename(target)
-    for old in sorted(target.parent.glob("step-*[0-9]"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    state = {"step": step, "scheduler": scheduler.state_dict(), "rng": rng_state()}
+    if world.distributed:
+        from driver.fsdp import save_optimizer
+
+        save_optimizer(staging, policy.model, optimizer)
+    else:
+        state["optimizer"] = optimizer.state_dict()
+    if world.is_main:
+        torch.save({**state, "data": prompts.state_dict(), "rollouts": rollouts}, staging / STATE_FILE)
+    distributed.barrier()  # every rank's files are written before the directory is renamed
+    if world.is_main:
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+        for old in sorted(target.parent.glob("step-*[0-9]"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
     return target
 
 
@@ -74,8 +92,17 @@ def load_checkpoint(path: Path, policy, optimizer, scheduler, prompts) -> tuple[
     if unexpected:
         raise ValueError(f"{path}: adapter has weights this model lacks: {unexpected[:3]}")
     state = torch.load(path / STATE_FILE, weights_only=False)
-    optimizer.load_state_dict(state["optimizer"])
+    if "optimizer" in state:
+        if distributed.world().distributed:
+            raise ValueError(f"{path} was written by a single process (its optimizer state is not sharded): "
+                             "resume it without torchrun")
+        optimizer.load_state_dict(state["optimizer"])
+    else:  # torchrun's sharded state: loads at any world size, one process included
+        from driver.fsdp import load_optimizer
+
+        load_optimizer(path, policy.model, optimizer)
     scheduler.load_state_dict(state["scheduler"])
-    prompts.load_state_dict(state["data"])
+    if prompts is not None:  # rank 0 only under torchrun
+        prompts.load_state_dict(state["data"])
     set_rng_state(state["rng"])
     return int(state["step"]), state.get("rollouts")

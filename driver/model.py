@@ -45,8 +45,18 @@ class Policy:
         return self.model.disable_adapter()
 
     def save_adapter(self, directory: Path) -> Path:
-        """PEFT format (adapter_config.json + adapter_model.safetensors), loadable by PEFT and vLLM."""
-        self.model.save_pretrained(directory, safe_serialization=True)
+        """PEFT format (adapter_config.json + adapter_model.safetensors), loadable by PEFT and vLLM.
+        Under torchrun every rank calls it (the sharded adapter is gathered) and rank 0 writes it."""
+        from driver.distributed import world
+
+        if not world().distributed:
+            self.model.save_pretrained(directory, safe_serialization=True)
+            return directory
+        from driver.fsdp import full_adapter_state
+
+        state = full_adapter_state(self.model)
+        if world().is_main:
+            self.model.save_pretrained(directory, safe_serialization=True, state_dict=state)
         return directory
 
 
@@ -91,8 +101,13 @@ def load_policy(config: Config) -> Policy:
 
 
 def resolve_device(name: str) -> torch.device:
+    """auto: cuda if available, else cpu. Under torchrun, "auto" and "cuda" mean this rank's GPU."""
+    from driver.distributed import world
+
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and world().distributed:
+        return torch.device("cuda", world().local_rank)
     return torch.device(name)
 
 

@@ -49,7 +49,9 @@ def make_scorer(config: Config, policy: Policy):
 
 class Rollouts:
     def __init__(self, config: Config, policy: Policy, generator: Generator, prompts: PromptSource,
-                 verifier, start_step: int, state: dict | None = None) -> None:
+                 verifier, start_step: int, state: dict | None = None, before_first_push=None) -> None:
+        """before_first_push(): called just before the start version is pushed (under torchrun the
+        push is a collective; driver/distributed_feed.py tells the other ranks it is coming)."""
         self.config, self.policy, self.generator, self.verifier = config, policy, generator, verifier
         self.depth, self.interval = config.prefetch_depth, config.rollout.vllm_sync_interval
         if not getattr(generator, "serves_one_version", False):
@@ -79,6 +81,8 @@ class Rollouts:
         self.served = -1  # newest version pushed to the engine
         self.assembled = start_step  # jobs 0 .. assembled - 1 are assembled (or belong to the resumed past)
         self.prefetcher = None
+        if before_first_push is not None:
+            before_first_push()
         self.push(start_step, force=True)
         if self.depth:
             self.prefetcher = Prefetcher(self._produce, start_step, self._may_start)

@@ -42,12 +42,15 @@ def push_adapter(config: Config, policy: Policy, generator: Generator, verifier:
     (an engine loads an adapter from disk lazily, when a request first names its version)."""
     started = time.perf_counter()
     adapters = config.output_dir / "adapters"
+    # Under torchrun the gather and the probe forward are collectives of every rank
+    # (driver/distributed_feed.py): both run before the engine is called, so an engine failure
+    # cannot leave the other ranks waiting in one.
     directory = policy.save_adapter(adapters / f"v{version:06d}")
+    trainer = trainer_probe(policy, verifier.probe_ids) if verifier is not None else None
     generator.sync(directory, version)
     metrics = {}
     if verifier is not None:
-        metrics = verifier.check(generator.prompt_logprobs(verifier.probe_ids),
-                                 trainer_probe(policy, verifier.probe_ids), version)
+        metrics = verifier.check(generator.prompt_logprobs(verifier.probe_ids), trainer, version)
     for old in sorted(adapters.glob("v*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     metrics["time/sync"] = time.perf_counter() - started

@@ -22,14 +22,16 @@ import yaml
 
 import pykernels.backend
 
-from driver import memory, sync
+from driver import distributed, memory, sync
 from driver.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from driver.cli import ConfigError, config_from_argv, exit_on_config_error
 from driver.config import Config
 from driver.data import PromptSource
+from driver.distributed_feed import FollowerFeed, LeaderFeed, on_rank0
 from driver.ebft.strided import StridedSource
 from driver.ebft.structured import check_ground_truths
 from driver.ebft.strided_update import optimize_strided
+from driver.fsdp import shard_policy
 from driver.interrupt import GracefulInterrupt
 from driver.metrics import MetricsLogger
 from driver.model import load_policy
@@ -45,16 +47,22 @@ INTERRUPTED_EXIT_CODE = 130  # the shell's convention for a run stopped by SIGIN
 
 
 def run(config: Config) -> bool:
-    """Train; returns False when stopped early by Ctrl-C (after saving a checkpoint)."""
+    """Train; returns False when stopped early by Ctrl-C (after saving a checkpoint). Under torchrun
+    every rank runs this: rank 0 generates, logs and talks to vLLM; all ranks train their shard."""
+    world = distributed.init_world()
+    check_world(config, world)
     output_dir = config.output_dir
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    if world.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
     torch.manual_seed(config.train.seed)
     pykernels.backend.set_kernels(config.train.kernels)
 
     policy = load_policy(config)
-    prompts = PromptSource(config.data, policy.tokenizer, config.train.seed)
-    if config.algo.name == "ebft" and config.ebft.ground_truth_field is not None:
+    if world.distributed:
+        shard_policy(policy)  # before the optimizer: FSDP replaces the parameters
+    prompts = PromptSource(config.data, policy.tokenizer, config.train.seed) if world.is_main else None
+    if prompts is not None and config.algo.name == "ebft" and config.ebft.ground_truth_field is not None:
         check_ground_truths(prompts, config.ebft.ground_truth_field)
     optimizer = build_optimizer(policy.trainable_parameters(), config.train)
     scheduler = build_scheduler(optimizer, config.train, config.train.steps * config.algo.num_iterations)
@@ -64,23 +72,32 @@ def run(config: Config) -> bool:
                                               optimizer, scheduler, prompts)
 
     strided = config.algo.name == "ebft" and config.ebft.mode == "strided"  # the trainer samples: no vLLM
-    generator = None if strided else make_generator(config, policy)
+    generator = None if strided else on_rank0(lambda: make_generator(config, policy), "start vLLM")
     verifier = None if strided else sync.make_verifier(config, policy)
     update = optimize_strided if strided else optimize
-    logger = MetricsLogger(output_dir, total_steps=config.train.steps, start_step=step,
-                           tensorboard=config.logging.tensorboard, progress=config.logging.progress)
-    logger.print(f"pykernels: {policy.kernels}")
+    logger = (MetricsLogger(output_dir, total_steps=config.train.steps, start_step=step,
+                            tensorboard=config.logging.tensorboard, progress=config.logging.progress)
+              if world.is_main else SilentLogger())
+    logger.print(f"pykernels: {policy.kernels}" + (f"; {world.size} ranks (FSDP2)" if world.distributed else ""))
     rollouts = None
     try:
-        rollouts = (StridedSource(config, policy, prompts, rollout_state) if strided else
-                    Rollouts(config, policy, generator, prompts, verifier, step, rollout_state))
+        if strided:
+            rollouts = StridedSource(config, policy, prompts, rollout_state)
+        elif not world.distributed:
+            rollouts = Rollouts(config, policy, generator, prompts, verifier, step, rollout_state)
+        elif world.is_main:
+            rollouts = LeaderFeed(lambda ready: Rollouts(config, policy, generator, prompts, verifier, step,
+                                                         rollout_state, before_first_push=ready))
+        else:
+            rollouts = FollowerFeed(config, policy)
         with GracefulInterrupt() as interrupt:
-            while step < config.train.steps and not interrupt.requested:
+            # Under torchrun rank 0 alone decides to stop (its next_batch tells the others).
+            while step < config.train.steps and (world.distributed or not interrupt.requested):
                 started = time.perf_counter()
                 try:
                     batch = rollouts.next_batch(step, abandon=lambda: interrupt.requested)
                 except Exception:
-                    if not interrupt.requested:
+                    if not interrupt.requested or world.distributed:
                         raise
                     batch = None  # abandoned step: its prompts come first on resume
                 if batch is None:
@@ -104,7 +121,8 @@ def run(config: Config) -> bool:
         save_checkpoint(output_dir, step, policy, optimizer, scheduler, prompts, config.checkpoint.keep,
                         rollouts.state_dict())
         policy.save_adapter(output_dir / "adapter")
-        if interrupt.requested:
+        interrupted = step < config.train.steps
+        if interrupted:
             logger.print(f"interrupted: checkpoint of step {step} saved in {output_dir / 'checkpoints'}")
     finally:
         if rollouts is not None:
@@ -112,9 +130,34 @@ def run(config: Config) -> bool:
         logger.close()
         if generator is not None:
             generator.close()
-    if config.logging.plots:
+    if config.logging.plots and world.is_main:
         plot_metrics(output_dir / "metrics.jsonl", output_dir)
-    return not interrupt.requested
+    return not interrupted
+
+
+def check_world(config: Config, world: distributed.World) -> None:
+    """What a torchrun launch cannot do yet, said before anything starts."""
+    if not world.distributed:
+        return
+    if config.algo.name == "ebft":
+        raise ConfigError("algo.name = ebft runs in one process for now (its features are scored by the trainer's "
+                          "model on rank 0's groups); launch it without torchrun")
+    if config.rollout.backend != "server":
+        raise ConfigError(f"rollout.backend = {config.rollout.backend}: under torchrun vLLM runs as a server on its "
+                          "own GPUs (rollout.backend: server, with rollout.server_url or launched by rank 0)")
+
+
+class SilentLogger:
+    """Ranks other than 0 log nothing (rank 0 logs the step's metrics, reduced over the ranks)."""
+
+    def log(self, step: int, metrics: dict) -> None:
+        pass
+
+    def print(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def show_samples(logger: MetricsLogger, batch, count: int) -> None:

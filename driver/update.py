@@ -2,7 +2,10 @@
 num_iterations optimizer updates of the clipped, importance-corrected GRPO loss.
 
 A zero-advantage filtered batch (driver/filtering.py) is trained with the normalizers of the
-unfiltered step, which makes its update equal to the unfiltered one when beta = 0."""
+unfiltered step, which makes its update equal to the unfiltered one when beta = 0. Under torchrun
+each rank trains its shard the same way (driver/shard_batch.py); every rank runs as many passes as
+the busiest one (FSDP's collectives must pair up), and its loss is scaled by the world size because
+FSDP averages the gradients of ranks whose losses are already shares of the whole step."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from dataclasses import replace
 
 import torch
 
+from driver import distributed
 from driver.batch import RolloutBatch
 from driver.config import Config
 # merge is re-exported: callers merge a step's rollout batches with the update's module
@@ -28,6 +32,7 @@ def frozen_logprobs(policy: Policy, batch: RolloutBatch, parts: list[slice], tem
     was_training = policy.model.training
     policy.model.eval()
     out = torch.zeros_like(batch.mask)
+    padding = distributed.max_int(len(parts)) - len(parts)  # agreed before any pass: FSDP's collectives pair up
     try:
         for part in parts:
             packed = pack(batch.prompt_ids[part], batch.completion_ids[part], device=policy.device)
@@ -37,6 +42,8 @@ def frozen_logprobs(policy: Policy, batch: RolloutBatch, parts: list[slice], tem
             else:
                 logps, _, _ = completion_logprobs(policy.model, packed, temperature)
             out[part, : logps.shape[1]] = logps
+        for _ in range(padding):
+            padding_pass(policy, temperature, backward=False)
     finally:
         policy.model.train(was_training)
     return out
@@ -56,19 +63,24 @@ def optimize(config: Config, policy: Policy, batch: RolloutBatch, optimizer, sch
     params = policy.trainable_parameters()
     totals: dict[str, list[float]] = defaultdict(list)
     policy.model.train()
+    padding = distributed.max_int(len(parts)) - len(parts)
+    # A skipped micro-batch runs no FSDP forward, so ranks would fall out of step: only single-process.
+    skip_zero = algo.skip_zero_advantage and algo.beta == 0 and not distributed.world().distributed
     for _ in range(algo.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         skipped, step_loss = 0, 0.0
         for part, normalizers in parts:
             # Never after filtering (no zero rows are left); the unfiltered path with beta = 0 keeps it.
-            if algo.skip_zero_advantage and algo.beta == 0 and all_zero(batch.advantages[part]):
-                connected_zero(params).backward()  # keeps every rank's backward (and allreduce) in step
+            if skip_zero and all_zero(batch.advantages[part]):
+                connected_zero(params).backward()  # keeps the graph connected (DDP-style hooks fire)
                 skipped += 1
                 continue
             metrics = micro_batch_loss(config, policy, batch, part, normalizers, old_logps, ref_logps)
             step_loss += metrics.pop("loss")  # micro-batch losses are normalized to sum to the step's
             for key, value in metrics.items():
                 totals[key].append(value)
+        for _ in range(padding):
+            padding_pass(policy, config.rollout.sampling.temperature, backward=True)
         if batch.counts is not None:
             zero_missing_grads(params)
         totals["loss"].append(step_loss)
@@ -78,8 +90,19 @@ def optimize(config: Config, policy: Policy, batch: RolloutBatch, optimizer, sch
         optimizer.step()
         scheduler.step()
     metrics = {key: sum(values) / len(values) for key, values in totals.items()}
+    metrics = distributed.reduce_metrics(metrics, summed=("loss",))  # each rank's loss is a share of the step's
     metrics["learning_rate"] = scheduler.get_last_lr()[0]
     return metrics
+
+
+def padding_pass(policy: Policy, temperature: float, backward: bool) -> None:
+    """A one-token forward (and backward of 0 x its loss) that changes nothing but runs the FSDP
+    collectives a real pass runs, for a rank with fewer micro-batches than the busiest one."""
+    packed = pack([[0]], [[0]], device=policy.device)
+    with torch.set_grad_enabled(backward):
+        logps, _, _ = completion_logprobs(policy.model, packed, temperature)
+        if backward:
+            (logps.sum() * 0.0).backward()
 
 
 def micro_batch_plan(batch: RolloutBatch, micro_batch_size: int, loss_type: str,
@@ -150,7 +173,7 @@ def micro_batch_loss(config: Config, policy: Policy, batch: RolloutBatch, part: 
         beta=algo.beta, normalizers=normalizers,
         ref_logps=ref_logps[part, :width] if ref_logps is not None else None,
         is_weights=weights if sampling_correction.level != "none" else None)
-    loss.backward()
+    (loss * distributed.world().size).backward()  # FSDP divides by the world size; the loss is a share already
     metrics.update(mask_metrics)
     metrics.update(loss_metrics)
     metrics["loss"] = float(loss.detach())

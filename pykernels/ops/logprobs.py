@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from pykernels import backend
+from pykernels._dtensor import full
 from pykernels._extension import check_device, ops
 from pykernels.reference import logprobs as reference
 
@@ -96,6 +97,7 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     """
     if not isinstance(targets, torch.Tensor):
         raise ValueError(f"targets must be a tensor of token ids, got {type(targets).__name__}")
+    hidden, weight, targets = full(hidden), full(weight), full(targets)  # FSDP2 / TP: gathered, explicitly
     if backend.use_reference():
         result = reference.token_logprobs(hidden, weight, targets, temperature, ignore_index, return_entropy)
         return (result[0], result[1] if entropy_grad else result[1].detach()) if return_entropy else result

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from pykernels import backend
+from pykernels._dtensor import full
 from pykernels._extension import check_device, ops
 from pykernels.nf4_weight import NF4Weight
 from pykernels.ops.nf4 import dequantize
@@ -116,6 +117,9 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor | NF4Weight, lora_A: torch
     """
     if dropout < 0 or dropout >= 1:
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+    # FSDP2 hands plain tensors to a module's forward; a DTensor here was read outside it: gathered.
+    x, lora_A, lora_B, bias = full(x), full(lora_A), full(lora_B), full(bias)
+    weight = full(weight) if isinstance(weight, torch.Tensor) else weight
     if isinstance(weight, torch.Tensor) and weight.requires_grad:
         raise ValueError("weight must be frozen (requires_grad=False): lora_linear computes no weight gradient")
     in_features = x.shape[-1]

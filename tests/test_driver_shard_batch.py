@@ -1,0 +1,63 @@
+"""Sharding a step's batch over torchrun ranks: the shards partition the rows by whole micro-batches,
+carry the whole step's counts, and the sum of the ranks' gradients is the single-process gradient
+(FSDP sums what the ranks compute: it averages, and the update multiplies by the world size), for
+every loss type, filtered or not. The ranks are simulated in one process, one policy copy each."""
+
+import copy
+
+import pytest
+import torch
+
+from driver.config import Config
+from driver.filtering import check_counts, filter_zero_advantage, step_counts
+from driver.optim import build_optimizer, build_scheduler
+from driver.shard_batch import shard_batch
+from driver.update import optimize
+from tests.test_driver_filtering import LOSS_TYPES, base_policy, make_batch  # noqa: F401 (fixture)
+
+ADVANTAGES = [0.0, 0.0, 0.9, -0.9, 0.0, 0.0, 1.3, 0.0, 0.4, -0.2, 0.0]  # 11 rows: uneven shards
+
+
+def test_shards_partition_the_rows_by_whole_micro_batches_and_keep_the_step_counts(base_policy):
+    batch = make_batch(base_policy, ADVANTAGES, rows=11)
+    counts = step_counts(batch, 3)  # micro-batches of rows [0:3) [3:6) [6:9) [9:11)
+    shards = [shard_batch(batch, rank, 3, 3) for rank in range(3)]
+    assert [s.completion_ids for s in shards] == [batch.completion_ids[0:3] + batch.completion_ids[9:11],
+                                                  batch.completion_ids[3:6], batch.completion_ids[6:9]]
+    for rank, shard in enumerate(shards):
+        check_counts(shard)
+        assert shard.counts.num_sequences == 11 and shard.counts.num_tokens == counts.num_tokens
+        assert shard.counts.micro_batch_tokens == counts.micro_batch_tokens
+        assert shard.counts.micro_batch_rows == [n if k % 3 == rank else 0
+                                                 for k, n in enumerate(counts.micro_batch_rows)]
+        assert shard.mask.shape[1] == max(len(c) for c in shard.completion_ids)
+    torch.testing.assert_close(torch.cat([shards[0].advantages[:3], shards[1].advantages, shards[2].advantages,
+                                          shards[0].advantages[3:]]), batch.advantages)
+    with pytest.raises(ValueError, match="rank must lie in"):
+        shard_batch(batch, 3, 3, 3)
+
+
+def gradients(policy, batch, config):
+    """The gradient optimize() computes for this batch (left on the parameters after the step)."""
+    policy = copy.deepcopy(policy)
+    optimizer = build_optimizer(policy.trainable_parameters(), config.train)
+    optimize(config, policy, batch, optimizer, build_scheduler(optimizer, config.train, 10))
+    return {n: p.grad.clone() for n, p in policy.model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("world_size, micro_batch_size, filtered", [(2, 2, False), (3, 2, True), (2, 3, True)])
+def test_the_ranks_gradients_sum_to_the_single_process_gradient(base_policy, loss_type, world_size,
+                                                                micro_batch_size, filtered):
+    config = Config.model_validate({"lora": {"r": 4}, "algo": {"loss_type": loss_type, "skip_zero_advantage": False},
+                                    "train": {"micro_batch_size": micro_batch_size, "max_grad_norm": None}})
+    batch = make_batch(base_policy, ADVANTAGES, rows=11)
+    if filtered:
+        batch, _ = filter_zero_advantage(batch, micro_batch_size, beta=0.0)
+    expected = gradients(base_policy, batch, config)
+    total = None
+    for rank in range(world_size):
+        grads = gradients(base_policy, shard_batch(batch, rank, world_size, micro_batch_size), config)
+        total = grads if total is None else {n: total[n] + g for n, g in grads.items()}
+    for name, grad in expected.items():
+        torch.testing.assert_close(total[name], grad, atol=1e-6, rtol=1e-4, msg=name)
