@@ -7,8 +7,12 @@ Environment knobs:
   PYKERNELS_BUILD_TYPE   CMake build type (default Release)
   MAX_JOBS               parallel compile jobs (default: CPU count)
   CUTLASS_DIR            CUTLASS include dir (default: the nvidia-cutlass wheel's headers)
+The wheel also carries pykernels-startup.pth (see pykernels/startup_hook.py).
 """
 
+import hashlib
+import importlib.metadata
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -17,8 +21,10 @@ from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).parent.resolve()
+TORCH_MARKER = "torch-location.txt"  # in each build directory: the torch its CMake cache points at
 
 
 def build_tool(name: str) -> str:
@@ -36,11 +42,32 @@ class CMakeExtension(Extension):
         super().__init__(name, sources=[])
 
 
+def torch_build_dir(build_temp: Path, ext_name: str) -> Path:
+    """One CMake build directory per torch installation: the cache records the paths of torch's
+    libraries, and an isolated `pip install .` builds against a temporary torch that pip deletes
+    afterwards, so a second install reusing the directory would link against files that are gone.
+    Directories whose torch has disappeared are removed."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("torch is not installed in the build environment: install torch first, then "
+                           "`pip install --no-build-isolation -e .` (see the README)")
+    torch_dir = str(Path(spec.origin).parent.resolve())
+    version = importlib.metadata.version("torch")
+    key = hashlib.sha1(f"{torch_dir}|{version}|{sys.executable}".encode()).hexdigest()[:10]
+    build_dir = build_temp / f"{ext_name}-torch{version}-{key}"
+    for sibling in build_temp.glob(f"{ext_name}*"):
+        marker = sibling / TORCH_MARKER
+        if sibling != build_dir and (not marker.exists() or not Path(marker.read_text()).exists()):
+            shutil.rmtree(sibling, ignore_errors=True)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    (build_dir / TORCH_MARKER).write_text(torch_dir)
+    return build_dir
+
+
 class CMakeBuild(build_ext):
     def build_extension(self, ext: Extension) -> None:
         output_dir = Path(self.get_ext_fullpath(ext.name)).parent.resolve()
-        build_dir = Path(self.build_temp).resolve() / ext.name
-        build_dir.mkdir(parents=True, exist_ok=True)
+        build_dir = torch_build_dir(Path(self.build_temp).resolve(), ext.name)
         cmake = build_tool("cmake")
         configure = [
             cmake,
@@ -63,7 +90,25 @@ class CMakeBuild(build_ext):
         )
 
 
+class BuildPyWithStartupHook(build_py):
+    """Adds pykernels-startup.pth at the wheel's top level (site-packages; pykernels/startup_hook.py).
+    Editable installs drop such files: `python -m pykernels.startup_hook --install` writes it there."""
+
+    def run(self) -> None:
+        super().run()
+        sys.path.insert(0, str(ROOT))  # the source tree's pykernels: its __init__ needs no extension
+        try:
+            from pykernels.startup_hook import install_pth
+        finally:
+            sys.path.pop(0)
+        os.makedirs(self.build_lib, exist_ok=True)
+        install_pth(self.build_lib)
+
+    def get_outputs(self, include_bytecode: bool = True) -> list[str]:
+        return [*super().get_outputs(include_bytecode), os.path.join(self.build_lib, "pykernels-startup.pth")]
+
+
 setup(
     ext_modules=[CMakeExtension("pykernels._C")],
-    cmdclass={"build_ext": CMakeBuild},
+    cmdclass={"build_ext": CMakeBuild, "build_py": BuildPyWithStartupHook},
 )

@@ -63,7 +63,7 @@ def prefetch() -> None:
             rows = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
         rows = rows[WARMUP:]
 
-        def median(key: str) -> float:
+        def median(key: str, rows: list[dict] = rows) -> float:
             return statistics.median(row.get(key) or 0.0 for row in rows)
 
         step = median("time/step")

@@ -2,7 +2,8 @@
 
 Every case times ours and its baselines in the same run and records, in extra_info:
 family, op, case, impl, device_class, bytes per call, GB/s and % of the device's peak bandwidth.
-benchmarks/gate.py reads those to compare speedups against per-device floors.
+benchmarks/gate.py reads those to compare speedups against per-device floors (`pytest --benchmark`
+runs both: benchmarks/gate_plugin.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
+from benchmarks.self_test import is_planted, twice
 
 
 def pin_fresh_allocations() -> None:
@@ -166,6 +169,9 @@ def measure(benchmark, device):
     def run(fn, bytes_moved: int = 0, flops: float = 0.0, peak_extra_bytes: int | None = None,
             warmed_up: bool = False, **labels: str) -> None:
         dev = device.torch_device
+        planted = is_planted(labels["family"], labels["op"], labels["case"], labels["impl"])
+        if planted:  # the gate's self-test (benchmarks/self_test.py): ours does its work twice
+            fn = twice(fn)
         if not warmed_up:
             fn()  # warm-up: first-call allocations, lazy init
             synchronize(dev)
@@ -189,6 +195,8 @@ def measure(benchmark, device):
                                     peak_source=device.peak_source)
         if peak_extra_bytes is not None:
             benchmark.extra_info["peak_extra_bytes"] = peak_extra_bytes
+        if planted:
+            benchmark.extra_info["planted_slowdown"] = 2
         benchmark.pedantic(timed, rounds=rounds, iterations=1, warmup_rounds=0 if heavy else 1)
         if benchmark.stats is not None:
             seconds = benchmark.stats.stats.min / repeats  # best round: interference only adds time

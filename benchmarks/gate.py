@@ -21,6 +21,9 @@ side, in a fresh process) and the gate judges the best of both runs. A burst of 
 shared machine hits one case of one run (CI, 2026-11-22: three gate runs of one tree failed on
 three different single cases, every one of which passed in the other runs); a real regression
 fails both runs.
+
+`pytest --benchmark` runs the suite and this gate in one session, always re-measuring
+(benchmarks/gate_plugin.py); this command judges a saved JSON file.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import math
 import subprocess
 import sys
 import tomllib
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from benchmarks.results_file import Result, best_of, load_results
@@ -64,6 +68,11 @@ class Check:
     rule: str
     floor: Floor
     cases: tuple[CaseRatio, ...]
+
+    @property
+    def label(self) -> str:
+        """The rule, and the cases its floor is limited to."""
+        return self.rule if self.floor.cases is None else f"{self.rule} [{self.floor.cases}]"
 
     @property
     def geomean(self) -> float | None:
@@ -103,6 +112,29 @@ def evaluate(results: list[Result], floors: dict[str, list[Floor]]) -> list[Chec
     return checks
 
 
+def scope(checks: list[Check], complete_families: set[str] | None) -> tuple[list[Check], list[Check]]:
+    """(judged, not evaluated) for a run that timed part of the suite (pytest --benchmark -k nf4).
+
+    complete_families None: the whole suite ran, or a saved file is judged: every rule is judged,
+    and one with no measured case fails (a benchmark that silently stopped running must not pass).
+    A rule of a family whose benchmark file ran whole is judged the same way. Any other rule is
+    judged on the cases where both ours and its baseline ran, and is not evaluated without one.
+    """
+    if complete_families is None:
+        return list(checks), []
+    judged, not_evaluated = [], []
+    for check in checks:
+        if check.rule.split(".", 1)[0] in complete_families:
+            judged.append(check)
+            continue
+        measured = tuple(c for c in check.cases if c.ours_s is not None and c.baseline_s is not None)
+        if measured:
+            judged.append(replace(check, cases=measured))
+        else:
+            not_evaluated.append(check)
+    return judged, not_evaluated
+
+
 def load_floors(path: Path, device_class: str) -> dict[str, list[Floor]]:
     thresholds = tomllib.loads(path.read_text())
     if device_class not in thresholds:
@@ -135,17 +167,18 @@ def format_checks(checks: list[Check]) -> str:
     def ratio(value):
         return "-" if value is None else f"{value:.2f}x"
 
-    lines = [f"{'rule / case':<44} {'ours ms':>10} {'base ms':>10} {'speedup':>9} {'floor':>7}  result"]
+    width = max([44, *(len(check.label) for check in checks)])
+    lines = [f"{'rule / case':<{width}} {'ours ms':>10} {'base ms':>10} {'speedup':>9} {'floor':>7}  result"]
     for check in checks:
         floor = check.floor
         verdict = "ok" if check.passed else ("MISSING" if check.geomean is None else "FAIL")
-        label = check.rule if floor.cases is None else f"{check.rule} [{floor.cases}]"
-        lines.append(f"{label:<44} {'':>10} {'':>10} {ratio(check.geomean):>9} "
+        lines.append(f"{check.label:<{width}} {'':>10} {'':>10} {ratio(check.geomean):>9} "
                      f"{ratio(floor.geomean):>7}  {verdict} (geometric mean of {len(check.cases)} cases)")
         for case in check.cases:
             verdict = "ok" if check.case_passed(case) else ("MISSING" if case.speedup is None else "FAIL")
-            lines.append(f"  {case.case:<42} {ms(case.ours_s, floor.metric):>10} {ms(case.baseline_s, floor.metric):>10} "
-                         f"{ratio(case.speedup):>9} {ratio(floor.each):>7}  {verdict}")
+            lines.append(f"  {case.case:<{width - 2}} {ms(case.ours_s, floor.metric):>10} "
+                         f"{ms(case.baseline_s, floor.metric):>10} {ratio(case.speedup):>9} {ratio(floor.each):>7}  "
+                         f"{verdict}")
         if not check.cases:
             lines.append("  (no results)")
     return "\n".join(lines)
@@ -160,13 +193,66 @@ def remeasure_tests(checks: list[Check], results: list[Result]) -> list[str]:
     return list(dict.fromkeys(r.test for r in results if r.key in wanted and r.test))
 
 
-def run_benchmarks(tests: list[str], json_path: Path) -> bool:
-    """Time the given benchmark tests in a fresh pytest process; True when it wrote its results."""
+def run_benchmarks(tests: list[str], json_path: Path, cwd: Path | None = None) -> bool:
+    """Time the given benchmark tests in a fresh pytest process (in cwd, the directory their node
+    ids are relative to); True when it wrote its results."""
     json_path.unlink(missing_ok=True)
     command = [sys.executable, "-m", "pytest", *tests, "--benchmark-only", f"--benchmark-json={json_path}",
                "-q", "-p", "no:cacheprovider"]
-    subprocess.run(command, check=False)
+    subprocess.run(command, check=False, cwd=cwd)
     return json_path.exists()
+
+
+@dataclass
+class Verdict:
+    device_class: str
+    checks: list[Check]  # judged on the first run
+    not_evaluated: list[Check] = field(default_factory=list)  # see scope()
+    retimed: list[str] = field(default_factory=list)  # node ids timed once more
+    rechecks: list[Check] | None = None  # the failed rules on the best of both runs; None: not re-timed
+    final: list[Check] | None = None  # every judged rule after re-timing; None: as first judged
+
+    @property
+    def failed(self) -> list[Check]:
+        return [c for c in (self.checks if self.final is None else self.final) if not c.passed]
+
+
+def judge(results: list[Result], floors: dict[str, list[Floor]], complete_families: set[str] | None = None,
+          retime: Callable[[list[str]], list[Result] | None] | None = None) -> Verdict:
+    """Judge one run; with retime, time the cases of failed rules once more (retime(node ids) ->
+    their new results, None when none were written) and judge the best of both runs."""
+    checks, not_evaluated = scope(evaluate(results, floors), complete_families)
+    verdict = Verdict(results[0].device_class if results else "-", checks, not_evaluated)
+    failed = verdict.failed
+    verdict.retimed = remeasure_tests(failed, results) if retime else []
+    again = retime(verdict.retimed) if verdict.retimed else None
+    if again is not None:
+        verdict.final, _ = scope(evaluate(best_of(results, again), floors), complete_families)
+        retried = {c.rule for c in failed}
+        verdict.rechecks = [c for c in verdict.final if c.rule in retried]
+    return verdict
+
+
+def format_verdict(verdict: Verdict) -> str:
+    lines = [format_checks(verdict.checks)]
+    if verdict.rechecks is not None:
+        lines += [f"\nbenchmark gate [{verdict.device_class}], best of both runs for the re-measured rules",
+                  format_checks(verdict.rechecks)]
+    elif verdict.retimed:
+        lines.append(f"\nre-measuring {len(verdict.retimed)} benchmark(s) wrote no results; judging the first run")
+    if verdict.not_evaluated:
+        rules = sorted({c.label for c in verdict.not_evaluated})
+        lines.append(f"\nnot evaluated, none of their cases ran in this session ({len(rules)} rules):")
+        row = ""
+        for rule in rules:  # wrapped between rules, never inside one
+            if row and len(row) + len(rule) > 96:
+                lines.append(f"  {row},")
+                row = ""
+            row = f"{row}, {rule}" if row else rule
+        lines.append(f"  {row}")
+    judged = len(verdict.checks if verdict.final is None else verdict.final)
+    lines.append(f"\n{judged - len(verdict.failed)}/{judged} rules passed")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if not args.results.exists():
-        print(f"gate: {args.results} does not exist; run `pytest benchmarks --benchmark-only "
+        print(f"gate: {args.results} does not exist; run `pytest --benchmark "
               f"--benchmark-json={args.results}` first", file=sys.stderr)
         return 2
     results = load_results(args.results)
@@ -188,24 +274,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device_class = classes.pop()
     floors = load_floors(args.thresholds, device_class)
-    checks = evaluate(results, floors)
-    print(f"benchmark gate [{device_class}] ({args.thresholds})")
-    print(format_checks(checks))
-    failed = [c for c in checks if not c.passed]
-    tests = remeasure_tests(checks, results) if args.remeasure else []
-    if tests:
-        again = args.results.with_suffix(".remeasured.json")
-        print(f"\n{len(failed)} rule(s) failed; timing their {len(tests)} benchmark(s) once more, side by side")
+    again = args.results.with_suffix(".remeasured.json")
+
+    def retime(tests: list[str]) -> list[Result] | None:
+        print(f"benchmark gate [{device_class}]: rules failed; timing their {len(tests)} benchmark(s) once more, "
+              "side by side")
         if run_benchmarks(tests, again):
-            checks = evaluate(best_of(results, load_results(again)), floors)
-            retried = {c.rule for c in failed}
-            print(f"\nbenchmark gate [{device_class}], best of both runs for the re-measured rules")
-            print(format_checks([c for c in checks if c.rule in retried]))
-            failed = [c for c in checks if not c.passed]
-        else:
-            print(f"gate: re-measuring wrote no {again}; judging the first run", file=sys.stderr)
-    print(f"\n{len(checks) - len(failed)}/{len(checks)} rules passed")
-    return 1 if failed else 0
+            return load_results(again)
+        print(f"gate: re-measuring wrote no {again}; judging the first run", file=sys.stderr)
+        return None
+
+    verdict = judge(results, floors, retime=retime if args.remeasure else None)
+    print(f"benchmark gate [{device_class}] ({args.thresholds})")
+    print(format_verdict(verdict))
+    return 1 if verdict.failed else 0
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ def main() -> None:
     print(f"{batch.input_ids.shape[1]} packed tokens, {sum(batch.completion_lengths)} scored")
 
     for mode in ("auto", "reference") * 2:
-        def step():
+        def step(mode: str = mode) -> None:
             with backend.kernels_mode(mode):
                 logps, _, mask = completion_logprobs(model, batch, 0.9, return_entropy=True, entropy_grad=False)
                 (logps * mask).sum().backward()

@@ -29,8 +29,8 @@ def base_op(op: str) -> str:
     return op.rsplit("_", 1)[0] + "_bf16" if op.endswith("_nf4") else op
 
 
-def table(path: Path, markdown: bool) -> str:
-    results = sorted(load_results(path), key=lambda r: (r.family, r.op, r.case, r.impl != "ours", r.min_s))
+def table(results: list[Result], markdown: bool) -> str:
+    results = sorted(results, key=lambda r: (r.family, r.op, r.case, r.impl != "ours", r.min_s))
     ours = {(r.family, r.op, r.case): r.min_s for r in results if r.impl == "ours"}
     bases = {(r.family, r.op, r.case): r.min_s for r in results if r.impl == BASE_IMPL}
     header = ["op", "case", "impl", "best ms", "median ms", "throughput (% peak)", "ours vs impl", "over base",
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("results", type=Path)
     parser.add_argument("--markdown", action="store_true", help="emit a Markdown table (for benchmarks/results/)")
     args = parser.parse_args(argv)
-    print(table(args.results, args.markdown))
+    print(table(load_results(args.results), args.markdown))
     return 0
 
 

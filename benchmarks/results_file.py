@@ -43,12 +43,17 @@ class Result:
 
 
 def load_results(path: str | Path) -> list[Result]:
-    data = json.loads(Path(path).read_text())
+    return parse_benchmarks(json.loads(Path(path).read_text()).get("benchmarks", []), str(path))
+
+
+def parse_benchmarks(benchmarks: list[dict], source: str) -> list[Result]:
+    """Results from pytest-benchmark's per-benchmark dicts: the "benchmarks" list of its JSON, or
+    as_dict() of the benchmarks of a running session (benchmarks/gate_plugin.py)."""
     results = []
-    for bench in data.get("benchmarks", []):
+    for bench in benchmarks:
         info = bench.get("extra_info", {})
         if not {"family", "op", "case", "impl", "device_class"} <= info.keys():
-            raise ValueError(f"{path}: benchmark {bench.get('name')} lacks family/op/case/impl labels "
+            raise ValueError(f"{source}: benchmark {bench.get('name')} lacks family/op/case/impl labels "
                              "(was it timed through the `measure` fixture?)")
         repeats = info.get("repeats", 1)
         stats = bench["stats"]

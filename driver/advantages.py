@@ -1,21 +1,29 @@
 """Rewards -> advantages: weight the reward functions, then centre and scale within each prompt's group.
 
 GRPO (DeepSeekMath, https://arxiv.org/abs/2402.03300) replaces PPO's value network by the group of G
-completions sampled for the same prompt: advantage = (r - mean_group(r)) / std_group(r).
+completions sampled for the same prompt: advantage = (r - mean_group(r)) / (std_group(r) + eps).
 `scale_rewards` picks the divisor as TRL's GRPOTrainer does: the group's std ("group"), the whole
 batch's std ("batch"), or none at all ("none", Dr. GRPO https://arxiv.org/abs/2503.20783, which shows
 the division up-weights prompts that are too easy or too hard).
 
 `aggregation` says when the reward functions are combined: "sum_then_normalize" weights and sums them
-first (TRL's default); "normalize_then_sum" centres and scales each function on its own, so a
-function with a large range cannot drown the others, then sums the weighted results.
+first (TRL's default); "normalize_then_sum" is GDPO (https://arxiv.org/abs/2601.05242, TRL's
+multi_objective_aggregation="normalize_then_sum"): each function's rewards become group z-scores, so a
+function with a large range cannot drown the others, their weighted sum is then standardized over the
+whole batch. GDPO always divides by the group's and the batch's std: scale_rewards does not apply (TRL
+ignores it there too).
 
 Layout: N = P prompts x G completions, grouped contiguously (group g is rows g*G .. g*G+G-1).
-A reward function returns None (NaN here) for completions it does not apply to; NaN is ignored by
-every mean and std and counts as 0 in weighted sums, so advantages are never NaN.
+A reward function returns None (NaN here) for completions it does not apply to; NaN is left out of
+every mean and std and counts as 0 in weighted sums. A completion for which EVERY function returned
+None has no reward at all: its total reward stays NaN (left out of its group's statistics, as in TRL;
+a nansum would make it a reward of 0) and its advantage is 0, so advantages are never NaN.
+Every std is unbiased (TRL's nanstd); eps = 1e-4 as in TRL.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -32,17 +40,44 @@ def combine_rewards(
     eps: float = 1e-4,
     names: list[str] | None = None,  # [F] names for the per-function stats; default "0", "1", ...
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """Returns (rewards [N], advantages [N], stats) with TRL's metric names."""
+    """Returns (rewards [N], NaN where unscorable; advantages [N], never NaN; stats) with TRL's metric names."""
     _check_arguments(rewards_per_func, weights, group_size, aggregation, scale_rewards, eps, names)
     weights = weights.to(rewards_per_func)
-    rewards = (rewards_per_func * weights).nansum(dim=1)
+    unscorable = rewards_per_func.isnan().all(dim=1)
+    rewards = (rewards_per_func * weights).nansum(dim=1).masked_fill(unscorable, math.nan)
     if aggregation == "sum_then_normalize":
         advantages = _center_and_scale(rewards.unsqueeze(1), group_size, scale_rewards, eps).squeeze(1)
     else:
-        normalized = _center_and_scale(rewards_per_func, group_size, scale_rewards, eps)
-        advantages = (normalized * weights).nansum(dim=1)
+        advantages = _decoupled_advantages(rewards_per_func, weights, unscorable, group_size, eps)
+    advantages = advantages.nan_to_num(nan=0.0)  # unscorable rows: no learning signal
     names = names if names is not None else [str(index) for index in range(rewards_per_func.shape[1])]
     return rewards, advantages, _reward_stats(rewards, rewards_per_func, group_size, names)
+
+
+def standardize_groups(grouped: torch.Tensor,  # [P, G, ...], may hold NaN
+                       eps: float = 1e-4) -> torch.Tensor:
+    """(r - mean) / (unbiased std + eps) along the group dim (1) over the non-NaN values; exactly 0 in a
+    group of equal values (or of a single value), NaN stays NaN. GRPO's group normalization, also
+    EBFT's group_norm."""
+    return _center(grouped, dim=1) / (_nanstd(grouped, dim=1) + eps)
+
+
+def _decoupled_advantages(rewards_per_func: torch.Tensor,  # [N, F], NaN where a function returned None
+                          weights: torch.Tensor,  # [F]
+                          unscorable: torch.Tensor,  # [N] bool: every function returned None
+                          group_size: int, eps: float) -> torch.Tensor:
+    """GDPO: per function, group z-scores; their weighted sum (None counts 0) divided by its batch std
+    (+ eps). [N], NaN on unscorable rows.
+
+    TRL also subtracts the batch mean of the sum. That mean is 0 in exact arithmetic (each function's
+    centred rewards add up to 0 over a group's scored rows, unscorable rows add nothing), so it is left
+    out: subtracting its rounding noise (~1e-8 in float32) would give groups without signal a non-zero
+    advantage, and zero-advantage filtering relies on their exact zeros."""
+    num_rows, num_functions = rewards_per_func.shape
+    grouped = rewards_per_func.view(num_rows // group_size, group_size, num_functions)
+    z_scores = standardize_groups(grouped, eps)
+    summed = (z_scores.reshape(num_rows, num_functions) * weights).nansum(dim=1).masked_fill(unscorable, math.nan)
+    return summed / (_nanstd(summed.unsqueeze(1), dim=0).squeeze(1) + eps)
 
 
 def _center_and_scale(values: torch.Tensor,  # [N, F], may hold NaN
@@ -84,22 +119,31 @@ def _nanstd(values: torch.Tensor, dim: int) -> torch.Tensor:
     return (squared_deviations.sum(dim, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
 
 
-def _reward_stats(rewards: torch.Tensor,  # [N]
+def _reward_stats(rewards: torch.Tensor,  # [N], NaN on unscorable rows
                   rewards_per_func: torch.Tensor,  # [N, F]
                   group_size: int, names: list[str]) -> dict[str, float]:
-    group_std = _nanstd(rewards.view(-1, group_size), dim=1)
-    zero_std_groups = torch.isclose(group_std, torch.zeros_like(group_std)).sum().item()
+    """TRL's reward metrics over the scored values; a std of fewer than two values is NaN, as TRL's nanstd
+    gives (logged as null). reward_std is the mean of the groups' stds (TRL: the batch's std; see
+    docs/trl-differences.md), frac_reward_zero_std the fraction of groups whose std is 0 (a group with
+    fewer than two scored completions has no std: not counted, as in TRL)."""
+    group_std = _std_or_nan(rewards.view(-1, group_size), dim=1)
     stats = {
-        "reward": rewards.mean().item(),
-        "reward_std": group_std.mean().item(),
-        "frac_reward_zero_std": zero_std_groups / group_std.numel(),
+        "reward": rewards.nanmean().item(),
+        "reward_std": group_std.nanmean().item(),
+        "frac_reward_zero_std": torch.isclose(group_std, torch.zeros_like(group_std)).double().mean().item(),
     }
     means = rewards_per_func.nanmean(dim=0).tolist()
-    stds = _nanstd(rewards_per_func, dim=0).squeeze(0).tolist()
+    stds = _std_or_nan(rewards_per_func, dim=0).squeeze(0).tolist()
     for name, mean, std in zip(names, means, stds):
         stats[f"rewards/{name}/mean"] = mean
         stats[f"rewards/{name}/std"] = std
     return stats
+
+
+def _std_or_nan(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """_nanstd, but NaN where fewer than two values are valid (a statistic, not a divisor)."""
+    count = (~values.isnan()).sum(dim, keepdim=True)
+    return torch.where(count >= 2, _nanstd(values, dim), math.nan)
 
 
 def _check_arguments(rewards_per_func, weights, group_size, aggregation, scale_rewards, eps, names) -> None:

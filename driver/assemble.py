@@ -23,7 +23,7 @@ from driver.filtering import extend_batch, filter_zero_advantage
 from driver.producer import Job
 from driver.replay import ReplayBuffer
 from driver.reroll import RerollQueue, failed_entirely
-from driver.rewards import RewardError
+from driver.rewards import RewardError, warn_unscorable
 from driver.rollout.records import Group
 
 
@@ -57,6 +57,7 @@ def assemble(config: Config, job: Job, step: int, scorer, submit: bool,
         if config.algo.name == "ebft":
             total, advantages, stats = advantages_from_tables(config.ebft, groups)
         else:
+            metrics["rewards/unscorable_completions"] = float(warn_unscorable(groups))  # all None: advantage 0
             table = torch.cat([group.rewards for group in groups])
             total, advantages, stats = combine_rewards(table, scorer.weights, config.algo.num_generations,
                                                        config.rewards.aggregation, config.algo.scale_rewards,

@@ -7,6 +7,7 @@ message naming the key and exits with status 2 — no traceback.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from pathlib import Path
 from typing import Any, get_args, get_origin
@@ -184,7 +185,10 @@ def config_from_argv(argv: list[str]) -> Config | None:
 
 
 def exit_on_config_error(error: ConfigError) -> None:
-    print(f"error: {error}", file=sys.stderr)
+    """Exit 2 with the message. Under torchrun every rank finds the same error: rank 0 alone says it
+    (torchrun's RANK; the process group may not exist yet)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {error}", file=sys.stderr)
     sys.exit(2)
 
 

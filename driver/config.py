@@ -105,7 +105,10 @@ class RolloutConfig(Section):
         "overwrite the engine's weights in place (weights; colocate only); auto = weights for MoE on CPU")
     verify_sync: bool = Field(True, description="after every adapter sync, score a probe with vLLM and the "
                               "trainer and fail when vLLM still serves old weights")
-    sync_tolerance: float = Field(1e-3, gt=0, description="largest probe logprob difference accepted as in sync")
+    sync_tolerance: float = Field(1e-3, gt=0, description="float32 with a dense base: largest probe logprob "
+                                  "difference between vLLM and the trainer at any version; other dtypes and QLoRA "
+                                  "compare how the probe moved instead (driver/rollout/sync_check.py), and this is "
+                                  "the floor of their noise thresholds")
     vllm_sync_interval: int = Field(1, ge=1, description="push the adapter to vLLM every this many optimizer steps "
                                     "(samples are then up to interval - 1 versions older)")
     async_prefetch: bool = Field(False, description="generate the next batches in a background thread while the "
@@ -125,12 +128,22 @@ class RolloutConfig(Section):
 
 
 class ImportanceSamplingConfig(Section):
-    level: Literal["token", "sequence", "none"] = Field(
+    level: Literal["token", "sequence_product", "none"] = Field(
         "token", description="correct for the gap between vLLM's sampling logprobs and the trainer's: per token, "
-        "per sequence, or not at all")
+        "by the product of the sequence's token ratios on all its tokens (TRL's vllm_importance_sampling_mode "
+        "sequence_*, not GSPO's importance_sampling_level), or not at all")
     mode: Literal["truncate", "mask"] = Field("truncate", description="ratios above cap are truncated to cap, or "
                                                "masked (weight 0)")
     cap: float = Field(2.0, gt=0, description="the cap C on importance ratios")
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def _renamed_level(cls, value):
+        if value == "sequence":  # renamed: TRL's importance_sampling_level="sequence" is GSPO, another thing
+            raise ValueError("'sequence' is now called 'sequence_product' (the product of the token ratios "
+                             "vLLM-vs-trainer); TRL's importance_sampling_level='sequence' (GSPO, the geometric "
+                             "mean of the policy ratio) is a different method, not supported here")
+        return value
 
 
 class AlgoConfig(Section):
@@ -147,11 +160,14 @@ class AlgoConfig(Section):
     beta: float = Field(0.0, ge=0, description="KL (k3) coefficient against the base model (adapter disabled)")
     num_iterations: int = Field(1, ge=1, description="optimizer passes over each rollout batch (mu)")
     scale_rewards: Literal["group", "batch", "none"] = Field(
-        "group", description="divide advantages by the reward std of the group, of the batch, or not (Dr. GRPO)")
+        "group", description="divide advantages by the reward std of the group, of the batch, or not (Dr. GRPO); "
+        "ignored by rewards.aggregation normalize_then_sum (GDPO), which divides each function by its group std "
+        "and the sum by its batch std, as TRL")
     importance_sampling: ImportanceSamplingConfig = Field(default_factory=ImportanceSamplingConfig,
                                                           description="sampling-vs-trainer correction")
     off_policy_mask_threshold: float | None = Field(
-        None, description="drop sequences with negative advantage whose mean KL(sampling || policy) exceeds this")
+        None, description="drop the policy term of sequences with negative advantage whose mean KL(sampling || "
+        "current policy) exceeds this (DeepSeek-V3.2 off-policy sequence masking; their KL term stays)")
     skip_zero_advantage: bool = Field(True, description="skip the policy loss of micro-batches whose advantages "
                                       "are all zero (kept connected to the graph; not skipped when beta > 0)")
     filter_zero_advantage: bool = Field(True, description="remove completions with zero advantage (groups of equal "
@@ -241,6 +257,9 @@ class TrainConfig(Section):
 class LoggingConfig(Section):
     output_dir: str = Field("outputs/run", description="where metrics, checkpoints, plots and the resolved config go")
     progress: bool = Field(True, description="rich progress bar on the terminal")
+    quiet: bool = Field(True, description="send what vLLM and the libraries print (engine logs, warnings, "
+                        "reward functions' prints) to output_dir/run.log; the terminal keeps the progress bar, "
+                        "the driver's messages and errors")
     tensorboard: bool = Field(True, description="write TensorBoard events to output_dir/tensorboard")
     plots: bool = Field(True, description="write PNG plots of the main curves at the end")
     log_completions: int = Field(2, ge=0, description="sample completions printed every log_completions_every steps")

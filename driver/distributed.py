@@ -17,6 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from driver.losses import Metrics, combine_metrics
+
 TIMEOUT = timedelta(minutes=30)  # a rank stuck this long in a collective fails instead of hanging forever
 
 
@@ -93,18 +95,16 @@ def max_int(value: int) -> int:
     return int(tensor)
 
 
-def reduce_metrics(metrics: dict[str, float], summed: tuple[str, ...] = ()) -> dict[str, float]:
-    """Per key: the sum over ranks for `summed` keys, else the mean over the ranks that have the key."""
+def reduce_metrics(metrics: Metrics, summed: tuple[str, ...] = ()) -> dict[str, float]:
+    """The step's metric values from every rank's, each by its meaning (driver.losses.combine_metrics):
+    the sum over ranks for `summed` keys, the min of */min (and *_min) keys and the max of */max (*_max),
+    token means weighted by each rank's tokens (Metrics.counts), any other value the mean over the ranks
+    that have it."""
     if not _world.distributed:
-        return metrics
-    gathered: list[dict[str, float]] = [{} for _ in range(_world.size)]
+        return dict(metrics.values)
+    gathered: list[Metrics | None] = [None] * _world.size
     dist.all_gather_object(gathered, metrics)
-    keys = list(dict.fromkeys(key for rank_metrics in gathered for key in rank_metrics))
-    out = {}
-    for key in keys:
-        values = [rank_metrics[key] for rank_metrics in gathered if key in rank_metrics]
-        out[key] = sum(values) if key in summed else sum(values) / len(values)
-    return out
+    return combine_metrics(gathered, summed).values
 
 
 def barrier() -> None:

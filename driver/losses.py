@@ -21,17 +21,22 @@ every numerator. For bnpo a micro-batch also adds the tokens its filtered rows h
 Padding may hold anything (0, garbage, -inf from an inference engine, NaN weights): every log-ratio
 is zeroed there before exp and every per-token value at the end, so losses, weights and gradients
 stay finite; torch.where sends no gradient to the branch it did not pick.
+
+Metrics come as Metrics (values + the token or sequence counts of the means) so that micro-batches,
+iterations and ranks combine exactly (combine_metrics): token means weighted by their tokens, minima
+(*/min, *_min) and maxima (*/max, *_max) as the min and max: the step's values whatever the split.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-IMPORTANCE_LEVELS = ("token", "sequence", "none")
+IMPORTANCE_LEVELS = ("token", "sequence_product", "none")
 IMPORTANCE_MODES = ("truncate", "mask")
 
 
@@ -56,6 +61,57 @@ class StepNormalizers:
                 raise ValueError(f"StepNormalizers.{name} must be >= 0, got {getattr(self, name)}")
 
 
+MINIMUM_SUFFIXES, MAXIMUM_SUFFIXES = ("/min", "_min"), ("/max", "_max")  # TRL: .../min, clip_ratio/low_min
+
+
+@dataclass
+class Metrics:
+    """What one part of a step measured (a micro-batch, an iteration, a rank), kept combinable: values
+    whose key ends in /min or _min (/max, _max) are minima (maxima), NaN when there was nothing to
+    measure; counts[key] is the number of tokens or sequences the mean values[key] is taken over; a value
+    without a count (loss, grad_norm) weighs once per part."""
+
+    values: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, float] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> float:
+        return self.values[key]
+
+    def update(self, other: Metrics) -> Metrics:
+        self.values.update(other.values)
+        self.counts.update(other.counts)
+        return self
+
+
+def combine_metrics(parts: Iterable[Metrics], summed: tuple[str, ...] = ()) -> Metrics:
+    """One Metrics from those of several parts, by each key's meaning: the sum for `summed` keys, the min
+    of minima and the max of maxima over the parts that measured one, the count-weighted mean of a mean
+    with counts (NaN when no part counted anything), the plain mean of any other value over the parts
+    that have the key."""
+    parts = list(parts)
+    out = Metrics()
+    for key in dict.fromkeys(key for part in parts for key in part.values):
+        having = [part for part in parts if key in part.values]
+        counted = [key in part.counts for part in having]
+        if any(counted) and not all(counted):
+            raise ValueError(f"metric {key!r} has a count in some parts and not in others; a mean must say what "
+                             "it averages over in every part, or in none")
+        values = [part.values[key] for part in having]
+        if key in summed:
+            out.values[key] = sum(values)
+        elif key.endswith(MINIMUM_SUFFIXES + MAXIMUM_SUFFIXES):
+            measured = [value for value in values if not math.isnan(value)]
+            out.values[key] = (min if key.endswith(MINIMUM_SUFFIXES) else max)(measured) if measured else math.nan
+        elif all(counted):
+            weighted = [(part.values[key], part.counts[key]) for part in having if part.counts[key] > 0]
+            total = sum(count for _, count in weighted)
+            out.values[key] = sum(value * count for value, count in weighted) / total if total else math.nan
+            out.counts[key] = total
+        else:
+            out.values[key] = sum(values) / len(values)
+    return out
+
+
 def policy_loss(
     logps: torch.Tensor,  # [n, T] current policy, requires grad
     old_logps: torch.Tensor,  # [n, T] detached, the policy before this step's updates
@@ -69,10 +125,15 @@ def policy_loss(
     normalizers: StepNormalizers,
     ref_logps: torch.Tensor | None = None,  # [n, T] base model; required when beta > 0
     is_weights: torch.Tensor | None = None,  # [n, T] detached importance weights (importance_weights())
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Returns (this micro-batch's share of the step loss, metrics averaged over its tokens)."""
+    keep_sequences: torch.Tensor | None = None,  # [n] bool, off_policy_sequence_mask(); None keeps all
+) -> tuple[torch.Tensor, Metrics]:
+    """Returns (this micro-batch's share of the step loss, its metrics: token means and per-sequence
+    extremes of the clipped fractions, the KL when ref_logps is given).
+
+    keep_sequences zeroes the clipped policy term of the dropped sequences and nothing else, as TRL's
+    off-policy mask does: their KL term stays, their tokens still count in every normalizer and metric."""
     _check_policy_loss_arguments(logps, old_logps, advantages, mask, loss_type, epsilon_low, epsilon_high,
-                                 beta, normalizers, ref_logps, is_weights)
+                                 beta, normalizers, ref_logps, is_weights, keep_sequences)
     # Sums over thousands of tokens lose too much in half precision; the model's logps may be bf16.
     dtype = torch.promote_types(logps.dtype, torch.float32)
     real = mask > 0
@@ -81,6 +142,8 @@ def policy_loss(
     advantages = advantages.to(dtype).unsqueeze(1)
     clipped_ratio = ratio.clamp(1 - epsilon_low, 1 + epsilon_high)
     per_token = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
+    if keep_sequences is not None:
+        per_token = torch.where(keep_sequences.unsqueeze(1), per_token, 0.0)
     if is_weights is not None:
         per_token = per_token * is_weights.detach().to(dtype)
     k3 = None
@@ -109,18 +172,29 @@ def _normalize(per_token: torch.Tensor,  # [n, T], 0 on padding
 
 
 @torch.no_grad()
-def _policy_metrics(ratio, advantages, real, k3, epsilon_low, epsilon_high) -> dict[str, float]:
-    # Clipped means: the clip took the gradient away, i.e. the ratio left the trust region in the
-    # direction the advantage pushes it (TRL's clip_ratio/* metrics).
+def _policy_metrics(ratio, advantages, real, k3, epsilon_low, epsilon_high) -> Metrics:
+    # Clipped: the clip took the gradient away, i.e. the ratio left the trust region in the direction
+    # the advantage pushes it (TRL's clip_ratio/* metrics: token means, and the smallest low / largest
+    # high fraction of one sequence's tokens).
     low = (ratio < 1 - epsilon_low) & (advantages < 0) & real
     high = (ratio > 1 + epsilon_high) & (advantages > 0) & real
     per_token = {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high, "clip_ratio/region_mean": low | high}
     if k3 is not None:
         per_token["kl"] = k3
-    num_tokens = real.sum().clamp(min=1)
-    means = torch.stack([torch.where(real, values.to(ratio.dtype), 0.0).sum() / num_tokens
-                         for values in per_token.values()])
-    return dict(zip(per_token, means.tolist()))  # one device sync for all metrics
+    dtype = ratio.dtype
+    num_tokens = real.sum()
+    means = [torch.where(real, values.to(dtype), 0.0).sum() / num_tokens.clamp(min=1) for values in per_token.values()]
+    sequence_tokens = real.sum(dim=1)
+    non_empty = sequence_tokens > 0
+    low_fractions = (low.sum(dim=1).to(dtype) / sequence_tokens.clamp(min=1))[non_empty]
+    high_fractions = (high.sum(dim=1).to(dtype) / sequence_tokens.clamp(min=1))[non_empty]
+    nothing = torch.tensor(math.nan, dtype=dtype, device=ratio.device)
+    extremes = [low_fractions.min() if len(low_fractions) else nothing,
+                high_fractions.max() if len(high_fractions) else nothing]
+    values = torch.stack([*means, *(value.to(dtype) for value in extremes), num_tokens.to(dtype)]).tolist()
+    count = values.pop()  # one device sync for all metrics
+    names = [*per_token, "clip_ratio/low_min", "clip_ratio/high_max"]
+    return Metrics(dict(zip(names, values)), {name: count for name in per_token})
 
 
 def importance_weights(
@@ -131,13 +205,17 @@ def importance_weights(
     level: str,
     mode: str,
     cap: float,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, Metrics]:
     """Truncated importance sampling for the engine-vs-trainer mismatch (Yao et al. 2025, "Your efficient
     RL framework secretly brings you off-policy RL training"). Returns detached weights [n, T], 0 on
     padding, and metrics.
 
+    level "token": each token's ratio exp(old - sampling); "sequence_product": the product of the
+    sequence's token ratios on all its tokens (TRL's vllm_importance_sampling_mode sequence_*; not
+    TRL's importance_sampling_level="sequence", GSPO's geometric mean of the policy ratio).
     "truncate" caps ratios at cap; "mask" zeroes them above cap, exactly, with no renormalization
-    that would give the dropped tokens their weight back.
+    that would give the dropped tokens their weight back. The ratio metrics are of the ratios before
+    the cap (TRL logs them after it); sampling/masked_fraction says how many tokens the mask dropped.
     """
     _check_same_shape("old_logps", old_logps, sampling_logps=sampling_logps, mask=mask)
     if level not in IMPORTANCE_LEVELS:
@@ -160,18 +238,20 @@ def importance_weights(
             zeroed = (ratio > cap) & real
             weights = torch.where(zeroed, 0.0, ratio)
         weights = torch.where(real, weights, 0.0)
-        summary = torch.cat([_min_mean_max(ratio_samples, empty=1.0),
-                             _min_mean_max(log_gap.abs()[real], empty=0.0)[1:],
-                             (zeroed.sum().to(dtype) / real.sum().clamp(min=1)).reshape(1)])
-    ratio_min, ratio_mean, ratio_max, gap_mean, gap_max, masked_fraction = summary.tolist()
-    return weights, {
+        num_tokens = real.sum()
+        summary = torch.cat([_min_mean_max(ratio_samples), _min_mean_max(log_gap.abs()[real])[1:],
+                             (zeroed.sum().to(dtype) / num_tokens.clamp(min=1)).reshape(1),
+                             num_tokens.reshape(1).to(dtype)])
+    ratio_min, ratio_mean, ratio_max, gap_mean, gap_max, masked_fraction, num_tokens = summary.tolist()
+    return weights, Metrics({
         "sampling/importance_sampling_ratio/min": ratio_min,
         "sampling/importance_sampling_ratio/mean": ratio_mean,
         "sampling/importance_sampling_ratio/max": ratio_max,
         "sampling/sampling_logp_difference/mean": gap_mean,
         "sampling/sampling_logp_difference/max": gap_max,
         "sampling/masked_fraction": masked_fraction,
-    }
+    }, {"sampling/importance_sampling_ratio/mean": float(ratio_samples.numel()),
+        "sampling/sampling_logp_difference/mean": num_tokens, "sampling/masked_fraction": num_tokens})
 
 
 def _importance_ratio(log_gap: torch.Tensor,  # [n, T] old - sampling, 0 on padding
@@ -180,45 +260,52 @@ def _importance_ratio(log_gap: torch.Tensor,  # [n, T] old - sampling, 0 on padd
     if level == "token":
         ratio = log_gap.exp()
         return ratio, ratio[real]
-    if level == "sequence":  # the product of the sequence's token ratios, summed in log space
+    if level == "sequence_product":  # the product of the sequence's token ratios, summed in log space
         sequence_ratio = log_gap.sum(dim=1).exp()
         return sequence_ratio.unsqueeze(1).expand_as(log_gap), sequence_ratio[real.any(dim=1)]
     ratio = torch.ones_like(log_gap)
     return ratio, ratio[real]
 
 
-def _min_mean_max(values: torch.Tensor, empty: float) -> torch.Tensor:
-    """[3]; `empty` for all three when there are no values (a micro-batch of empty completions)."""
+def _min_mean_max(values: torch.Tensor) -> torch.Tensor:
+    """[3]; NaN for all three when there are no values (a micro-batch of empty completions): nothing was
+    measured, and combine_metrics leaves NaN extremes and zero-count means out."""
     if values.numel() == 0:
-        return torch.full((3,), empty, dtype=values.dtype, device=values.device)
+        return torch.full((3,), math.nan, dtype=values.dtype, device=values.device)
     return torch.stack([values.min(), values.mean(), values.max()])
 
 
 def off_policy_sequence_mask(
     advantages: torch.Tensor,  # [n]
-    sampling_logps: torch.Tensor,  # [n, T] the inference engine's logps
-    policy_logps: torch.Tensor,  # [n, T] the trainer's logps
+    sampling_logps: torch.Tensor,  # [n, T] the inference engine's logps (the behaviour policy)
+    policy_logps: torch.Tensor,  # [n, T] the CURRENT policy's logps (detached here)
     mask: torch.Tensor,  # [n, T]
     threshold: float | None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Off-policy sequence masking (DeepSeek-V3.2): drop a sequence whose advantage is negative and whose
-    mean over tokens of sampling_logp - policy_logp (a k1 estimate of KL(sampling || policy)) exceeds
-    threshold: pushing down completions the policy has drifted far from destabilises training, while
-    a positive advantage is kept whatever the drift. Returns keep [n] bool; None keeps every sequence.
+) -> tuple[torch.Tensor, Metrics]:
+    """Off-policy sequence masking (DeepSeek-V3.2, https://arxiv.org/abs/2512.02556, eq. 9): drop a
+    sequence whose advantage is negative and whose mean over tokens of sampling_logp - policy_logp (a k1
+    estimate of KL(sampling || current policy)) exceeds threshold: pushing down completions the policy
+    has drifted far from destabilises training, while a positive advantage is kept whatever the drift.
+    The drift is measured against the policy being trained, which covers both the engine mismatch and
+    this step's earlier updates (TRL's get_off_policy_mask: the sampling logprobs against the current
+    ones). Returns keep [n] bool (policy_loss's keep_sequences); None keeps every sequence.
     """
     _check_same_shape("sampling_logps", sampling_logps, policy_logps=policy_logps, mask=mask)
     if tuple(advantages.shape) != (sampling_logps.shape[0],):
         raise ValueError(f"advantages must have shape [n] = ({sampling_logps.shape[0]},), got "
                          f"{tuple(advantages.shape)}")
+    num_sequences = {"off_policy_mask/dropped_fraction": float(len(advantages))}
     if threshold is None:
-        return torch.ones_like(advantages, dtype=torch.bool), {"off_policy_mask/dropped_fraction": 0.0}
+        return torch.ones_like(advantages, dtype=torch.bool), Metrics({"off_policy_mask/dropped_fraction": 0.0},
+                                                                      num_sequences)
     with torch.no_grad():
         dtype = torch.promote_types(sampling_logps.dtype, torch.float32)
         real = mask > 0
-        log_gap = torch.where(real, sampling_logps.to(dtype) - policy_logps.to(dtype), 0.0)
+        log_gap = torch.where(real, sampling_logps.to(dtype) - policy_logps.detach().to(dtype), 0.0)
         mean_kl = log_gap.sum(dim=1) / real.sum(dim=1).clamp(min=1)
         keep = (advantages >= 0) | (mean_kl <= threshold)
-    return keep, {"off_policy_mask/dropped_fraction": (~keep).float().mean().item()}
+    dropped = (~keep).float().mean().item() if len(keep) else 0.0
+    return keep, Metrics({"off_policy_mask/dropped_fraction": dropped}, num_sequences)
 
 
 def connected_zero(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
@@ -252,13 +339,17 @@ def _check_same_shape(reference_name: str, reference: torch.Tensor, **tensors: t
 
 
 def _check_policy_loss_arguments(logps, old_logps, advantages, mask, loss_type, epsilon_low, epsilon_high,
-                                 beta, normalizers, ref_logps, is_weights) -> None:
+                                 beta, normalizers, ref_logps, is_weights, keep_sequences) -> None:
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
     _check_same_shape("logps", logps, old_logps=old_logps, mask=mask, ref_logps=ref_logps, is_weights=is_weights)
     num_sequences = logps.shape[0]
     if tuple(advantages.shape) != (num_sequences,):
         raise ValueError(f"advantages must have shape [n] = ({num_sequences},), got {tuple(advantages.shape)}")
+    if keep_sequences is not None and (keep_sequences.dtype != torch.bool
+                                       or tuple(keep_sequences.shape) != (num_sequences,)):
+        raise ValueError(f"keep_sequences must be a bool tensor of shape [n] = ({num_sequences},), got "
+                         f"{keep_sequences.dtype} of shape {tuple(keep_sequences.shape)}")
     if epsilon_low < 0 or epsilon_high < 0:
         raise ValueError(f"epsilon_low and epsilon_high must be >= 0, got {epsilon_low} and {epsilon_high}")
     if beta < 0:

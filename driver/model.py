@@ -71,6 +71,7 @@ def load_policy(config: Config) -> Policy:
     with seeded(config.train.seed):
         model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=DTYPES[config.model.dtype], attn_implementation=config.model.attention)
+        check_output_head(model, config.model.path)
         model.config.use_cache = False
         if config.model.qlora:
             quantize_linears(model, config.model.qlora_blocksize)
@@ -100,6 +101,41 @@ def load_policy(config: Config) -> Policy:
     return Policy(model=model, tokenizer=tokenizer, model_dir=model_dir, kernels=kernels)
 
 
+# transformers config attributes by which a model changes its logits around the output head, with the
+# value that changes nothing: the fused logprobs op (pykernels.logprobs.token_logprobs) computes
+# log_softmax(final hidden state @ lm_head.weight^T / temperature) and applies none of them.
+LOGIT_TRANSFORMS = {
+    "final_logit_softcapping": None,  # Gemma 2/3/4: cap * tanh(logits / cap)
+    "logit_scale": 1.0,  # Cohere: logits * scale
+    "logits_scaling": 1.0,  # Granite: logits / scaling
+    "lm_head_multiplier": 1.0,  # Falcon-H1: logits * multiplier
+    "output_multiplier": 1.0,  # logits * multiplier before the softcap
+    "logits_mup_width_multiplier": 1.0,  # hidden / multiplier before the head
+}
+
+
+def check_output_head(causal_lm: nn.Module, model_path: str) -> None:
+    """ConfigError for a model whose logits are not hidden @ lm_head.weight^T (a bias on the head, a
+    logit soft-cap or scale): the trainer would score another distribution than the model's (and
+    vLLM's), and the importance weights would silently absorb the difference."""
+    from driver.cli import ConfigError
+
+    configs = [causal_lm.config]
+    text_config = causal_lm.config.get_text_config(decoder=True)
+    if text_config is not causal_lm.config:
+        configs.append(text_config)
+    found = [f"{name} = {getattr(config, name)}" for config in configs for name, neutral in LOGIT_TRANSFORMS.items()
+             if getattr(config, name, None) is not None and getattr(config, name) != neutral]
+    head = causal_lm.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        found.append(f"a bias on the output head ({type(head).__name__} with bias of shape {tuple(head.bias.shape)})")
+    if found:
+        raise ConfigError(f"model.path = {model_path}: {'; '.join(found)}. The trainer scores tokens with "
+                          "log_softmax(hidden @ lm_head.weight^T / temperature) (pykernels' fused logprobs), which "
+                          "ignores this, so it would train on other logprobs than the model's: such models are not "
+                          "supported")
+
+
 def resolve_device(name: str) -> torch.device:
     """auto: cuda if available, else cpu. Under torchrun, "auto" and "cuda" mean this rank's GPU."""
     from driver.distributed import world
@@ -125,6 +161,17 @@ def quantize_linears(model: nn.Module, blocksize: int) -> int:
         setattr(parent, child, NF4Linear.from_linear(module, blocksize=blocksize, double_quant=True))
         replaced += 1
     return replaced
+
+
+@contextlib.contextmanager
+def evaluating(model: nn.Module):
+    """Eval mode (dropout off) inside the block; the model's training mode restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
 
 
 @contextlib.contextmanager

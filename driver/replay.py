@@ -27,8 +27,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-import torch
-
 from driver.advantages import _nanstd  # the same unbiased, NaN-ignoring std as the advantages
 from driver.data import Prompt
 from driver.rollout.records import Group, Sample, Span

@@ -1,6 +1,7 @@
 """Reward functions named in the config, called once per rollout batch (TRL's signature:
 fn(prompts, completions, completion_ids, **columns) -> list[float | None]); None becomes NaN and is
-left out of the statistics downstream.
+left out of the statistics downstream. A completion for which every function returned None has no
+reward (NaN) and advantage 0 (driver/advantages.py); warn_unscorable says so once per step, as TRL.
 
 The keyword arguments of a call (`reward_kwargs`, `group_call`) and the checks on what a function
 returns (`reward_table`) are shared with the reward worker pool (driver/reward_pool.py), so a reward
@@ -8,6 +9,7 @@ sees the same arguments and fails with the same message in a worker as in this p
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -19,6 +21,9 @@ from driver.config import RewardsConfig
 
 if TYPE_CHECKING:
     from driver.rollout.records import Group
+
+
+logger = logging.getLogger(__name__)
 
 
 class RewardError(RuntimeError):
@@ -82,3 +87,19 @@ class RewardFunctions:
         """[N, F] float32 rewards, NaN where a function returned None."""
         kwargs = reward_kwargs(prompts, completions, columns, completion_ids)
         return reward_table(self.names, (function(**kwargs) for function in self.functions), completions)
+
+
+def warn_unscorable(groups: list[Group]) -> int:
+    """TRL's warning when every reward function returned None for a completion, once per call: the first
+    such completion with its prompt and columns. Call it once per step, on the step's scored groups
+    (batch assembly). Returns how many such completions the groups hold (0: no warning)."""
+    unscorable = [(group, row) for group in groups for row in
+                  group.rewards.isnan().all(dim=1).nonzero().flatten().tolist()]
+    if unscorable:
+        group, row = unscorable[0]
+        row_kwargs = {**group.prompt.columns, "prompt": group.prompt.text,
+                      "completion": group.texts[row] if group.texts is not None else None}
+        logger.warning("All reward functions returned None for the following kwargs:\n%s\n"
+                       "Please ensure that at least one reward function returns a valid reward. (%d such "
+                       "completion(s) this step: their advantage is 0.)", row_kwargs, len(unscorable))
+    return len(unscorable)

@@ -32,7 +32,6 @@ from driver.replay import ReplayBuffer
 from driver.reroll import RerollQueue, delay_steps
 from driver.group_scorer import GroupScorer
 from driver.rollout.base import Generator
-from driver.rollout.records import Group
 from driver.schedule import job_version, sync_due, versions_kept
 
 

@@ -9,7 +9,7 @@ import time
 import torch
 
 from driver.config import Config
-from driver.model import Policy
+from driver.model import Policy, evaluating
 from driver.rollout.base import Generator
 from driver.rollout.sync_check import PROBE_TEXT, SyncVerifier
 from driver.scoring import completion_logprobs, pack
@@ -21,18 +21,15 @@ def make_verifier(config: Config, policy: Policy) -> SyncVerifier | None:
     if not config.rollout.verify_sync:
         return None
     probe = policy.tokenizer(PROBE_TEXT, add_special_tokens=False).input_ids
-    return SyncVerifier(probe, config.rollout.sync_tolerance, "delta" if config.model.qlora else "absolute")
+    return SyncVerifier(probe, dtype=getattr(torch, config.model.dtype), same_base=not config.model.qlora,
+                        tolerance=config.rollout.sync_tolerance)
 
 
 @torch.no_grad()
 def trainer_probe(policy: Policy, token_ids: list[int]) -> torch.Tensor:
-    was_training = policy.model.training
-    policy.model.eval()
-    try:
+    with evaluating(policy.model):
         packed = pack([token_ids[:1]], [token_ids[1:]], device=policy.device)
         logps, _, _ = completion_logprobs(policy.model, packed, temperature=1.0)
-    finally:
-        policy.model.train(was_training)
     return logps[0]
 
 

@@ -15,14 +15,15 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 import yaml
+from rich.console import Console
 
 import pykernels.backend
 
 from driver import distributed, memory, sync
+from driver.console import LOG_FILE, Terminal, library_output_to_file
 from driver.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from driver.cli import ConfigError, config_from_argv, exit_on_config_error
 from driver.config import Config
@@ -40,6 +41,7 @@ from driver.plots import plot_metrics
 from driver.rewards import RewardError
 from driver.rollout import RolloutError, make_generator
 from driver.rollouts import Rollouts
+from driver.summary import run_summary
 from driver.update import optimize
 
 
@@ -49,12 +51,23 @@ INTERRUPTED_EXIT_CODE = 130  # the shell's convention for a run stopped by SIGIN
 def run(config: Config) -> bool:
     """Train; returns False when stopped early by Ctrl-C (after saving a checkpoint). Under torchrun
     every rank runs this: rank 0 generates, logs and talks to vLLM; all ranks train their shard."""
+    started = time.perf_counter()
     world = distributed.init_world()
     check_world(config, world)
     output_dir = config.output_dir
+    output_dir.mkdir(parents=True, exist_ok=True)
     if world.is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    with library_output_to_file(output_dir / log_name(world), config.logging.quiet) as terminal:
+        return train(config, world, terminal, started)
+
+
+def log_name(world: distributed.World) -> str:
+    return LOG_FILE if world.is_main else f"run-rank{world.rank}.log"
+
+
+def train(config: Config, world: distributed.World, terminal: Terminal, started: float) -> bool:
+    output_dir = config.output_dir
     torch.manual_seed(config.train.seed)
     pykernels.backend.set_kernels(config.train.kernels)
 
@@ -67,18 +80,23 @@ def run(config: Config) -> bool:
     optimizer = build_optimizer(policy.trainable_parameters(), config.train)
     scheduler = build_scheduler(optimizer, config.train, config.train.steps * config.algo.num_iterations)
     step, rollout_state = 0, None
+    first_step = 0
     if config.checkpoint.resume:
         step, rollout_state = load_checkpoint(find_checkpoint(output_dir, config.checkpoint.resume), policy,
                                               optimizer, scheduler, prompts)
+        first_step = step
 
     strided = config.algo.name == "ebft" and config.ebft.mode == "strided"  # the trainer samples: no vLLM
     generator = None if strided else on_rank0(lambda: make_generator(config, policy), "start vLLM")
     verifier = None if strided else sync.make_verifier(config, policy)
     update = optimize_strided if strided else optimize
     logger = (MetricsLogger(output_dir, total_steps=config.train.steps, start_step=step,
-                            tensorboard=config.logging.tensorboard, progress=config.logging.progress)
+                            tensorboard=config.logging.tensorboard, progress=config.logging.progress,
+                            console=Console(file=terminal.out))
               if world.is_main else SilentLogger())
     logger.print(f"pykernels: {policy.kernels}" + (f"; {world.size} ranks (FSDP2)" if world.distributed else ""))
+    if terminal.log_path is not None:
+        logger.print(f"vLLM's and the libraries' output: {terminal.log_path}")
     rollouts = None
     try:
         if strided:
@@ -90,7 +108,7 @@ def run(config: Config) -> bool:
                                                          rollout_state, before_first_push=ready))
         else:
             rollouts = FollowerFeed(config, policy)
-        with GracefulInterrupt() as interrupt:
+        with GracefulInterrupt(out=terminal.out) as interrupt:
             # Under torchrun rank 0 alone decides to stop (its next_batch tells the others).
             while step < config.train.steps and (world.distributed or not interrupt.requested):
                 started = time.perf_counter()
@@ -122,8 +140,6 @@ def run(config: Config) -> bool:
                         rollouts.state_dict())
         policy.save_adapter(output_dir / "adapter")
         interrupted = step < config.train.steps
-        if interrupted:
-            logger.print(f"interrupted: checkpoint of step {step} saved in {output_dir / 'checkpoints'}")
     finally:
         if rollouts is not None:
             rollouts.close()  # first: its thread must not hold the engine when the engine shuts down
@@ -132,6 +148,10 @@ def run(config: Config) -> bool:
             generator.close()
     if config.logging.plots and world.is_main:
         plot_metrics(output_dir / "metrics.jsonl", output_dir)
+    if world.is_main and step > first_step:
+        print(run_summary(output_dir, steps_done=step, steps_planned=config.train.steps,
+                          wall_seconds=time.perf_counter() - started, quiet=terminal.log_path is not None,
+                          plots=config.logging.plots, tensorboard=config.logging.tensorboard), file=terminal.out)
     return not interrupted
 
 
@@ -179,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:  # found once the data is read (a missing column, a rejected row)
         exit_on_config_error(error)
     except (RolloutError, RewardError) as error:  # failures of the run, not bugs: say what, not where
-        print(f"error: {error}", file=sys.stderr)
+        details = f" (details: {config.output_dir / LOG_FILE})" if config.logging.quiet else ""
+        print(f"error: {error}{details}", file=sys.stderr)
         return 1
 
 

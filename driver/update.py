@@ -10,7 +10,6 @@ FSDP averages the gradients of ranks whose losses are already shares of the whol
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from dataclasses import replace
 
 import torch
@@ -20,8 +19,9 @@ from driver.batch import RolloutBatch
 from driver.config import Config
 # merge is re-exported: callers merge a step's rollout batches with the update's module
 from driver.filtering import check_counts, merge, micro_batches  # noqa: F401
-from driver.losses import StepNormalizers, all_zero, connected_zero, importance_weights, off_policy_sequence_mask, policy_loss
-from driver.model import Policy
+from driver.losses import (Metrics, StepNormalizers, all_zero, combine_metrics, connected_zero, importance_weights,
+                           off_policy_sequence_mask, policy_loss)
+from driver.model import Policy, evaluating
 from driver.scoring import completion_logprobs, pack
 
 
@@ -29,11 +29,9 @@ from driver.scoring import completion_logprobs, pack
 def frozen_logprobs(policy: Policy, batch: RolloutBatch, parts: list[slice], temperature: float,
                     reference: bool) -> torch.Tensor:
     """Logprobs of the current policy (or of the base, adapter disabled) with dropout off, [N, T]."""
-    was_training = policy.model.training
-    policy.model.eval()
     out = torch.zeros_like(batch.mask)
     padding = distributed.max_int(len(parts)) - len(parts)  # agreed before any pass: FSDP's collectives pair up
-    try:
+    with evaluating(policy.model):
         for part in parts:
             packed = pack(batch.prompt_ids[part], batch.completion_ids[part], device=policy.device)
             if reference:
@@ -44,8 +42,6 @@ def frozen_logprobs(policy: Policy, batch: RolloutBatch, parts: list[slice], tem
             out[part, : logps.shape[1]] = logps
         for _ in range(padding):
             padding_pass(policy, temperature, backward=False)
-    finally:
-        policy.model.train(was_training)
     return out
 
 
@@ -61,7 +57,10 @@ def optimize(config: Config, policy: Policy, batch: RolloutBatch, optimizer, sch
     ref_logps = frozen_logprobs(policy, batch, rows, temperature, reference=True) if algo.beta > 0 else None
     old_logps = frozen_logprobs(policy, batch, rows, temperature, reference=False) if algo.num_iterations > 1 else None
     params = policy.trainable_parameters()
-    totals: dict[str, list[float]] = defaultdict(list)
+    # Metrics of every micro-batch of every iteration, and of every iteration (loss, grad_norm), kept
+    # with their token counts: combine_metrics weighs token means by tokens, takes min of */min, ...
+    micro_batch_metrics: list[Metrics] = []
+    iteration_metrics: list[Metrics] = []
     policy.model.train()
     padding = distributed.max_int(len(parts)) - len(parts)
     # A skipped micro-batch runs no FSDP forward, so ranks would fall out of step: only single-process.
@@ -76,23 +75,23 @@ def optimize(config: Config, policy: Policy, batch: RolloutBatch, optimizer, sch
                 skipped += 1
                 continue
             metrics = micro_batch_loss(config, policy, batch, part, normalizers, old_logps, ref_logps)
-            step_loss += metrics.pop("loss")  # micro-batch losses are normalized to sum to the step's
-            for key, value in metrics.items():
-                totals[key].append(value)
+            step_loss += metrics.values.pop("loss")  # micro-batch losses are normalized to sum to the step's
+            micro_batch_metrics.append(metrics)
         for _ in range(padding):
             padding_pass(policy, config.rollout.sampling.temperature, backward=True)
         if batch.counts is not None:
             zero_missing_grads(params)
-        totals["loss"].append(step_loss)
-        totals["skipped_micro_batch_fraction"].append(skipped / len(parts) if parts else 0.0)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, config.train.max_grad_norm or math.inf)
-        totals["grad_norm"].append(float(grad_norm))
+        iteration_metrics.append(Metrics(
+            {"loss": step_loss, "grad_norm": float(grad_norm),
+             "skipped_micro_batch_fraction": skipped / len(parts) if parts else 0.0},
+            {"skipped_micro_batch_fraction": float(len(parts))}))
         optimizer.step()
         scheduler.step()
-    metrics = {key: sum(values) / len(values) for key, values in totals.items()}
-    metrics = distributed.reduce_metrics(metrics, summed=("loss",))  # each rank's loss is a share of the step's
-    metrics["learning_rate"] = scheduler.get_last_lr()[0]
-    return metrics
+    metrics = combine_metrics(micro_batch_metrics).update(combine_metrics(iteration_metrics))
+    values = distributed.reduce_metrics(metrics, summed=("loss",))  # each rank's loss is a share of the step's
+    values["learning_rate"] = scheduler.get_last_lr()[0]
+    return values
 
 
 def padding_pass(policy: Policy, temperature: float, backward: bool) -> None:
@@ -154,7 +153,8 @@ def _check_filtered_batch(batch: RolloutBatch, beta: float) -> None:
 
 
 def micro_batch_loss(config: Config, policy: Policy, batch: RolloutBatch, part: slice, normalizers: StepNormalizers,
-                     old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None) -> dict[str, float]:
+                     old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None) -> Metrics:
+    """Backward of this micro-batch's share of the step loss; its metrics, "loss" (the share) among them."""
     algo = config.algo
     packed = pack(batch.prompt_ids[part], batch.completion_ids[part], device=policy.device)
     logps, entropy, mask = completion_logprobs(policy.model, packed, config.rollout.sampling.temperature,
@@ -166,16 +166,19 @@ def micro_batch_loss(config: Config, policy: Policy, batch: RolloutBatch, part: 
     sampling_correction = algo.importance_sampling
     weights, metrics = importance_weights(old, sampling, mask, level=sampling_correction.level,
                                           mode=sampling_correction.mode, cap=sampling_correction.cap)
-    keep, mask_metrics = off_policy_sequence_mask(advantages, sampling, old, mask, algo.off_policy_mask_threshold)
+    # Against the current policy, as TRL: the drift since sampling includes this step's earlier updates.
+    keep, mask_metrics = off_policy_sequence_mask(advantages, sampling, logps.detach(), mask,
+                                                  algo.off_policy_mask_threshold)
     loss, loss_metrics = policy_loss(
-        logps, old, advantages, mask * keep[:, None].to(mask.dtype), loss_type=algo.loss_type,
+        logps, old, advantages, mask, loss_type=algo.loss_type,
         epsilon_low=algo.epsilon, epsilon_high=algo.epsilon_high if algo.epsilon_high is not None else algo.epsilon,
         beta=algo.beta, normalizers=normalizers,
         ref_logps=ref_logps[part, :width] if ref_logps is not None else None,
-        is_weights=weights if sampling_correction.level != "none" else None)
+        is_weights=weights if sampling_correction.level != "none" else None,
+        keep_sequences=keep if algo.off_policy_mask_threshold is not None else None)
     (loss * distributed.world().size).backward()  # FSDP divides by the world size; the loss is a share already
-    metrics.update(mask_metrics)
-    metrics.update(loss_metrics)
-    metrics["loss"] = float(loss.detach())
-    metrics["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
-    return metrics
+    num_tokens = mask.sum()
+    entropy_mean = float((entropy.detach() * mask).sum() / num_tokens.clamp(min=1))
+    metrics.update(mask_metrics).update(loss_metrics)
+    return metrics.update(Metrics({"loss": float(loss.detach()), "entropy": entropy_mean},
+                                  {"entropy": float(num_tokens)}))

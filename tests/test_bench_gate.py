@@ -199,3 +199,24 @@ def test_remeasure_of_a_failed_mean_takes_every_case_of_the_rule(tmp_path, thres
     assert gate.main([str(results), "--thresholds", str(thresholds), "--remeasure"]) == 1
     assert len(asked[0]) == 4
     assert "judging the first run" in capsys.readouterr().err
+
+
+def test_scope_judges_complete_families_strictly_and_subsets_on_what_ran(tmp_path):
+    thresholds = tmp_path / "t.toml"
+    thresholds.write_text('[cpu]\n"nf4.dequantize.bitsandbytes" = 2.5\n"nf4.dequantize.torch_reference" = 50\n'
+                          '"lora.forward_bf16.peft" = 1.3\n')
+    results = gate.load_results(write_results(tmp_path / "r.json", 3.0, 12.0))[:3]  # 4096x14336 lacks bitsandbytes
+    checks = gate.evaluate(results, gate.load_floors(thresholds, "cpu"))
+    judged, not_evaluated = gate.scope(checks, None)  # the whole suite: every rule, missing results fail
+    assert [(c.rule, c.passed) for c in judged] == [("lora.forward_bf16.peft", False),
+                                                    ("nf4.dequantize.bitsandbytes", False),
+                                                    ("nf4.dequantize.torch_reference", False)]
+    assert not not_evaluated
+    judged, not_evaluated = gate.scope(checks, {"nf4"})  # test_bench_nf4.py ran whole
+    assert [(c.rule, c.passed) for c in judged] == [("nf4.dequantize.bitsandbytes", False),
+                                                    ("nf4.dequantize.torch_reference", False)]
+    assert [c.rule for c in not_evaluated] == ["lora.forward_bf16.peft"]
+    judged, not_evaluated = gate.scope(checks, set())  # -k: judged on the cases where both sides ran
+    assert [(c.rule, [r.case for r in c.cases], c.passed) for c in judged] == [
+        ("nf4.dequantize.bitsandbytes", ["4096x4096"], True)]
+    assert [c.rule for c in not_evaluated] == ["lora.forward_bf16.peft", "nf4.dequantize.torch_reference"]

@@ -20,7 +20,9 @@ def test_build_info_fields():
     assert "nf4" in info["families"]
     assert info["cuda"] == _C.has_cuda()
     assert info["cuda_archs"] == (_C.cuda_archs() if info["cuda"] else [])
-    assert info["torch_version"].split("+")[0] == torch.__version__.split("+")[0], "rebuild: _C was built for another torch"
+    assert info["torch_version"].split("+")[0] == torch.__version__.split("+")[0], (
+        "rebuild: _C was built for another torch"
+    )
 
 
 def test_cutlass_version_is_reported():

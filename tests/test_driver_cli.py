@@ -7,7 +7,7 @@ import textwrap
 import pytest
 from pydantic import BaseModel
 
-from driver.cli import ConfigError, apply_override, help_text, load_config
+from driver.cli import ConfigError, apply_override, exit_on_config_error, help_text, load_config
 from driver.config import Config
 
 
@@ -58,7 +58,8 @@ def test_dotted_overrides_are_parsed_as_yaml(tmp_path):
     ({"model.qlora_blocksize": "48"}, "model.qlora_blocksize: Value error, must be a power of two"),
     ({"rewards.functions": "[{path: no_such_module.reward}]"}, "rewards.functions[0].path: cannot import module"),
     ({"rewards.functions": "[{path: driver.toy_tasks.nope}]"}, "module 'driver.toy_tasks' has no 'nope'"),
-    ({"data.source": "/nonexistent/prompts.jsonl"}, "data.source: dataset file /nonexistent/prompts.jsonl does not exist"),
+    ({"data.source": "/nonexistent/prompts.jsonl"},
+     "data.source: dataset file /nonexistent/prompts.jsonl does not exist"),
     ({"model.path": "/nonexistent/model"}, "model.path: /nonexistent/model is not a local model directory"),
     ({"algo.epsilon": "0.3", "algo.epsilon_high": "0.1"}, "algo.epsilon_high must be >= algo.epsilon"),
 ])
@@ -90,6 +91,19 @@ def test_cli_exit_code_2_without_traceback(tmp_path):
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert "train.lr:" in result.stderr and "logging.colour: unknown key" in result.stderr
+
+
+@pytest.mark.parametrize("rank, says_it", [("0", True), ("1", False), (None, True)])
+def test_under_torchrun_only_rank_0_reports_a_config_error(monkeypatch, capsys, rank, says_it):
+    """Every rank finds the same mistake; printed by each, the lines interleave on one line."""
+    if rank is None:
+        monkeypatch.delenv("RANK", raising=False)
+    else:
+        monkeypatch.setenv("RANK", rank)
+    with pytest.raises(SystemExit) as exited:
+        exit_on_config_error(ConfigError("train.lr: not a number"))
+    assert exited.value.code == 2
+    assert (capsys.readouterr().err == "error: train.lr: not a number\n") == says_it
 
 
 @pytest.mark.parametrize("args,message", [

@@ -118,3 +118,32 @@ def test_reward_errors_name_the_function(name, message):
     rewards = RewardFunctions(RewardsConfig(functions=[RewardFunction(path=f"tests.test_driver_data_rewards.{name}")]))
     with pytest.raises(RewardError, match=message):
         rewards(prompts=["a", "b"], completions=["x", "y"], columns=[{}, {}], completion_ids=[[1], [2]])
+
+
+def scored_group(group_id: int, table: list[list[float]], texts: list[str]):
+    from driver.data import Prompt
+    from driver.rollout.records import Group
+
+    prompt = Prompt(index=group_id, text=f"prompt {group_id}", token_ids=[1, 2], columns={"answer": str(group_id)})
+    return Group(group_id=group_id, prompt=prompt, samples=[], rewards=torch.tensor(table), texts=texts)
+
+
+def test_warn_unscorable_names_the_first_completion_once(caplog):
+    """TRL warns (logger.warning, "All reward functions returned None for the following kwargs") with the
+    first such row's prompt, completion and columns; once for the step, however many rows."""
+    from driver.rewards import warn_unscorable
+
+    nan = math.nan
+    groups = [scored_group(0, [[1.0, nan], [nan, 0.5]], ["a", "b"]),
+              scored_group(1, [[nan, nan], [0.0, nan], [nan, nan]], ["c", "d", "e"]),
+              scored_group(2, [[nan, nan]], ["f"])]
+    with caplog.at_level("WARNING", logger="driver.rewards"):
+        assert warn_unscorable(groups) == 3
+    assert len(caplog.records) == 1
+    message = caplog.records[0].getMessage()
+    assert "All reward functions returned None" in message
+    assert "'prompt': 'prompt 1'" in message and "'completion': 'c'" in message and "'answer': '1'" in message
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="driver.rewards"):
+        assert warn_unscorable(groups[:1]) == 0
+    assert not caplog.records

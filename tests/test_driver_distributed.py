@@ -2,7 +2,7 @@
 same global batch, checkpoints resume exactly, at the same or another world size; and what a
 torchrun launch cannot do yet is refused up front.
 
-The end-to-end runs use a real launched vLLM server (rank 0 launches it and generates for everyone),
+The end-to-end runs use a real vLLM server (the session's shared one; rank 0 generates for everyone),
 micro-batches of 24 rows over 64 completions (3 per step: the ranks get 2 and 1, so the padding
 passes run) and 2 optimizer passes per batch (the old-logprob pass is padded too).
 """
@@ -29,10 +29,11 @@ RUN = ["--rollout.backend=server", "--train.steps=3", "--train.micro_batch_size=
        "--logging.log_completions=0"]
 
 
-def train(output_dir: Path, *overrides: str, processes: int = 1) -> None:
+def train(output_dir: Path, server_url: str, *overrides: str, processes: int = 1) -> None:
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
                 if processes > 1 else [sys.executable])
-    command = [*launcher, "-m", "driver.train", str(EXAMPLE), f"--logging.output_dir={output_dir}", *RUN, *overrides]
+    command = [*launcher, "-m", "driver.train", str(EXAMPLE), f"--logging.output_dir={output_dir}", *RUN,
+               f"--rollout.server_url={server_url}", *overrides]
     # One thread per rank: two ranks on two cores, and the same summation order in every run.
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -54,10 +55,10 @@ def assert_same_adapter(a: dict, b: dict, atol: float) -> None:
 
 
 @pytest.mark.slow
-def test_two_processes_train_what_one_trains_and_resume_at_any_world_size(tmp_path):
+def test_two_processes_train_what_one_trains_and_resume_at_any_world_size(tmp_path, tiny_vllm_server):
     one, two = tmp_path / "one", tmp_path / "two"
-    train(one)
-    train(two, "--checkpoint.every=1", processes=2)
+    train(one, tiny_vllm_server)
+    train(two, tiny_vllm_server, "--checkpoint.every=1", processes=2)
     rows_one, rows_two = metrics(one), metrics(two)
     assert len(rows_one) == len(rows_two) == 3
     for a, b in zip(rows_one, rows_two):
@@ -75,11 +76,11 @@ def test_two_processes_train_what_one_trains_and_resume_at_any_world_size(tmp_pa
 
     checkpoint = f"--checkpoint.resume={two / 'checkpoints' / 'step-000002'}"
     resumed_two, resumed_one = tmp_path / "resumed-two", tmp_path / "resumed-one"
-    train(resumed_two, checkpoint, processes=2)
+    train(resumed_two, tiny_vllm_server, checkpoint, processes=2)
     assert [row["step"] for row in metrics(resumed_two)] == [3]
     assert metrics(resumed_two)[0]["reward"] == rows_two[2]["reward"]
     assert_same_adapter(adapter(resumed_two), adapter(two), atol=1e-6)
-    train(resumed_one, checkpoint)  # the sharded optimizer state loads in one process as well
+    train(resumed_one, tiny_vllm_server, checkpoint)  # the sharded optimizer state loads in one process as well
     assert_same_adapter(adapter(resumed_one), adapter(two), atol=1e-4)
 
 

@@ -32,14 +32,19 @@ ATOL, RTOL = 1e-6, 1e-4  # fp32: packing other rows together changes the summati
 LR = 1e-4
 
 
-@pytest.fixture(scope="module")
-def base_policy():
+def make_base_policy():
+    """The tiny policy with a rank-4 adapter; also the base_policy of tests/test_driver_shard_batch.py."""
     policy = load_policy(Config.model_validate({"lora": {"r": 4}}))
     torch.manual_seed(0)
     for name, param in policy.model.named_parameters():
         if "lora_B" in name:  # non-zero, so that gradients reach lora_A too
             param.data.normal_(0, 0.05)
     return policy
+
+
+@pytest.fixture(scope="module")
+def base_policy():
+    return make_base_policy()
 
 
 def make_batch(policy, advantages=ADVANTAGES, seed=0, rows=None):
@@ -97,7 +102,7 @@ def assert_same_update(unfiltered, filtered, atol=ATOL, rtol=RTOL, weight_atol=L
 
 @pytest.mark.parametrize("micro_batch_size", [2, 3])
 @pytest.mark.parametrize("num_iterations", [1, 2])
-@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("level", ["token", "sequence_product"])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_filtered_update_equals_the_unfiltered_one(base_policy, loss_type, level, num_iterations, micro_batch_size):
     batch = make_batch(base_policy)

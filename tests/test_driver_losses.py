@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from driver.losses import (StepNormalizers, all_zero, connected_zero, importance_weights,
-                           off_policy_sequence_mask, policy_loss)
+from driver.losses import (StepNormalizers, all_zero, connected_zero, importance_weights, off_policy_sequence_mask,
+                           policy_loss)
 
 T = 7
 LENGTHS = (7, 3, 5, 1, 6, 0, 4, 2)  # unequal, one empty completion
@@ -54,27 +54,33 @@ def make_batch(lengths=LENGTHS, dtype=torch.float64, seed=0) -> dict[str, torch.
     return {name: tensor.to(dtype) for name, tensor in batch.items()}
 
 
-def oracle_policy_loss(batch, *, loss_type, epsilon_low, epsilon_high, beta, normalizers, use_ref, use_is):
-    """(loss of this micro-batch as a 0-d tensor, metrics) from a float64 leaf copy of batch["logps"]."""
+def oracle_policy_loss(batch, *, loss_type, epsilon_low, epsilon_high, beta, normalizers, use_ref, use_is,
+                       keep=None):
+    """(loss of this micro-batch as a 0-d tensor, metric values, metric counts) from a float64 leaf copy of
+    batch["logps"]. keep: per sequence, TRL's off-policy mask (_compute_loss: per_token_loss * off_policy_mask
+    before the importance weight and the KL term, the completion mask and every denominator unchanged)."""
     values = {name: tensor.double().tolist() for name, tensor in batch.items() if name != "logps"}
     logps = batch["logps"]
     loss_sum, sequence_means, num_tokens = 0.0, 0.0, 0
     clipped_low = clipped_high = 0
+    low_fractions, high_fractions = [], []
     kl_sum = 0.0
     for i, advantage in enumerate(values["advantages"]):
-        sequence_sum, sequence_tokens = 0.0, 0
+        sequence_sum, sequence_tokens, sequence_low, sequence_high = 0.0, 0, 0, 0
         for t in range(T):
             if values["mask"][i][t] == 0:
                 continue
             ratio = torch.exp(logps[i, t] - values["old_logps"][i][t])
             ratio_value = ratio.item()
-            clipped_low += ratio_value < 1 - epsilon_low and advantage < 0
-            clipped_high += ratio_value > 1 + epsilon_high and advantage > 0
+            sequence_low += ratio_value < 1 - epsilon_low and advantage < 0
+            sequence_high += ratio_value > 1 + epsilon_high and advantage > 0
             clipped_value = min(max(ratio_value, 1 - epsilon_low), 1 + epsilon_high)
             if ratio_value * advantage <= clipped_value * advantage or clipped_value == ratio_value:
                 token_loss = -ratio * advantage
             else:  # the clipped term is the minimum and a constant: no gradient through this token
                 token_loss = -clipped_value * advantage
+            if keep is not None:
+                token_loss = token_loss * float(keep[i])
             if use_is:
                 token_loss = token_loss * values["is_weights"][i][t]
             if use_ref:
@@ -87,6 +93,11 @@ def oracle_policy_loss(batch, *, loss_type, epsilon_low, epsilon_high, beta, nor
         loss_sum = loss_sum + sequence_sum
         sequence_means = sequence_means + sequence_sum / max(sequence_tokens, 1)
         num_tokens += sequence_tokens
+        clipped_low += sequence_low
+        clipped_high += sequence_high
+        if sequence_tokens:
+            low_fractions.append(sequence_low / sequence_tokens)
+            high_fractions.append(sequence_high / sequence_tokens)
     loss = {
         "grpo": sequence_means / normalizers.num_sequences,
         "bnpo": loss_sum / max(num_tokens, 1) / normalizers.num_micro_batches,
@@ -97,16 +108,21 @@ def oracle_policy_loss(batch, *, loss_type, epsilon_low, epsilon_high, beta, nor
                "clip_ratio/region_mean": (clipped_low + clipped_high) / num_tokens}
     if use_ref:
         metrics["kl"] = kl_sum / num_tokens
-    return loss, metrics
+    counts = dict.fromkeys(metrics, float(num_tokens))
+    metrics["clip_ratio/low_min"] = min(low_fractions)
+    metrics["clip_ratio/high_max"] = max(high_fractions)
+    return loss, metrics, counts
 
 
-def call_policy_loss(batch, rows, normalizers, *, loss_type, epsilon_low, epsilon_high, beta, use_ref, use_is):
+def call_policy_loss(batch, rows, normalizers, *, loss_type, epsilon_low, epsilon_high, beta, use_ref, use_is,
+                     keep=None):
     start, end = rows
     return policy_loss(batch["logps"][start:end], batch["old_logps"][start:end], batch["advantages"][start:end],
                        batch["mask"][start:end], loss_type=loss_type, epsilon_low=epsilon_low,
                        epsilon_high=epsilon_high, beta=beta, normalizers=normalizers,
                        ref_logps=batch["ref_logps"][start:end] if use_ref else None,
-                       is_weights=batch["is_weights"][start:end] if use_is else None)
+                       is_weights=batch["is_weights"][start:end] if use_is else None,
+                       keep_sequences=keep[start:end] if keep is not None else None)
 
 
 def gradient(loss: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
@@ -125,8 +141,8 @@ def test_policy_loss_matches_oracle(loss_type, config, dtype, atol, rtol):
     loss, metrics = call_policy_loss(batch, (0, len(LENGTHS)), normalizers, loss_type=loss_type, **config)
 
     oracle_batch = dict(batch, logps=batch["logps"].detach().double().requires_grad_(True))
-    expected_loss, expected_metrics = oracle_policy_loss(oracle_batch, loss_type=loss_type,
-                                                         normalizers=normalizers, **config)
+    expected_loss, expected_metrics, expected_counts = oracle_policy_loss(oracle_batch, loss_type=loss_type,
+                                                                          normalizers=normalizers, **config)
     assert expected_metrics["clip_ratio/low_mean"] > 0 and expected_metrics["clip_ratio/high_mean"] > 0
     torch.testing.assert_close(loss.double(), expected_loss, atol=atol, rtol=rtol)
     logps_grad = gradient(loss, batch["logps"])
@@ -134,7 +150,39 @@ def test_policy_loss_matches_oracle(loss_type, config, dtype, atol, rtol):
     assert (logps_grad[batch["mask"] == 0] == 0).all()
     torch.testing.assert_close(logps_grad.double(), gradient(expected_loss, oracle_batch["logps"]),
                                atol=atol, rtol=rtol)
-    torch.testing.assert_close(metrics, expected_metrics, atol=atol, rtol=rtol)
+    torch.testing.assert_close(metrics.values, expected_metrics, atol=atol, rtol=rtol)
+    assert metrics.counts == expected_counts
+
+
+KEEP = (True, False, True, False, True, True, False, True)  # drops rows of both advantage signs and an empty one
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", TOLERANCES)
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_off_policy_mask_drops_only_the_policy_term(loss_type, config, dtype, atol, rtol):
+    """TRL's off-policy mask multiplies the clipped policy term alone: a dropped sequence keeps its KL
+    term, and its tokens stay in every denominator (grpo's sequence count, bnpo's token count) and metric."""
+    batch = make_batch(dtype=dtype, seed=4)
+    batch["logps"].requires_grad_(True)
+    keep = torch.tensor(KEEP)
+    normalizers = StepNormalizers(num_sequences=11, num_tokens=41, num_micro_batches=2,
+                                  max_completion_length=MAX_COMPLETION_LENGTH)
+    loss, metrics = call_policy_loss(batch, (0, len(LENGTHS)), normalizers, loss_type=loss_type, keep=keep, **config)
+    oracle_batch = dict(batch, logps=batch["logps"].detach().double().requires_grad_(True))
+    expected_loss, expected_metrics, expected_counts = oracle_policy_loss(
+        oracle_batch, loss_type=loss_type, normalizers=normalizers, keep=KEEP, **config)
+    torch.testing.assert_close(loss.double(), expected_loss, atol=atol, rtol=rtol)
+    logps_grad = gradient(loss, batch["logps"])
+    torch.testing.assert_close(logps_grad.double(), gradient(expected_loss, oracle_batch["logps"]),
+                               atol=atol, rtol=rtol)
+    torch.testing.assert_close(metrics.values, expected_metrics, atol=atol, rtol=rtol)
+    assert metrics.counts == expected_counts
+    dropped = logps_grad[1, :LENGTHS[1]]  # row 1: advantage -0.6, dropped
+    if config["beta"] > 0:  # its KL term still pulls it towards the reference
+        assert dropped.abs().min() > 0
+    else:
+        assert not dropped.any()
 
 
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
@@ -212,8 +260,8 @@ def test_kl_metric_only_with_reference():
     arguments = dict(loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2, beta=0.0, use_is=False)
     _, without_ref = call_policy_loss(batch, (0, 8), normalizers, use_ref=False, **arguments)
     loss_with_ref, with_ref = call_policy_loss(batch, (0, 8), normalizers, use_ref=True, **arguments)
-    assert "kl" not in without_ref
-    assert with_ref["kl"] > 0
+    assert "kl" not in without_ref.values
+    assert with_ref.values["kl"] > 0
     # beta = 0: the reference is measured but does not enter the loss
     torch.testing.assert_close(loss_with_ref, call_policy_loss(batch, (0, 8), normalizers, use_ref=False,
                                                                **arguments)[0], atol=0, rtol=0)
@@ -246,12 +294,12 @@ def oracle_importance_weights(old_logps, sampling_logps, mask, level, mode, cap)
     for i in range(len(old_logps)):
         tokens = [t for t in range(T) if mask[i][t] > 0]
         sequence_ratio = math.exp(sum(old_logps[i][t] - sampling_logps[i][t] for t in tokens))
-        if level == "sequence" and tokens:
+        if level == "sequence_product" and tokens:
             ratios.append(sequence_ratio)
         for t in tokens:
             gap = old_logps[i][t] - sampling_logps[i][t]
-            ratio = {"token": math.exp(gap), "sequence": sequence_ratio, "none": 1.0}[level]
-            if level != "sequence":
+            ratio = {"token": math.exp(gap), "sequence_product": sequence_ratio, "none": 1.0}[level]
+            if level != "sequence_product":
                 ratios.append(ratio)
             gaps.append(abs(gap))
             num_tokens += 1
@@ -270,23 +318,27 @@ def oracle_importance_weights(old_logps, sampling_logps, mask, level, mode, cap)
         "sampling/sampling_logp_difference/max": max(gaps),
         "sampling/masked_fraction": zeroed / num_tokens,
     }
-    return torch.tensor(weights, dtype=torch.float64), metrics
+    counts = {"sampling/importance_sampling_ratio/mean": float(len(ratios)),
+              "sampling/sampling_logp_difference/mean": float(num_tokens),
+              "sampling/masked_fraction": float(num_tokens)}
+    return torch.tensor(weights, dtype=torch.float64), metrics, counts
 
 
 @pytest.mark.parametrize("dtype,atol,rtol", TOLERANCES)
 @pytest.mark.parametrize("mode", ["truncate", "mask"])
-@pytest.mark.parametrize("level", ["token", "sequence", "none"])
+@pytest.mark.parametrize("level", ["token", "sequence_product", "none"])
 def test_importance_weights_match_oracle(level, mode, dtype, atol, rtol):
     old_logps, sampling_logps, mask = make_sampling_batch(dtype)
     old_logps.requires_grad_(True)
     weights, metrics = importance_weights(old_logps, sampling_logps, mask, level=level, mode=mode, cap=IS_CAP)
-    expected_weights, expected_metrics = oracle_importance_weights(old_logps.detach(), sampling_logps, mask,
-                                                                   level, mode, IS_CAP)
+    expected_weights, expected_metrics, expected_counts = oracle_importance_weights(
+        old_logps.detach(), sampling_logps, mask, level, mode, IS_CAP)
     assert not weights.requires_grad
     torch.testing.assert_close(weights.double(), expected_weights, atol=atol, rtol=rtol)
     assert (weights[mask == 0] == 0).all()
     assert (weights[expected_weights == 0] == 0).all()  # masked tokens are exactly 0, not merely small
-    torch.testing.assert_close(metrics, expected_metrics, atol=atol, rtol=rtol)
+    torch.testing.assert_close(metrics.values, expected_metrics, atol=atol, rtol=rtol)
+    assert metrics.counts == expected_counts
     if level != "none":  # the data exercises the cap
         assert expected_metrics["sampling/importance_sampling_ratio/max"] > IS_CAP
         if mode == "mask":
@@ -329,11 +381,12 @@ def test_off_policy_sequence_mask():
 
     keep, metrics = off_policy_sequence_mask(advantages, sampling_logps, policy_logps, mask, threshold=0.5)
     assert keep.dtype == torch.bool and keep.tolist() == keep_expected
-    assert metrics == {"off_policy_mask/dropped_fraction": pytest.approx(1 / 5)}
+    assert metrics.values == {"off_policy_mask/dropped_fraction": pytest.approx(1 / 5)}
+    assert metrics.counts == {"off_policy_mask/dropped_fraction": 5.0}
     keep, _ = off_policy_sequence_mask(advantages, sampling_logps, policy_logps, mask, threshold=0.25)
     assert keep.tolist() == [True, False, False, True, True]
     keep, metrics = off_policy_sequence_mask(advantages, sampling_logps, policy_logps, mask, threshold=None)
-    assert keep.all() and metrics["off_policy_mask/dropped_fraction"] == 0.0
+    assert keep.all() and metrics.values["off_policy_mask/dropped_fraction"] == 0.0
     with pytest.raises(ValueError, match="advantages"):
         off_policy_sequence_mask(advantages[:-1], sampling_logps, policy_logps, mask, threshold=0.5)
 
@@ -370,7 +423,7 @@ def policy_loss_arguments(**overrides):
     batch = make_batch(dtype=torch.float32)
     arguments = dict(logps=batch["logps"], old_logps=batch["old_logps"], advantages=batch["advantages"],
                      mask=batch["mask"], loss_type="dapo", epsilon_low=0.2, epsilon_high=0.28, beta=0.0,
-                     normalizers=StepNormalizers(8, 28, 1, T), ref_logps=None, is_weights=None)
+                     normalizers=StepNormalizers(8, 28, 1, T), ref_logps=None, is_weights=None, keep_sequences=None)
     return arguments | overrides
 
 
@@ -386,6 +439,8 @@ BAD_POLICY_LOSS_ARGUMENTS = [
     (dict(ref_logps=torch.zeros(8, 3), beta=0.1), "ref_logps"),
     (dict(is_weights=torch.zeros(8)), "is_weights"),
     (dict(normalizers=StepNormalizers(5, 28, 1, T)), "num_sequences"),
+    (dict(keep_sequences=torch.ones(8)), "keep_sequences"),
+    (dict(keep_sequences=torch.ones(7, dtype=torch.bool)), "keep_sequences"),
 ]
 
 

@@ -177,3 +177,105 @@ def test_step_summary_format():
     assert step_summary({"reward": 0.412, "kl": 0.003}, 2.1) == "reward 0.412  kl 0.003  2.1 s/step"
     assert step_summary({"reward": 0.5, "kl": 2e-5}, 0.25) == "reward 0.500  kl 2.0e-05  0.25 s/step"
     assert step_summary({"reward": 0.5, "kl": None}, 1.0) == "reward 0.500  1.0 s/step"
+
+
+# ---------------------------------------------------------------- combining micro-batches, iterations, ranks
+
+def split_batch(lengths, seed):
+    """(logps, old_logps, sampling_logps, advantages, mask) of len(lengths) sequences, T = max length."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    mask = (torch.arange(width) < torch.tensor(lengths).unsqueeze(1)).double()
+    old = -3 * torch.rand(len(lengths), width, generator=generator, dtype=torch.float64)
+    logps = old + 0.3 * torch.randn(old.shape, generator=generator, dtype=torch.float64)
+    sampling = old - 0.4 * torch.randn(old.shape, generator=generator, dtype=torch.float64)
+    advantages = torch.randn(len(lengths), generator=generator, dtype=torch.float64)
+    return logps, old, sampling, advantages, mask
+
+
+# Micro-batches of 3, 1, 4 and 2 sequences; the second holds one empty completion only
+PART_SIZES = (3, 1, 4, 2)
+PART_LENGTHS = (7, 2, 5, 0, 1, 6, 3, 4, 2, 7)
+
+
+def part_metrics(rows: slice, lengths=PART_LENGTHS, seed=0):
+    from driver.losses import StepNormalizers, importance_weights, policy_loss
+
+    logps, old, sampling, advantages, mask = (tensor[rows] for tensor in split_batch(lengths, seed))
+    normalizers = StepNormalizers(num_sequences=len(lengths), num_tokens=sum(lengths), num_micro_batches=1,
+                                  max_completion_length=max(lengths))
+    _, metrics = importance_weights(old, sampling, mask, level="token", mode="mask", cap=1.5)
+    _, loss_metrics = policy_loss(logps, old, advantages, mask, loss_type="dapo", epsilon_low=0.1, epsilon_high=0.1,
+                                  beta=0.0, normalizers=normalizers, ref_logps=old + 0.1)
+    return metrics.update(loss_metrics)
+
+
+def part_slices(sizes=PART_SIZES):
+    starts = [sum(sizes[:index]) for index in range(len(sizes))]
+    return [slice(start, start + size) for start, size in zip(starts, sizes)]
+
+
+def assert_same_values(ours: dict, expected: dict):
+    assert ours.keys() == expected.keys()
+    wrong = {key: (ours[key], value) for key, value in expected.items() if ours[key] != pytest.approx(value, rel=1e-12)}
+    assert not wrong, wrong
+
+
+def test_combined_micro_batches_equal_the_whole_step():
+    """Token means weighted by tokens, min of */min and *_min, max of */max and *_max: the combined
+    micro-batches give the metrics of one pass over the whole step (a plain mean of micro-batch means
+    would not: 3 + 1 + 4 + 2 sequences of 14, 0, 14 and 11 tokens)."""
+    from driver.losses import combine_metrics
+
+    whole = part_metrics(slice(0, len(PART_LENGTHS)))
+    combined = combine_metrics(part_metrics(rows) for rows in part_slices())
+    assert_same_values(combined.values, whole.values)
+    assert combined.counts == whole.counts
+    assert whole.values["clip_ratio/high_max"] > whole.values["clip_ratio/high_mean"] > 0
+    assert math.isnan(part_metrics(part_slices()[1]).values["sampling/importance_sampling_ratio/min"])  # empty
+
+
+def test_combine_metrics_rules():
+    from driver.losses import Metrics, combine_metrics
+
+    parts = [Metrics({"loss": 0.5, "grad_norm": 2.0, "x/min": 0.3, "y_max": math.nan, "entropy": 1.0},
+                     {"entropy": 3.0}),
+             Metrics({"loss": 0.25, "grad_norm": 4.0, "x/min": 0.1, "y_max": 7.0, "entropy": 2.0, "only_here": 9.0},
+                     {"entropy": 1.0})]
+    combined = combine_metrics(parts, summed=("loss",))
+    assert combined.values == {"loss": 0.75, "grad_norm": 3.0, "x/min": 0.1, "y_max": 7.0,
+                               "entropy": (1.0 * 3 + 2.0 * 1) / 4, "only_here": 9.0}
+    assert combined.counts == {"entropy": 4.0}
+    nothing = combine_metrics([Metrics({"a/max": math.nan, "b": 0.0}, {"b": 0.0})])
+    assert math.isnan(nothing.values["a/max"]) and math.isnan(nothing.values["b"])
+    with pytest.raises(ValueError, match="'entropy'"):
+        combine_metrics([Metrics({"entropy": 1.0}, {"entropy": 2.0}), Metrics({"entropy": 1.0})])
+
+
+def test_reduce_metrics_over_ranks_equals_one_process(monkeypatch):
+    """Under torchrun each rank holds some micro-batches; reduce_metrics (its all_gather_object faked
+    here) must give the metrics of one process holding them all, and sum the `summed` keys."""
+    from driver import distributed
+    from driver.losses import Metrics, combine_metrics
+
+    ranks = [combine_metrics(part_metrics(rows) for rows in slices)
+             for slices in (part_slices()[:2], part_slices()[2:3], part_slices()[3:])]
+    for index, rank in enumerate(ranks):
+        rank.update(Metrics({"loss": 0.1 * (index + 1), "grad_norm": 1.5}))
+
+    def all_gather_object(out, obj):
+        assert obj is ranks[0]
+        out[:] = ranks
+
+    monkeypatch.setattr(distributed, "_world", distributed.World(rank=0, size=len(ranks)))
+    monkeypatch.setattr(distributed.dist, "all_gather_object", all_gather_object)
+    reduced = distributed.reduce_metrics(ranks[0], summed=("loss",))
+    expected = dict(part_metrics(slice(0, len(PART_LENGTHS))).values, loss=0.6, grad_norm=1.5)
+    assert_same_values(reduced, expected)
+
+
+def test_reduce_metrics_without_torchrun_returns_the_values():
+    from driver.distributed import reduce_metrics
+    from driver.losses import Metrics
+
+    assert reduce_metrics(Metrics({"loss": 1.0, "entropy": 2.0}, {"entropy": 5.0})) == {"loss": 1.0, "entropy": 2.0}

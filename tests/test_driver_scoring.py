@@ -52,7 +52,13 @@ def test_gradients_flow_through_packed_scoring(model):
 def test_block_causal_mask_isolates_sequences():
     mask = block_causal_mask(torch.tensor([0, 2, 5]), torch.float32)[0, 0]
     allowed = mask == 0
-    expected = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]).bool()
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [0, 0, 1, 0, 0],
+        [0, 0, 1, 1, 0],
+        [0, 0, 1, 1, 1],
+    ]).bool()
     assert torch.equal(allowed, expected)
 
 

@@ -1,9 +1,10 @@
 """driver.rollout.server.ServerGenerator against a real vLLM OpenAI server on the tiny fp32 Qwen2.
 
-One server serves the whole module (it takes ~50 s to start on a 2-core CPU). The oracle is the
-trainer: the PEFT policy scores the same tokens with driver.scoring.completion_logprobs at the
-sampling temperature, and driver.sync.trainer_probe for the sync probe. The two launch-failure
-tests come first, so their short-lived servers never run beside the module's.
+The module's client talks to the session's shared server (tests/conftest.py: a launch takes ~25 s
+on a 2-core CPU); launching and stopping a server of our own is tested by the two launch failures
+here and by the bf16 server run in test_driver_e2e.py. The oracle is the trainer: the PEFT policy
+scores the same tokens with driver.scoring.completion_logprobs at the sampling temperature, and
+driver.sync.trainer_probe for the sync probe.
 """
 
 import json
@@ -46,11 +47,14 @@ def make_config(output_dir, **rollout) -> Config:
     return config
 
 
-def server_processes_for(model_dir) -> list[psutil.Process]:
+def server_processes_for(model_dir, besides: str) -> list[psutil.Process]:
+    """API server processes for model_dir, other than the one at URL `besides` (the shared server)."""
+    shared_port = besides.rsplit(":", 1)[1]
     found = []
     for process in psutil.process_iter(["cmdline"]):
         cmdline = process.info["cmdline"] or []
-        if "vllm.entrypoints.openai.api_server" in cmdline and str(model_dir) in cmdline:
+        if "vllm.entrypoints.openai.api_server" in cmdline and str(model_dir) in cmdline \
+                and shared_port not in cmdline:
             found.append(process)
     return found
 
@@ -85,13 +89,11 @@ def probe_ids(policy):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, policy):
-    generator = ServerGenerator(make_config(tmp_path_factory.mktemp("server")), policy.model_dir)
-    process = generator._server.process
+def server(tmp_path_factory, policy, tiny_vllm_server):
+    generator = ServerGenerator(make_config(tmp_path_factory.mktemp("server"), server_url=tiny_vllm_server),
+                                policy.model_dir)
     yield generator
     generator.close()
-    assert process.poll() is not None, "close() left the launched server running"
-    assert not server_processes_for(policy.model_dir), "close() left server processes behind"
 
 
 def test_cli_flags_carry_the_colocated_engine_settings():
@@ -102,7 +104,7 @@ def test_cli_flags_carry_the_colocated_engine_settings():
     assert cli_flags({"enforce_eager": False, "max_num_seqs": None}) == ["--no-enforce-eager"]
 
 
-def test_failed_launch_quotes_the_server_log(tmp_path):
+def test_failed_launch_quotes_the_server_log(tmp_path, tiny_vllm_server):
     bogus = tmp_path / "bogus-model"
     bogus.mkdir()
     (bogus / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
@@ -111,13 +113,13 @@ def test_failed_launch_quotes_the_server_log(tmp_path):
     message = str(raised.value)
     assert str(tmp_path / "out" / LOG_NAME) in message
     assert "no-such-architecture" in message  # vLLM's own words, from the log
-    assert not server_processes_for(bogus)
+    assert not server_processes_for(bogus, besides=tiny_vllm_server)
 
 
-def test_launch_timeout_stops_the_server(tmp_path, model_dir):
+def test_launch_timeout_stops_the_server(tmp_path, model_dir, tiny_vllm_server):
     with pytest.raises(ServerError, match=r"not healthy after 3 s \(rollout.server_timeout\)"):
         ServerGenerator(make_config(tmp_path, server_timeout=3.0), model_dir)
-    assert not server_processes_for(model_dir)
+    assert not server_processes_for(model_dir, besides=tiny_vllm_server)
 
 
 def test_generate_matches_trainer_logprobs(server, policy, tmp_path):
@@ -182,7 +184,6 @@ def test_connect_to_running_server_and_close_leaves_it_running(server, policy, p
 
     client_adapter = client.served_model
     client.close()
-    assert server._server.process.poll() is None
     assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
     names = served_names(server.url)
     assert client_adapter not in names and server.served_model in names  # ours freed, the other kept

@@ -13,9 +13,15 @@ from driver.filtering import check_counts, filter_zero_advantage, step_counts
 from driver.optim import build_optimizer, build_scheduler
 from driver.shard_batch import shard_batch
 from driver.update import optimize
-from tests.test_driver_filtering import LOSS_TYPES, base_policy, make_batch  # noqa: F401 (fixture)
+from tests.test_driver_filtering import LOSS_TYPES, make_base_policy, make_batch
 
 ADVANTAGES = [0.0, 0.0, 0.9, -0.9, 0.0, 0.0, 1.3, 0.0, 0.4, -0.2, 0.0]  # 11 rows: uneven shards
+
+
+@pytest.fixture(name="base_policy", scope="module")
+def fixture_base_policy():
+    """The policy of tests/test_driver_filtering.py's base_policy fixture."""
+    return make_base_policy()
 
 
 def test_shards_partition_the_rows_by_whole_micro_batches_and_keep_the_step_counts(base_policy):

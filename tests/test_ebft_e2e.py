@@ -1,9 +1,10 @@
 """EBFT end to end on CPU: `python -m driver.train` on the two tiny examples, as users run them.
 
 The assertion is the one the method is about: the feature-matching (CFM) loss between the
-policy's samples and the ground truths falls. Structured mode samples with vLLM (~30 s start-up),
-also with the async pipeline; strided mode samples in the trainer. A short strided run with whitening and cross-entropy covers
-those paths, and a resumed strided run must give the same adapter as an uninterrupted one.
+policy's samples and the ground truths falls. Structured mode samples with vLLM (the session's
+shared server, tests/conftest.py), also with the async pipeline; strided mode samples in the
+trainer. A short strided run with whitening and cross-entropy covers those paths, and a resumed
+strided run must give the same adapter as an uninterrupted one.
 """
 
 import json
@@ -44,18 +45,23 @@ def assert_cfm_falls(output_dir: Path, steps: int) -> None:
     assert sum(alignment[-10:]) > sum(alignment[:10]), "alignment with the ground truth did not rise"
 
 
-def test_structured_ebft_lowers_the_feature_matching_loss(tmp_path):
+def on_server(url: str) -> list[str]:
+    return ["--rollout.backend=server", f"--rollout.server_url={url}"]
+
+
+def test_structured_ebft_lowers_the_feature_matching_loss(tmp_path, tiny_vllm_server):
     output_dir = tmp_path / "structured"
-    train(STRUCTURED, output_dir, "--logging.progress=false")
+    train(STRUCTURED, output_dir, "--logging.progress=false", *on_server(tiny_vllm_server))
     assert_cfm_falls(output_dir, 40)
     assert max(metric(output_dir, "sync/probe_max_abs_diff")) < 1e-3
     for name in ("config.yaml", "adapter/adapter_model.safetensors", "plots/overview.png"):
         assert (output_dir / name).is_file(), name
 
 
-def test_structured_ebft_runs_with_async_prefetch_partial_rollouts_and_replay(tmp_path):
+def test_structured_ebft_runs_with_async_prefetch_partial_rollouts_and_replay(tmp_path, tiny_vllm_server):
     output_dir = tmp_path / "async"
-    train(STRUCTURED, output_dir, *QUIET, "--train.steps=6", "--rollout.async_prefetch=true",
+    train(STRUCTURED, output_dir, *QUIET, *on_server(tiny_vllm_server), "--train.steps=6",
+          "--rollout.async_prefetch=true",
           "--rollout.partial_rollout_tokens=8", "--algo.replay_buffer_size=8")
     assert max(metric(output_dir, "rollout/staleness_max")) >= 1
     assert sum(metric(output_dir, "partial/continued_samples")) > 0

@@ -203,6 +203,44 @@ def test_group_norm_divides_the_centred_reward_by_the_unbiased_std(num_samples):
 
 
 @pytest.mark.parametrize("num_samples", NUM_SAMPLES)
+def test_group_norm_defaults_to_grpo_eps(num_samples):
+    _, _, parts = parts_of(num_samples, 7, seed=26)
+    advantages = ebft_advantages(parts, ALIGNMENT_COEF, DIVERSITY_COEF, "group_norm")
+    for p, rewards in enumerate(parts.reward.tolist()):
+        mean = sum(rewards) / num_samples
+        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (num_samples - 1)) if num_samples > 1 else 0.0
+        expected = [(r - mean) / (std + 1e-4) for r in rewards]
+        torch.testing.assert_close(advantages[p], torch.tensor(expected, dtype=torch.float64), atol=1e-10, rtol=1e-10)
+
+
+def constant_parts(rewards: torch.Tensor) -> RewardParts:
+    return RewardParts(alignment=rewards, diversity=torch.zeros_like(rewards), reward=rewards,
+                       cfm=torch.zeros(rewards.shape[0], dtype=rewards.dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("num_samples", [2, 3, 5, 8])
+def test_group_norm_of_a_constant_group_is_exactly_zero(num_samples, dtype):
+    # 0.1, 0.45 and 1/3 do not survive a float mean exactly: plain centring leaves ~1e-8 (float32)
+    rewards = torch.tensor([[0.1], [0.45], [1 / 3]], dtype=dtype).expand(3, num_samples).contiguous()
+    advantages = ebft_advantages(constant_parts(rewards), ALIGNMENT_COEF, DIVERSITY_COEF, "group_norm")
+    assert (advantages == 0).all(), advantages
+
+
+@pytest.mark.parametrize("num_samples", [2, 3, 5, 8])
+def test_group_norm_keeps_float_noise_small(num_samples):
+    """Rewards equal up to float32-feature noise (~1e-7) carry no signal: with eps = 1e-8 that noise
+    became advantages of order 1; with GRPO's 1e-4 it stays of order noise / 1e-4."""
+    noise = 1e-7 * random_tensor(NUM_PROMPTS, num_samples, seed=27)
+    rewards = 0.7 + noise
+    advantages = ebft_advantages(constant_parts(rewards), ALIGNMENT_COEF, DIVERSITY_COEF, "group_norm")
+    centered = noise - noise.mean(dim=1, keepdim=True)
+    expected = centered / (noise.std(dim=1, keepdim=True) + 1e-4)  # the oracle: GRPO's formula
+    torch.testing.assert_close(advantages, expected, atol=1e-9, rtol=1e-6)
+    assert advantages.abs().max() < 1e-2
+
+
+@pytest.mark.parametrize("num_samples", NUM_SAMPLES)
 def test_reinforce_uses_the_reward_itself(num_samples):
     _, _, parts = parts_of(num_samples, 7, seed=24)
     assert torch.equal(ebft_advantages(parts, ALIGNMENT_COEF, DIVERSITY_COEF, "reinforce"), parts.reward)

@@ -16,6 +16,7 @@ from driver.ebft.strided_attention import full_row_attention, uses_flex
 from driver.ebft.strided_update import chunk_loss
 from driver.losses import StepNormalizers
 from driver.rollout import RolloutError
+from tests.ebft_fixtures import policy_with_random_adapter, separate_base_model
 
 GROUND_TRUTHS = [" 12345 678 90 1234", " 98765 4321 0"]
 PROMPTS = ["Write digits: apple river", "Write digits: stone"]
@@ -42,22 +43,13 @@ class ListPrompts:
 
 
 @pytest.fixture(scope="module")
-def policy():
-    from driver.model import load_policy
-
-    policy = load_policy(strided_config())
-    with torch.no_grad():  # a non-zero adapter: the policy samples, the base gives the features
-        for name, param in policy.model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.3)
-    return policy
+def policy():  # the policy samples (adapter on), the base gives the features (adapter off)
+    return policy_with_random_adapter(strided_config(), std=0.3)
 
 
 @pytest.fixture(scope="module")
 def base_model(policy):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(policy.model_dir, dtype=torch.float32).eval()
+    return separate_base_model(policy)
 
 
 def make_prompts(policy):

@@ -134,11 +134,12 @@ def test_packed_layouts_never_attend_across_segments():
     layouts = [layout_of(13, 2, 3, 3), layout_of(9, 4, 1, 1), layout_of(5, 2, 3, 3), layout_of(13, 2, 3, 3)]
     meta, offsets = pack_layouts(layouts)
     mask = dense_mask(meta)[0, 0]
-    expected = torch.block_diag(*[oracle_mask(l.doc_length, l.anchors, l.generate_length) for l in layouts])
+    expected = torch.block_diag(*[oracle_mask(layout.doc_length, layout.anchors, layout.generate_length)
+                                  for layout in layouts])
     assert torch.equal(mask, expected)
     assert offsets == [0, 25, 36, 41]  # rows 13 + 3*4, 9 + 1*2, 5 (no block)
-    assert meta.segment.tolist() == [i for i, l in enumerate(layouts) for _ in range(l.row_length())]
-    assert torch.equal(meta.pos, torch.cat([l.position_ids() for l in layouts]))
+    assert meta.segment.tolist() == [i for i, layout in enumerate(layouts) for _ in range(layout.row_length())]
+    assert torch.equal(meta.pos, torch.cat([layout.position_ids() for layout in layouts]))
 
 
 @pytest.mark.parametrize("P, S, C, G", MASK_CASES)
@@ -234,9 +235,10 @@ def test_predictor_rows_give_each_generated_token_its_own_blocks_next_token_dist
 
 def test_packed_documents_compute_what_each_computes_alone(causal_lm):
     layouts = [layout_of(*MODEL_LAYOUT), layout_of(13, 2, 3, 3)]
-    rows = [strided_row(l, random_tokens(l.doc_length, 5 + i), random_tokens(l.num_blocks() * l.generate_length,
-                                                                              7 + i).view(l.num_blocks(), -1))
-            for i, l in enumerate(layouts)]
+    rows = [strided_row(layout, random_tokens(layout.doc_length, 5 + i),
+                        random_tokens(layout.num_blocks() * layout.generate_length, 7 + i)
+                        .view(layout.num_blocks(), -1))
+            for i, layout in enumerate(layouts)]
     meta, offsets = pack_layouts(layouts)
     with torch.no_grad():
         packed = causal_lm(input_ids=torch.cat(rows)[None], attention_mask=dense_mask(meta),

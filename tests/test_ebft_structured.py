@@ -16,6 +16,7 @@ from driver.ebft.structured import FeatureScorer, adaptive_max_tokens, advantage
 from driver.producer import Producer
 from driver.rollout.records import Group, Sample, Span
 from tests.async_fakes import FakeGenerator, FakeTokenizer
+from tests.ebft_fixtures import policy_with_random_adapter, separate_base_model
 
 EBFT = {"algo": {"name": "ebft", "num_generations": 4}}
 
@@ -98,21 +99,12 @@ GROUND_TRUTHS = [" 123 45", " 9 8 7 6 5"]
 
 @pytest.fixture(scope="module")
 def policy():
-    from driver.model import load_policy
-
-    policy = load_policy(ebft_config(lora={"r": 4}, ebft={"feature_layers": [0.5, 1.0]}))
-    with torch.no_grad():  # a non-zero adapter: features read with it enabled would differ
-        for name, param in policy.model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.5)
-    return policy
+    return policy_with_random_adapter(ebft_config(lora={"r": 4}, ebft={"feature_layers": [0.5, 1.0]}), std=0.5)
 
 
 @pytest.fixture(scope="module")
 def base_model(policy):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(policy.model_dir, dtype=torch.float32).eval()
+    return separate_base_model(policy)
 
 
 def make_groups(policy, num_samples=3):
@@ -137,7 +129,8 @@ def oracle_feature(base_model, prompt_ids, completion, layers, method):
     """One sequence alone through a plain causal LM: layers' hidden states, normalized, pooled."""
     ids = torch.tensor([prompt_ids + completion])
     states = base_model(input_ids=ids, output_hidden_states=True).hidden_states
-    features = torch.cat([torch.nn.functional.normalize(states[i][0], dim=-1) for i in layers], -1) / math.sqrt(len(layers))
+    features = torch.cat([torch.nn.functional.normalize(states[i][0], dim=-1) for i in layers], -1)
+    features = features / math.sqrt(len(layers))
     start = len(prompt_ids)
     if method == "last_token" or not completion:
         return features[-1]
@@ -223,4 +216,5 @@ def test_a_row_without_ground_truth_stops_the_run_before_it_starts_with_a_config
         main(["--algo.name=ebft", "--algo.num_generations=2", f"--data.source={data}",
               f"--logging.output_dir={tmp_path / 'out'}", "--logging.progress=false"])
     assert exit_info.value.code == 2
-    assert "ebft.ground_truth_field: 1 rows (first: row 1) have no text column 'ground_truth'" in capsys.readouterr().err
+    assert ("ebft.ground_truth_field: 1 rows (first: row 1) have no text column 'ground_truth'"
+            in capsys.readouterr().err)

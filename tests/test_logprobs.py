@@ -173,7 +173,8 @@ def test_opcheck():
     lp, ent, lse, _ = ops.token_logprobs(hidden, weight.detach(), targets, 0.8, IGNORE_INDEX)
     grad = torch.randn(11)
     torch.library.opcheck(ops.token_logprobs_backward,
-                          (grad, grad.clone(), hidden, weight.detach(), targets, lse, ent, 0.8, IGNORE_INDEX, True, True))
+                          (grad, grad.clone(), hidden, weight.detach(), targets, lse, ent, 0.8, IGNORE_INDEX,
+                           True, True))
     torch.library.opcheck(ops.token_logprobs_backward,
                           (grad, None, hidden, weight.detach(), targets, lse, ent, 0.8, IGNORE_INDEX, True, False))
 

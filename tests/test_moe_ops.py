@@ -87,8 +87,8 @@ def test_grouped_linear_forward_and_gradients_match_fp64(grouped_in, grouped_out
     weight = torch.randn(num_experts, out_f, in_f, dtype=torch.float64) / in_f**0.5
     gates = torch.rand(tokens, top_k, dtype=torch.float64) if with_gates else None
     r = 3
-    lora = (torch.randn(r * num_experts, in_f, dtype=torch.float64), torch.randn(out_f, r * num_experts,
-                                                                                 dtype=torch.float64)) if with_lora else None
+    lora = (torch.randn(r * num_experts, in_f, dtype=torch.float64),
+            torch.randn(out_f, r * num_experts, dtype=torch.float64)) if with_lora else None
     routing = moe.sort_tokens(idx, num_experts)
 
     def run(fn_dtype, fn):

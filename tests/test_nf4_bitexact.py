@@ -32,7 +32,8 @@ def assert_matches_bitsandbytes(x: torch.Tensor, blocksize: int, double_quant: b
     else:
         assert_bits_equal(ours.absmax, state.absmax, "absmax")
     for dtype in DTYPES:
-        assert_bits_equal(nf4.dequantize(ours, dtype), bnb_oracle.dequantize(packed, state, dtype), f"dequantize {dtype}")
+        assert_bits_equal(nf4.dequantize(ours, dtype), bnb_oracle.dequantize(packed, state, dtype),
+                          f"dequantize {dtype}")
     if bnb_oracle.native_dequantize_is_correct(x.shape, blocksize):
         expected = bnb_oracle.dequantize_public(packed.reshape(-1, 1), state)
         assert_bits_equal(nf4.dequantize(ours), expected, "dequantize vs bitsandbytes' native kernel")
@@ -134,7 +135,8 @@ def test_dynamic8_matches_bitsandbytes_quantize_blockwise(blocksize, cpu_isa):
         expected_q, state = F.quantize_blockwise(x, blocksize=blocksize)
         assert_bits_equal(q, expected_q.reshape(-1), "q")
         assert_bits_equal(absmax, state.absmax, "absmax")
-        assert_bits_equal(ops.dynamic8_dequantize(q, absmax, code, blocksize), F.dequantize_blockwise(expected_q, state), "dequantize")
+        assert_bits_equal(ops.dynamic8_dequantize(q, absmax, code, blocksize),
+                          F.dequantize_blockwise(expected_q, state), "dequantize")
 
 
 @pytest.mark.parametrize("double_quant", [False, True])

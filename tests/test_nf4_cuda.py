@@ -30,7 +30,8 @@ def assert_cuda_matches_cpu(x: torch.Tensor, blocksize: int, double_quant: bool)
                                    ops.dynamic8_quantize(fp32_absmax, code, 256), ("absmax_q", "nested_absmax")):
             assert_bits_equal(got.cpu(), want, name)
     for dtype in DTYPES:
-        assert_bits_equal(nf4.dequantize(cpu.to("cuda"), dtype).cpu(), nf4.dequantize(cpu, dtype), f"dequantize {dtype}")
+        assert_bits_equal(nf4.dequantize(cpu.to("cuda"), dtype).cpu(), nf4.dequantize(cpu, dtype),
+                          f"dequantize {dtype}")
 
 
 @pytest.mark.parametrize("double_quant", [False, True])

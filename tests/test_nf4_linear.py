@@ -31,7 +31,8 @@ def test_forward_and_backward_match_fp64(x_shape, bias, dtype, atol, rtol):
     torch.testing.assert_close(y.double(), expected, atol=atol, rtol=rtol)
     torch.testing.assert_close(x.grad.double(), grad_y.double() @ weight64, atol=atol, rtol=rtol)
     if bias:
-        torch.testing.assert_close(layer.bias.grad.double(), grad_y.double().reshape(-1, 83).sum(0), atol=atol, rtol=rtol)
+        torch.testing.assert_close(layer.bias.grad.double(), grad_y.double().reshape(-1, 83).sum(0),
+                                   atol=atol, rtol=rtol)
 
 
 def test_matches_bitsandbytes_linear4bit():
@@ -121,7 +122,8 @@ def test_peft_wraps_nf4linear_and_trains_only_the_adapter():
     y = peft_model(x)
     lora = peft_model.base_model.model.proj
     expected = layer_output = lora.base_layer(x)
-    expected = layer_output + lora.scaling["default"] * (x @ lora.lora_A["default"].weight.T) @ lora.lora_B["default"].weight.T
+    expected = layer_output + (lora.scaling["default"] * (x @ lora.lora_A["default"].weight.T)
+                               @ lora.lora_B["default"].weight.T)
     torch.testing.assert_close(y, expected)
     y.sum().backward()
     trainable = [name for name, p in peft_model.named_parameters() if p.requires_grad]

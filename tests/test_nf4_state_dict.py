@@ -45,7 +45,8 @@ def test_safetensors_round_trip(tmp_path, shape, dtype, blocksize, double_quant)
     w = nf4.quantize(torch.randn(shape).to(dtype), blocksize, double_quant)
     save_file(w.to_bnb_state_dict("w"), tmp_path / "w.safetensors")
     loaded = NF4Weight.from_bnb_state_dict(load_file(tmp_path / "w.safetensors"), "w")
-    assert (loaded.shape, loaded.dtype, loaded.blocksize, loaded.double_quant) == (w.shape, w.dtype, blocksize, double_quant)
+    assert ((loaded.shape, loaded.dtype, loaded.blocksize, loaded.double_quant)
+            == (w.shape, w.dtype, blocksize, double_quant))
     for name, tensor in w.tensors().items():
         assert torch.equal(getattr(loaded, name), tensor), name
     assert torch.equal(nf4.dequantize(loaded), nf4.dequantize(w))
@@ -75,7 +76,8 @@ def test_non_uint8_quant_storage_is_read_as_bytes():
     x = torch.randn(64, 128)
     entries = bnb_state_dict(x, 64, True)
     entries["weight"] = entries["weight"].reshape(-1).view(torch.bfloat16).unsqueeze(1)  # quant_storage=bf16 (FSDP)
-    assert torch.equal(nf4.dequantize(NF4Weight.from_bnb_state_dict(entries)), nf4.dequantize(nf4.quantize(x, 64, True)))
+    assert torch.equal(nf4.dequantize(NF4Weight.from_bnb_state_dict(entries)),
+                       nf4.dequantize(nf4.quantize(x, 64, True)))
 
 
 @pytest.mark.parametrize("double_quant", [False, True])
@@ -116,7 +118,8 @@ def test_missing_weight_key():
 def test_missing_quant_state():
     entries = bnb_state_dict(torch.randn(64), 64, False)
     del entries["weight." + QUANT_STATE_SUFFIX]
-    with pytest.raises(ValueError, match="expected exactly one quant state 'weight.quant_state.bitsandbytes__nf4', found none"):
+    with pytest.raises(ValueError,
+                       match="expected exactly one quant state 'weight.quant_state.bitsandbytes__nf4', found none"):
         NF4Weight.from_bnb_state_dict(entries)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from driver.advantages import standardize_groups
 from driver.ebft.rewards import RewardParts
 
 ESTIMATORS = ("rloo", "group_norm", "reinforce")
@@ -29,10 +30,15 @@ def ebft_advantages(
     alignment_coef: float,
     diversity_coef: float,
     estimator: str,
-    eps: float = 1e-8,
+    eps: float = 1e-4,
 ) -> torch.Tensor:  # [P, n]
-    """"rloo" (above), "group_norm" = (r - mean) / (unbiased std + eps) as axolotl (0 when n = 1),
-    "reinforce" = r."""
+    """"rloo" (above), "group_norm" = (r - mean) / (unbiased std + eps) as GRPO's (driver/advantages.py:
+    eps 1e-4, exactly 0 for a group of equal rewards and when n = 1), "reinforce" = r.
+
+    axolotl's group_norm uses eps = 1e-8: a group of samples with (nearly) equal rewards, apart from
+    float noise (~1e-7 from float32 features), then gets that noise divided by its own std, advantages
+    of order 1 that carry no signal; with 1e-4 they stay ~1e-3, and equal rewards give exact zeros
+    (which zero-advantage filtering drops)."""
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {list(ESTIMATORS)}, got {estimator!r}")
     reward = parts.reward
@@ -40,10 +46,7 @@ def ebft_advantages(
     if estimator == "reinforce":
         return reward.clone()
     if estimator == "group_norm":
-        centered = reward - reward.mean(dim=1, keepdim=True)
-        if num_samples == 1:
-            return centered
-        return centered / (reward.std(dim=1, keepdim=True) + eps)
+        return standardize_groups(reward, eps)
     if num_samples == 1:
         raise ValueError("estimator 'rloo' needs n >= 2 samples per prompt, got n = 1; use 'reinforce'")
     alignment, diversity = parts.alignment, parts.diversity

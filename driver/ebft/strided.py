@@ -4,10 +4,11 @@ Each step takes train.prompts_per_step documents (prompt + ground truth, or the 
 when ebft.ground_truth_field is null), lays anchors every ebft.stride tokens inside the ground truth
 (driver/ebft/strided_layout.py), samples num_generations generations of every block in one row per
 micro-batch (driver/ebft/strided_generate.py, policy with its adapter), then reads the frozen base's
-features of that same row under the same mask (adapter disabled; driver/ebft/strided_attention.py): block b's ground-truth features
-are those of x[a_b : a_b + G), computed causally with the same context as its generations. The
-samples of one (document, block) form a group: rewards and advantages as in structured mode, one
-advantage per generated block. StridedSource has the surface train.run uses of driver/rollouts.py.
+features of that same row under the same mask (adapter disabled; driver/ebft/strided_attention.py):
+block b's ground-truth features are those of x[a_b : a_b + G), computed causally with the same
+context as its generations. The samples of one (document, block) form a group: rewards and
+advantages as in structured mode, one advantage per generated block. StridedSource has the surface
+train.run uses of driver/rollouts.py.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from driver.ebft.strided_attention import attention_mask_dtype, full_row_attenti
 from driver.ebft.strided_generate import StridedRollout, sample_strided
 from driver.ebft.strided_layout import StridedLayout, strided_layout
 from driver.ebft.structured import GroundTruths
-from driver.model import Policy
+from driver.model import Policy, evaluating
 from driver.rollout import RolloutError
 
 SHOWN_CONTEXT_TOKENS = 12  # tokens of context before a block shown with its sample in the logs
@@ -126,13 +127,9 @@ class StridedSource:
         """Reward parts of every (document, block) group over its n samples, from one forward of the
         chunk's row through the frozen base (adapter disabled, eval mode)."""
         policy = self.policy
-        was_training = policy.model.training
-        policy.model.eval()
-        try:
-            with policy.reference(), full_row_attention(policy, rollout, self.flex) as (input_ids, position_ids, mask):
-                states = hidden_layer_states(policy.model, input_ids, position_ids, mask, self.layers)
-        finally:
-            policy.model.train(was_training)
+        with evaluating(policy.model), policy.reference(), \
+                full_row_attention(policy, rollout, self.flex) as (input_ids, position_ids, mask):
+            states = hidden_layer_states(policy.model, input_ids, position_ids, mask, self.layers)
         features = token_features([state.float() for state in states]).cpu()  # [L, F]
         generate_length = self.ebft.generate_max_len
         gen, truth = [], []

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from driver.ebft.strided_layout import StridedLayout, TokenMeta, additive_mask, attends, dense_mask
+from driver.model import evaluating
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -34,7 +35,9 @@ def sample_tokens(logits: Tensor, temperature: float, top_p: float = 1.0, top_k:
     the most likely tokens whose renormalized probability reaches top_p; 1.0 = off).
 
     Returns (tokens [N] long, logprobs [N] float32). The logprob is of the FULL tempered distribution,
-    not the truncated one: the trainer scores tokens that way, and vLLM reports sampling logprobs so."""
+    before top-k/top-p: the strided update takes it as the old policy's logprob, which the trainer
+    scores the same way (so the first update's ratio is 1). vLLM's processed logprobs, which the
+    structured path stores, are AFTER top-k/top-p (of the truncated distribution it sampled from)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 (use top_k=1 for greedy), got {temperature}")
     if not 0 < top_p <= 1:
@@ -164,9 +167,7 @@ def sample_strided(model: nn.Module, documents: list[list[int]], layouts: list[S
     tokens = torch.zeros(generate_length, num_units, dtype=torch.long)
     logprobs = torch.zeros(generate_length, num_units, dtype=torch.float32)
     if num_units > 0:
-        was_training = model.training
-        model.eval()
-        try:
+        with evaluating(model):
             from transformers import DynamicCache
 
             # No config: a config-built cache may hold sliding-window layers, which crop by row index,
@@ -183,8 +184,6 @@ def sample_strided(model: nn.Module, documents: list[list[int]], layouts: list[S
                 new_rows = slice(num_doc_rows + step * num_units, num_doc_rows + (step + 1) * num_units)
                 row_ids[new_rows] = step_tokens
                 tokens[step], logprobs[step] = step_tokens.cpu(), step_logprobs.cpu()
-        finally:
-            model.train(was_training)
         input_ids = row_ids.cpu()
     units_per_doc = [num_samples * layout.num_blocks() for layout in layouts]
     shapes = [(num_samples, layout.num_blocks(), generate_length) for layout in layouts]

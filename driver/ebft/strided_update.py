@@ -5,7 +5,11 @@ Policy gradient: every generated token is scored from its predictor row (the row
 sampled it: the context's last token for step 0, the block's previous token after; the row just
 before it in the row belongs to another block), at the sampling temperature, with its block's
 advantage, in driver/losses.py's clipped loss (one sequence per (sample, block); the old logprobs
-are the sampling logprobs, computed by these very weights, so the first update's ratio is 1).
+are the sampling logprobs, computed by these very weights, so the first update's ratio is 1). Those
+are of the full tempered distribution p (sample_tokens), not of the top-k/top-p truncated q the
+blocks were drawn from: with rollout.sampling.top_p < 1 or top_k set, no importance weight p / q (the
+kept mass, <= 1) corrects for the truncation here, unlike the vLLM path, whose importance sampling
+compares the trainer's p with vLLM's processed (truncated) logprobs.
 Cross-entropy: the ground truth (the whole document without one) at temperature 1, each document's
 token mean averaged over the step's documents, as in the official code. The document rows are plain
 causal, so the CE costs no second forward.
@@ -14,14 +18,13 @@ causal, so the CE costs no second forward.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 
 import torch
 
 from driver.config import Config
 from driver.ebft.strided import StridedBatch, StridedChunk
 from driver.ebft.strided_attention import full_row_attention, uses_flex
-from driver.losses import StepNormalizers, policy_loss
+from driver.losses import Metrics, StepNormalizers, combine_metrics, policy_loss
 from driver.model import Policy
 from pykernels.logprobs import token_logprobs
 
@@ -34,30 +37,29 @@ def optimize_strided(config: Config, policy: Policy, batch: StridedBatch, optimi
         num_micro_batches=len(batch.chunks), max_completion_length=ebft.generate_max_len)
     num_documents = sum(len(chunk.documents) for chunk in batch.chunks)
     params = policy.trainable_parameters()
-    totals: dict[str, list[float]] = defaultdict(list)
+    chunk_metrics: list[Metrics] = []  # with their token counts: combine_metrics weighs them exactly
+    iteration_metrics: list[Metrics] = []
     policy.model.train()
     for _ in range(algo.num_iterations):
         optimizer.zero_grad(set_to_none=True)
-        step_loss = 0.0
+        # Each chunk's losses are its share of the step's: the step's are their sums.
+        step_losses = dict.fromkeys(("loss", "ebft/rl_loss", "ebft/ce_loss"), 0.0)
         for chunk in batch.chunks:
             metrics = chunk_loss(config, policy, chunk, normalizers, num_documents)
-            step_loss += metrics.pop("loss")
-            for key, value in metrics.items():
-                totals[key].append(value)
-        totals["loss"].append(step_loss)
+            for key in step_losses:
+                step_losses[key] += metrics.values.pop(key)
+            chunk_metrics.append(metrics)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, config.train.max_grad_norm or math.inf)
-        totals["grad_norm"].append(float(grad_norm))
+        iteration_metrics.append(Metrics({**step_losses, "grad_norm": float(grad_norm)}))
         optimizer.step()
         scheduler.step()
-    metrics = {key: sum(values) / len(values) for key, values in totals.items()}
-    for key in ("ebft/rl_loss", "ebft/ce_loss"):  # each chunk's share of the step's loss: the step's is their sum
-        metrics[key] = sum(totals[key]) / algo.num_iterations
-    metrics["learning_rate"] = scheduler.get_last_lr()[0]
-    return metrics
+    values = combine_metrics(chunk_metrics).update(combine_metrics(iteration_metrics)).values
+    values["learning_rate"] = scheduler.get_last_lr()[0]
+    return values
 
 
 def chunk_loss(config: Config, policy: Policy, chunk: StridedChunk, normalizers: StepNormalizers,
-               num_documents: int) -> dict[str, float]:
+               num_documents: int) -> Metrics:
     """Backward of this chunk's share of the step loss; returns its metrics."""
     algo, ebft, rollout = config.algo, config.ebft, chunk.rollout
     device, causal_lm = policy.device, policy.causal_lm
@@ -80,9 +82,8 @@ def chunk_loss(config: Config, policy: Policy, chunk: StridedChunk, normalizers:
     if ebft.ce_coef > 0:
         loss = loss + ebft.ce_coef * ce
     loss.backward()
-    metrics.update({"loss": float(loss.detach()), "ebft/rl_loss": float(rl.detach()),
-                    "ebft/ce_loss": float(ce.detach())})
-    return metrics
+    return metrics.update(Metrics({"loss": float(loss.detach()), "ebft/rl_loss": float(rl.detach()),
+                                   "ebft/ce_loss": float(ce.detach())}))
 
 
 def ground_truth_cross_entropy(chunk: StridedChunk, hidden: torch.Tensor, weight: torch.Tensor,

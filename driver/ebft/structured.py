@@ -26,7 +26,7 @@ from driver.data import PromptSource
 from driver.ebft.advantages import ebft_advantages
 from driver.ebft.features import hidden_layer_states, layer_indices, pool, token_features
 from driver.ebft.rewards import RewardParts, group_rewards, reward_metrics
-from driver.model import Policy
+from driver.model import Policy, evaluating
 from driver.reward_pool import RewardResult
 from driver.rollout.records import Group
 from driver.scoring import pack
@@ -44,9 +44,14 @@ def adaptive_max_tokens(ground_truth_tokens: int, config: Config) -> int:
     return max(min(math.ceil(ground_truth_tokens * ebft.gt_length_multiplier), limit), min(ebft.min_max_tokens, limit))
 
 
+def has_ground_truth(prompt, field: str) -> bool:
+    text = prompt.columns.get(field)
+    return isinstance(text, str) and bool(text)
+
+
 def check_ground_truths(prompts: PromptSource, field: str) -> None:
     """Every row needs its ground truth: found before the run starts, not when its prompt comes up."""
-    missing = [p for p in prompts.prompts if not (isinstance(p.columns.get(field), str) and p.columns[field])]
+    missing = [p for p in prompts.prompts if not has_ground_truth(p, field)]
     if missing:
         raise ConfigError(f"ebft.ground_truth_field: {len(missing)} rows (first: row {missing[0].index}) have no "
                           f"text column '{field}' (the reference completion); columns are "
@@ -62,10 +67,10 @@ class GroundTruths:
 
     def token_ids(self, prompt) -> list[int]:
         if prompt.index not in self._ids:
-            text = prompt.columns.get(self.field)
-            if not isinstance(text, str) or not text:
+            if not has_ground_truth(prompt, self.field):
                 raise ValueError(f"ebft: data row {prompt.index} has no text column '{self.field}' (the ground truth; "
                                  f"ebft.ground_truth_field); columns are {sorted(prompt.columns)}")
+            text = prompt.columns[self.field]
             self._ids[prompt.index] = list(self.tokenizer(text, add_special_tokens=False).input_ids)
         return self._ids[prompt.index]
 
@@ -132,24 +137,19 @@ class FeatureScorer:
     def pooled_features(self, prompts: list[list[int]], completions: list[list[int]]) -> torch.Tensor:
         """[N, F] one pooled feature vector per (prompt, completion), packed micro_batch_size at a time."""
         policy, size = self.policy, self.config.train.micro_batch_size
-        was_training = policy.model.training
-        policy.model.eval()
         out = []
-        try:
-            with policy.reference():
-                for start in range(0, len(prompts), size):
-                    packed = pack(prompts[start:start + size], completions[start:start + size], device=policy.device)
-                    attention = packed_attention_kwargs(policy.causal_lm, packed.cu_seqlens)
-                    mask = attention.pop("attention_mask")
-                    states = hidden_layer_states(policy.model, packed.input_ids, packed.position_ids, mask,
-                                                 self.layers, **attention)
-                    starts = packed.cu_seqlens[:-1].tolist()
-                    spans = [(s, s + p, s + p + c) for s, p, c in
-                             zip(starts, packed.prompt_lengths, packed.completion_lengths)]
-                    out.append(pool(token_features([state.float() for state in states]), spans,
-                                    self.ebft.embed_method))
-        finally:
-            policy.model.train(was_training)
+        with evaluating(policy.model), policy.reference():
+            for start in range(0, len(prompts), size):
+                packed = pack(prompts[start:start + size], completions[start:start + size], device=policy.device)
+                attention = packed_attention_kwargs(policy.causal_lm, packed.cu_seqlens)
+                mask = attention.pop("attention_mask")
+                states = hidden_layer_states(policy.model, packed.input_ids, packed.position_ids, mask,
+                                             self.layers, **attention)
+                starts = packed.cu_seqlens[:-1].tolist()
+                spans = [(s, s + p, s + p + c) for s, p, c in
+                         zip(starts, packed.prompt_lengths, packed.completion_lengths)]
+                out.append(pool(token_features([state.float() for state in states]), spans,
+                                self.ebft.embed_method))
         return torch.cat(out).cpu()
 
     def metrics(self) -> dict[str, float]:
@@ -160,7 +160,9 @@ class FeatureScorer:
         self._queued.clear()
 
 
-def advantages_from_tables(ebft: EbftConfig, groups: list[Group]) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+def advantages_from_tables(
+    ebft: EbftConfig, groups: list[Group]
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """(rewards [N], advantages [N], metrics) of groups whose .rewards hold FeatureScorer tables."""
     tables = torch.stack([group.rewards.double() for group in groups])  # [P, n, 3]
     alignment, diversity = tables[..., 0], tables[..., 1]

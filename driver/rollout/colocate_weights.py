@@ -19,7 +19,8 @@ LORA_ENGINE_KEYS = ("enable_lora", "max_lora_rank", "max_loras")
 class WeightSyncGenerator(ColocatedGenerator):
     serves_one_version = True  # in-place weights: a job of an older version cannot run after a push
 
-    def __init__(self, config: Config, model_dir: str, policy_model: nn.Module) -> None:  # noqa: super() builds a LoRA engine
+    # Does not call super().__init__(): that builds a LoRA engine.
+    def __init__(self, config: Config, model_dir: str, policy_model: nn.Module) -> None:
         self.config, self.adapter_version, self._lora, self.keep_versions = config, 0, None, 1
         self._policy_model = policy_model
         kwargs = {k: v for k, v in engine_kwargs(config, model_dir).items() if k not in LORA_ENGINE_KEYS}

@@ -18,9 +18,21 @@ import torch
 
 from pykernels.integrations.moe_experts import apply_moe_kernels, quantize_moe_experts
 
-__all__ = ["apply_moe_kernels", "block_causal_mask", "packed_attention_kwargs", "packed_hidden_states", "packed_position_ids", "quantize_moe_experts"]
+__all__ = [
+    "apply_moe_kernels",
+    "block_causal_mask",
+    "packed_attention_kwargs",
+    "packed_hidden_states",
+    "packed_position_ids",
+    "quantize_moe_experts",
+]
 
-_VARLEN_BACKENDS = ("flash_attention_2", "flash_attention_3", "kernels-community/flash-attn", "kernels-community/vllm-flash-attn3")
+_VARLEN_BACKENDS = (
+    "flash_attention_2",
+    "flash_attention_3",
+    "kernels-community/flash-attn",
+    "kernels-community/vllm-flash-attn3",
+)
 
 
 def packed_position_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:

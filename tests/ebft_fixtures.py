@@ -1,0 +1,22 @@
+"""Shared by the EBFT tests: a policy whose adapter is not zero (so that reading features with the
+adapter still enabled would show), and the base model loaded separately as the features' oracle."""
+
+import torch
+
+
+def policy_with_random_adapter(config, std: float):
+    from driver.model import load_policy
+
+    policy = load_policy(config)
+    with torch.no_grad():
+        for name, param in policy.model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, std)
+    return policy
+
+
+def separate_base_model(policy):
+    """The base weights loaded afresh: no adapter, no pykernels layers, plain transformers."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(policy.model_dir, dtype=torch.float32).eval()
