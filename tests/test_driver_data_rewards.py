@@ -82,7 +82,7 @@ def test_prompts_are_cut_from_the_left(tokenizer):
 
 
 def test_digit_fraction():
-    assert digit_fraction(["p"] * 3, ["12 a", "", "abc"]) == [2 / 3, None, 0.0]
+    assert digit_fraction(["p"] * 4, ["12 a", "", " \n", "abc"]) == [2 / 3, 0.0, 0.0, 0.0]
 
 
 def constant_rewards(prompts, completions, **columns):

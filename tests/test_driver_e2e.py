@@ -6,7 +6,8 @@ output in run.log and ends with a summary, its adapter is what PEFT and vLLM loa
 its step-3 checkpoint reproduces its step-6 adapter byte for byte. Runs that only need a server to
 talk to use the session's shared fp32 server (tests/conftest.py). bf16 runs check the sync
 verification where engine and trainer never agree exactly: a planted stale engine is caught, served
-adapters are verified, with MoE (single-weights engine, async prefetch), QLoRA and a launched server.
+adapters are verified, with MoE (single-weights engine, async prefetch) and with QLoRA on a launched
+server.
 """
 
 import json
@@ -162,9 +163,10 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path, overrides, tiny_v
     assert state["step"] == len(metrics(output_dir)) >= 2
 
 
-def test_async_run_learns_with_every_sample_efficiency_mechanism_firing(tmp_path, tiny_vllm_server):
+def test_async_run_learns_with_every_sample_efficiency_mechanism_firing(tmp_path):
+    # Colocated: partial rollouts make many small requests, which take twice as long over HTTP.
     output_dir = tmp_path / "run"
-    assert_ok(train(output_dir, *QUIET, *on_server(tiny_vllm_server), example=ASYNC_EXAMPLE))
+    assert_ok(train(output_dir, *QUIET, example=ASYNC_EXAMPLE))
     rows = metrics(output_dir)
     rewards = [row["reward"] for row in rows]
     assert len(rows) == 40
@@ -216,23 +218,17 @@ def test_bf16_moe_with_async_prefetch_trains_experts_lora_on_a_single_weights_en
     assert sorted(adapter["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
 
 
-def test_bf16_qlora_runs_and_verifies_syncs_by_movement(tmp_path):
-    output_dir = tmp_path / "run"
-    assert_ok(train(output_dir, *BF16, "--model.qlora=true", "--train.steps=6", *QUIET))
-    rows = metrics(output_dir)
-    assert len(rows) == 6
-    # vLLM samples from the unquantized base; the trainer's NF4 base differs and IS sees the gap.
-    assert rows[0]["sampling/sampling_logp_difference/max"] > 1e-2
-    assert verified_versions(rows) >= 2
-
-
-def test_bf16_launched_server_trains_and_is_stopped_on_exit(tmp_path):
+def test_bf16_qlora_on_a_launched_server_trains_verifies_by_movement_and_stops_the_server(tmp_path):
+    """The 30B example's set-up in miniature: an NF4 trainer, a vLLM server it launches serving the bf16
+    base + adapter (a different base: the sync check can only compare how the probe moves)."""
     import psutil
 
     output_dir = tmp_path / "run"
-    assert_ok(train(output_dir, *BF16, "--rollout.backend=server", "--train.steps=6", *QUIET))
+    assert_ok(train(output_dir, *BF16, "--model.qlora=true", "--rollout.backend=server", "--train.steps=6", *QUIET))
     rows = metrics(output_dir)
     assert len(rows) == 6 and verified_versions(rows) >= 2
+    # vLLM samples from the unquantized base; the trainer's NF4 base differs and IS sees the gap.
+    assert rows[0]["sampling/sampling_logp_difference/max"] > 1e-2
     assert (output_dir / "vllm-server.log").stat().st_size > 0
     launched = [p for p in psutil.process_iter(["cmdline"])  # (the shared server serves float32)
                 if "vllm.entrypoints.openai.api_server" in (p.info["cmdline"] or [])

