@@ -28,7 +28,7 @@ NATIVE_SOURCES := $(shell find csrc cmake -type f) CMakeLists.txt setup.py
 INSTALLED := $(VENV)/.installed
 BUILT := $(VENV)/.built
 
-.PHONY: demo test test-e2e lint install build bench cuda-check gpu clean
+.PHONY: demo test test-fast no-nvcc test-e2e lint install build bench cuda-check gpu clean
 
 DEMO_CONFIG := examples/tiny-grpo.yaml
 DEMO_ARGS ?=  # overrides, e.g. make demo DEMO_ARGS="--model.dtype=bfloat16 --train.steps=80"
@@ -36,11 +36,19 @@ DEMO_ARGS ?=  # overrides, e.g. make demo DEMO_ARGS="--model.dtype=bfloat16 --tr
 demo: $(BUILT)
 	@$(PY) -m driver.train $(DEMO_CONFIG) $(DEMO_ARGS)
 
-# The end-to-end tier (tests marked slow: each run starts vLLM) is test-e2e; CI runs both.
+# The end-to-end tier (tests marked slow: each run starts vLLM) is test-e2e; CI runs both. The CUDA
+# compile check (nvcc, one compiler process per file) runs beside the mostly single-threaded tests;
+# each one's output is shown when it finishes.
+CUDA_CHECK_IF_NVCC := $(if $(shell command -v nvcc 2>/dev/null),cuda-check,no-nvcc)
+
 test: $(BUILT) lint
+	@$(MAKE) --no-print-directory -j2 --output-sync=target test-fast $(CUDA_CHECK_IF_NVCC)
+
+test-fast: $(BUILT)
 	$(PY) -m pytest tests -q -m "not slow"
-	@if command -v nvcc >/dev/null 2>&1; then $(MAKE) --no-print-directory cuda-check; \
-	else echo "nvcc not found: skipping the CUDA compile check"; fi
+
+no-nvcc:
+	@echo "nvcc not found: skipping the CUDA compile check"
 
 test-e2e: $(BUILT)
 	$(PY) -m pytest tests -q -m slow
@@ -85,7 +93,7 @@ bench: $(BUILT)
 cuda-check: $(INSTALLED)
 	$(VENV)/bin/cmake -S . -B $(CUDA_CHECK_DIR) -G Ninja -DPYKERNELS_CUDA_COMPILE_CHECK=ON \
 		-DPython_EXECUTABLE=$(abspath $(PY)) -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja) > /dev/null
-	$(VENV)/bin/cmake --build $(CUDA_CHECK_DIR)
+	+$(VENV)/bin/cmake --build $(CUDA_CHECK_DIR)  # "+": ninja shares make's job slots under make test
 
 # On the GPU machine: its image already has torch with CUDA, so build against the interpreter on
 # PATH (no venv, no downloads) and run the tests and the GPU benchmarks there.

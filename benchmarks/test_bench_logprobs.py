@@ -11,7 +11,7 @@ peak_extra_bytes (working memory: the peak beyond the inputs, less the logprobs 
 every implementation must return). bf16 throughout.
 GPUs run N in {4096, 16384}; the 2-core CPU runs N=512 so the suite stays within minutes, plus one
 case at N=4096 (the issue's smallest size, where its CPU targets are stated) for forward+backward
-with a trainable lm_head against materialized torch: ~11 s and ~15 s a call, so 2 rounds each.
+with a trainable lm_head against materialized torch: ~11 s and ~14-19 s a call, one timed round each.
 Cases run one shape at a time (every mode and implementation of it), so each shape's tensors (up
 to 1.2 GB) are built once; the memory probe is a timed warm call, which sizes the rounds.
 """

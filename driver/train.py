@@ -23,10 +23,10 @@ from rich.console import Console
 import pykernels.backend
 
 from driver import distributed, memory, sync
-from driver.console import LOG_FILE, Terminal, library_output_to_file
 from driver.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from driver.cli import ConfigError, config_from_argv, exit_on_config_error
 from driver.config import Config
+from driver.console import LOG_FILE, Terminal, library_output_to_file
 from driver.data import PromptSource
 from driver.distributed_feed import FollowerFeed, LeaderFeed, on_rank0
 from driver.ebft.strided import StridedSource
@@ -51,7 +51,7 @@ INTERRUPTED_EXIT_CODE = 130  # the shell's convention for a run stopped by SIGIN
 def run(config: Config) -> bool:
     """Train; returns False when stopped early by Ctrl-C (after saving a checkpoint). Under torchrun
     every rank runs this: rank 0 generates, logs and talks to vLLM; all ranks train their shard."""
-    started = time.perf_counter()
+    run_started = time.perf_counter()
     world = distributed.init_world()
     check_world(config, world)
     output_dir = config.output_dir
@@ -59,14 +59,14 @@ def run(config: Config) -> bool:
     if world.is_main:
         (output_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
     with library_output_to_file(output_dir / log_name(world), config.logging.quiet) as terminal:
-        return train(config, world, terminal, started)
+        return train(config, world, terminal, run_started)
 
 
 def log_name(world: distributed.World) -> str:
     return LOG_FILE if world.is_main else f"run-rank{world.rank}.log"
 
 
-def train(config: Config, world: distributed.World, terminal: Terminal, started: float) -> bool:
+def train(config: Config, world: distributed.World, terminal: Terminal, run_started: float) -> bool:
     output_dir = config.output_dir
     torch.manual_seed(config.train.seed)
     pykernels.backend.set_kernels(config.train.kernels)
@@ -150,7 +150,7 @@ def train(config: Config, world: distributed.World, terminal: Terminal, started:
         plot_metrics(output_dir / "metrics.jsonl", output_dir)
     if world.is_main and step > first_step:
         print(run_summary(output_dir, steps_done=step, steps_planned=config.train.steps,
-                          wall_seconds=time.perf_counter() - started, quiet=terminal.log_path is not None,
+                          wall_seconds=time.perf_counter() - run_started, quiet=terminal.log_path is not None,
                           plots=config.logging.plots, tensorboard=config.logging.tensorboard), file=terminal.out)
     return not interrupted
 

@@ -12,6 +12,7 @@ server.
 
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -95,6 +96,8 @@ def test_the_demo_keeps_the_terminal_quiet_and_ends_with_a_summary(demo):
         assert noise not in terminal, noise
     assert "EngineCore" in (output_dir / "run.log").read_text()
     summary = result.stdout[result.stdout.index("finished step 40 of 40"):]
+    minutes, seconds = re.search(r"in (\d+)m(\d\d)s", summary.splitlines()[0]).groups()
+    assert 60 * int(minutes) + int(seconds) >= sum(row["time/step"] for row in metrics(output_dir)) - 1
     assert "reward: first 10 steps" in summary
     for path in ("adapter", "metrics.jsonl", "plots", "tensorboard", "run.log"):
         assert str(output_dir / path) in summary, path

@@ -51,8 +51,9 @@ def on_server(url: str) -> list[str]:
 
 def test_structured_ebft_lowers_the_feature_matching_loss(tmp_path, tiny_vllm_server):
     output_dir = tmp_path / "structured"
-    train(STRUCTURED, output_dir, "--logging.progress=false", *on_server(tiny_vllm_server))
-    assert_cfm_falls(output_dir, 40)
+    # 30 of the example's 40 steps: measured CFM 0.196 (first 10) -> 0.141 (steps 21-30), bar 0.176.
+    train(STRUCTURED, output_dir, "--logging.progress=false", "--train.steps=30", *on_server(tiny_vllm_server))
+    assert_cfm_falls(output_dir, 30)
     assert max(metric(output_dir, "sync/probe_max_abs_diff")) < 1e-3
     for name in ("config.yaml", "adapter/adapter_model.safetensors", "plots/overview.png"):
         assert (output_dir / name).is_file(), name
