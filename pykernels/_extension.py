@@ -10,7 +10,8 @@ except ImportError as error:  # pragma: no cover - exercised only on a broken in
     raise ImportError(
         "pykernels._C is missing or was built against another torch "
         f"(torch here is {torch.__version__}). Build it with `make build` or "
-        "`pip install --no-build-isolation -e .` in this environment."
+        "`pip install --no-build-isolation -e .` in this environment (a `pip install .` "
+        "from another directory is not used by this source tree)."
     ) from error
 
 ops = torch.ops.pykernels
