@@ -1,0 +1,85 @@
+"""The workload gpu-sanitize runs under compute-sanitizer: every public op once, forward and
+backward, on small odd shapes, with our kernels forced (PYKERNELS_KERNELS=ours). On CPU (the dry
+run) the same calls check that this script still matches the ops' signatures.
+
+    python .ci/gpu/sanitize_ops.py [--device cuda|cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import stage  # noqa: F401  (puts the repository root on sys.path)
+import torch
+
+import pykernels.backend
+import pykernels.logprobs as logprobs
+import pykernels.lora as lora
+import pykernels.moe as moe
+import pykernels.nf4 as nf4
+
+DTYPE = torch.bfloat16
+
+
+def randn(*shape: int, device: str, grad: bool = False) -> torch.Tensor:
+    """Made on the CPU and copied, so the sanitizer sees no random-number kernels."""
+    return (torch.randn(*shape, generator=GENERATOR) * 0.1).to(device, DTYPE).requires_grad_(grad)
+
+
+GENERATOR = torch.Generator().manual_seed(0)
+
+
+def run_nf4(device: str) -> None:
+    weight = randn(83, 64, device=device)
+    for double_quant in (False, True):
+        packed = nf4.quantize(weight, 64, double_quant=double_quant)
+        assert nf4.dequantize(packed).shape == weight.shape
+
+
+def run_lora(device: str) -> None:
+    x, a, b = randn(7, 64, device=device, grad=True), randn(3, 64, device=device, grad=True), randn(
+        83, 3, device=device, grad=True)
+    weight = randn(83, 64, device=device)
+    for base in (weight, nf4.quantize(weight, 64)):
+        lora.lora_linear(x, base, a, b, 2.0).float().square().sum().backward()
+
+
+def run_logprobs(device: str) -> None:
+    hidden, weight = randn(9, 64, device=device, grad=True), randn(769, 64, device=device, grad=True)
+    ids = torch.randint(0, 769, (9,), generator=GENERATOR).to(device)
+    targets = logprobs.packed_targets(ids, torch.tensor([0, 4, 9], dtype=torch.int32, device=device))
+    lp, entropy = logprobs.token_logprobs(hidden, weight, targets, temperature=0.7, return_entropy=True)
+    (lp.sum() + entropy.sum()).backward()
+
+
+def run_moe(device: str) -> None:
+    tokens, hidden_size, intermediate, experts, top_k = 7, 64, 32, 4, 2
+    hidden = randn(tokens, hidden_size, device=device, grad=True)
+    logits = randn(tokens, experts, device=device).float()
+    top_k_weights, top_k_index = moe.route(logits, top_k)
+    moe.sort_tokens(top_k_index, experts)
+    gate_up, down = randn(experts, 2 * intermediate, hidden_size, device=device), randn(
+        experts, hidden_size, intermediate, device=device)
+    out = moe.experts_forward(hidden, top_k_index, top_k_weights.to(DTYPE), gate_up, down)
+    out.float().square().sum().backward()
+
+
+FAMILIES = {"nf4": run_nf4, "lora": run_lora, "logprobs": run_logprobs, "moe": run_moe}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    args = parser.parse_args(argv)
+    pykernels.backend.set_kernels("ours")
+    for family, run in FAMILIES.items():
+        run(args.device)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        print(f"{family}: ran on {args.device}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""The GPU stages (.ci/gpu/, `make gpu-*`) checked on a CPU machine: each stage's dry run gets as
+far as its first CUDA call and prints its commands, the CUDA test selection is not empty, and the
+wheel bundle's package list, closure and manifest are right (nothing is downloaded)."""
+
+import hashlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_DIR = ROOT / ".ci" / "gpu"
+STAGES = ["wheels", "install", "build", "test", "sanitize", "bench"]
+
+
+def load(name: str):
+    """A stage script as a module (its own `import stage` needs .ci/gpu on sys.path)."""
+    if str(GPU_DIR) not in sys.path:
+        sys.path.insert(0, str(GPU_DIR))
+    spec = importlib.util.spec_from_file_location(f"gpu_stage_{name}", GPU_DIR / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def dry_run(name: str) -> str:
+    result = subprocess.run([sys.executable, str(GPU_DIR / f"{name}.py"), "--dry-run"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert f"gpu-{name}: dry run ok, wall time" in output, output
+    assert "Traceback" not in output, output
+    return output
+
+
+@pytest.mark.parametrize("name", STAGES)
+def test_dry_run_prints_the_commands(name):
+    output = dry_run(name)
+    expected = {
+        "wheels": ["pip install --dry-run", "pip download --no-deps", "--python-version 3.12"],
+        "install": ["pip install --no-index --find-links", "--no-deps nvidia-cutlass==4.2.0.0"],
+        "build": ["PYKERNELS_CUDA_ARCHS=", "MAX_JOBS=", "pip install --no-build-isolation", "build_info:"],
+        "test": ["-m 'cuda and not slow' -q", "CUDA tests selected:"],
+        "sanitize": ["--tool memcheck", "--tool racecheck", "sanitize_ops.py --device cuda", "moe: ran on cpu"],
+        "bench": ["pytest --benchmark --benchmark-json=", "benchmarks.report", "--markdown", "benchmarks/results/"],
+    }[name]
+    for text in expected:
+        assert text in output, f"{text!r} not in the dry run's output:\n{output}"
+    assert "would run: " in output
+    if name == "test":
+        assert int(output.split("CUDA tests selected: ")[1].split()[0]) > 0
+
+
+def test_dry_run_from_the_environment():
+    result = subprocess.run([sys.executable, str(GPU_DIR / "install.py")], cwd=ROOT, capture_output=True, text=True,
+                            env={**os.environ, "DRY_RUN": "1"}, timeout=120)
+    assert result.returncode == 0 and "dry run ok" in result.stdout, result.stdout + result.stderr
+
+
+def test_wheel_requirements_come_from_pyproject_with_their_pins():
+    wheels = load("wheels")
+    bundle, image = wheels.requirements()
+    names = {wheels.requirement_name(req): req for req in bundle}
+    assert names["nvidia-cutlass"] == "nvidia-cutlass==4.2.0.0"
+    assert names["bitsandbytes"] == "bitsandbytes==0.50.2"
+    assert names["pytest"] == "pytest>=8" and names["setuptools"] == "setuptools>=77"
+    assert {"peft", "pydantic", "pyyaml", "rich", "hypothesis", "pytest-benchmark", "cmake", "ninja",
+            "pybind11", "wheel"} <= names.keys()
+    assert not {"torch", "transformers", "ruff", "vllm"} & names.keys()
+    assert [wheels.requirement_name(req) for req in image] == ["torch", "transformers"]
+    assert len(names) == len(bundle)
+
+
+def fake_report(requires: dict[str, list[str]]) -> dict:
+    return {"install": [{"metadata": {"name": name, "version": "1.0", "requires_dist": deps}}
+                        for name, deps in requires.items()]}
+
+
+def test_bundle_leaves_out_what_torch_and_transformers_require():
+    wheels = load("wheels")
+    report = fake_report({
+        "torch": ["nvidia-cublas", "setuptools", "sympy"], "nvidia-cublas": [], "sympy": [],
+        "transformers": ["numpy", "huggingface-hub"], "huggingface-hub": ["typer", "rich; extra == 'cli'"],
+        "typer": ["pydantic>=2"], "pydantic": ["pydantic-core"], "pydantic-core": [], "numpy": [],
+        "setuptools": [], "rich": [], "peft": ["numpy", "accelerate"], "accelerate": [],
+    })
+    pins = wheels.bundle_pins(report, ["setuptools>=77", "pydantic>=2.7", "numpy", "peft>=0.17"])
+    # versioned requirements of ours are bundled with what they bring; numpy (unversioned) is the image's
+    assert pins == ["accelerate==1.0", "peft==1.0", "pydantic-core==1.0", "pydantic==1.0", "rich==1.0",
+                    "setuptools==1.0"]
+
+
+def test_manifest_sizes_and_hashes(tmp_path):
+    wheels = load("wheels")
+    files = {"peft-0.21.2-py3-none-any.whl": b"x" * 1000,
+             "nvidia_cutlass-4.2.0.0-py3-none-any.whl": b"cutlass headers",
+             "torch-2.10.0-3-cp312-cp312-manylinux_2_28_x86_64.whl": b""}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    (tmp_path / "notes.txt").write_text("not a wheel")
+    manifest = wheels.write_manifest(tmp_path)
+    assert manifest == json.loads((tmp_path / "MANIFEST.json").read_text())
+    assert manifest["count"] == 3 and manifest["total_bytes"] == 1015
+    by_name = {wheel["name"]: wheel for wheel in manifest["wheels"]}
+    assert by_name["peft"]["size"] == 1000 and by_name["peft"]["version"] == "0.21.2"
+    assert by_name["peft"]["sha256"] == hashlib.sha256(b"x" * 1000).hexdigest()
+    assert by_name["nvidia-cutlass"]["version"] == "4.2.0.0"
+    assert by_name["torch"]["version"] == "2.10.0" and by_name["torch"]["size"] == 0
+
+
+def test_device_names_and_archs():
+    bench, build = load("bench"), load("build")
+    stage = sys.modules["stage"]  # the module the scripts import
+    assert bench.device_slug("NVIDIA H100 80GB HBM3") == "h100"
+    assert bench.device_slug("NVIDIA H200") == "h200"
+    assert bench.device_slug("NVIDIA A100-SXM4-80GB") == "a100"
+    assert [build.arch_of(c) for c in [(9, 0), (8, 0), (8, 6), (8, 9)]] == ["90a", "80", "86", "89"]
+    with pytest.raises(stage.StageError, match="compute capability 7.5"):
+        build.arch_of((7, 5))
