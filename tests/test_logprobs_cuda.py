@@ -56,9 +56,44 @@ def test_opcheck_cuda():
     torch.library.opcheck(torch.ops.pykernels.token_logprobs, (hidden, weight, targets, 0.8, IGNORE_INDEX))
 
 
-def test_bad_targets_cuda():
+def test_bad_targets_cuda_checked_eagerly(monkeypatch):
+    """PYKERNELS_CHECK_TARGETS=1: every call checks its targets first (a host sync) and names the bad one."""
+    monkeypatch.setenv("PYKERNELS_CHECK_TARGETS", "1")
     hidden, weight = torch.randn(3, 8, device="cuda"), torch.randn(10, 8, device="cuda")
     with pytest.raises(ValueError, match=r"targets\[1\] = 10 is outside the vocabulary"):
         token_logprobs(hidden, weight, torch.tensor([0, 10, 2], device="cuda"))
     with pytest.raises(ValueError, match="targets must be on"):
         token_logprobs(hidden, weight, torch.tensor([0, 1, 2]))
+
+
+def test_bad_targets_cuda_reported_by_the_next_call(monkeypatch):
+    """Default: no host sync; the bad token's logprob is NaN and the next call raises, naming it."""
+    monkeypatch.delenv("PYKERNELS_CHECK_TARGETS", raising=False)
+    hidden, weight = torch.randn(3, 8, device="cuda"), torch.randn(10, 8, device="cuda")
+    lp = token_logprobs(hidden, weight, torch.tensor([0, -5, 2], device="cuda"))
+    torch.cuda.synchronize()
+    assert lp[1].isnan() and lp[[0, 2]].isfinite().all()
+    good = torch.tensor([0, 1, IGNORE_INDEX], device="cuda")
+    with pytest.raises(ValueError, match=r"targets\[1\] of an earlier token_logprobs call"):
+        token_logprobs(hidden, weight, good)
+    assert token_logprobs(hidden, weight, good).isfinite().all()  # reported once, then cleared
+
+
+def test_capture_in_a_cuda_graph(monkeypatch):
+    """No host sync in the forward: it records into a CUDA graph and replays on new inputs."""
+    monkeypatch.delenv("PYKERNELS_CHECK_TARGETS", raising=False)
+    hidden, weight, targets = (t.cuda() for t in make(37, 64, 1517, torch.bfloat16, seed=3))
+    expected = token_logprobs(hidden, weight, targets)  # warm-up: allocations and the target flag
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        token_logprobs(hidden, weight, targets)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = token_logprobs(hidden, weight, targets)
+    graph.replay()
+    torch.testing.assert_close(captured, expected, atol=0, rtol=0)
+    hidden.copy_(torch.randn_like(hidden))
+    graph.replay()
+    torch.testing.assert_close(captured, token_logprobs(hidden, weight, targets), atol=0, rtol=0)

@@ -5,6 +5,7 @@ import torch
 
 import pykernels.lora as lora
 import pykernels.nf4 as nf4
+from conftest import requires_cuda
 from pykernels._extension import ops
 from pykernels.backend import kernels_mode
 
@@ -189,3 +190,78 @@ def test_many_rows_run_multithreaded_with_trainable_inputs(nf4_weight, cpu_isa):
     weight, a, b, bias = make(128, 64, 8, torch.float32)
     x = torch.randn(3000, 128, requires_grad=True)
     check_against_fp64(x, weight, a, b, 2.0, bias, nf4_weight=nf4.quantize(weight, 64) if nf4_weight else None)
+
+
+# ---------------------------------------------------------------- every device: fp32 LoRA path, layouts
+DEVICES = ["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.cuda])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp32_lora_weights_and_intermediates_stay_fp32(device):
+    """bf16 x with fp32 A / B (PEFT's training setup): xa, dA and dB are fp32 outputs of fp32 math
+    on fp32 A, B, xa and dxa. The tolerance is ~20x below what rounding A, B, xa or dxa to bf16
+    costs (a relative ~2^-9 per element), so a bf16 cast anywhere on that path fails it."""
+    m, k, n, r = 37, 769, 83, 16  # odd sizes: no vector path on any device
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    weight = (torch.randn(n, k, generator=g) / k ** 0.5).bfloat16()
+    a = torch.randn(r, k, generator=g) / k ** 0.5
+    b = torch.randn(n, r, generator=g) / r ** 0.5
+    dy = torch.randn(m, n, generator=g).bfloat16()
+    scaling = 2.0
+    on = [t.to(device) for t in (x, weight, a, b, dy)]
+    _, xa = ops.lora_linear(*on[:4], scaling)
+    _, _, grad_a, grad_b = ops.lora_linear_backward(on[4], on[0], on[1], on[2], on[3], xa, scaling)
+    x64, a64, b64, dy64 = x.double(), a.double(), b.double(), dy.double()
+    xa64 = x64 @ a64.T
+    dxa64 = scaling * dy64 @ b64
+    for name, ours, exact in (("xa", xa, xa64), ("grad_A", grad_a, dxa64.T @ x64),
+                              ("grad_B", grad_b, scaling * dy64.T @ xa64)):
+        assert ours.dtype == torch.float32, name
+        err = (ours.cpu().double() - exact).abs().max().item()
+        bf16_cost = 2.0**-9 * exact.abs().max().item()  # one bf16 rounding of an operand, per element
+        assert err <= bf16_cost / 20, f"{name}: |ours - fp64| = {err:.3g}, a bf16 operand costs ~{bf16_cost:.3g}"
+
+
+def odd_layouts(x):
+    """x [M, K] as a transposed (non-contiguous) view and as a view one element into its storage."""
+    transposed = x.t().contiguous().t()
+    flat = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)
+    flat[1:] = x.flatten()
+    return {"transposed": transposed, "offset1": flat[1:].view(x.shape)}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("weight_kind", ["dense", "nf4"])
+@pytest.mark.parametrize("layout", ["transposed", "offset1"])
+@pytest.mark.parametrize("lora_dtype", [torch.float32, torch.bfloat16])
+def test_odd_sizes_and_misaligned_views(layout, weight_kind, lora_dtype, device):
+    weight, a, b, bias = make(83, 769, 7, torch.bfloat16, lora_dtype=lora_dtype, seed=3)
+    weight, bias = weight.to(device), bias.detach().to(device).requires_grad_()
+    a, b = a.detach().to(device).requires_grad_(), b.detach().to(device).requires_grad_()
+    x = odd_layouts(torch.randn(5, 83).bfloat16().to(device))[layout].requires_grad_()
+    w4 = nf4.quantize(weight, 64) if weight_kind == "nf4" else None
+    check_against_fp64(x, weight, a, b, 2.0, bias, nf4_weight=w4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nf4_grad_x_is_rounded_once_across_weight_chunks(device):
+    """grad_x = dy W with W [4096, 14336] in NF4: the op dequantizes W in chunks of rows (15 on
+    CPU, 8 on CUDA) and must sum the chunks in fp32 and round once, like one bf16 GEMM; rounding
+    the running sum to bf16 after every chunk costs ~sqrt(chunks / 2) times torch's error."""
+    m, k, n, r = 4, 14336, 4096, 8
+    g = torch.Generator().manual_seed(12)
+    w4 = nf4.quantize((torch.randn(n, k, generator=g) * k ** -0.5).bfloat16().to(device), 64)
+    dense = nf4.dequantize(w4, torch.bfloat16)
+    x = torch.randn(m, k, generator=g).bfloat16().to(device)
+    dy = torch.randn(m, n, generator=g).bfloat16().to(device)
+    a = torch.randn(r, k, generator=g, device="cpu").to(device) * k ** -0.5
+    b = torch.zeros(n, r, device=device)  # PEFT's init: grad_x is the base product alone
+    xa = torch.zeros(m, r, device=device)
+    absmax = w4.absmax
+    grad_x, _, _, _ = ops.lora_linear_nf4_backward(dy, x, w4.packed, absmax, 64, a, b, xa, 1.0, None, True,
+                                                   None, None, None, 256)
+    exact = sum(dy[:, c:c + 1024].double() @ dense[c:c + 1024].double() for c in range(0, n, 1024))
+    err_ours = (grad_x.double() - exact).abs().mean().item()
+    err_torch = ((dy @ dense).double() - exact).abs().mean().item()
+    assert err_ours <= 2 * err_torch, f"mean |ours - fp64| = {err_ours:.3g} > 2 * torch's {err_torch:.3g}"

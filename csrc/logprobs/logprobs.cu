@@ -76,9 +76,12 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(FinalizeParams p) {
   if (t >= p.n) return;
   const float log_sum = logf(p.stats.sum_exp[t]);
   const float lse = p.stats.max_z[t] + log_sum;
-  const bool ignored = p.targets[t] == p.ignore_index;
+  const int64_t target = p.targets[t];
+  const bool ignored = target == p.ignore_index;
+  const bool bad = !ignored && (target < 0 || target >= p.vocab);  // its logit was never picked
+  if (bad && p.bad_target != nullptr) *reinterpret_cast<volatile int64_t*>(p.bad_target) = t + 1;
   p.lse[t] = lse;
-  p.logprobs[t] = ignored ? 0.0f : p.picked[t] - lse;
+  p.logprobs[t] = ignored ? 0.0f : (bad ? __int_as_float(0x7fc00000) : p.picked[t] - lse);
   p.entropy[t] = ignored ? 0.0f : log_sum - p.stats.sum_exp_z[t] / p.stats.sum_exp[t];
 }
 

@@ -36,11 +36,15 @@ struct FoldParams {
 const char* launch_fold(const FoldParams& p, cudaStream_t stream);
 
 // logprobs = picked - lse, entropy = log(sum_exp) - sum_exp_z / sum_exp, lse = max_z + log(sum_exp);
-// logprobs and entropy 0 where targets == ignore_index.
+// logprobs and entropy 0 where targets == ignore_index. A target outside [0, vocab) that is not
+// ignore_index gets a NaN logprob and, when bad_target is set, writes its index + 1 there (a
+// host-mapped flag the next call reports: checking on the host first would cost a sync per call).
 struct FinalizeParams {
   int64_t n;
   const int64_t* targets;
   int64_t ignore_index;
+  int64_t vocab;
+  int64_t* bad_target;  // [1] host-mapped, or null
   Stats stats;
   const float* picked;
   float* logprobs;

@@ -16,7 +16,11 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cuda_runtime.h>
+
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <optional>
 
@@ -39,8 +43,42 @@ DType dtype_of(const at::Tensor& t) { return nf4::float_dtype(t.scalar_type(), "
 // Row padding that keeps every row of a tile 16-byte aligned (CUTLASS's tensor-core path).
 int64_t padded(int64_t cols) { return (cols + 7) / 8 * 8; }
 
-// One device-side check (a host sync): an out-of-range target is an error, never an
-// out-of-bounds read; the kernels also read a target's logit only when it lies in their chunk.
+// Out-of-range targets, with no host sync on the default path (the op stays capturable in a CUDA
+// graph and never stalls the stream): the finalize kernel gives such a token a NaN logprob and
+// writes its index + 1 into a host-mapped flag, which the next call on any device reads and reports
+// as a ValueError. PYKERNELS_CHECK_TARGETS=1 checks each call's targets before it runs instead
+// (one host sync per call; skipped while a stream is being captured) and names the bad target.
+// The kernels read a target's logit only when it lies in their chunk: never an out-of-bounds read.
+int64_t* bad_target_flag() {
+  static int64_t* flag = [] {
+    void* host = nullptr;
+    const cudaError_t status = cudaHostAlloc(&host, sizeof(int64_t), cudaHostAllocMapped | cudaHostAllocPortable);
+    TORCH_CHECK(status == cudaSuccess, "token_logprobs: cannot allocate the mapped target-check flag: ",
+                cudaGetErrorString(status));
+    *static_cast<volatile int64_t*>(host) = 0;
+    return static_cast<int64_t*>(host);  // with unified addressing, also the device's pointer
+  }();
+  return flag;
+}
+
+void report_earlier_bad_target(int64_t* flag) {
+  volatile int64_t* seen = flag;
+  const int64_t token = *seen;
+  if (token == 0) return;
+  *seen = 0;
+  TORCH_CHECK_VALUE(false, "targets[", token - 1, "] of an earlier token_logprobs call on CUDA was outside the ",
+                    "vocabulary and not ignore_index (its logprob came back NaN); set PYKERNELS_CHECK_TARGETS=1 to ",
+                    "check every call before it runs");
+}
+
+bool check_targets_eagerly(cudaStream_t stream) {
+  const char* env = std::getenv("PYKERNELS_CHECK_TARGETS");
+  if (env == nullptr || std::strcmp(env, "1") != 0) return false;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  return cudaStreamIsCapturing(stream, &capture) == cudaSuccess && capture == cudaStreamCaptureStatusNone;
+}
+
+// The eager check (a host sync): names the first bad target.
 void check_targets(const at::Tensor& targets, int64_t vocab, int64_t ignore_index) {
   const at::Tensor bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab));
   if (!bad.any().item<bool>()) return;
@@ -78,9 +116,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_logprobs_cuda(
   const auto f32 = hidden.options().dtype(at::kFloat);
   at::Tensor logprobs = at::zeros({s.n}, f32), entropy = at::zeros({s.n}, f32), lse = at::zeros({s.n}, f32);
   const at::Tensor no_terms = at::empty({0}, f32);
+  int64_t* bad_target = bad_target_flag();
+  report_earlier_bad_target(bad_target);
   if (s.n == 0) return {logprobs, entropy, lse, no_terms};
-  check_targets(targets, s.v, ignore_index);
   const cudaStream_t stream = current_stream(hidden);
+  if (check_targets_eagerly(stream)) check_targets(targets, s.v, ignore_index);
   const float scale = static_cast<float>(1.0 / temperature);
   at::Tensor stats = at::zeros({3, s.n}, f32);
   stats[0].fill_(-std::numeric_limits<float>::infinity());
@@ -96,7 +136,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_logprobs_cuda(
                                 stats_of(stats), picked.data_ptr<float>()}, stream));
     }
   }
-  check_launch(launch_finalize({s.n, targets.data_ptr<int64_t>(), ignore_index, stats_of(stats),
+  check_launch(launch_finalize({s.n, targets.data_ptr<int64_t>(), ignore_index, s.v, bad_target, stats_of(stats),
                                 picked.data_ptr<float>(), logprobs.data_ptr<float>(), entropy.data_ptr<float>(),
                                 lse.data_ptr<float>()}, stream));
   return {logprobs, entropy, lse, no_terms};

@@ -1,5 +1,6 @@
 // Fused LoRA CUDA kernels (declarations and the math in lora.h): one GEMM wrapper over CUTLASS 2.x
-// device::GemmUniversal, and two small kernels, the rank-r LoRA term and dtype casts.
+// device::GemmUniversal, and small kernels: the rank-r LoRA term, rank-r GEMMs of mixed dtypes
+// (fp32 LoRA weights and intermediates against 16-bit activations) and dtype casts.
 //
 // The GEMM picks one of two configurations at run time:
 //   - sm80 tensor cores (mma.sync m16n8k16, fp32 accumulation) for 16-bit operands whose pointers,
@@ -269,6 +270,104 @@ __global__ void __launch_bounds__(kThreads) low_rank_term_kernel(const float* __
   }
 }
 
+// ------------------------------------------------------------------ rank-r GEMM, mixed dtypes
+// D = alpha op_a op_b (+ D) with per-operand dtypes read as fp32 (see RankGemmParams). Each CTA
+// owns a kTileM x kTileN tile of D, staged through shared memory in slices of 16 along k; thread
+// (tx, ty) of a 16 x 16 grid accumulates rows ty + 16 i and columns tx + 16 j in fp32. Three tile
+// shapes, picked by which side is the rank: 128 x 16 (n = r: xa, dxa, dB), 16 x 128 (m = r: dA),
+// 64 x 64 (the rest: dxa A, r > 16). Dtypes are runtime values: the switch is uniform per CTA and
+// costs a few instructions per load on a kernel bound by its loads, against 27x the instantiations.
+template <int kTileM, int kTileN>
+struct RankTile {
+  static constexpr int kSlice = 16;                // k per shared-memory stage
+  static constexpr int kRowsPerThread = kTileM / 16;
+  static constexpr int kColsPerThread = kTileN / 16;
+};
+
+__device__ __forceinline__ float load_as_float(const void* base, DType dtype, int64_t index) {
+  switch (dtype) {
+    case DType::kFloat32: return static_cast<const float*>(base)[index];
+    case DType::kFloat16: return __half2float(static_cast<const __half*>(base)[index]);
+    default: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[index]);
+  }
+}
+
+__device__ __forceinline__ void store_from_float(void* base, DType dtype, int64_t index, float value) {
+  switch (dtype) {
+    case DType::kFloat32: static_cast<float*>(base)[index] = value; break;
+    case DType::kFloat16: static_cast<__half*>(base)[index] = __float2half_rn(value); break;
+    default: static_cast<__nv_bfloat16*>(base)[index] = __float2bfloat16_rn(value); break;
+  }
+}
+
+// Fills tile[kk][local] (local < extent rows of the operand, kk < kSlice) from an operand whose
+// element (row, kk) sits at row * stride_row + kk * stride_k: consecutive threads walk whichever
+// index is contiguous in memory, so the global loads coalesce for both layouts.
+template <int kExtent, int kSlice>
+__device__ __forceinline__ void load_rank_tile(float (*tile)[kExtent + 1], const void* data, DType dtype,
+                                               int64_t row0, int64_t rows, int64_t stride_row, int64_t k0,
+                                               int64_t k, int64_t stride_k) {
+  const bool k_contiguous = stride_k == 1;
+  for (int e = threadIdx.x; e < kExtent * kSlice; e += kThreads) {
+    const int local = k_contiguous ? e / kSlice : e % kExtent;
+    const int kk = k_contiguous ? e % kSlice : e / kExtent;
+    const int64_t row = row0 + local, kg = k0 + kk;
+    tile[kk][local] = (row < rows && kg < k) ? load_as_float(data, dtype, row * stride_row + kg * stride_k) : 0.0f;
+  }
+}
+
+template <int kTileM, int kTileN>
+__global__ void __launch_bounds__(kThreads) rank_gemm_kernel(RankGemmParams p) {
+  using Tile = RankTile<kTileM, kTileN>;
+  __shared__ float a_tile[Tile::kSlice][kTileM + 1];  // [kk][row of D]
+  __shared__ float b_tile[Tile::kSlice][kTileN + 1];  // [kk][column of D]
+  const int64_t row0 = int64_t(blockIdx.x) * kTileM;
+  const int64_t col0 = int64_t(blockIdx.y) * kTileN;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  float acc[Tile::kRowsPerThread][Tile::kColsPerThread] = {};
+  for (int64_t k0 = 0; k0 < p.k; k0 += Tile::kSlice) {
+    load_rank_tile<kTileM, Tile::kSlice>(a_tile, p.a, p.a_dtype, row0, p.m, p.a_stride_m, k0, p.k, p.a_stride_k);
+    load_rank_tile<kTileN, Tile::kSlice>(b_tile, p.b, p.b_dtype, col0, p.n, p.b_stride_n, k0, p.k, p.b_stride_k);
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < Tile::kSlice; ++kk) {
+      float a_values[Tile::kRowsPerThread], b_values[Tile::kColsPerThread];
+#pragma unroll
+      for (int i = 0; i < Tile::kRowsPerThread; ++i) a_values[i] = a_tile[kk][ty + 16 * i];
+#pragma unroll
+      for (int j = 0; j < Tile::kColsPerThread; ++j) b_values[j] = b_tile[kk][tx + 16 * j];
+#pragma unroll
+      for (int i = 0; i < Tile::kRowsPerThread; ++i)
+#pragma unroll
+        for (int j = 0; j < Tile::kColsPerThread; ++j) acc[i][j] = fmaf(a_values[i], b_values[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < Tile::kRowsPerThread; ++i) {
+    const int64_t row = row0 + ty + 16 * i;
+    if (row >= p.m) continue;
+#pragma unroll
+    for (int j = 0; j < Tile::kColsPerThread; ++j) {
+      const int64_t col = col0 + tx + 16 * j;
+      if (col >= p.n) continue;
+      const int64_t index = row * p.ldd + col;
+      const float prior = p.accumulate ? load_as_float(p.d, p.d_dtype, index) : 0.0f;
+      store_from_float(p.d, p.d_dtype, index, p.alpha * acc[i][j] + prior);  // one rounding
+    }
+  }
+}
+
+template <int kTileM, int kTileN>
+const char* launch_rank_tiles(const RankGemmParams& p, cudaStream_t stream) {
+  const int64_t row_tiles = (p.m + kTileM - 1) / kTileM;
+  const int64_t col_tiles = (p.n + kTileN - 1) / kTileN;
+  if (row_tiles > INT32_MAX || col_tiles > 65535) return "lora rank gemm: output too large for one launch";
+  const dim3 grid(static_cast<unsigned>(row_tiles), static_cast<unsigned>(col_tiles));
+  rank_gemm_kernel<kTileM, kTileN><<<grid, kThreads, 0, stream>>>(p);
+  return launch_status("lora rank gemm: kernel launch failed");
+}
+
 // ------------------------------------------------------------------ casts
 template <typename TSrc, typename TDst>
 __global__ void __launch_bounds__(kThreads) cast_kernel(const TSrc* __restrict__ src, TDst* __restrict__ dst,
@@ -325,6 +424,16 @@ const char* launch_low_rank_term(const LowRankParams& p, cudaStream_t stream) {
       return launch_status("lora low-rank term: kernel launch failed");
     });
   });
+}
+
+const char* launch_rank_gemm(const RankGemmParams& p, cudaStream_t stream) {
+  if (p.m < 0 || p.n < 0 || p.k < 0) return "lora rank gemm: m, n, k must be >= 0";
+  if (p.m == 0 || p.n == 0) return nullptr;
+  if (p.d == nullptr || p.ldd < p.n) return "lora rank gemm: d must be non-null with ldd >= n";
+  if (p.k > 0 && (p.a == nullptr || p.b == nullptr)) return "lora rank gemm: a and b must be non-null";
+  if (p.n <= 16) return launch_rank_tiles<128, 16>(p, stream);
+  if (p.m <= 16) return launch_rank_tiles<16, 128>(p, stream);
+  return launch_rank_tiles<64, 64>(p, stream);
 }
 
 const char* launch_cast(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t numel,

@@ -8,7 +8,8 @@
 //             dA  = dxa^T x_lora                (fp32 accumulation, stored in A's dtype)
 //             dx  = dy W (+ dxa A when x_lora is x itself: fused into the same GEMM as its C operand)
 // x [M, K], W [N, K], A [r, K], B [N, r]; x_lora defaults to x (it differs only under LoRA dropout).
-// The CUDA side composes them from one GEMM wrapper (CUTLASS, below) and two small kernels.
+// The CUDA side composes them from one GEMM wrapper (CUTLASS, below) and small kernels (the LoRA
+// term, rank-r GEMMs of mixed dtypes that keep fp32 LoRA weights and intermediates fp32, casts).
 #pragma once
 
 #include <cstdint>
@@ -60,6 +61,27 @@ struct LowRankParams {
   DType out_dtype;
 };
 const char* launch_low_rank_term(const LowRankParams& params, cudaStream_t stream);
+
+// D[m, n] = alpha * sum_k op_a[i, kk] * op_b[kk, j] (+ D when accumulate), with op_a[i, kk] =
+// a[i * a_stride_m + kk * a_stride_k] and op_b[kk, j] = b[kk * b_stride_k + j * b_stride_n]: any
+// strides, any alignment, A and B each of its own dtype, read as fp32 and summed in fp32 (no TF32),
+// rounded once to d_dtype. The rank-r products whose operands mix dtypes (fp32 LoRA weights, xa,
+// dxa against 16-bit activations; launch_gemm takes one input dtype): m or n is r in every use.
+struct RankGemmParams {
+  int64_t m, n, k;
+  const void* a;  // op_a [m, k] of a_dtype
+  DType a_dtype;
+  int64_t a_stride_m, a_stride_k;
+  const void* b;  // op_b [k, n] of b_dtype
+  DType b_dtype;
+  int64_t b_stride_k, b_stride_n;
+  void* d;        // [m, n] of d_dtype, row stride ldd
+  DType d_dtype;
+  int64_t ldd;
+  float alpha;
+  bool accumulate;
+};
+const char* launch_rank_gemm(const RankGemmParams& params, cudaStream_t stream);
 
 // dst[i] = (dst_dtype) src[i] for i < numel (fp32 <-> 16-bit casts of the small LoRA tensors).
 const char* launch_cast(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t numel,

@@ -10,9 +10,12 @@
 //             dA  = dxa^T x_lora               GEMM, fp32 out, cast to A's dtype
 //             grad_x = dxa A, then += dy W     two GEMMs, the second with C = D = grad_x
 //                                              (separate grad_x = dy W, grad_x_lora = dxa A with x_lora)
-// A GEMM takes one input dtype: fp32 LoRA weights and the fp32 xa / dxa are cast to x's dtype
-// before they meet x or dy (products still accumulate in fp32). With an NF4 weight, chunks of rows
-// of W (up to 16 MiB) are dequantized into one buffer and multiplied one after the other.
+// launch_gemm takes one input dtype; products that meet an fp32 LoRA weight or the fp32 xa / dxa
+// go to launch_rank_gemm instead, which reads each operand in its own dtype and sums in fp32, so
+// nothing on the LoRA path is rounded to 16 bits before its output (as on the CPU and in PEFT,
+// whose fp32 adapters see an fp32 copy of x). With an NF4 weight, chunks of rows of W (up to
+// 16 MiB) are dequantized into one buffer and multiplied one after the other; grad_x sums the
+// chunks in an fp32 buffer and is rounded once.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -35,7 +38,7 @@ cudaStream_t current_stream(const at::Tensor& t) { return c10::cuda::getCurrentC
 
 DType dtype_of(const at::Tensor& t) { return nf4::float_dtype(t.scalar_type(), "tensor"); }
 
-// t itself when it already has dtype, else a converted copy (the small LoRA tensors, xa, dxa).
+// t itself when it already has dtype, else a converted copy (the fp32 dA / dB to A's / B's dtype).
 at::Tensor cast_to(const at::Tensor& t, at::ScalarType dtype, cudaStream_t stream) {
   if (t.scalar_type() == dtype) return t;
   at::Tensor out = at::empty(t.sizes(), t.options().dtype(dtype));
@@ -130,6 +133,27 @@ class Nf4RowChunks {
   at::Tensor buffer_;
 };
 
+// A matrix operand of launch_rank_gemm: op(X)[row, col] = data[row * stride_row + col * stride_col].
+struct RankOperand {
+  const void* data;
+  DType dtype;
+  int64_t stride_row, stride_col;
+};
+RankOperand rows_of(const at::Tensor& t) { return {t.data_ptr(), dtype_of(t), t.size(1), 1}; }  // t itself
+RankOperand columns_of(const at::Tensor& t) { return {t.data_ptr(), dtype_of(t), 1, t.size(1)}; }  // t^T
+
+// out (+)= alpha * a @ b, a [m, k], b [k, n], each in its own dtype, fp32 sums, one rounding to out's dtype.
+void rank_gemm(int64_t m, int64_t n, int64_t k, RankOperand a, RankOperand b, at::Tensor& out, float alpha,
+               bool accumulate, cudaStream_t stream) {
+  RankGemmParams p{};
+  p.m = m, p.n = n, p.k = k;
+  p.a = a.data, p.a_dtype = a.dtype, p.a_stride_m = a.stride_row, p.a_stride_k = a.stride_col;
+  p.b = b.data, p.b_dtype = b.dtype, p.b_stride_k = b.stride_row, p.b_stride_n = b.stride_col;
+  p.d = out.data_ptr(), p.d_dtype = dtype_of(out), p.ldd = out.size(1);
+  p.alpha = alpha, p.accumulate = accumulate;
+  check_launch(launch_rank_gemm(p, stream));
+}
+
 void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& x) {
   TORCH_CHECK_VALUE(t.device() == x.device(), name, " must be on ", x.device(), " like x, got ", t.device());
 }
@@ -148,9 +172,12 @@ std::tuple<at::Tensor, at::Tensor> start_forward(const at::Tensor& x, const at::
                                                  const at::Tensor& lora_A, const at::Tensor& lora_B,
                                                  double scaling, const std::optional<at::Tensor>& bias,
                                                  const Shapes& s, cudaStream_t stream) {
-  const at::Tensor a = cast_to(lora_A, x.scalar_type(), stream);
   at::Tensor xa = at::empty({s.m, s.r}, x.options().dtype(at::kFloat));
-  gemm(s.m, s.r, s.k, plain(x_lora), transposed(a), dtype_of(x), output(xa), 1.0f, false, stream);
+  if (lora_A.scalar_type() == x.scalar_type()) {  // one input dtype: the tensor-core GEMM
+    gemm(s.m, s.r, s.k, plain(x_lora), transposed(lora_A), dtype_of(x), output(xa), 1.0f, false, stream);
+  } else {  // fp32 A against 16-bit x: fp32 math throughout
+    rank_gemm(s.m, s.r, s.k, rows_of(x_lora), columns_of(lora_A), xa, 1.0f, false, stream);
+  }
   at::Tensor y = at::empty({s.m, s.n}, x.options());
   LowRankParams term{};
   term.m = s.m;
@@ -205,36 +232,38 @@ std::tuple<at::Tensor, at::Tensor> lora_linear_nf4_cuda(
 }
 
 // Everything but dy @ W: grad_A, grad_B and the LoRA part of the input gradient. Without x_lora,
-// grad_x (when computed, allocated here) is set to dxa A, and the caller then adds dy W in place.
+// grad_x (when computed, allocated here in grad_x_dtype: x's, or fp32 for a sum over NF4 chunks)
+// is set to dxa A, and the caller then adds dy W in place. Every product that meets an fp32 operand
+// (B, xa, dxa, A) is a rank_gemm: fp32 math, no 16-bit copy of a LoRA weight or intermediate.
 struct LowRankGrads {
   at::Tensor grad_x, grad_x_lora, grad_A, grad_B;
 };
 LowRankGrads low_rank_backward(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& lora_A,
                                const at::Tensor& lora_B, const at::Tensor& xa, double scaling,
-                               const std::optional<at::Tensor>& x_lora, bool compute_grad_x, const Shapes& s,
-                               cudaStream_t stream) {
-  const DType x_dtype = dtype_of(x);
+                               const std::optional<at::Tensor>& x_lora, bool compute_grad_x,
+                               at::ScalarType grad_x_dtype, const Shapes& s, cudaStream_t stream) {
   const float scale = static_cast<float>(scaling);
-  at::Tensor dxa = at::empty({s.m, s.r}, x.options().dtype(at::kFloat));
-  gemm(s.m, s.r, s.n, plain(grad_y), plain(cast_to(lora_B, x.scalar_type(), stream)), x_dtype, output(dxa), scale,
-       false, stream);
-  at::Tensor grad_B = at::empty({s.n, s.r}, x.options().dtype(at::kFloat));
-  gemm(s.n, s.r, s.m, transposed(grad_y), plain(cast_to(xa, x.scalar_type(), stream)), x_dtype, output(grad_B),
-       scale, false, stream);
-  const at::Tensor dxa_x = cast_to(dxa, x.scalar_type(), stream);
+  const auto f32 = x.options().dtype(at::kFloat);
+  at::Tensor dxa = at::empty({s.m, s.r}, f32);
+  if (lora_B.scalar_type() == x.scalar_type()) {  // one input dtype: the tensor-core GEMM
+    gemm(s.m, s.r, s.n, plain(grad_y), plain(lora_B), dtype_of(x), output(dxa), scale, false, stream);
+  } else {
+    rank_gemm(s.m, s.r, s.n, rows_of(grad_y), rows_of(lora_B), dxa, scale, false, stream);
+  }
+  at::Tensor grad_B = at::empty({s.n, s.r}, f32);
+  rank_gemm(s.n, s.r, s.m, columns_of(grad_y), rows_of(xa), grad_B, scale, false, stream);  // s dy^T xa
   const at::Tensor& lora_input = x_lora.value_or(x);
-  at::Tensor grad_A = at::empty({s.r, s.k}, x.options().dtype(at::kFloat));
-  gemm(s.r, s.k, s.m, transposed(dxa_x), plain(lora_input), x_dtype, output(grad_A), 1.0f, false, stream);
+  at::Tensor grad_A = at::empty({s.r, s.k}, f32);
+  rank_gemm(s.r, s.k, s.m, columns_of(dxa), rows_of(lora_input), grad_A, 1.0f, false, stream);  // dxa^T x
 
   LowRankGrads grads{at::empty({0}, x.options()), at::empty({0}, x.options()),
                      cast_to(grad_A, lora_A.scalar_type(), stream), cast_to(grad_B, lora_B.scalar_type(), stream)};
   const bool lora_term_needed = x_lora.has_value() || compute_grad_x;
   if (!lora_term_needed) return grads;
   at::Tensor& target = x_lora.has_value() ? grads.grad_x_lora : grads.grad_x;
-  target = at::empty({s.m, s.k}, x.options());
-  gemm(s.m, s.k, s.r, plain(dxa_x), plain(cast_to(lora_A, x.scalar_type(), stream)), x_dtype, output(target), 1.0f,
-       false, stream);
-  if (x_lora.has_value() && compute_grad_x) grads.grad_x = at::empty({s.m, s.k}, x.options());
+  target = at::empty({s.m, s.k}, x_lora.has_value() ? x.options() : x.options().dtype(grad_x_dtype));
+  rank_gemm(s.m, s.k, s.r, rows_of(dxa), rows_of(lora_A), target, 1.0f, false, stream);  // dxa A
+  if (x_lora.has_value() && compute_grad_x) grads.grad_x = at::empty({s.m, s.k}, x.options().dtype(grad_x_dtype));
   return grads;
 }
 
@@ -248,7 +277,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_linear_backward_
   check_cuda_backward(grad_y, xa, x);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream(x);
-  LowRankGrads g = low_rank_backward(grad_y, x, lora_A, lora_B, xa, scaling, x_lora, compute_grad_x, s, stream);
+  LowRankGrads g =
+      low_rank_backward(grad_y, x, lora_A, lora_B, xa, scaling, x_lora, compute_grad_x, x.scalar_type(), s, stream);
   if (compute_grad_x) {
     // grad_x = dy W (+ dxa A already in grad_x when x_lora is absent).
     gemm(s.m, s.k, s.n, plain(grad_y), plain(weight), dtype_of(x), output(g.grad_x), 1.0f, !x_lora.has_value(),
@@ -272,9 +302,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_linear_nf4_backw
                                nested_blocksize, x);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream(x);
-  LowRankGrads g = low_rank_backward(grad_y, x, lora_A, lora_B, xa, scaling, x_lora, compute_grad_x, s, stream);
+  // grad_x sums over the chunks in fp32 and is rounded once at the end: rounding the running sum
+  // after every chunk would add one 16-bit rounding per chunk (8 for a 4096 x 14336 bf16 weight).
+  LowRankGrads g =
+      low_rank_backward(grad_y, x, lora_A, lora_B, xa, scaling, x_lora, compute_grad_x, at::kFloat, s, stream);
+  if (compute_grad_x && x_lora.has_value() && (s.m == 0 || s.n == 0)) g.grad_x.zero_();  // dy W is empty
   if (compute_grad_x && s.m > 0) {
-    // grad_x (+)= dy[:, rows] W[rows], accumulated over the chunks of rows of W.
+    // grad_x (+)= dy[:, rows] W[rows], accumulated in fp32 over the chunks of rows of W.
     Nf4RowChunks chunks(*weight, s.n, s.k, x);
     for (int64_t row = 0; row < s.n; row += chunks.rows_per_chunk()) {
       const int64_t rows = std::min(chunks.rows_per_chunk(), s.n - row);
@@ -284,6 +318,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_linear_nf4_backw
       gemm(s.m, s.k, rows, dy_columns, w_rows, dtype_of(x), output(g.grad_x), 1.0f, accumulate, stream);
     }
   }
+  if (compute_grad_x) g.grad_x = g.grad_x.to(x.scalar_type());
   return {g.grad_x, g.grad_x_lora, g.grad_A, g.grad_B};
 }
 

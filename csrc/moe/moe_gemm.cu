@@ -20,8 +20,11 @@
 #include <cute/tensor.hpp>
 
 #include <cstdint>
+#include <mutex>
+#include <set>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "common/cuda_convert.cuh"
 #include "moe/moe.h"
@@ -493,12 +496,28 @@ int rows_per_tile(const GroupedRowsParams& p) { return tensor_op_rows(p) ? 128 :
 
 int64_t max_row_tiles(const GroupedRowsParams& p) { return div_up(p.slots, rows_per_tile(p)) + p.experts + 1; }
 
-// Launches a tensor-op kernel with its dynamic shared memory (over the 48 KiB static limit).
+// Opts a kernel into `smem` bytes of dynamic shared memory (over the 48 KiB static limit) once per
+// (kernel, device): the attribute belongs to the function on that device and persists, so setting
+// it on every launch only cost a driver call per launch. Keyed by the function's address (kernels
+// of one signature share a type); each kernel is launched with one constant size.
+cudaError_t allow_dynamic_smem(const void* kernel, size_t smem) {
+  static std::mutex mutex;
+  static std::set<std::pair<const void*, int>> done;  // (kernel, device)
+  int device = 0;
+  cudaError_t status = cudaGetDevice(&device);
+  if (status != cudaSuccess) return status;
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (done.count({kernel, device}) != 0) return cudaSuccess;
+  status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (status == cudaSuccess) done.insert({kernel, device});
+  return status;
+}
+
+// Launches a tensor-op kernel with its dynamic shared memory.
 template <typename Kernel, typename... Args>
 const char* launch_with_smem(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStream_t stream,
                              Args... args) {
-  const cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                  static_cast<int>(smem));
+  const cudaError_t status = allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
   if (status != cudaSuccess)
     return fail(std::string("moe: shared memory request failed: ") + cudaGetErrorString(status));
   kernel<<<grid, threads, smem, stream>>>(args...);

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 
 #include "common/cuda_convert.cuh"
 #include "nf4/nf4.h"
@@ -236,9 +237,17 @@ __global__ void dynamic8_dequantize_kernel(const uint8_t* __restrict__ q, const 
     out[i] = __fmul_rn(code[q[i]], absmax[i / blocksize]);
 }
 
+// nullptr when the launch went through, else `what` with CUDA's own reason. cudaGetLastError also
+// returns an error left by an earlier asynchronous failure, so the message says it may not be this
+// launch's (a bare "kernel launch failed" sent people looking at the wrong kernel). The message of
+// the last failure on this thread stays valid until the next failure.
 const char* launch_status(const char* what) {
   const cudaError_t status = cudaGetLastError();
-  return status == cudaSuccess ? nullptr : what;
+  if (status == cudaSuccess) return nullptr;
+  thread_local std::string last;
+  last = std::string(what) + ": " + cudaGetErrorName(status) + " (" + cudaGetErrorString(status) +
+         "; an error from an earlier asynchronous CUDA call also surfaces here)";
+  return last.c_str();
 }
 
 int grid_for(int64_t work_items, int threads) {
@@ -250,13 +259,13 @@ int grid_for(int64_t work_items, int threads) {
 
 const char* launch_quantize(const QuantizeParams& p, cudaStream_t stream) {
   if (p.blocksize < 32 || p.blocksize > 4096 || (p.blocksize & (p.blocksize - 1)) != 0)
-    return "nf4 quantize: blocksize must be a power of two in [32, 4096]";
+    return "nf4 quantize: blocksize must be a power of two in [32, 4096] (bitsandbytes' range)";
   // Threads cover whole blocks so every group sees its full block; CTAs hold whole groups.
   const int group_threads = static_cast<int>(p.blocksize / kQuantValuesPerThread);
   const int threads = group_threads > kThreads ? group_threads : kThreads;
   const int64_t total_threads = num_blocks(p.numel, p.blocksize) * group_threads;
   const int64_t ctas = (total_threads + threads - 1) / threads;
-  if (ctas > INT32_MAX) return "nf4 quantize: tensor too large for one launch";
+  if (ctas > INT32_MAX) return "nf4 quantize: too many blocks for one launch (more than 2^31 - 1 CTAs)";
   const dim3 grid(static_cast<unsigned>(ctas));
   switch (p.x_dtype) {
     case DType::kFloat32:
@@ -272,10 +281,14 @@ const char* launch_quantize(const QuantizeParams& p, cudaStream_t stream) {
           static_cast<const __nv_bfloat16*>(p.x), p.numel, int(p.blocksize), p.packed, p.absmax);
       break;
   }
-  return launch_status("nf4 quantize: kernel launch failed");
+  return launch_status("nf4 quantize: kernel launch failed");  // blocksize was checked above
 }
 
 const char* launch_dequantize(const DequantizeParams& p, cudaStream_t stream) {
+  // Each thread decodes 16 values under one scale: 16 must divide blocksize (and a power of two in
+  // [32, 4096] does); the launch itself has no other limit (grid-stride loop).
+  if (p.blocksize < 16 || p.blocksize % kDequantValuesPerThread != 0)
+    return "nf4 dequantize: blocksize must be a multiple of 16 (a power of two in [32, 4096])";
   const int grid = grid_for((p.numel + kDequantValuesPerThread - 1) / kDequantValuesPerThread, kThreads);
   switch (p.out_dtype) {
     case DType::kFloat32:
