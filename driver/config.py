@@ -237,6 +237,17 @@ class EbftConfig(Section):
         return value
 
 
+class KernelOpsConfig(Section):
+    nf4: Literal["auto", "ours", "torch"] | None = Field(None, description="NF4 dequantize of QLoRA bases "
+                                                         "(null: train.kernels)")
+    lora: Literal["auto", "ours", "torch"] | None = Field(None, description="LoRA linear: fused kernel, or "
+                                                          "torch = PEFT's F.linear + eager LoRA (null: train.kernels)")
+    moe: Literal["auto", "ours", "torch"] | None = Field(None, description="MoE experts: grouped kernels, or torch "
+                                                         "= transformers' experts (null: train.kernels)")
+    logprobs: Literal["auto", "ours", "torch"] | None = Field(None, description="token logprobs: fused lm_head "
+                                                              "kernel, or chunked torch (null: train.kernels)")
+
+
 class TrainConfig(Section):
     steps: int = Field(60, ge=1, description="optimizer steps")
     prompts_per_step: int = Field(8, ge=1, description="prompts sampled per step (each gets num_generations)")
@@ -249,9 +260,18 @@ class TrainConfig(Section):
     warmup_steps: int = Field(0, ge=0, description="linear warm-up steps")
     max_grad_norm: float | None = Field(1.0, description="gradient clipping norm (null: off)")
     seed: int = Field(0, description="seed for data order, sampling and initialization")
-    kernels: Literal["auto", "reference"] = Field("auto", description="pykernels ops where they exist (fused "
-                                                 "LoRA, NF4, logprobs, grouped MoE experts), or PEFT, transformers' "
-                                                 "experts and the pure-torch references")
+    kernels: Literal["auto", "reference", "ours", "torch"] = Field(
+        "auto", description="every pykernels op (fused LoRA, NF4, logprobs, grouped MoE experts): auto (on CUDA, "
+        "checked against torch and timed once per shape bucket, the faster correct one kept; ours on CPU), ours, "
+        "or torch / reference (PEFT, transformers' experts and the pure-torch references); "
+        "docs/kernels-dispatch.md. PYKERNELS_KERNELS in the environment overrides it")
+    kernel_ops: KernelOpsConfig = Field(default_factory=KernelOpsConfig,
+                                        description="per-op overrides of train.kernels")
+
+    def kernel_modes(self) -> dict[str, str]:
+        """op -> auto | ours | torch, as pykernels.backend.set_kernels takes them."""
+        default = "torch" if self.kernels == "reference" else self.kernels
+        return {op: getattr(self.kernel_ops, op) or default for op in KernelOpsConfig.model_fields}
 
 
 class LoggingConfig(Section):

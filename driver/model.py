@@ -60,6 +60,14 @@ class Policy:
         return directory
 
 
+def kernel_modes(config: Config) -> dict[str, str]:
+    """op -> auto | ours | torch: train.kernels and train.kernel_ops, then PYKERNELS_KERNELS on top
+    (the environment is the quick switch for one run, e.g. to rule a kernel out)."""
+    import pykernels.backend
+
+    return config.train.kernel_modes() | pykernels.backend.environment_modes()
+
+
 def load_policy(config: Config) -> Policy:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -87,12 +95,13 @@ def load_policy(config: Config) -> Policy:
             # After get_peft_model: PEFT reads the expert parameters' shapes when it wraps them.
             quantize_moe_experts(model, config.model.qlora_blocksize)
     kernels = Policy.kernels
-    if config.train.kernels == "auto":
+    modes = kernel_modes(config)
+    if modes["lora"] != "torch" or modes["moe"] != "torch":  # torch: PEFT's and transformers' own modules
         from pykernels.integrations.peft import apply_fused_lora
         from pykernels.integrations.transformers import apply_moe_kernels
 
-        fused = apply_fused_lora(model)  # LoRA layers on pykernels' fused kernel (dense and NF4 bases)
-        grouped = apply_moe_kernels(model)  # MoE experts (and LoRA on them) on the grouped kernels; 0 if dense
+        fused = apply_fused_lora(model) if modes["lora"] != "torch" else 0  # fused LoRA (dense and NF4 bases)
+        grouped = apply_moe_kernels(model) if modes["moe"] != "torch" else 0  # grouped experts; 0 if dense
         kernels = f"fused LoRA on {fused} layers" + (f", grouped MoE kernels on {grouped} experts modules"
                                                       if grouped else "")
     # Loaded (and NF4-quantized) on the CPU, then moved: a large model never has to fit on the GPU

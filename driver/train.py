@@ -35,7 +35,7 @@ from driver.ebft.strided_update import optimize_strided
 from driver.fsdp import shard_policy
 from driver.interrupt import GracefulInterrupt
 from driver.metrics import MetricsLogger
-from driver.model import load_policy
+from driver.model import kernel_modes, load_policy
 from driver.optim import build_optimizer, build_scheduler
 from driver.plots import plot_metrics
 from driver.rewards import RewardError
@@ -69,7 +69,7 @@ def log_name(world: distributed.World) -> str:
 def train(config: Config, world: distributed.World, terminal: Terminal, run_started: float) -> bool:
     output_dir = config.output_dir
     torch.manual_seed(config.train.seed)
-    pykernels.backend.set_kernels(config.train.kernels)
+    pykernels.backend.set_kernels(**kernel_modes(config))
 
     policy = load_policy(config)
     if world.distributed:

@@ -4,9 +4,22 @@
 >>> w = nf4.quantize(torch.randn(256, 512), blocksize=64, double_quant=True)
 >>> nf4.dequantize(w, torch.bfloat16).shape
 torch.Size([256, 512])
+
+dequantize is dispatched (pykernels/dispatch.py): ours, or the torch dequant of
+pykernels.reference.nf4 (bitsandbytes' own pure-torch algorithm).
 """
 
+from pykernels import dispatch
 from pykernels.nf4_weight import NF4Weight
-from pykernels.ops.nf4 import dequantize, quantize
+from pykernels.ops import nf4 as _ops
+from pykernels.ops.nf4 import quantize
+
+
+def _bucket(weight, dtype=None):
+    layout = f"shape={tuple(weight.shape)} blocksize={weight.blocksize}{' double_quant' if weight.double_quant else ''}"
+    return weight.packed.device, dtype or weight.dtype, layout
+
+
+dequantize = dispatch.dispatched("nf4", _ops.dequantize, _bucket)
 
 __all__ = ["NF4Weight", "dequantize", "quantize"]

@@ -96,7 +96,7 @@ class NF4Weight:
         return replace(self, **{name: t.to(device) for name, t in self.tensors().items()})
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        from pykernels.ops.nf4 import dequantize
+        from pykernels.nf4 import dequantize  # dispatched (pykernels/dispatch.py)
 
         return dequantize(self, dtype)
 

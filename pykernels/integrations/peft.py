@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from pykernels.nf4_weight import NF4Weight
-from pykernels.ops.lora import lora_linear
+from pykernels.lora import lora_linear  # dispatched: ours or torch per bucket (pykernels/dispatch.py)
 
 _ORIGINAL = "_pykernels_original_forward"
 

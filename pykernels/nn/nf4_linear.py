@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pykernels.nf4_weight import NF4Weight
-from pykernels.ops.nf4 import dequantize, quantize
+from pykernels.nf4 import dequantize, quantize
 
 _WEIGHT_FIELDS = ("packed", "absmax", "absmax_q", "nested_absmax", "nested_offset", "nested_code")
 

@@ -98,7 +98,7 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     if not isinstance(targets, torch.Tensor):
         raise ValueError(f"targets must be a tensor of token ids, got {type(targets).__name__}")
     hidden, weight, targets = full(hidden), full(weight), full(targets)  # FSDP2 / TP: gathered, explicitly
-    if backend.use_reference():
+    if backend.use_reference("logprobs"):
         result = reference.token_logprobs(hidden, weight, targets, temperature, ignore_index, return_entropy)
         return (result[0], result[1] if entropy_grad else result[1].detach()) if return_entropy else result
     check_device(hidden, "hidden")

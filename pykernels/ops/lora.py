@@ -125,7 +125,7 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor | NF4Weight, lora_A: torch
     in_features = x.shape[-1]
     flat = x.reshape(-1, in_features).contiguous()
     x_lora = torch.nn.functional.dropout(flat, dropout) if dropout > 0 else None
-    if backend.use_reference():
+    if backend.use_reference("lora"):
         dense = dequantize(weight, x.dtype) if isinstance(weight, NF4Weight) else weight
         y = reference.lora_linear(flat, dense, lora_A, lora_B, scaling, bias, x_lora)
     elif isinstance(weight, NF4Weight):

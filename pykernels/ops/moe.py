@@ -76,7 +76,7 @@ torch.library.register_autograd("pykernels::moe_grouped_linear", _backward, setu
 # ---------------------------------------------------------------- public functions
 def _reference_for(tensor: torch.Tensor) -> bool:
     """The pure-torch path, when asked for (pykernels.backend.set_kernels("reference"))."""
-    if backend.use_reference():
+    if backend.use_reference("moe"):
         return True
     check_device(tensor, "input")  # anything but CPU, and CUDA without CUDA kernels: a clear error
     return False

@@ -76,7 +76,7 @@ def quantize(x: torch.Tensor, blocksize: int = 64, double_quant: bool = False) -
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if backend.use_reference():
+    if backend.use_reference("nf4"):
         return _quantize_reference(x, blocksize, double_quant)
     check_device(x, "x")
     packed, absmax = ops.nf4_quantize(x.contiguous(), blocksize)
@@ -104,7 +104,7 @@ def dequantize(weight: NF4Weight, dtype: torch.dtype | None = None) -> torch.Ten
     dtype = weight.dtype if dtype is None else dtype
     if dtype not in _FLOAT_DTYPES:
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
-    if backend.use_reference():
+    if backend.use_reference("nf4"):
         return _dequantize_reference(weight, dtype)
     absmax = weight.absmax_q if weight.double_quant else weight.absmax
     return ops.nf4_dequantize(
