@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
@@ -183,13 +184,19 @@ def test_the_chosen_side_runs_the_whole_op_including_backward(monkeypatch):
 
 def test_the_faster_correct_side_is_chosen_and_a_slow_kernel_is_not(monkeypatch, isolated):
     real = ops_lora.ops
+    penalty = []  # simulated seconds: a sleep would lose to a loaded machine's stalls of the torch side
 
     def slow(*args):
-        import time
-
-        time.sleep(0.02)
+        penalty.append(1.0)
         return real.lora_linear(*args)
 
+    def timer(fn, warmup=1, iters=3):
+        penalty.clear()
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start + sum(penalty)
+
+    monkeypatch.setattr(dispatch, "cpu_timer", timer)
     monkeypatch.setattr(ops_lora, "ops", Planted(real, lora_linear=slow))
     pykernels.lora.lora_linear(*_lora_args())
     monkeypatch.setattr(ops_lora, "ops", real)
