@@ -73,10 +73,19 @@ class GateItem(pytest.Item):
         return self.path, None, "benchmark gate"
 
 
+def benchmark_json_path(config: pytest.Config) -> str | None:
+    """--benchmark-json's path: pytest-benchmark 5.3 gives a Path, 5.2 (the CUDA images') opens the
+    file while parsing options and gives the open file (its .name is the path as typed)."""
+    value = config.getoption("benchmark_json")
+    if value is None or isinstance(value, (str, os.PathLike)):
+        return os.fspath(value) if value is not None else None
+    return value.name
+
+
 class GatePlugin:
     def __init__(self, config: pytest.Config):
         refuse_conflicting_options(config)
-        first_json = config.getoption("benchmark_json")
+        first_json = benchmark_json_path(config)
         if first_json:  # pytest-benchmark writes it after the last benchmark, into an existing folder only
             Path(first_json).parent.mkdir(parents=True, exist_ok=True)
         self.config = config
@@ -150,7 +159,7 @@ class GatePlugin:
     def retime(self, tests: list[str]) -> list[Result] | None:
         """Time the given benchmarks once more in a fresh pytest process (its output is captured
         with this item's and shown when the gate fails)."""
-        first_json = self.config.getoption("benchmark_json")
+        first_json = benchmark_json_path(self.config)
         with tempfile.TemporaryDirectory() as scratch:
             again = (Path(first_json).absolute().with_suffix(".remeasured.json") if first_json
                      else Path(scratch, "remeasured.json"))

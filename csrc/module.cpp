@@ -1,5 +1,6 @@
 // pykernels._C: importing it registers every op (TORCH_LIBRARY in torch_bindings.cpp and the
-// per-family implementations); the functions here describe what this build contains.
+// per-family implementations); the functions here describe what this build contains, and the
+// test-only submodule host_logic exposes the kernels' index/tile arithmetic to the host tests.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -9,6 +10,10 @@
 #include "common/cpu_isa.h"
 
 namespace py = pybind11;
+
+namespace pykernels {
+void define_host_logic(py::module_& m);  // common/host_logic_bindings.cpp
+}
 
 namespace {
 
@@ -64,4 +69,7 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "set_cpu_isa", [](const std::string& name) { pykernels::force_cpu_isa(name); }, py::arg("name"),
       "Force the CPU SIMD path: 'auto' (default), 'scalar' or 'avx512'");
+  py::module_ host_logic = m.def_submodule(
+      "host_logic", "Test-only: the CUDA kernels' __host__ __device__ index/tile arithmetic, compiled for the host");
+  pykernels::define_host_logic(host_logic);
 }

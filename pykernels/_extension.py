@@ -16,6 +16,10 @@ except ImportError as error:  # pragma: no cover - exercised only on a broken in
 
 ops = torch.ops.pykernels
 
+# Read once: a plain bool that torch.compile treats as a constant (dynamo cannot trace a pybind call,
+# so calling _C.has_cuda() inside a compiled region breaks the graph with an error).
+HAS_CUDA: bool = _C.has_cuda()
+
 
 def build_info() -> dict:
     """What this build contains: kernel families, CUDA on/off and archs, CUTLASS/torch versions."""
@@ -27,7 +31,7 @@ def check_device(tensor: torch.Tensor, name: str) -> None:
     if tensor.device.type == "cpu":
         return
     if tensor.device.type == "cuda":
-        if not _C.has_cuda():
+        if not HAS_CUDA:
             raise RuntimeError(
                 f"{name} is on {tensor.device}, but this pykernels build has no CUDA kernels "
                 "(torch had no CUDA or nvcc was not found when it was built); rebuild on the GPU "

@@ -45,3 +45,26 @@ def tiny_vllm_server(tmp_path_factory) -> str:
     server = LaunchedServer(config, resolve_model_path("tiny://qwen2"))
     yield server.url
     server.stop()
+
+
+def pytest_collection_modifyitems(config, items):
+    """`make gpu-test` selects `-m cuda` (.ci/gpu/test.py): a test skipped here for want of a CUDA
+    device must carry the marker, or the GPU stage would never run it."""
+    unmarked = [item.nodeid for item in items if item.get_closest_marker("cuda") is None and any(
+        "CUDA device" in str(mark.kwargs.get("reason", "")) for mark in item.iter_markers("skipif"))]
+    if unmarked:
+        raise pytest.UsageError(f"{len(unmarked)} test(s) need a CUDA device but lack @pytest.mark.cuda (make "
+                                f"gpu-test would skip them): {', '.join(unmarked[:5])}")
+
+
+@pytest.fixture(autouse=True)
+def _cuda_tests_run_our_kernels(request):
+    """A test marked `cuda` checks our kernels: under `auto`, pykernels.dispatch may hand a call to
+    the torch side (when torch is faster on that shape), and the test would then check torch."""
+    if request.node.get_closest_marker("cuda") is None:
+        yield
+        return
+    from pykernels import backend
+
+    with backend.kernels_mode("ours"):
+        yield

@@ -209,3 +209,25 @@ def test_plant_selector_matches_family_op_or_case_of_ours_only(monkeypatch):
     assert not is_planted("nf4", "dequantize", "4096x4096", "ours")
     monkeypatch.delenv(PLANT_ENV)
     assert not is_planted("nf4", "dequantize", "4096x4096", "ours")
+
+
+@pytest.mark.parametrize("form", ["path", "str", "open file", "absent"])
+def test_benchmark_json_path_from_either_pytest_benchmark(tmp_path, form):
+    """--benchmark-json is a Path in pytest-benchmark 5.3 and an open file in 5.2 (the CUDA images'
+    version, where the gate once crashed reading it as a path)."""
+    from types import SimpleNamespace
+
+    from benchmarks.gate_plugin import benchmark_json_path
+
+    target = tmp_path / "out" / "bench.json"
+    target.parent.mkdir()
+    if form == "open file":
+        value = open(target, "wb")  # noqa: SIM115 - what pytest-benchmark 5.2 hands over
+    else:
+        value = {"path": target, "str": str(target), "absent": None}[form]
+    config = SimpleNamespace(getoption=lambda name: value if name == "benchmark_json" else None)
+    try:
+        assert benchmark_json_path(config) == (None if form == "absent" else str(target))
+    finally:
+        if form == "open file":
+            value.close()

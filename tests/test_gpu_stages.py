@@ -121,3 +121,27 @@ def test_device_names_and_archs():
     assert [build.arch_of(c) for c in [(9, 0), (8, 0), (8, 6), (8, 9)]] == ["90a", "80", "86", "89"]
     with pytest.raises(stage.StageError, match="compute capability 7.5"):
         build.arch_of((7, 5))
+
+
+def test_extension_loads_the_shared_libstdcxx():
+    """The built extension shares torch's libstdc++ (CMakeLists.txt; a static copy segfaulted on an
+    H100 image at the first error message): what gpu-build checks, on this machine's build."""
+    linkage = load("linkage")
+    extensions = sorted((ROOT / "pykernels").glob("_C*.so"))
+    assert extensions, "no built extension under pykernels/ (make build)"
+    for extension in extensions:
+        assert any(name.startswith("libstdc++.so") for name in linkage.needed_libraries(extension)), extension
+        assert linkage.static_libstdcxx_problem(extension) is None
+
+
+def test_static_libstdcxx_is_reported(tmp_path):
+    """A C library (libm, loaded by this interpreter) asks for libc, not libstdc++: it is named, with the reason."""
+    linkage = load("linkage")
+    maps = Path("/proc/self/maps").read_text().split()
+    c_only = Path(next(word for word in maps if "/libm.so" in word or "/libm-" in word))
+    assert "libc.so.6" in linkage.needed_libraries(c_only)
+    assert "pytorch#109923" in linkage.static_libstdcxx_problem(c_only)
+    not_elf = tmp_path / "not.so"
+    not_elf.write_bytes(b"#!/bin/sh\n")
+    with pytest.raises(ValueError, match="not a 64-bit little-endian ELF"):
+        linkage.needed_libraries(not_elf)

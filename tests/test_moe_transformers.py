@@ -68,6 +68,19 @@ def test_full_model_matches_eager_experts(family):
     assert_same(run(ours_model, ids), eager, atol=2e-6)
 
 
+def test_experts_modules_without_the_expert_parallel_flag_are_found():
+    """transformers 5.17 (the CUDA images' version) sets no _is_expert_parallel on its experts
+    modules: apply_moe_kernels found none there and the benchmark failed on an H100."""
+    model = build("qwen3_moe")
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    eager = run(model, ids)
+    ours_model = copy.deepcopy(model)
+    stripped = [m for m in ours_model.modules() if vars(m).pop("_is_expert_parallel", None) is not None]
+    assert len(stripped) == 2
+    assert apply_moe_kernels(ours_model) == 2
+    assert_same(run(ours_model, ids), eager, atol=2e-6)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe"])
 def test_peft_lora_on_experts_and_attention_matches_eager(family):
     from peft import LoraConfig, get_peft_model

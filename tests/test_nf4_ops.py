@@ -147,16 +147,17 @@ def test_meta_tensor_is_rejected_with_device_name():
 
 
 def test_cuda_tensor_on_cpu_only_build_is_rejected(monkeypatch):
-    monkeypatch.setattr(_extension._C, "has_cuda", lambda: False)
+    monkeypatch.setattr(_extension, "HAS_CUDA", False)
     fake_cuda_tensor = SimpleNamespace(device=torch.device("cuda", 0))
     with pytest.raises(RuntimeError, match=r"x is on cuda:0, but this pykernels build has no CUDA kernels"):
         _extension.check_device(fake_cuda_tensor, "x")
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tensor_is_accepted_or_rejected_clearly():
     x = torch.randn(256, device="cuda")
-    if _extension._C.has_cuda():
+    if _extension.HAS_CUDA:
         assert nf4.quantize(x).packed.is_cuda
     else:
         with pytest.raises(RuntimeError, match="no CUDA kernels"):

@@ -1,6 +1,7 @@
 """make gpu-build: builds pykernels' extension against the image's torch (>= 2.9 with CUDA),
 without build isolation, for the architectures of the GPUs present and with every core, then prints
-pykernels.build_info() and fails when CUDA is off or a kernel family has no CUDA kernel registered.
+pykernels.build_info() and fails when CUDA is off, a kernel family has no CUDA kernel registered, or
+the extension carries its own static libstdc++ (linkage.py).
 
     python .ci/gpu/build.py [--dry-run]
 """
@@ -11,6 +12,7 @@ import json
 import os
 import sys
 
+import linkage
 import stage
 
 FAMILY_OPS = {  # op name prefixes of each family in the pykernels:: namespace (csrc/torch_bindings.cpp)
@@ -84,6 +86,9 @@ def body(args, started: float) -> int:
     if missing:
         print("ops without a CUDA kernel: " + ", ".join(missing))
     problems = check_families(info)
+    for extension in sorted((stage.ROOT / "pykernels").glob("_C*.so")):
+        if (problem := linkage.static_libstdcxx_problem(extension)) is not None:
+            problems.append(problem)
     if problems and not args.dry_run:
         raise stage.StageError("; ".join(problems))
     for problem in problems:

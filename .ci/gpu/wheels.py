@@ -76,8 +76,9 @@ def requirements(pyproject: Path = stage.ROOT / "pyproject.toml") -> tuple[list[
 
 
 def resolve_command(bundle: list[str], image: list[str], report: Path) -> list[str]:
+    # --target: pip before 23.3 refuses platform options without it, even in a dry run (nothing is written).
     return [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-            "--report", str(report), *TARGET, *image, *bundle]
+            "--target", str(report.parent / "target"), "--report", str(report), *TARGET, *image, *bundle]
 
 
 def download_command(pins: list[str], dest: Path) -> list[str]:

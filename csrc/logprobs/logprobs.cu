@@ -7,7 +7,9 @@
 #include <string>
 
 #include "common/cuda_convert.cuh"
+#include "common/online_softmax.h"
 #include "logprobs/logprobs.h"
+#include "logprobs/vocab_chunks.h"
 
 namespace pykernels::logprobs {
 namespace {
@@ -61,28 +63,26 @@ __global__ void __launch_bounds__(kThreads) fold_kernel(FoldParams p) {
   sum_z = block_reduce(sum_z, Sum{}, scratch);
   if (threadIdx.x == 0) {
     // Re-base the old sums on the new max (tokens with nothing folded yet have sum 0).
-    const float alpha = old_sum > 0.0f ? __expf(old_max - new_max) : 0.0f;
-    const float old_part_z = old_sum > 0.0f ? alpha * (p.stats.sum_exp_z[token] + (old_max - new_max) * old_sum) : 0.0f;
-    p.stats.max_z[token] = new_max;
-    p.stats.sum_exp[token] = alpha * old_sum + sum;
-    p.stats.sum_exp_z[token] = old_part_z + sum_z;
-    const int64_t column = p.targets[token] - p.v0;  // read only when inside this chunk
-    if (column >= 0 && column < p.cols) p.picked[token] = z[column];
+    const SoftmaxPartial folded = fold_chunk({old_max, old_sum, p.stats.sum_exp_z[token]}, new_max, sum, sum_z);
+    p.stats.max_z[token] = folded.max_z;
+    p.stats.sum_exp[token] = folded.sum_exp;
+    p.stats.sum_exp_z[token] = folded.sum_exp_z;
+    const int64_t column = target_column(p.targets[token], p.v0, p.cols);  // read only when inside this chunk
+    if (column >= 0) p.picked[token] = z[column];
   }
 }
 
 __global__ void __launch_bounds__(kThreads) finalize_kernel(FinalizeParams p) {
   const int64_t t = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (t >= p.n) return;
-  const float log_sum = logf(p.stats.sum_exp[t]);
-  const float lse = p.stats.max_z[t] + log_sum;
+  const SoftmaxSummary summary = summarize_partial({p.stats.max_z[t], p.stats.sum_exp[t], p.stats.sum_exp_z[t]});
   const int64_t target = p.targets[t];
   const bool ignored = target == p.ignore_index;
-  const bool bad = !ignored && (target < 0 || target >= p.vocab);  // its logit was never picked
+  const bool bad = target_out_of_vocab(target, p.ignore_index, p.vocab);  // its logit was never picked
   if (bad && p.bad_target != nullptr) *reinterpret_cast<volatile int64_t*>(p.bad_target) = t + 1;
-  p.lse[t] = lse;
-  p.logprobs[t] = ignored ? 0.0f : (bad ? __int_as_float(0x7fc00000) : p.picked[t] - lse);
-  p.entropy[t] = ignored ? 0.0f : log_sum - p.stats.sum_exp_z[t] / p.stats.sum_exp[t];
+  p.lse[t] = summary.lse;
+  p.logprobs[t] = ignored ? 0.0f : (bad ? __int_as_float(0x7fc00000) : p.picked[t] - summary.lse);
+  p.entropy[t] = ignored ? 0.0f : summary.entropy;
 }
 
 template <typename T>
@@ -90,13 +90,13 @@ __global__ void __launch_bounds__(kThreads) grad_kernel(GradParams p) {
   const int64_t row = blockIdx.y, token = p.t0 + row;
   const float lse = p.lse[token], shift = p.entropy[token] - lse;
   const float g_lp = p.grad_logprob[token], g_ent = p.grad_entropy[token];
-  const int64_t target_column = p.targets[token] - p.v0;
+  const int64_t picked_column = target_column(p.targets[token], p.v0, p.cols);  // -1: not in this chunk
   const float* z = p.z + row * p.ld;
   T* out = static_cast<T*>(p.dz) + row * p.ld_out;
   for (int64_t c = int64_t(blockIdx.x) * kThreads + threadIdx.x; c < p.cols; c += int64_t(gridDim.x) * kThreads) {
     const float prob = __expf(z[c] - lse);
     float dz = -prob * (g_lp + g_ent * (z[c] + shift));
-    if (c == target_column) dz += g_lp;
+    if (c == picked_column) dz += g_lp;
     out[c] = from_float<T>(p.scale * dz);
   }
 }

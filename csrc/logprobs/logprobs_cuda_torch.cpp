@@ -26,22 +26,17 @@
 
 #include "logprobs/logprobs.h"
 #include "logprobs/logprobs_torch_checks.h"
+#include "logprobs/vocab_chunks.h"
 #include "lora/lora.h"
 
 namespace pykernels::logprobs {
 namespace {
-
-constexpr int64_t kTokenChunk = 4096;
-constexpr int64_t kVocabChunk = 8192;  // fp32 tile 128 MiB at most
 
 void check_launch(const char* error) { TORCH_CHECK(error == nullptr, error); }
 
 cudaStream_t current_stream(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
 
 DType dtype_of(const at::Tensor& t) { return nf4::float_dtype(t.scalar_type(), "tensor"); }
-
-// Row padding that keeps every row of a tile 16-byte aligned (CUTLASS's tensor-core path).
-int64_t padded(int64_t cols) { return (cols + 7) / 8 * 8; }
 
 // Out-of-range targets, with no host sync on the default path (the op stays capturable in a CUDA
 // graph and never stalls the stream): the finalize kernel gives such a token a NaN logprob and
@@ -125,12 +120,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_logprobs_cuda(
   at::Tensor stats = at::zeros({3, s.n}, f32);
   stats[0].fill_(-std::numeric_limits<float>::infinity());
   at::Tensor picked = at::zeros({s.n}, f32);
-  const int64_t ld = padded(std::min(kVocabChunk, s.v));
+  const int64_t ld = padded_row_length(std::min(kVocabChunk, s.v));
   at::Tensor z = at::empty({std::min(kTokenChunk, s.n), ld}, f32);
-  for (int64_t v0 = 0; v0 < s.v; v0 += kVocabChunk) {
-    const int64_t rows = std::min(kVocabChunk, s.v - v0);
-    for (int64_t t0 = 0; t0 < s.n; t0 += kTokenChunk) {
-      const int64_t tokens = std::min(kTokenChunk, s.n - t0);
+  for (int64_t vc = 0; vc < chunk_count(s.v, kVocabChunk); ++vc) {
+    const auto [v0, rows] = chunk_at(s.v, kVocabChunk, vc);
+    for (int64_t tc = 0; tc < chunk_count(s.n, kTokenChunk); ++tc) {
+      const auto [t0, tokens] = chunk_at(s.n, kTokenChunk, tc);
       logits_tile(hidden, weight, t0, tokens, v0, rows, scale, z, ld, stream);
       check_launch(launch_fold({z.data_ptr<float>(), tokens, rows, ld, t0, v0, targets.data_ptr<int64_t>(),
                                 stats_of(stats), picked.data_ptr<float>()}, stream));
@@ -160,16 +155,16 @@ std::tuple<at::Tensor, at::Tensor> token_logprobs_backward_cuda(
     return {compute_grad_hidden ? at::zeros_like(hidden) : at::empty({0}, hidden.options()), grad_weight};
   }
   const float scale = static_cast<float>(1.0 / temperature);
-  const int64_t ld = padded(std::min(kVocabChunk, s.v)), chunk = std::min(kTokenChunk, s.n);
+  const int64_t ld = padded_row_length(std::min(kVocabChunk, s.v)), chunk = std::min(kTokenChunk, s.n);
   at::Tensor z = at::empty({chunk, ld}, f32);
   at::Tensor dz = at::empty({chunk, ld}, hidden.options());
   at::Tensor dw = compute_grad_weight ? at::empty({std::min(kVocabChunk, s.v), s.h}, f32) : at::Tensor();
   const int64_t elem = hidden.element_size();
-  for (int64_t v0 = 0; v0 < s.v; v0 += kVocabChunk) {
-    const int64_t rows = std::min(kVocabChunk, s.v - v0);
+  for (int64_t vc = 0; vc < chunk_count(s.v, kVocabChunk); ++vc) {
+    const auto [v0, rows] = chunk_at(s.v, kVocabChunk, vc);
     const char* w_chunk = static_cast<const char*>(weight.data_ptr()) + v0 * s.h * elem;
-    for (int64_t t0 = 0; t0 < s.n; t0 += kTokenChunk) {
-      const int64_t tokens = std::min(kTokenChunk, s.n - t0);
+    for (int64_t tc = 0; tc < chunk_count(s.n, kTokenChunk); ++tc) {
+      const auto [t0, tokens] = chunk_at(s.n, kTokenChunk, tc);
       const char* h_chunk = static_cast<const char*>(hidden.data_ptr()) + t0 * s.h * elem;
       logits_tile(hidden, weight, t0, tokens, v0, rows, scale, z, ld, stream);
       check_launch(launch_grad({z.data_ptr<float>(), tokens, rows, ld, t0, v0, targets.data_ptr<int64_t>(),

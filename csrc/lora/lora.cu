@@ -27,6 +27,7 @@
 #include "cutlass/numeric_types.h"
 
 #include "common/cuda_convert.cuh"
+#include "common/tails.h"
 #include "lora/lora.h"
 
 namespace pykernels::lora {
@@ -112,20 +113,16 @@ std::string describe(const GemmParams& p) {
 }
 
 // CUTLASS predicates whole vectors, and its can_implement checks only the extents: the pointer,
-// the leading dimension and the contiguous extent must all be multiples of the access width.
-bool vector_aligned(const void* ptr, int64_t ld, int64_t contiguous_extent, int elements, int element_bytes) {
-  return reinterpret_cast<uintptr_t>(ptr) % (uintptr_t(elements) * element_bytes) == 0 && ld % elements == 0 &&
-         contiguous_extent % elements == 0;
-}
-
+// the leading dimension and the contiguous extent must all be multiples of the access width
+// (rows_vector_aligned, common/tails.h).
 template <typename Config>
 bool operands_fit(const GemmParams& p) {
   constexpr int ab_bytes = sizeof(typename Config::ElementAB);
   constexpr int d_bytes = sizeof(typename Config::ElementD);
-  const bool a = vector_aligned(p.a, p.lda, p.a_transposed ? p.m : p.k, Config::kAlignmentAB, ab_bytes);
-  const bool b = vector_aligned(p.b, p.ldb, p.b_transposed ? p.k : p.n, Config::kAlignmentAB, ab_bytes);
-  const bool c = p.beta == 0.0f || vector_aligned(p.c, p.ldc, p.n, Config::kAlignmentD, d_bytes);
-  const bool d = vector_aligned(p.d, p.ldd, p.n, Config::kAlignmentD, d_bytes);
+  const bool a = rows_vector_aligned(p.a, p.lda, p.a_transposed ? p.m : p.k, Config::kAlignmentAB, ab_bytes);
+  const bool b = rows_vector_aligned(p.b, p.ldb, p.b_transposed ? p.k : p.n, Config::kAlignmentAB, ab_bytes);
+  const bool c = p.beta == 0.0f || rows_vector_aligned(p.c, p.ldc, p.n, Config::kAlignmentD, d_bytes);
+  const bool d = rows_vector_aligned(p.d, p.ldd, p.n, Config::kAlignmentD, d_bytes);
   return a && b && c && d;
 }
 
@@ -383,8 +380,8 @@ const char* launch_gemm(const GemmParams& p, cudaStream_t stream) {
     return fail("lora gemm: m, n, k must be in [0, 2^31)," + describe(p));
   if (p.d_dtype != DType::kFloat32 && p.d_dtype != p.ab_dtype)
     return "lora gemm: d_dtype must be ab_dtype or float32";
+  if (p.m == 0 || p.n == 0) return nullptr;  // before the pointer checks: an empty tensor's data is null
   if (p.beta != 0.0f && p.c == nullptr) return "lora gemm: c is null but beta is not 0";
-  if (p.m == 0 || p.n == 0) return nullptr;
   if (p.d == nullptr || p.ldd < p.n || (p.beta != 0.0f && p.ldc < p.n))
     return fail("lora gemm: d must be non-null with ldd >= n (and ldc >= n when beta != 0);" + describe(p));
   if (p.k == 0) {  // an empty product: D = beta * C (CUTLASS's k == 0 path is not relied on)

@@ -1,8 +1,9 @@
 // Shared helpers of the grouped MoE CUDA kernels (moe_routing.cu: sort, routing maps, element-wise
-// kernels; moe_gemm.cu: grouped GEMMs): launch error messages, the clamped bucket ranges and slot
-// rows every kernel addresses memory through, and the one-block scan of the sort and of the GEMM
-// row-tile schedule (the dtype dispatch is common/cuda_convert.cuh's). Declarations and the math
-// are in moe.h.
+// kernels; moe_gemm.cu: grouped GEMMs): launch error messages, the slot rows every kernel
+// addresses memory through, and the one-block scan of the sort and of the GEMM row-tile schedule
+// (the dtype dispatch is common/cuda_convert.cuh's). Declarations and the math are in moe.h; the
+// index arithmetic (bucket ranges, tile schedule, gather / scatter indices), shared with the host
+// tests, in moe_schedule.h.
 //
 // Everything lives in pykernels::moe::detail; the .cu files pull it in with a using-directive.
 #pragma once
@@ -18,6 +19,7 @@
 
 #include "common/cuda_convert.cuh"
 #include "moe/moe.h"
+#include "moe/moe_schedule.h"
 
 namespace pykernels::moe::detail {
 
@@ -35,23 +37,11 @@ inline const char* launch_status(const char* what) {
 
 inline __host__ __device__ int64_t div_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// The slots of bucket b (an expert, or b == experts: the dropped assignments), clamped into
-// [0, slots] so that malformed offsets cannot address memory outside the operands.
-struct SlotRange {
-  int64_t begin, end;
-};
-inline __device__ SlotRange bucket_slots(const int64_t* offsets, int64_t experts, int64_t slots, int64_t b) {
-  auto clamp = [slots](int64_t v) { return v < 0 ? int64_t{0} : (v > slots ? slots : v); };
-  const int64_t begin = clamp(offsets[b]);
-  const int64_t end = b < experts ? clamp(offsets[b + 1]) : slots;
-  return {begin, end > begin ? end : begin};
-}
-
 // Row of slot s in a SlotRows operand, null when the row lies outside the matrix.
 template <typename E>
 __device__ const E* slot_row(const SlotRows& op, int64_t s) {
-  const int64_t row = op.map != nullptr ? op.map[s] : s;
-  return row >= 0 && row < op.rows ? static_cast<const E*>(op.data) + row * op.ld : nullptr;
+  const int64_t row = slot_row_index(op.map, s, op.rows);
+  return row >= 0 ? static_cast<const E*>(op.data) + row * op.ld : nullptr;
 }
 
 // ------------------------------------------------------------------ block-wide scans

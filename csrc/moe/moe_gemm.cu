@@ -27,8 +27,10 @@
 #include <utility>
 
 #include "common/cuda_convert.cuh"
+#include "common/tails.h"
 #include "moe/moe.h"
 #include "moe/moe_cuda_common.cuh"
+#include "moe/moe_schedule.h"
 
 namespace pykernels::moe {
 using namespace detail;
@@ -37,16 +39,15 @@ namespace {
 
 // ------------------------------------------------------------------ row-tile schedule
 // tiles[t] = (bucket, first slot) of row tile t of a grouped GEMM with rows_per_tile slots per
-// tile; (-1, 0) past the last tile. tile_start [E + 2] is scratch (each bucket's first tile).
+// tile; (-1, 0) past the last tile. tile_start [E + 2] is scratch (each bucket's first tile). The
+// arithmetic is moe_schedule.h's (tested on the host); the scan is the one-block cub scan.
 __global__ void __launch_bounds__(kScanThreads) tile_schedule_kernel(const int64_t* offsets, int64_t experts,
                                                                      int64_t slots, int rows_per_tile,
                                                                      int64_t* tile_start, int2* tiles,
                                                                      int64_t max_tiles) {
   __shared__ BlockScan::TempStorage scratch;
-  for (int64_t b = threadIdx.x; b <= experts; b += kScanThreads) {
-    const SlotRange r = bucket_slots(offsets, experts, slots, b);
-    tile_start[b] = div_up(r.end - r.begin, rows_per_tile);
-  }
+  for (int64_t b = threadIdx.x; b <= experts; b += kScanThreads)
+    tile_start[b] = bucket_row_tiles(bucket_slots(offsets, experts, slots, b), rows_per_tile);
   __syncthreads();
   const int64_t total = exclusive_scan(tile_start, experts + 1, scratch);
   for (int64_t t = threadIdx.x; t < max_tiles; t += kScanThreads) {
@@ -54,13 +55,8 @@ __global__ void __launch_bounds__(kScanThreads) tile_schedule_kernel(const int64
       tiles[t] = make_int2(-1, 0);
       continue;
     }
-    int64_t lo = 0, hi = experts;  // the last bucket whose first tile is <= t (empty buckets share starts)
-    while (lo < hi) {
-      const int64_t mid = (lo + hi + 1) / 2;
-      if (tile_start[mid] <= t) lo = mid; else hi = mid - 1;
-    }
-    const int64_t first = bucket_slots(offsets, experts, slots, lo).begin + (t - tile_start[lo]) * rows_per_tile;
-    tiles[t] = make_int2(static_cast<int>(lo), static_cast<int>(first));
+    const RowTileStart start = row_tile_start(offsets, experts, slots, tile_start, rows_per_tile, t);
+    tiles[t] = make_int2(static_cast<int>(start.bucket), static_cast<int>(start.first));
   }
 }
 
@@ -72,7 +68,7 @@ __device__ bool row_tile(const GroupedRowsParams& p, const int2* tiles, int rows
   const int2 entry = tiles[blockIdx.x];
   if (entry.x < 0) return false;
   const SlotRange r = bucket_slots(p.expert_offsets, p.experts, p.slots, entry.x);
-  tile = {entry.x, entry.y, entry.y + rows_per_tile < r.end ? entry.y + rows_per_tile : r.end};
+  tile = {entry.x, entry.y, row_tile_end(entry.y, rows_per_tile, r)};
   return true;
 }
 
@@ -80,8 +76,8 @@ __device__ bool row_tile(const GroupedRowsParams& p, const int2* tiles, int rows
 template <typename T>
 __device__ T* out_row(const GroupedRowsParams& p, int64_t s) {
   if (p.out == nullptr) return nullptr;
-  const int64_t row = p.out_map != nullptr ? p.out_map[s] : s;
-  return row >= 0 && row < p.out_rows ? static_cast<T*>(p.out) + row * p.ld_out : nullptr;
+  const int64_t row = slot_row_index(p.out_map, s, p.out_rows);
+  return row >= 0 ? static_cast<T*>(p.out) + row * p.ld_out : nullptr;
 }
 
 // row[n * ld_n] = v0, row[(n + 1) * ld_n] = v1 for the columns below n_cols; one 2-element store
@@ -471,7 +467,7 @@ static_assert(kM == kN, "weight_grad_kernel loads both operand tiles in one loop
 constexpr int kVectorElements = 8;  // 16 bytes of a 16-bit type
 
 bool vector_ok(const void* data, int64_t ld, int64_t extent) {
-  return reinterpret_cast<uintptr_t>(data) % 16 == 0 && ld % kVectorElements == 0 && extent % kVectorElements == 0;
+  return rows_vector_aligned(data, ld, extent, kVectorElements, 2);
 }
 
 bool matrix_vector_ok(const ExpertMatrix& b, int64_t n_cols) {
@@ -494,7 +490,7 @@ bool tensor_op_weight_grad(const GroupedWeightGradParams& p) {
 
 int rows_per_tile(const GroupedRowsParams& p) { return tensor_op_rows(p) ? 128 : simt::kM; }
 
-int64_t max_row_tiles(const GroupedRowsParams& p) { return div_up(p.slots, rows_per_tile(p)) + p.experts + 1; }
+int64_t row_tile_grid(const GroupedRowsParams& p) { return max_row_tiles(p.slots, p.experts, rows_per_tile(p)); }
 
 // Opts a kernel into `smem` bytes of dynamic shared memory (over the 48 KiB static limit) once per
 // (kernel, device): the attribute belongs to the function on that device and persists, so setting
@@ -557,14 +553,14 @@ int64_t grouped_rows_column_tiles(const GroupedRowsParams& p) {
 }
 
 int64_t grouped_rows_workspace_bytes(const GroupedRowsParams& p) {
-  return (p.experts + 2) * int64_t(sizeof(int64_t)) + max_row_tiles(p) * int64_t(sizeof(int2));
+  return (p.experts + 2) * int64_t(sizeof(int64_t)) + row_tile_grid(p) * int64_t(sizeof(int2));
 }
 
 const char* launch_grouped_rows(const GroupedRowsParams& p, void* workspace, cudaStream_t stream) {
   if (const char* error = check_rows_operands(p)) return error;
   if (p.slots > INT32_MAX) return "moe grouped rows: T * k must be < 2^31";
   if (p.slots == 0 || p.n_cols == 0) return nullptr;
-  const int64_t column_tiles = grouped_rows_column_tiles(p), row_tiles = max_row_tiles(p);
+  const int64_t column_tiles = grouped_rows_column_tiles(p), row_tiles = row_tile_grid(p);
   if (column_tiles > 65535 || row_tiles > INT32_MAX) return "moe grouped rows: output too large for one launch";
   int64_t* tile_start = static_cast<int64_t*>(workspace);
   int2* tiles = reinterpret_cast<int2*>(tile_start + p.experts + 2);

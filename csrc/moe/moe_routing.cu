@@ -16,6 +16,7 @@
 #include "common/cuda_convert.cuh"
 #include "moe/moe.h"
 #include "moe/moe_cuda_common.cuh"
+#include "moe/moe_schedule.h"
 
 namespace pykernels::moe {
 using namespace detail;
@@ -39,8 +40,7 @@ constexpr int kSortWarps = 4;     // warps per block
 template <typename Index>
 __device__ int64_t bucket_of(const Index* ids, int64_t a, int64_t slots, int64_t experts) {
   if (a >= slots) return -1;  // past the end: a bucket of its own, never counted
-  const int64_t id = ids[a];
-  return id >= 0 && id < experts ? id : experts;
+  return expert_bucket(ids[a], experts);
 }
 
 // One warp walks its chunk in rounds of 32 assignments, in order (what makes the sort stable).
@@ -103,9 +103,10 @@ __global__ void __launch_bounds__(kThreads) routing_maps_kernel(const RoutingMap
   const G* gates = static_cast<const G*>(p.gates);
   for (int64_t s = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; s < p.slots; s += int64_t(gridDim.x) * blockDim.x) {
     const int64_t a = p.sorted_token_idx[s];
-    const bool in_range = a >= 0 && a < p.slots;
-    if (p.token_of_slot != nullptr) p.token_of_slot[s] = in_range ? a / p.top_k : -1;
-    if (p.slot_of_assignment != nullptr && in_range) p.slot_of_assignment[a] = s < valid_end ? s : -1;
+    const AssignmentSource source = assignment_source(a, p.slots, p.top_k);
+    const bool in_range = source.token >= 0;
+    if (p.token_of_slot != nullptr) p.token_of_slot[s] = source.token;
+    if (p.slot_of_assignment != nullptr && in_range) p.slot_of_assignment[a] = kept_slot(s, valid_end);
     if (p.gate_of_slot != nullptr) p.gate_of_slot[s] = in_range && gates != nullptr ? to_float(gates[a]) : 0.0f;
   }
 }
@@ -120,7 +121,7 @@ __global__ void __launch_bounds__(kThreads) sum_per_token_kernel(const SumPerTok
     const int64_t t = i / p.cols, c = i % p.cols;
     float sum = 0.0f;
     for (int64_t j = 0; j < p.top_k; ++j) {
-      const int64_t s = p.slot_of_assignment[t * p.top_k + j];
+      const int64_t s = p.slot_of_assignment[assignment_of(t, j, p.top_k)];
       if (s >= 0 && s < slots) sum += to_float(rows[s * p.cols + c]);
     }
     static_cast<T*>(p.out)[i] = from_float<T>(sum);

@@ -10,7 +10,9 @@
 #include <string>
 
 #include "common/cuda_convert.cuh"
+#include "common/tails.h"
 #include "nf4/nf4.h"
+#include "nf4/nf4_layout.h"
 
 namespace pykernels::nf4 {
 namespace {
@@ -55,11 +57,10 @@ __global__ void __launch_bounds__(512) quantize_kernel(const T* __restrict__ x, 
   const int group_threads = blocksize / kQuantValuesPerThread;
   const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t first = thread * kQuantValuesPerThread;
-  const int64_t block = first / blocksize;
+  const int64_t block = block_of(first, blocksize);
 
   float values[kQuantValuesPerThread];
-  const bool vector_ok = first + kQuantValuesPerThread <= numel &&
-                         (reinterpret_cast<uintptr_t>(x) % 16 == 0);
+  const bool vector_ok = whole_vector_in_range(first, kQuantValuesPerThread, numel) && is_aligned(x, 16);
   if (vector_ok) {
     if constexpr (sizeof(T) == 4) {
       const float4 a = reinterpret_cast<const float4*>(x + first)[0];
@@ -96,7 +97,7 @@ __global__ void __launch_bounds__(512) quantize_kernel(const T* __restrict__ x, 
   }
   if (first >= numel) return;
 
-  const bool partial = (block + 1) * blocksize > numel;
+  const bool partial = block_is_partial(block, blocksize, numel);
   const float clamped = block_max < kAbsmaxFloor ? kAbsmaxFloor : block_max;  // NaN passes
   const float reciprocal = __frcp_rn(clamped);
   if (first % blocksize == 0) absmax[block] = partial ? clamped : block_max;
@@ -106,22 +107,22 @@ __global__ void __launch_bounds__(512) quantize_kernel(const T* __restrict__ x, 
   for (int i = 0; i < kQuantValuesPerThread; ++i) {
     const float scaled = partial ? __fdiv_rn(values[i], clamped) : __fmul_rn(values[i], reciprocal);
     const uint32_t code = first + i < numel ? nf4_code_of(scaled) : kPadCode;
-    codes |= code << (4 * (i ^ 1));  // byte k holds values 2k (high nibble) and 2k+1 (low)
+    codes |= code << packed_word_shift(i);  // byte k holds values 2k (high nibble) and 2k+1 (low)
   }
-  const int64_t byte = first / 2;
-  if (first + kQuantValuesPerThread <= numel && reinterpret_cast<uintptr_t>(packed) % 4 == 0) {
+  const int64_t byte = packed_byte_of(first);
+  if (whole_vector_in_range(first, kQuantValuesPerThread, numel) && is_aligned(packed, 4)) {
     *reinterpret_cast<Packed4*>(packed + byte) = codes;
   } else {
-    for (int64_t k = 0; k < kQuantValuesPerThread / 2 && byte + k < (numel + 1) / 2; ++k)
-      packed[byte + k] = static_cast<uint8_t>(codes >> (8 * k));
+    const int64_t bytes = elements_in_range(byte, kQuantValuesPerThread / 2, packed_bytes(numel));
+    for (int64_t k = 0; k < bytes; ++k) packed[byte + k] = static_cast<uint8_t>(codes >> (8 * k));
   }
 }
 
 // ------------------------------------------------------------------ dequantize
 __device__ __forceinline__ float block_scale(const BlockScales& s, int64_t block) {
   if (s.absmax != nullptr) return s.absmax[block];
-  const float product = __fmul_rn(s.nested_code[s.absmax_q[block]], s.nested_absmax[block / s.nested_blocksize]);
-  return __fadd_rn(product, *s.nested_offset);
+  return decode_absmax(s.nested_code[s.absmax_q[block]], s.nested_absmax[nested_block_of(block, s.nested_blocksize)],
+                       *s.nested_offset);
 }
 
 template <typename T>
@@ -153,33 +154,32 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t* __r
   if (threadIdx.x < 16) code[threadIdx.x] = c_code[threadIdx.x];
   __syncthreads();
   const int64_t chunks = (numel + kDequantValuesPerThread - 1) / kDequantValuesPerThread;
-  const bool packed_aligned = reinterpret_cast<uintptr_t>(packed) % 8 == 0;
-  const bool out_aligned = reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  const bool packed_aligned = is_aligned(packed, 8);
+  const bool out_aligned = is_aligned(out, 16);
   for (int64_t chunk = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; chunk < chunks;
        chunk += int64_t(gridDim.x) * blockDim.x) {
     const int64_t first = chunk * kDequantValuesPerThread;
     // 16 divides blocksize, so a chunk never straddles two blocks.
-    const float scale = block_scale(scales, first / blocksize);
-    if (first + kDequantValuesPerThread <= numel) {
+    const float scale = block_scale(scales, block_of(first, blocksize));
+    if (whole_vector_in_range(first, kDequantValuesPerThread, numel)) {
       uint8_t bytes[8];
       if (packed_aligned) {
-        *reinterpret_cast<uint2*>(bytes) = *reinterpret_cast<const uint2*>(packed + first / 2);
+        *reinterpret_cast<uint2*>(bytes) = *reinterpret_cast<const uint2*>(packed + packed_byte_of(first));
       } else {
 #pragma unroll
-        for (int k = 0; k < 8; ++k) bytes[k] = packed[first / 2 + k];
+        for (int k = 0; k < 8; ++k) bytes[k] = packed[packed_byte_of(first) + k];
       }
       float v[kDequantValuesPerThread];
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
-        v[2 * k] = __fmul_rn(code[bytes[k] >> 4], scale);
-        v[2 * k + 1] = __fmul_rn(code[bytes[k] & 0x0F], scale);
+        v[2 * k] = dequantize_value(code[high_code(bytes[k])], scale);
+        v[2 * k + 1] = dequantize_value(code[low_code(bytes[k])], scale);
       }
       store16(out + first, v, out_aligned);
     } else {
-      for (int64_t i = first; i < numel; ++i) {
-        const uint8_t byte = packed[i / 2];
-        out[i] = from_float<T>(__fmul_rn(code[(i % 2 == 0) ? (byte >> 4) : (byte & 0x0F)], scale));
-      }
+      const int64_t end = first + elements_in_range(first, kDequantValuesPerThread, numel);
+      for (int64_t i = first; i < end; ++i)
+        out[i] = from_float<T>(dequantize_value(code[code_of_element(packed[packed_byte_of(i)], i)], scale));
     }
   }
 }

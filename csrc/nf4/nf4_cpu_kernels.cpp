@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "common/cpu_isa.h"
+#include "nf4/nf4_layout.h"
 
 #if defined(__x86_64__)
 #include "common/cpu_simd.h"
@@ -82,9 +83,8 @@ template <typename T>
 void dequantize_values_scalar(const uint8_t* packed, float scale, int64_t begin, int64_t count, T* dst) {
   for (int64_t i = 0; i < count; ++i) {
     const int64_t index = begin + i;
-    const uint8_t byte = packed[index / 2];
-    const uint8_t code = (index % 2 == 0) ? (byte >> 4) : (byte & 0x0F);
-    dst[i] = from_float<T>(kCode[code] * scale);
+    const int code = code_of_element(packed[packed_byte_of(index)], index);  // the CUDA kernel's decode
+    dst[i] = from_float<T>(dequantize_value(kCode[code], scale));
   }
 }
 

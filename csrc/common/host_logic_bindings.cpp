@@ -1,0 +1,252 @@
+// pykernels._C.host_logic: the __host__ __device__ index/tile arithmetic of the CUDA kernels
+// (common/tails.h, common/online_softmax.h, nf4/nf4_layout.h, moe/moe_schedule.h,
+// logprobs/vocab_chunks.h), compiled for the host and exposed with plain ints, floats and lists so
+// that tests/test_device_logic_host.py checks it against direct Python / fp64 computations on a
+// machine without a GPU. Test-only: no op, no torch tensor; where a kernel composes the helpers
+// (the row-tile schedule, the routing maps, a dequantize pass) the function here composes them in
+// the same way, serially.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "common/online_softmax.h"
+#include "common/tails.h"
+#include "logprobs/vocab_chunks.h"
+#include "moe/moe_schedule.h"
+#include "nf4/nf4.h"
+#include "nf4/nf4_layout.h"
+
+namespace py = pybind11;
+
+namespace pykernels {
+namespace {
+
+using Partial = std::tuple<float, float, float>;  // (max_z, sum_exp, sum_exp_z)
+
+SoftmaxPartial to_partial(const Partial& p) { return {std::get<0>(p), std::get<1>(p), std::get<2>(p)}; }
+Partial from_partial(const SoftmaxPartial& p) { return {p.max_z, p.sum_exp, p.sum_exp_z}; }
+
+void require(bool ok, const std::string& message) {
+  if (!ok) throw std::invalid_argument(message);
+}
+
+// ------------------------------------------------------------------ MoE
+// (bucket, first slot, end slot) per CTA row of the grid, (-1, 0, 0) for CTAs with no tile: the
+// tile_schedule_kernel's scan done serially, then row_tile_start / row_tile_end per CTA as the
+// kernels call them.
+std::vector<std::tuple<int64_t, int64_t, int64_t>> moe_row_tile_schedule(const std::vector<int64_t>& offsets,
+                                                                       int64_t slots, int64_t rows_per_tile) {
+  require(!offsets.empty() && rows_per_tile >= 1 && slots >= 0, "need experts + 1 offsets and rows_per_tile >= 1");
+  const int64_t experts = static_cast<int64_t>(offsets.size()) - 1;
+  std::vector<int64_t> tile_start(experts + 1);
+  int64_t total = 0;
+  for (int64_t b = 0; b <= experts; ++b) {
+    const int64_t count = moe::bucket_row_tiles(moe::bucket_slots(offsets.data(), experts, slots, b), rows_per_tile);
+    tile_start[b] = total;
+    total += count;
+  }
+  const int64_t grid = moe::max_row_tiles(slots, experts, rows_per_tile);
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> tiles;
+  tiles.reserve(grid);
+  for (int64_t t = 0; t < grid; ++t) {
+    if (t >= total) {
+      tiles.emplace_back(-1, 0, 0);
+      continue;
+    }
+    const moe::RowTileStart start =
+        moe::row_tile_start(offsets.data(), experts, slots, tile_start.data(), rows_per_tile, t);
+    const moe::SlotRange bucket = moe::bucket_slots(offsets.data(), experts, slots, start.bucket);
+    tiles.emplace_back(start.bucket, start.first, moe::row_tile_end(start.first, rows_per_tile, bucket));
+  }
+  return tiles;
+}
+
+std::vector<std::pair<int64_t, int64_t>> moe_bucket_slots(const std::vector<int64_t>& offsets, int64_t slots) {
+  require(!offsets.empty(), "need experts + 1 >= 1 offsets");
+  const int64_t experts = static_cast<int64_t>(offsets.size()) - 1;
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (int64_t b = 0; b <= experts; ++b) {
+    const moe::SlotRange r = moe::bucket_slots(offsets.data(), experts, slots, b);
+    ranges.emplace_back(r.begin, r.end);
+  }
+  return ranges;
+}
+
+// (token_of_slot, k_slot_of_slot, slot_of_assignment) as routing_maps_kernel writes them;
+// slot_of_assignment entries no slot writes stay -2.
+std::tuple<std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>> moe_routing_maps(
+    const std::vector<int64_t>& sorted_token_idx, const std::vector<int64_t>& offsets, int64_t top_k) {
+  require(!offsets.empty() && top_k >= 1, "need experts + 1 >= 1 offsets and top_k >= 1");
+  const int64_t slots = static_cast<int64_t>(sorted_token_idx.size());
+  const int64_t experts = static_cast<int64_t>(offsets.size()) - 1;
+  const int64_t valid_end = moe::bucket_slots(offsets.data(), experts, slots, experts).begin;
+  std::vector<int64_t> token_of_slot(slots), k_slot_of_slot(slots), slot_of_assignment(slots, -2);
+  for (int64_t s = 0; s < slots; ++s) {
+    const int64_t a = sorted_token_idx[s];
+    const moe::AssignmentSource source = moe::assignment_source(a, slots, top_k);
+    token_of_slot[s] = source.token;
+    k_slot_of_slot[s] = source.k_slot;
+    if (source.token >= 0) slot_of_assignment[a] = moe::kept_slot(s, valid_end);
+  }
+  return {token_of_slot, k_slot_of_slot, slot_of_assignment};
+}
+
+int64_t moe_slot_row_index(const std::optional<std::vector<int64_t>>& map, int64_t s, int64_t rows) {
+  require(!map || (s >= 0 && s < static_cast<int64_t>(map->size())), "s must index map");
+  return moe::slot_row_index(map ? map->data() : nullptr, s, rows);
+}
+
+// ------------------------------------------------------------------ NF4
+// Codes of elements [0, numel) of `packed`, read as the dequantize kernel reads them.
+std::vector<int> nf4_unpack_codes(const std::vector<uint8_t>& packed, int64_t numel) {
+  require(static_cast<int64_t>(packed.size()) >= nf4::packed_bytes(numel), "packed is shorter than (numel + 1) / 2");
+  std::vector<int> codes(numel);
+  for (int64_t i = 0; i < numel; ++i) codes[i] = nf4::code_of_element(packed[nf4::packed_byte_of(i)], i);
+  return codes;
+}
+
+// The quantize kernel's 32-bit word of 8 codes.
+uint32_t nf4_pack_word(const std::vector<uint32_t>& codes) {
+  require(codes.size() == 8, "need 8 codes");
+  uint32_t word = 0;
+  for (int i = 0; i < 8; ++i) word |= codes[i] << nf4::packed_word_shift(i);
+  return word;
+}
+
+// Dequantize of a double-quantized NF4 tensor composed as dequantize_kernel composes the helpers
+// (block scale decoded per block, one product per value).
+std::vector<float> nf4_dequantize_double_quant(const std::vector<uint8_t>& packed, int64_t numel, int64_t blocksize,
+                                               const std::vector<uint8_t>& absmax_q,
+                                               const std::vector<float>& nested_code,
+                                               const std::vector<float>& nested_absmax, float nested_offset,
+                                               int64_t nested_blocksize) {
+  require(blocksize >= 1 && nested_blocksize >= 1 && nested_code.size() == 256, "bad blocksize or nested_code");
+  require(static_cast<int64_t>(absmax_q.size()) >= nf4::num_blocks(numel, blocksize), "absmax_q too short");
+  std::vector<float> out(numel);
+  for (int64_t i = 0; i < numel; ++i) {
+    const int64_t block = nf4::block_of(i, blocksize);
+    const int64_t nested = nf4::nested_block_of(block, nested_blocksize);
+    require(nested < static_cast<int64_t>(nested_absmax.size()), "nested_absmax too short");
+    const float scale = nf4::decode_absmax(nested_code[absmax_q[block]], nested_absmax[nested], nested_offset);
+    out[i] = nf4::dequantize_value(nf4::kCode[nf4::code_of_element(packed.at(nf4::packed_byte_of(i)), i)], scale);
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------ logprobs
+std::vector<std::pair<int64_t, int64_t>> logprobs_chunks(int64_t extent, int64_t chunk) {
+  require(extent >= 0 && chunk >= 1, "need extent >= 0 and chunk >= 1");
+  std::vector<std::pair<int64_t, int64_t>> chunks;
+  for (int64_t i = 0; i < logprobs::chunk_count(extent, chunk); ++i) {
+    const logprobs::Chunk c = logprobs::chunk_at(extent, chunk, i);
+    chunks.emplace_back(c.begin, c.size);
+  }
+  return chunks;
+}
+
+// Per target: (how many vocab chunks claim it, v0 + column of the last claim or -1), walking the
+// chunks as the CUDA op does and asking target_column of each, as the fold and grad kernels do.
+std::vector<std::pair<int64_t, int64_t>> logprobs_target_claims(const std::vector<int64_t>& targets, int64_t vocab,
+                                                                int64_t chunk) {
+  require(vocab >= 0 && chunk >= 1, "need vocab >= 0 and chunk >= 1");
+  std::vector<std::pair<int64_t, int64_t>> claims;
+  for (const int64_t target : targets) {
+    int64_t count = 0, where = -1;
+    for (int64_t i = 0; i < logprobs::chunk_count(vocab, chunk); ++i) {
+      const logprobs::Chunk c = logprobs::chunk_at(vocab, chunk, i);
+      const int64_t column = logprobs::target_column(target, c.begin, c.size);
+      if (column >= 0) {
+        ++count;
+        where = c.begin + column;
+      }
+    }
+    claims.emplace_back(count, where);
+  }
+  return claims;
+}
+
+// Partials (max, sum_exp, sum_exp_z relative to their own max) merged in order into stats
+// initialised as the CUDA op initialises them: (-inf, 0, 0).
+Partial softmax_merge_all(const std::vector<Partial>& chunks) {
+  SoftmaxPartial running{-INFINITY, 0.0f, 0.0f};
+  for (const Partial& c : chunks) running = merge_partials(running, to_partial(c));
+  return from_partial(running);
+}
+
+}  // namespace
+
+void define_host_logic(py::module_& m) {
+  // common/tails.h
+  m.def("elements_in_range", &elements_in_range, py::arg("first"), py::arg("width"), py::arg("numel"));
+  m.def("whole_vector_in_range", &whole_vector_in_range, py::arg("first"), py::arg("width"), py::arg("numel"));
+  m.def(
+      "is_aligned",
+      [](uintptr_t address, uintptr_t bytes) { return is_aligned(reinterpret_cast<const void*>(address), bytes); },
+      py::arg("address"), py::arg("bytes"));
+  m.def(
+      "rows_vector_aligned",
+      [](uintptr_t address, int64_t ld, int64_t extent, int elements, int element_bytes) {
+        return rows_vector_aligned(reinterpret_cast<const void*>(address), ld, extent, elements, element_bytes);
+      },
+      py::arg("address"), py::arg("ld"), py::arg("contiguous_extent"), py::arg("elements"), py::arg("element_bytes"));
+  // common/online_softmax.h: partials are (max_z, sum_exp, sum_exp_z) in fp32
+  m.def(
+      "softmax_merge",
+      [](const Partial& a, const Partial& b) { return from_partial(merge_partials(to_partial(a), to_partial(b))); },
+      py::arg("a"), py::arg("b"));
+  m.def(
+      "softmax_fold_chunk",
+      [](const Partial& running, float new_max, float chunk_sum_exp, float chunk_sum_exp_z) {
+        return from_partial(fold_chunk(to_partial(running), new_max, chunk_sum_exp, chunk_sum_exp_z));
+      },
+      py::arg("running"), py::arg("new_max"), py::arg("chunk_sum_exp"), py::arg("chunk_sum_exp_z"));
+  m.def("softmax_merge_all", &softmax_merge_all, py::arg("partials"));
+  m.def(
+      "softmax_summarize",
+      [](const Partial& p) {
+        const SoftmaxSummary s = summarize_partial(to_partial(p));
+        return std::make_pair(s.lse, s.entropy);
+      },
+      py::arg("partial"), "(lse, entropy)");
+  // nf4/nf4_layout.h
+  m.def("nf4_packed_byte_of", &nf4::packed_byte_of, py::arg("i"));
+  m.def("nf4_packed_bytes", &nf4::packed_bytes, py::arg("numel"));
+  m.def("nf4_block_of", &nf4::block_of, py::arg("i"), py::arg("blocksize"));
+  m.def("nf4_block_is_partial", &nf4::block_is_partial, py::arg("block"), py::arg("blocksize"), py::arg("numel"));
+  m.def("nf4_nested_block_of", &nf4::nested_block_of, py::arg("block"), py::arg("nested_blocksize"));
+  m.def("nf4_code_of_element", &nf4::code_of_element, py::arg("byte"), py::arg("i"));
+  m.def("nf4_unpack_codes", &nf4_unpack_codes, py::arg("packed"), py::arg("numel"));
+  m.def("nf4_pack_word", &nf4_pack_word, py::arg("codes"));
+  m.def("nf4_decode_absmax", &nf4::decode_absmax, py::arg("nested_code_value"), py::arg("nested_absmax"),
+        py::arg("nested_offset"));
+  m.def("nf4_dequantize_value", &nf4::dequantize_value, py::arg("code_value"), py::arg("absmax"));
+  m.def("nf4_dequantize_double_quant", &nf4_dequantize_double_quant, py::arg("packed"), py::arg("numel"),
+        py::arg("blocksize"), py::arg("absmax_q"), py::arg("nested_code"), py::arg("nested_absmax"),
+        py::arg("nested_offset"), py::arg("nested_blocksize"));
+  // moe/moe_schedule.h
+  m.def("moe_bucket_slots", &moe_bucket_slots, py::arg("offsets"), py::arg("slots"));
+  m.def("moe_row_tile_schedule", &moe_row_tile_schedule, py::arg("offsets"), py::arg("slots"),
+        py::arg("rows_per_tile"));
+  m.def("moe_max_row_tiles", &moe::max_row_tiles, py::arg("slots"), py::arg("experts"), py::arg("rows_per_tile"));
+  m.def("moe_expert_bucket", &moe::expert_bucket, py::arg("id"), py::arg("experts"));
+  m.def("moe_assignment_of", &moe::assignment_of, py::arg("token"), py::arg("k_slot"), py::arg("top_k"));
+  m.def("moe_routing_maps", &moe_routing_maps, py::arg("sorted_token_idx"), py::arg("offsets"), py::arg("top_k"));
+  m.def("moe_slot_row_index", &moe_slot_row_index, py::arg("map"), py::arg("s"), py::arg("rows"));
+  // logprobs/vocab_chunks.h
+  m.attr("logprobs_vocab_chunk") = logprobs::kVocabChunk;
+  m.attr("logprobs_token_chunk") = logprobs::kTokenChunk;
+  m.def("logprobs_chunks", &logprobs_chunks, py::arg("extent"), py::arg("chunk"));
+  m.def("logprobs_padded_row_length", &logprobs::padded_row_length, py::arg("cols"));
+  m.def("logprobs_target_column", &logprobs::target_column, py::arg("target"), py::arg("v0"), py::arg("cols"));
+  m.def("logprobs_target_out_of_vocab", &logprobs::target_out_of_vocab, py::arg("target"), py::arg("ignore_index"),
+        py::arg("vocab"));
+  m.def("logprobs_target_claims", &logprobs_target_claims, py::arg("targets"), py::arg("vocab"), py::arg("chunk"));
+}
+
+}  // namespace pykernels

@@ -1,0 +1,44 @@
+// How the fused logprobs walk the vocabulary and the tokens: chunks of kVocabChunk rows of W and
+// kTokenChunk tokens (logprobs_cuda_torch.cpp), each (token chunk, vocab chunk) logits tile with
+// rows padded to a multiple of 8 floats, and where a token's target falls inside a vocab chunk
+// (logprobs.cu). The last chunk holds the remainder; no chunk is empty.
+#pragma once
+
+#include <cstdint>
+
+#include "common/host_device.h"
+
+namespace pykernels::logprobs {
+
+inline constexpr int64_t kTokenChunk = 4096;
+inline constexpr int64_t kVocabChunk = 8192;  // fp32 tile 128 MiB at most
+
+// Chunk i of [0, extent) in chunks of `chunk`: [begin, begin + size).
+struct Chunk {
+  int64_t begin, size;
+};
+
+PYKERNELS_HOST_DEVICE inline int64_t chunk_count(int64_t extent, int64_t chunk) { return ceil_div(extent, chunk); }
+
+PYKERNELS_HOST_DEVICE inline Chunk chunk_at(int64_t extent, int64_t chunk, int64_t i) {
+  const int64_t begin = i * chunk;
+  return {begin, min_i64(chunk, extent - begin)};
+}
+
+// Row length of a logits tile: a multiple of 8 fp32 values keeps every row 16-byte aligned
+// (CUTLASS's tensor-core path).
+PYKERNELS_HOST_DEVICE inline int64_t padded_row_length(int64_t cols) { return (cols + 7) / 8 * 8; }
+
+// Column of `target` in the chunk of `cols` vocabulary entries starting at v0, or -1 when the
+// target lies outside it (other chunks, ignore_index, out-of-vocabulary targets).
+PYKERNELS_HOST_DEVICE inline int64_t target_column(int64_t target, int64_t v0, int64_t cols) {
+  const int64_t column = target - v0;
+  return column >= 0 && column < cols ? column : -1;
+}
+
+// A target that is neither ignore_index nor a vocabulary entry: its logit is never picked.
+PYKERNELS_HOST_DEVICE inline bool target_out_of_vocab(int64_t target, int64_t ignore_index, int64_t vocab) {
+  return target != ignore_index && (target < 0 || target >= vocab);
+}
+
+}  // namespace pykernels::logprobs

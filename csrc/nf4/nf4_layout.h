@@ -1,0 +1,53 @@
+// Where NF4 element i lives and how its scale is decoded (bitsandbytes' layout): byte i / 2 of
+// `packed`, the high nibble for even i and the low nibble for odd i, in quantization block
+// i / blocksize; with double quantization the block's absmax is
+// nested_code[absmax_q[b]] * nested_absmax[b / nested_blocksize] + nested_offset, two fp32
+// roundings. Shared by nf4.cu and the host tests; nf4.h holds the code table and the launchers.
+#pragma once
+
+#include <cstdint>
+
+#include "common/host_device.h"
+
+namespace pykernels::nf4 {
+
+PYKERNELS_HOST_DEVICE inline int64_t packed_byte_of(int64_t i) { return i / 2; }
+
+PYKERNELS_HOST_DEVICE inline int64_t packed_bytes(int64_t numel) { return (numel + 1) / 2; }
+
+PYKERNELS_HOST_DEVICE inline int high_code(uint8_t byte) { return byte >> 4; }  // element 2k of byte k
+
+PYKERNELS_HOST_DEVICE inline int low_code(uint8_t byte) { return byte & 0x0F; }  // element 2k + 1
+
+// The 4-bit code of element i, given the byte packed_byte_of(i).
+PYKERNELS_HOST_DEVICE inline int code_of_element(uint8_t byte, int64_t i) {
+  return i % 2 == 0 ? high_code(byte) : low_code(byte);
+}
+
+// Bit offset of code j (0 <= j < 8) of 8 consecutive elements packed into one 32-bit word that is
+// stored little-endian: byte k of the word holds codes 2k (high nibble) and 2k + 1 (low nibble).
+PYKERNELS_HOST_DEVICE inline int packed_word_shift(int j) { return 4 * (j ^ 1); }
+
+PYKERNELS_HOST_DEVICE inline int64_t block_of(int64_t i, int64_t blocksize) { return i / blocksize; }
+
+// The last block of an input whose numel is not a multiple of blocksize.
+PYKERNELS_HOST_DEVICE inline bool block_is_partial(int64_t block, int64_t blocksize, int64_t numel) {
+  return (block + 1) * blocksize > numel;
+}
+
+// Index into nested_absmax of quantization block `block` (nested blocks of nested_blocksize absmax).
+PYKERNELS_HOST_DEVICE inline int64_t nested_block_of(int64_t block, int64_t nested_blocksize) {
+  return block / nested_blocksize;
+}
+
+// A double-quantized block's absmax: nested_code[absmax_q] * nested_absmax + nested_offset.
+PYKERNELS_HOST_DEVICE inline float decode_absmax(float nested_code_value, float nested_absmax, float nested_offset) {
+  return add_rn(mul_rn(nested_code_value, nested_absmax), nested_offset);
+}
+
+// A dequantized value: NF4 code value times its block's absmax, one rounding.
+PYKERNELS_HOST_DEVICE inline float dequantize_value(float code_value, float absmax) {
+  return mul_rn(code_value, absmax);
+}
+
+}  // namespace pykernels::nf4

@@ -1,0 +1,383 @@
+"""The CUDA kernels' index/tile arithmetic, run on the host.
+
+No CUDA kernel of this project has run on a GPU yet, and index arithmetic is where blind CUDA goes
+wrong. The arithmetic lives in __host__ __device__ headers (csrc/common/tails.h,
+common/online_softmax.h, nf4/nf4_layout.h, moe/moe_schedule.h, logprobs/vocab_chunks.h) that the
+.cu kernels call; pykernels._C.host_logic compiles the same functions for the host. Each test
+compares them with an independent Python computation (direct enumeration, fp64 math, bitsandbytes)
+on adversarial sizes.
+"""
+
+import math
+import random
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pykernels import _C
+
+H = _C.host_logic
+FAST = settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# ------------------------------------------------------------------ MoE: buckets and row tiles
+def bucket_ranges(offsets: list[int], slots: int) -> list[tuple[int, int]]:
+    """Each bucket's slots, clamped into [0, slots]; the last bucket (dropped) runs to slots."""
+    experts = len(offsets) - 1
+    ranges = []
+    for b in range(experts + 1):
+        begin = min(max(offsets[b], 0), slots)
+        end = min(max(offsets[b + 1], 0), slots) if b < experts else slots
+        ranges.append((begin, max(begin, end)))
+    return ranges
+
+
+def schedule_oracle(offsets: list[int], slots: int, rows_per_tile: int) -> list[tuple[int, int, int]]:
+    """(bucket, first slot, end slot) of each row tile in bucket order, then idle CTAs, for a grid of
+    ceil(slots / R) + E + 1 CTAs."""
+    tiles = [
+        (b, first, min(first + rows_per_tile, end))
+        for b, (begin, end) in enumerate(bucket_ranges(offsets, slots))
+        for first in range(begin, end, rows_per_tile)
+    ]
+    grid = -(-slots // rows_per_tile) + len(offsets)
+    tiles = tiles[:grid]
+    return tiles + [(-1, 0, 0)] * (grid - len(tiles))
+
+
+def offsets_of(counts: list[int]) -> tuple[list[int], int]:
+    """expert_offsets [E + 1] and slots from per-bucket counts (the last count: dropped slots)."""
+    offsets = [0]
+    for c in counts[:-1]:
+        offsets.append(offsets[-1] + c)
+    return offsets, offsets[-1] + counts[-1]
+
+
+ROWS_PER_TILE = [1, 7, 64, 128]  # 64: the SIMT kernel, 128: the tensor-core kernel
+
+# (per-expert counts, dropped) of well-formed routings
+ROUTINGS = {
+    "T=1": [1, 0],
+    "T=1 dropped": [0, 1],
+    "no slots": [0, 0, 0],
+    "zero-token experts": [0, 0, 5, 0, 0, 4, 0, 0],
+    "one expert holds all": [0, 0, 0, 8 * 769, 0, 0, 0, 0, 0],
+    "first holds all": [5125] + [0] * 63 + [0],
+    "last holds all": [0] * 63 + [5125, 0],
+    "tile-sized": [128, 64, 129, 127, 1, 0],
+    "many experts": [random.Random(0).choice([0, 0, 1, 3, 17, 200]) for _ in range(512)] + [11],
+    "all dropped": [0] * 8 + [83],
+}
+
+
+def check_schedule(offsets: list[int], slots: int, rows_per_tile: int, well_formed: bool) -> None:
+    tiles = [tuple(t) for t in H.moe_row_tile_schedule(offsets, slots, rows_per_tile)]
+    assert tiles == schedule_oracle(offsets, slots, rows_per_tile)
+    assert len(tiles) == H.moe_max_row_tiles(slots, len(offsets) - 1, rows_per_tile)
+    busy = [t for t in tiles if t[0] >= 0]
+    assert tiles[len(busy):] == [(-1, 0, 0)] * (len(tiles) - len(busy)), "idle CTAs only at the end"
+    ranges = bucket_ranges(offsets, slots)
+    for bucket, first, end in busy:
+        assert ranges[bucket][0] <= first < end <= ranges[bucket][1] and end - first <= rows_per_tile
+    if well_formed:  # every slot in exactly one tile, of its own bucket
+        covered = sorted(s for _, first, end in busy for s in range(first, end))
+        assert covered == list(range(slots))
+
+
+@pytest.mark.parametrize("rows_per_tile", ROWS_PER_TILE)
+@pytest.mark.parametrize("name", list(ROUTINGS))
+def test_row_tile_schedule_adversarial(name, rows_per_tile):
+    offsets, slots = offsets_of(ROUTINGS[name])
+    check_schedule(offsets, slots, rows_per_tile, well_formed=True)
+
+
+@FAST
+@given(counts=st.lists(st.integers(0, 100) | st.just(0), min_size=2, max_size=80),
+       rows_per_tile=st.sampled_from(ROWS_PER_TILE))
+def test_row_tile_schedule_random(counts, rows_per_tile):
+    offsets, slots = offsets_of(counts)
+    check_schedule(offsets, slots, rows_per_tile, well_formed=True)
+
+
+@FAST
+@given(offsets=st.lists(st.integers(-5, 60), min_size=1, max_size=12), slots=st.integers(0, 50),
+       rows_per_tile=st.sampled_from(ROWS_PER_TILE))
+def test_row_tile_schedule_malformed_offsets_stay_in_bounds(offsets, slots, rows_per_tile):
+    """Negative, decreasing or too large offsets: every tile still lies inside [0, slots] and its
+    bucket's clamped range; overlapping ranges can need more tiles than the grid has (lost tiles,
+    wrong numbers, no out-of-bounds access)."""
+    assert [tuple(r) for r in H.moe_bucket_slots(offsets, slots)] == bucket_ranges(offsets, slots)
+    check_schedule(offsets, slots, rows_per_tile, well_formed=False)
+
+
+# ------------------------------------------------------------------ MoE: gather / scatter indices
+def stable_sort_routing(ids: list[int], experts: int) -> tuple[list[int], list[int]]:
+    """sorted_token_idx and expert_offsets of moe.sort_tokens, by Python's stable sort."""
+    bucket = [i if 0 <= i < experts else experts for i in ids]
+    order = sorted(range(len(ids)), key=lambda a: bucket[a])
+    offsets = [sum(1 for b in bucket if b < e) for e in range(experts + 1)]
+    return order, offsets
+
+
+@FAST
+@given(data=st.data(), tokens=st.integers(1, 40), top_k=st.integers(1, 8), experts=st.integers(1, 70))
+def test_routing_maps(data, tokens, top_k, experts):
+    ids = data.draw(st.lists(st.integers(-2, experts + 1), min_size=tokens * top_k, max_size=tokens * top_k))
+    assert [H.moe_expert_bucket(i, experts) for i in ids] == [i if 0 <= i < experts else experts for i in ids]
+    order, offsets = stable_sort_routing(ids, experts)
+    token_of_slot, k_slot_of_slot, slot_of_assignment = H.moe_routing_maps(order, offsets, top_k)
+    assert token_of_slot == [a // top_k for a in order]
+    assert k_slot_of_slot == [a % top_k for a in order]
+    kept = offsets[experts]
+    assert slot_of_assignment == [s if s < kept else -1 for s in sorted(range(len(order)), key=order.__getitem__)]
+    for s, a in enumerate(order):
+        assert H.moe_assignment_of(token_of_slot[s], k_slot_of_slot[s], top_k) == a
+
+
+def test_routing_maps_out_of_range_entries():
+    """Malformed sorted_token_idx entries get token -1 and write no slot_of_assignment entry."""
+    token_of_slot, k_slot_of_slot, slot_of_assignment = H.moe_routing_maps([3, -1, 5, 0, 2], [0, 2, 4], 2)
+    assert token_of_slot == [1, -1, -1, 0, 1]
+    assert k_slot_of_slot == [1, -1, -1, 0, 0]
+    assert slot_of_assignment == [3, -2, -1, 0, -2]  # slot 4 is dropped (>= offsets[E]); -2: never written
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7])
+def test_slot_row_index(rows):
+    for s in range(9):
+        assert H.moe_slot_row_index(None, s, rows) == (s if s < rows else -1)
+    row_map = [-3, -1, 0, 1, 6, 7, 8, 1 << 40, 2]
+    for s, row in enumerate(row_map):
+        assert H.moe_slot_row_index(row_map, s, rows) == (row if 0 <= row < rows else -1)
+
+
+# ------------------------------------------------------------------ logprobs: vocab chunks
+VOCABS = [1, 2, 7, 8191, 8192, 8193, 32001, 50257, 65537, 131071, 151936]  # primes, GPT-2, Llama, Qwen
+
+
+def chunk_sizes(vocab: int) -> list[int]:
+    return sorted({H.logprobs_vocab_chunk, 1000, 4093, 7, vocab, vocab + 1} | ({1} if vocab < 10000 else set()))
+
+
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_vocab_chunks(vocab):
+    assert H.logprobs_vocab_chunk == 8192 and H.logprobs_token_chunk == 4096
+    for chunk in chunk_sizes(vocab):
+        chunks = [tuple(c) for c in H.logprobs_chunks(vocab, chunk)]
+        assert chunks == [(b, min(chunk, vocab - b)) for b in range(0, vocab, chunk)]
+        assert all(size >= 1 for _, size in chunks) and sum(size for _, size in chunks) == vocab
+        assert chunks[-1][1] == vocab - chunk * (len(chunks) - 1)
+        targets = sorted({-100, -1, 0, 1, chunk - 1, chunk, chunk + 1, vocab - 2, vocab - 1, vocab, vocab + 1,
+                          random.Random(vocab).randrange(vocab)})
+        claims = [tuple(c) for c in H.logprobs_target_claims(targets, vocab, chunk)]
+        assert claims == [(1, t) if 0 <= t < vocab else (0, -1) for t in targets], "each target in one chunk"
+        for t in targets:
+            assert H.logprobs_target_out_of_vocab(t, -100, vocab) == (t != -100 and not 0 <= t < vocab)
+    assert H.logprobs_chunks(0, 8192) == []
+
+
+@FAST
+@given(target=st.integers(-10**6, 10**6), v0=st.integers(0, 10**6), cols=st.integers(1, 10**5))
+def test_target_column(target, v0, cols):
+    expected = target - v0 if v0 <= target < v0 + cols else -1
+    assert H.logprobs_target_column(target, v0, cols) == expected
+
+
+def test_padded_row_length():
+    for cols in list(range(0, 70)) + [8191, 8192, 8193, 32001, 50257, 151936]:
+        padded = H.logprobs_padded_row_length(cols)
+        assert padded % 8 == 0 and cols <= padded < cols + 8
+
+
+# ------------------------------------------------------------------ NF4: layout and scale decode
+@pytest.mark.parametrize("blocksize", [32, 64, 128, 4096])
+def test_nf4_element_location(blocksize):
+    for i in list(range(0, 300)) + [blocksize * k + d for k in (1, 2, 255, 256, 257) for d in (-1, 0, 1)]:
+        assert H.nf4_packed_byte_of(i) == i // 2
+        assert H.nf4_block_of(i, blocksize) == i // blocksize
+    for numel in (1, 2, 7, 83, blocksize - 1, blocksize, blocksize + 1, 5125):
+        assert H.nf4_packed_bytes(numel) == math.ceil(numel / 2)
+        blocks = math.ceil(numel / blocksize)
+        partial = [H.nf4_block_is_partial(b, blocksize, numel) for b in range(blocks)]
+        assert partial == [b == blocks - 1 and numel % blocksize != 0 for b in range(blocks)]
+    for block in (0, 1, 255, 256, 257, 511, 512, 100000):
+        assert H.nf4_nested_block_of(block, 256) == block // 256
+
+
+@pytest.mark.parametrize("numel", [1, 2, 7, 16, 83, 769])
+def test_nf4_nibbles_high_first(numel):
+    rng = random.Random(numel)
+    packed = [rng.randrange(256) for _ in range(math.ceil(numel / 2))]
+    expected = [nibble for byte in packed for nibble in (byte >> 4, byte & 0x0F)][:numel]
+    assert H.nf4_unpack_codes(packed, numel) == expected
+    assert [H.nf4_code_of_element(packed[i // 2], i) for i in range(numel)] == expected
+
+
+def test_nf4_pack_word_is_bitsandbytes_byte_order():
+    rng = random.Random(1)
+    for codes in [list(range(8)), list(range(8, 16)), [15] * 8, [0] * 8] + [
+            [rng.randrange(16) for _ in range(8)] for _ in range(50)]:
+        word = H.nf4_pack_word(codes)
+        assert list(word.to_bytes(4, "little")) == [codes[2 * k] << 4 | codes[2 * k + 1] for k in range(4)]
+        assert H.nf4_unpack_codes(list(word.to_bytes(4, "little")), 8) == codes
+
+
+F32_EDGES = [0.0, -0.0, 1.0, -1.0, 1e-38, 1e-45, 3.0e38, -3.0e38, 0.1, 7.9e-3, 2.0**-126, 65504.0, 1.0 / 3.0]
+
+
+def same_f32(actual: float, expected: np.float32) -> bool:
+    return bool(np.isnan(expected)) if math.isnan(actual) else np.float32(actual).tobytes() == expected.tobytes()
+
+
+def test_nf4_absmax_decode_rounds_twice_in_fp32():
+    """code * nested_absmax rounded to fp32, then + offset rounded to fp32: bitsandbytes'
+    dequantize_blockwise(absmax_q) + offset. numpy float32 arithmetic is the oracle."""
+    rng = random.Random(2)
+    values = F32_EDGES + [rng.uniform(-1, 1) * 10.0 ** rng.randint(-40, 38) for _ in range(300)]
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        for _ in range(2000):
+            code, nested, offset = (np.float32(rng.choice(values)) for _ in range(3))
+            expected = np.float32(np.float32(code * nested) + offset)
+            assert same_f32(H.nf4_decode_absmax(code, nested, offset), expected)
+            assert same_f32(H.nf4_dequantize_value(code, nested), np.float32(code * nested))
+
+
+@pytest.mark.parametrize("numel, blocksize", [(83, 64), (769, 32), (40_001, 32)])  # 40001 / 32: 5 nested blocks
+def test_nf4_double_quant_dequantize_matches_bitsandbytes(numel, blocksize):
+    """The dequantize kernel's element -> (byte, nibble, block, nested block) walk and scale decode,
+    composed on the host, against bitsandbytes' own double-quantized dequantization (bit-exact)."""
+    import torch
+
+    import bnb_oracle
+
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * torch.linspace(0.01, 30, numel)
+    packed, state = bnb_oracle.quantize(x, blocksize, double_quant=True)
+    ours = H.nf4_dequantize_double_quant(packed.tolist(), numel, blocksize, state.absmax.tolist(),
+                                         state.state2.code.tolist(), state.state2.absmax.tolist(),
+                                         float(state.offset), state.state2.blocksize)
+    expected = bnb_oracle.dequantize(packed, state, torch.float32)
+    assert torch.equal(torch.tensor(ours, dtype=torch.float32), expected)
+
+
+# ------------------------------------------------------------------ online softmax merge
+NEG_INF = float("-inf")
+EMPTY = (NEG_INF, 0.0, 0.0)
+
+
+def f32(x: float) -> float:
+    return float(np.float32(x))
+
+
+def partial_fp64(z: list[float]) -> tuple[float, float, float]:
+    """(max, sum exp(z - max), sum exp(z - max) (z - max)) in fp64; -inf logits contribute nothing."""
+    finite = [v for v in z if v != NEG_INF]
+    if not finite:
+        return EMPTY
+    m = max(finite)
+    return m, math.fsum(math.exp(v - m) for v in finite), math.fsum(math.exp(v - m) * (v - m) for v in finite)
+
+
+def lse_entropy_fp64(z: list[float]) -> tuple[float, float]:
+    m, s, sz = partial_fp64(z)
+    return m + math.log(s), math.log(s) - sz / s
+
+
+def logits(rng: random.Random, n: int, scale: float, shift: float, p_neg_inf: float) -> list[float]:
+    return [NEG_INF if rng.random() < p_neg_inf else f32(shift + scale * rng.gauss(0, 1)) for _ in range(n)]
+
+
+def assert_close_to_fp64(partial, z: list[float]) -> None:
+    lse, entropy = H.softmax_summarize(partial)
+    lse64, entropy64 = lse_entropy_fp64(z)
+    assert math.isclose(lse, lse64, rel_tol=2e-6, abs_tol=2e-5), (lse, lse64)
+    assert math.isclose(entropy, entropy64, rel_tol=1e-4, abs_tol=1e-4), (entropy, entropy64)
+
+
+CASES = [  # (n, scale, shift, fraction of -inf logits)
+    (1, 1.0, 0.0, 0.0), (7, 1.0, 0.0, 0.0), (769, 3.0, 0.0, 0.0), (5125, 30.0, -20.0, 0.0),
+    (1000, 1.0, 8000.0, 0.0), (1000, 0.01, 0.0, 0.0), (500, 40.0, 0.0, 0.5), (64, 1.0, -1e4, 0.9),
+]
+
+
+@pytest.mark.parametrize("n, scale, shift, p_neg_inf", CASES)
+@pytest.mark.parametrize("parts", [1, 2, 7])
+def test_softmax_merge_matches_fp64_logsumexp(n, scale, shift, p_neg_inf, parts):
+    rng = random.Random(n * 31 + parts)
+    z = logits(rng, n, scale, shift, p_neg_inf)
+    if all(v == NEG_INF for v in z):
+        z[0] = 0.0
+    cuts = sorted(rng.randrange(n + 1) for _ in range(parts - 1))
+    pieces = [z[a:b] for a, b in zip([0] + cuts, cuts + [n])]  # empty and all -inf pieces included
+    partials = [partial_fp64(p) for p in pieces]
+    merged = H.softmax_merge_all(partials)
+    assert_close_to_fp64(merged, z)
+    pairwise = partials[0]
+    for p in partials[1:]:
+        pairwise = H.softmax_merge(p, pairwise)  # the other order
+    assert_close_to_fp64(pairwise, z)
+
+
+@pytest.mark.parametrize("n, scale, shift, p_neg_inf", CASES)
+def test_softmax_fold_chunk_sequence(n, scale, shift, p_neg_inf):
+    """The fold kernel's sequence: per chunk, new_max = max(running max, chunk max), the chunk's sums
+    taken relative to new_max, folded into stats that start at (-inf, 0, 0)."""
+    rng = random.Random(n)
+    z = logits(rng, n, scale, shift, p_neg_inf)
+    if all(v == NEG_INF for v in z):
+        z[-1] = 0.0
+    running = EMPTY
+    for c0 in range(0, n, 97):
+        chunk = [v for v in z[c0:c0 + 97] if v != NEG_INF]
+        new_max = max([running[0]] + chunk)
+        if new_max == NEG_INF:
+            continue  # a chunk of -inf logits before any finite one: nothing to fold
+        sum_exp = math.fsum(math.exp(v - new_max) for v in chunk)
+        sum_exp_z = math.fsum(math.exp(v - new_max) * (v - new_max) for v in chunk)
+        running = H.softmax_fold_chunk(running, new_max, sum_exp, sum_exp_z)
+    assert_close_to_fp64(running, z)
+
+
+def test_softmax_merge_with_empty_partials_is_exact():
+    """-inf partials (nothing folded yet) never turn into NaN and leave the other side bit-exact."""
+    assert H.softmax_merge(EMPTY, EMPTY) == EMPTY
+    for p in [(0.0, 1.0, 0.0), (f32(-1e4), f32(3.7), f32(-0.25)), (f32(88.5), 1.0, 0.0)]:
+        assert H.softmax_merge(EMPTY, p) == p
+        assert H.softmax_merge(p, EMPTY) == p
+    assert H.softmax_fold_chunk(EMPTY, 2.0, 1.0, 0.0) == (2.0, 1.0, 0.0)
+
+
+# ------------------------------------------------------------------ tails and alignment
+@pytest.mark.parametrize("width", [1, 4, 8, 16])
+def test_elements_in_range(width):
+    for numel in range(0, 41):
+        for first in range(0, 50):
+            inside = len([i for i in range(first, first + width) if i < numel])
+            assert H.elements_in_range(first, width, numel) == inside
+            assert H.whole_vector_in_range(first, width, numel) == (inside == width)
+
+
+def test_is_aligned_misaligned_starts():
+    base = 0x7F00_0000_1000
+    for offset in range(0, 70):
+        for bytes_ in (1, 2, 4, 8, 16):
+            assert H.is_aligned(base + offset, bytes_) == (offset % bytes_ == 0)
+
+
+def rows_vector_aligned_oracle(address: int, ld: int, extent: int, elements: int, element_bytes: int) -> bool:
+    """Every vector access (columns 0, elements, ...) of rows 0..2 is aligned to its size and inside
+    its row."""
+    width = elements * element_bytes
+    return all((address + (r * ld + c) * element_bytes) % width == 0 and c + elements <= extent
+               for r in range(3) for c in range(0, extent, elements))
+
+
+@pytest.mark.parametrize("elements, element_bytes", [(8, 2), (4, 4), (8, 4), (1, 2)])  # lora / moe configs
+def test_rows_vector_aligned(elements, element_bytes):
+    for start in range(0, 40, element_bytes // 2 or 1):
+        address = 0x1000 + start
+        for ld in range(1, 21):
+            for extent in range(1, ld + 1):
+                assert H.rows_vector_aligned(address, ld, extent, elements, element_bytes) == \
+                    rows_vector_aligned_oracle(address, ld, extent, elements, element_bytes), (address, ld, extent)
