@@ -51,7 +51,10 @@ def test_fused_matches_peft(kind, dtype, nf4_base):
     peft_logits, peft_grads = logits_and_grads(model)
     assert apply_fused_lora(model) == 14  # 7 projections x 2 layers
     fused_logits, fused_grads = logits_and_grads(model)
-    eps = 1e-5 if dtype == torch.float32 else 1e-3
+    # eps: half an ulp of the dtype at the tensor's magnitude for bf16 (tests/cuda_oracle.py's rule):
+    # the fused ops round at other points than PEFT, and a whole model's gradients compound it (on a
+    # CPU without AVX-512, layer 0's k_proj lora_A erred 2.07x PEFT's with the old 1e-3).
+    eps = 1e-5 if dtype == torch.float32 else 2.0**-8
     assert_close_to(fused_logits, peft_logits, exact_logits, "logits", eps * exact_logits.abs().max().item())
     assert fused_grads.keys() == peft_grads.keys() and len(fused_grads) == 28
     for name, grad in fused_grads.items():
