@@ -6,7 +6,7 @@ and the CPU ops within twice that budget. An output whose oracle is None must co
 The last term is fp32 accumulation over a reduction of `depth` terms: a kernel that sums each
 output's products in one running fp32 sum (our SIMT and grouped kernels) errs like a random walk,
 ~sqrt(depth) half-ulps, while cuBLAS's fp32 GEMM sums in shorter pieces and errs several times less
-(measured on an H100: LoRA y at K = 4096, ours 2.3e-5 against cuBLAS's 2.8e-6). The term is
+(measured on an H100: LoRA y at K = 4096, ours 2.3e-5, cuBLAS's at most 2.8e-6). The term is
 negligible beside a 16-bit dtype's own error and far below what a wrong index or tile costs."""
 
 import math
@@ -23,8 +23,8 @@ def error_budget(exact, lowprec, ulp, depth=1):
 
 
 def check_outputs(cuda, cpu, exact, lowprec, names, ulp, depth=1):
-    """depth: the longest reduction behind any of the outputs (error_budget)."""
-    """cuda, cpu, exact, lowprec: dicts of the outputs by name; ulp: the slack per unit of |fp64|."""
+    """cuda, cpu, exact, lowprec: dicts of the outputs by name; ulp: the slack per unit of |fp64|;
+    depth: the longest reduction behind any of the outputs (error_budget)."""
     for name in names:
         got, want = cuda[name], cpu[name]
         assert (got.dtype, got.shape) == (want.dtype, want.shape), \
