@@ -77,9 +77,9 @@ def benchmark_json_path(config: pytest.Config) -> str | None:
     """--benchmark-json's path: pytest-benchmark 5.3 gives a Path, 5.2 (the CUDA images') opens the
     file while parsing options and gives the open file (its .name is the path as typed)."""
     value = config.getoption("benchmark_json")
-    if value is None or isinstance(value, (str, os.PathLike)):
-        return os.fspath(value) if value is not None else None
-    return value.name
+    if value is None:
+        return None
+    return os.fspath(value) if isinstance(value, (str, os.PathLike)) else value.name
 
 
 class GatePlugin:

@@ -18,11 +18,13 @@ pykernels_python_query(TORCH_CMAKE_PREFIX "import torch; print(torch.utils.cmake
 pykernels_python_query(TORCH_CUDA_VERSION "import torch; print(torch.version.cuda or '')")
 pykernels_python_query(PYBIND11_CMAKE_DIR "import pybind11; print(pybind11.get_cmake_dir())")
 list(APPEND CMAKE_PREFIX_PATH "${TORCH_CMAKE_PREFIX}" "${PYBIND11_CMAKE_DIR}")
-# The libstdc++ shared library torch runs with (empty where there is none, e.g. macOS): CMakeLists.txt
-# links _C against it.
-pykernels_python_query(PYKERNELS_LIBSTDCXX
-  "import re, torch; print(next((line.split()[-1] for line in open('/proc/self/maps') if re.search(r'/libstdc[+][+][.]so', line)), '') if __import__('os').path.exists('/proc/self/maps') else '')")
-message(STATUS "pykernels: libstdc++ of torch's process: ${PYKERNELS_LIBSTDCXX}")
+# Linux: the libstdc++ shared library torch's process has loaded (empty if none); CMakeLists.txt links
+# _C against it.
+if(CMAKE_SYSTEM_NAME STREQUAL "Linux")
+  pykernels_python_query(PYKERNELS_LIBSTDCXX
+    "import torch; print(next((w for w in open('/proc/self/maps').read().split() if '/libstdc++.so' in w), ''))")
+  message(STATUS "pykernels: libstdc++ of torch's process: ${PYKERNELS_LIBSTDCXX}")
+endif()
 
 # CUTLASS headers: CUTLASS_DIR wins, else the nvidia-cutlass wheel. Missing is not fatal for
 # families that do not use CUTLASS; build_info() then reports no CUTLASS version.

@@ -35,8 +35,6 @@ inline const char* launch_status(const char* what) {
   return status == cudaSuccess ? nullptr : fail(std::string(what) + ": " + cudaGetErrorString(status));
 }
 
-inline __host__ __device__ int64_t div_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // Row of slot s in a SlotRows operand, null when the row lies outside the matrix.
 template <typename E>
 __device__ const E* slot_row(const SlotRows& op, int64_t s) {

@@ -262,8 +262,8 @@ __global__ void __launch_bounds__(Config<T>::kThreads) rows_kernel(const Grouped
   }
   __syncthreads();
   const bool dropped = tile.bucket == p.experts;  // zero rows: no product
-  const int k1_tiles = dropped ? 0 : static_cast<int>(div_up(p.a.cols, kK));
-  const int k2_tiles = dropped ? 0 : static_cast<int>(div_up(p.a2.cols, kK));
+  const int k1_tiles = dropped ? 0 : static_cast<int>(ceil_div(p.a.cols, kK));
+  const int k2_tiles = dropped ? 0 : static_cast<int>(ceil_div(p.a2.cols, kK));
   const int64_t n0 = int64_t(blockIdx.y) * kN;
   auto load = [&](int kt, int stage) {
     const int lora = kt >= k1_tiles;  // the LoRA product's K-steps follow the base product's
@@ -321,7 +321,7 @@ __global__ void __launch_bounds__(Config<T>::kThreads) weight_grad_kernel(const 
   static_assert(kM == kN, "load_rows tiles both operands alike");
   Tensor acc = partition_fragment_C(typename Cfg::TiledMma{}, Shape<Int<kM>, Int<kN>>{});
   clear(acc);
-  mainloop<Cfg, false, false>(static_cast<int>(div_up(slots.end - slots.begin, kK)), sA, sB, acc, load);
+  mainloop<Cfg, false, false>(static_cast<int>(ceil_div(slots.end - slots.begin, kK)), sA, sB, acc, load);
   typename Cfg::TiledMma mma;
   Tensor coord = mma.get_slice(threadIdx.x).partition_C(make_identity_tensor(Shape<Int<kM>, Int<kN>>{}));
   T* out = static_cast<T*>(p.out) + expert * p.expert_stride;
@@ -383,7 +383,7 @@ __global__ void __launch_bounds__(kThreads) rows_kernel(const GroupedRowsParams 
     rows[1][i] = s < tile.end && p.a2.cols > 0 ? slot_row<T>(p.a2, s) : nullptr;
   }
   const bool dropped = tile.bucket == p.experts;
-  const int64_t k1_tiles = dropped ? 0 : div_up(p.a.cols, kK), k2_tiles = dropped ? 0 : div_up(p.a2.cols, kK);
+  const int64_t k1_tiles = dropped ? 0 : ceil_div(p.a.cols, kK), k2_tiles = dropped ? 0 : ceil_div(p.a2.cols, kK);
   const int64_t n0 = int64_t(blockIdx.y) * kN;
   float acc[kPerThread][kPerThread] = {};
   for (int64_t kt = 0; kt < k1_tiles + k2_tiles; ++kt) {
@@ -549,7 +549,7 @@ const char* check_rows_operands(const GroupedRowsParams& p) {
 
 // ------------------------------------------------------------------ launchers
 int64_t grouped_rows_column_tiles(const GroupedRowsParams& p) {
-  return div_up(p.n_cols, tensor_op_rows(p) ? 128 : simt::kN);
+  return ceil_div(p.n_cols, tensor_op_rows(p) ? 128 : simt::kN);
 }
 
 int64_t grouped_rows_workspace_bytes(const GroupedRowsParams& p) {
@@ -577,7 +577,7 @@ const char* launch_grouped_weight_grad(const GroupedWeightGradParams& p, cudaStr
   if (p.m_rows == 0 || p.n_cols == 0 || p.experts == 0) return nullptr;
   const bool tensor_op = tensor_op_weight_grad(p);
   const int64_t tile = tensor_op ? 128 : simt::kM;
-  const int64_t m_tiles = div_up(p.m_rows, tile), n_tiles = div_up(p.n_cols, tile);
+  const int64_t m_tiles = ceil_div(p.m_rows, tile), n_tiles = ceil_div(p.n_cols, tile);
   if (m_tiles > INT32_MAX || n_tiles > 65535 || p.experts > 65535)
     return "moe weight grad: output too large for one launch";
   const dim3 grid(static_cast<unsigned>(m_tiles), static_cast<unsigned>(n_tiles), static_cast<unsigned>(p.experts));

@@ -155,17 +155,17 @@ __global__ void __launch_bounds__(kThreads) gate_grad_kernel(const GateGradParam
 
 // ------------------------------------------------------------------ launchers
 int64_t sort_workspace_bytes(const SortParams& p) {
-  return div_up(p.slots, kSortChunk) * (p.experts + 1) * int64_t(sizeof(int));
+  return ceil_div(p.slots, kSortChunk) * (p.experts + 1) * int64_t(sizeof(int));
 }
 
 const char* launch_sort_tokens(const SortParams& p, void* workspace, cudaStream_t stream) {
   if (p.slots < 0 || p.slots > INT32_MAX || p.experts < 1 || p.experts >= INT32_MAX)
     return fail("moe sort: need 0 <= T * k < 2^31 and 1 <= num_experts < 2^31, got " + std::to_string(p.slots) +
                 " assignments and " + std::to_string(p.experts) + " experts");
-  const int64_t chunks = div_up(p.slots, kSortChunk);
+  const int64_t chunks = ceil_div(p.slots, kSortChunk);
   if ((p.experts + 1) * chunks > INT32_MAX) return "moe sort: num_experts * T * k / 1024 must be below 2^31";
   int* counts = static_cast<int*>(workspace);
-  const int blocks = static_cast<int>(div_up(chunks, kSortWarps));
+  const int blocks = static_cast<int>(ceil_div(chunks, kSortWarps));
   const int64_t cursor_bytes = kSortWarps * (p.experts + 1) * int64_t(sizeof(int));
   const bool shared_cursors = cursor_bytes <= 48 * 1024;  // E < 3072: no opt-in needed
   const size_t smem = shared_cursors ? static_cast<size_t>(cursor_bytes) : 0;
