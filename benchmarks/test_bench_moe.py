@@ -9,7 +9,9 @@ expert weights, gradients to the hidden states, the routing weights and the LoRA
 TFLOP/s counts 6 T k H I (forward) and 12 T k H I (forward+backward: dx only, the weights are
 frozen), LoRA not counted. transformers' batched_mm gathers one [2I, H] weight per token-expert
 pair (25 GB at Qwen3-30B-A3B shapes and T=512) and is left out where that exceeds 2 GB.
-CPU: T=512 at Qwen3-30B-A3B shapes and at Mixtral's with I scaled 14336 -> 3584 (2-core budget);
+CPU: T=512 at Qwen3-30B-A3B shapes and at Mixtral's with I scaled 14336 -> 3584 (2-core budget).
+A CPU without AVX-512 ("cpu-scalar": torch's bf16 GEMMs have no vector path, and with LoRA the
+baselines took 30-110 s a call at T=32) runs T=32 at Qwen3-30B-A3B shapes without LoRA;
 GPUs: T in {512, 4096, 16384} at Qwen3-30B-A3B shapes, {512, 4096} at Mixtral's.
 """
 
@@ -20,6 +22,7 @@ import torch
 import transformers
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
+from benchmarks.conftest import run_device_class
 from pykernels.integrations.transformers import apply_moe_kernels
 
 LORA_RANK = 16
@@ -28,28 +31,31 @@ SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral": (4096, 14336, 8, 2),
           "mixtral-i3584": (4096, 3584, 8, 2)}
 
 
-def cases(device_type: str) -> list[tuple[str, int]]:  # (shape, tokens)
-    if device_type == "cpu":
+def cases(device_class: str) -> list[tuple[str, int]]:  # (shape, tokens)
+    if device_class == "cpu":
         return [("qwen3-30b-a3b", 512), ("mixtral-i3584", 512)]
+    if device_class == "cpu-scalar":
+        return [("qwen3-30b-a3b", 32)]
     return [("qwen3-30b-a3b", t) for t in (512, 4096, 16384)] + [("mixtral", t) for t in (512, 4096)]
 
 
-def impls(shape: str, tokens: int, mode: str, lora: bool, device_type: str) -> list[str]:
+def impls(shape: str, tokens: int, mode: str, lora: bool, device_class: str) -> list[str]:
     hidden, inter, _, top_k = SHAPES[shape]
     batched_bytes = tokens * top_k * 2 * inter * hidden * 2
     # eager + PEFT forward+backward with LoRA on the experts takes 75 s a call on the CPU at Qwen3
     # shapes (PEFT's dense B A for 128 experts, twice, and its backward; measured once in
     # results/cpu.md), ~6 s at Mixtral's 8 experts: only the latter is in the suite.
-    slow_eager = device_type == "cpu" and lora and mode == "forward_backward" and shape == "qwen3-30b-a3b"
-    return (["ours"] + ([] if slow_eager else ["eager"]) + ["grouped_mm"]
-            + (["batched_mm"] if batched_bytes <= 2**31 else []))
+    slow_eager = device_class == "cpu" and lora and mode == "forward_backward" and shape == "qwen3-30b-a3b"
+    batched = batched_bytes <= 2**31 and device_class != "cpu-scalar"  # 4.8 s a call there at T=32
+    return ["ours"] + ([] if slow_eager else ["eager"]) + ["grouped_mm"] + (["batched_mm"] if batched else [])
 
 
 def params() -> list:
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    runs = [(impl, shape, tokens, mode, lora) for shape, tokens in cases(device_type)
-            for mode in ("forward", "forward_backward") for lora in (False, True)
-            for impl in impls(shape, tokens, mode, lora, device_type)]
+    device_class = run_device_class()
+    loras = (False,) if device_class == "cpu-scalar" else (False, True)
+    runs = [(impl, shape, tokens, mode, lora) for shape, tokens in cases(device_class)
+            for mode in ("forward", "forward_backward") for lora in loras
+            for impl in impls(shape, tokens, mode, lora, device_class)]
     return [pytest.param(*run, id=f"{run[3]}-{run[1]}-T{run[2]}-{'lora' if run[4] else 'base'}-{run[0]}")
             for run in runs]
 

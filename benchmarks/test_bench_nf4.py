@@ -2,7 +2,8 @@
 
 Shapes come from real models: a 4096x4096 attention projection, a 4096x14336 MLP projection
 (Llama-3-8B / Mistral-7B) and the stacked down_proj experts of Qwen3-30B-A3B (128 experts of
-2048x768; 32 experts on CPU so one case stays within seconds). Inputs are bf16, blocksize 64 with
+2048x768; 32 experts on CPU so one case stays within seconds, 8 and no 4096x14336 on a CPU without
+AVX-512). Inputs are bf16, blocksize 64 with
 double quantization: what QLoRA uses.
 """
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import pykernels.nf4 as nf4
+from benchmarks.conftest import run_device_class
 from pykernels.reference import nf4 as reference
 
 try:
@@ -26,11 +28,13 @@ SHAPES = {
     "experts-Ex2048x768": (128, 2048, 768),
 }
 CPU_SHAPES = {**SHAPES, "experts-Ex2048x768": (32, 2048, 768)}
+# Without AVX-512 ("cpu-scalar") bitsandbytes and the reference are slow: the two smaller shapes.
+CPU_SCALAR_SHAPES = {"4096x4096": (4096, 4096), "experts-Ex2048x768": (8, 2048, 768)}
 IMPLS = ["ours", "bitsandbytes", "torch_reference"]
 
 
-def shape_for(case: str, device) -> tuple[int, ...]:
-    return (CPU_SHAPES if device.torch_device.type == "cpu" else SHAPES)[case]
+def shapes(device_class: str) -> dict[str, tuple[int, ...]]:
+    return {"cpu": CPU_SHAPES, "cpu-scalar": CPU_SCALAR_SHAPES}.get(device_class, SHAPES)
 
 
 def quantize_fn(impl: str, x: torch.Tensor):
@@ -73,12 +77,12 @@ OPS = {"quantize": quantize_fn, "dequantize": dequantize_fn}
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("case", list(SHAPES))
+@pytest.mark.parametrize("case", list(shapes(run_device_class())))
 @pytest.mark.parametrize("op", list(OPS))
 def test_nf4(measure, device, op, case, impl):
     if impl == "bitsandbytes" and bnb_functional is None:
         pytest.skip("bitsandbytes is not installed")
-    x = torch.randn(shape_for(case, device), dtype=torch.bfloat16, device=device.torch_device)
+    x = torch.randn(shapes(device.device_class)[case], dtype=torch.bfloat16, device=device.torch_device)
     # Either way one side is the bf16 tensor and the other the packed form: the bytes are the same.
     measure(OPS[op](impl, x), x.numel() * 2 + packed_bytes(x.numel()),
             family="nf4", op=op, case=case, impl=impl, shape="x".join(map(str, x.shape)))

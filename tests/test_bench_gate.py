@@ -96,7 +96,7 @@ def test_missing_results_file_is_reported(tmp_path, thresholds, capsys):
 
 
 def test_repository_thresholds_parse_for_every_device_class():
-    for device_class in ("cpu", "h100", "h200"):
+    for device_class in ("cpu", "cpu-scalar", "h100", "h200"):
         floors = gate.load_floors(gate.DEFAULT_THRESHOLDS, device_class)
         assert floors
         for rule, floor in ((rule, floor) for rule, rule_floors in floors.items() for floor in rule_floors):
@@ -220,3 +220,15 @@ def test_scope_judges_complete_families_strictly_and_subsets_on_what_ran(tmp_pat
     assert [(c.rule, [r.case for r in c.cases], c.passed) for c in judged] == [
         ("nf4.dequantize.bitsandbytes", ["4096x4096"], True)]
     assert [c.rule for c in not_evaluated] == ["lora.forward_bf16.peft", "nf4.dequantize.torch_reference"]
+
+
+@pytest.mark.parametrize(("isa", "expected"), [("avx512", "cpu"), ("scalar", "cpu-scalar")])
+def test_cpu_device_class_follows_the_kernels_cpu_path(monkeypatch, isa, expected):
+    import torch
+
+    import pykernels
+    from benchmarks import conftest
+
+    info = pykernels.build_info()
+    monkeypatch.setattr(pykernels, "build_info", lambda: {**info, "cpu_isa_detected": isa})
+    assert conftest.device_class(torch.device("cpu")) == expected
