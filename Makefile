@@ -46,13 +46,13 @@ test: $(BUILT) lint
 	@$(MAKE) --no-print-directory -j2 --output-sync=target test-fast $(CUDA_CHECK_IF_NVCC)
 
 test-fast: $(BUILT)
-	$(PY) -m pytest tests -q -m "not slow"
+	$(PY) -m pytest tests -q -m "not slow" --durations=15
 
 no-nvcc:
 	@echo "nvcc not found: skipping the CUDA compile check"
 
 test-e2e: $(BUILT)
-	$(PY) -m pytest tests -q -m slow
+	$(PY) -m pytest tests -q -m slow --durations=15
 
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .
