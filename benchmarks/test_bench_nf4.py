@@ -2,9 +2,8 @@
 
 Shapes come from real models: a 4096x4096 attention projection, a 4096x14336 MLP projection
 (Llama-3-8B / Mistral-7B) and the stacked down_proj experts of Qwen3-30B-A3B (128 experts of
-2048x768; 32 experts on CPU so one case stays within seconds, 8 and no 4096x14336 on a CPU without
-AVX-512). Inputs are bf16, blocksize 64 with
-double quantization: what QLoRA uses.
+2048x768; 32 experts on CPU so one case stays within seconds; 8, and no 4096x14336, on a CPU
+without AVX-512). Inputs are bf16, blocksize 64 with double quantization: what QLoRA uses.
 """
 
 from __future__ import annotations
