@@ -143,6 +143,12 @@ void dense_matmul(at::Tensor& out, const at::Tensor& left, const at::Tensor& rig
   }
 }
 
+// The left operand of a loop of dense_matmul calls into an output of `out_dtype`: its fp32 copy,
+// made once, when those products run in fp32 (dense_matmul's own .to(kFloat) is then a no-op).
+at::Tensor fp32_operand_once(const at::Tensor& left, at::ScalarType out_dtype) {
+  return multiply_in_fp32(out_dtype) ? left.to(at::kFloat) : left;
+}
+
 // Dequantizes rows [row, row + rows) of an NF4 weight into buffer (in parallel).
 void dequantize_rows(const nf4::DequantizeParams& weight, int64_t row, int64_t rows, int64_t k, at::Tensor& buffer) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
@@ -161,11 +167,12 @@ void nf4_matmul_nt(const at::Tensor& x, nf4::DequantizeParams weight, int64_t ou
   const int64_t rows_per_chunk = std::max<int64_t>(1, kWeightChunkBytes / (k * x.element_size()));
   at::Tensor buffer = at::empty({std::min(rows_per_chunk, out_features), k}, x.options());
   weight.out_dtype = nf4::float_dtype(x.scalar_type(), "x");
+  const at::Tensor left = fp32_operand_once(x, y.scalar_type());
   for (int64_t row = 0; row < out_features; row += rows_per_chunk) {
     const int64_t rows = std::min(rows_per_chunk, out_features - row);
     dequantize_rows(weight, row, rows, k, buffer);
     at::Tensor columns = y.narrow(1, row, rows);
-    dense_matmul(columns, x, buffer.narrow(0, 0, rows).t(), accumulate);
+    dense_matmul(columns, left, buffer.narrow(0, 0, rows).t(), accumulate);
   }
 }
 
@@ -195,12 +202,13 @@ void nf4_matmul_nn(const at::Tensor& dy, nf4::DequantizeParams weight, int64_t o
   const int64_t cols_per_chunk = std::min(k, std::max<int64_t>(64, fitting / 64 * 64));
   at::Tensor buffer = at::empty({out_features * cols_per_chunk}, grad_x.options());
   weight.out_dtype = nf4::float_dtype(grad_x.scalar_type(), "grad_x");
+  const at::Tensor left = fp32_operand_once(dy, grad_x.scalar_type());
   for (int64_t col = 0; col < k; col += cols_per_chunk) {
     const int64_t cols = std::min(cols_per_chunk, k - col);
     at::Tensor block = buffer.narrow(0, 0, out_features * cols).view({out_features, cols});
     dequantize_columns(weight, col, cols, out_features, k, block);
     at::Tensor target = grad_x.narrow(1, col, cols);
-    dense_matmul(target, dy, block, accumulate);
+    dense_matmul(target, left, block, accumulate);
   }
 }
 
