@@ -51,8 +51,12 @@ test-fast: $(BUILT)
 no-nvcc:
 	@echo "nvcc not found: skipping the CUDA compile check"
 
+# E2E_WORKERS pytest workers, each pinned with the processes it starts to one core (tests/conftest.py);
+# a module, or a class within one, goes to one worker (--dist loadscope): tests sharing a run or an
+# engine through a fixture start it once.
+E2E_WORKERS ?= 2
 test-e2e: $(BUILT)
-	$(PY) -m pytest tests -q -m slow --durations=15
+	$(PY) -m pytest tests -q -m slow --durations=15 -n $(E2E_WORKERS) --dist loadscope
 
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -7,6 +9,24 @@ CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(
     not CUDA, reason="needs a CUDA device (run on the GPU machine, see README)"
 )
+
+
+def _pin_xdist_worker_to_one_core() -> None:
+    """Under `pytest -n N` (make test-e2e), worker i and every process it starts (training runs, vLLM
+    engines and servers) run on core i: otherwise every vLLM engine binds its threads to core 0 and
+    the workers' runs queue on it while the other cores idle."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ...
+    if worker is None or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[int(worker.removeprefix("gw")) % len(cores)]
+    os.sched_setaffinity(0, {core})
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+    torch.set_num_threads(1)
+
+
+_pin_xdist_worker_to_one_core()
 
 
 def cpu_isas() -> list[str]:

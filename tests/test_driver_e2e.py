@@ -70,79 +70,84 @@ def demo(tmp_path_factory):
     return output_dir, result
 
 
-def test_the_demo_learns_and_writes_its_outputs(demo):
-    output_dir, _ = demo
-    rows = metrics(output_dir)
-    rewards = [row["reward"] for row in rows]
-    assert len(rows) == 40
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    assert last > first + 0.3, f"reward did not rise: first 10 steps {first:.3f}, last 10 {last:.3f}"
-    assert max(row["sync/probe_max_abs_diff"] for row in rows) < 1e-3
-    # (steps whose micro-batches were all skipped for zero advantage score nothing, so no gap)
-    gaps = [row["sampling/sampling_logp_difference/max"] for row in rows
-            if row.get("sampling/sampling_logp_difference/max") is not None]
-    assert len(gaps) >= 20 and max(gaps) < 1e-3
-    for name in ("config.yaml", "run.log", "adapter/adapter_config.json", "adapter/adapter_model.safetensors",
-                 "plots/reward.png", "plots/overview.png"):
-        assert (output_dir / name).is_file(), name
-    assert list((output_dir / "tensorboard").glob("events.out.tfevents.*"))
-    assert (output_dir / "checkpoints" / "step-000040").is_dir()
+class TestTheDemoRun:
+    """Questions one demo run answers (a class: `pytest -n` sends them to one worker, which runs it once)."""
+
+    def test_the_demo_learns_and_writes_its_outputs(self, demo):
+        output_dir, _ = demo
+        rows = metrics(output_dir)
+        rewards = [row["reward"] for row in rows]
+        assert len(rows) == 40
+        first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+        assert last > first + 0.3, f"reward did not rise: first 10 steps {first:.3f}, last 10 {last:.3f}"
+        assert max(row["sync/probe_max_abs_diff"] for row in rows) < 1e-3
+        # (steps whose micro-batches were all skipped for zero advantage score nothing, so no gap)
+        gaps = [row["sampling/sampling_logp_difference/max"] for row in rows
+                if row.get("sampling/sampling_logp_difference/max") is not None]
+        assert len(gaps) >= 20 and max(gaps) < 1e-3
+        for name in ("config.yaml", "run.log", "adapter/adapter_config.json", "adapter/adapter_model.safetensors",
+                     "plots/reward.png", "plots/overview.png"):
+            assert (output_dir / name).is_file(), name
+        assert list((output_dir / "tensorboard").glob("events.out.tfevents.*"))
+        assert (output_dir / "checkpoints" / "step-000040").is_dir()
 
 
-def test_the_demo_keeps_the_terminal_quiet_and_ends_with_a_summary(demo):
-    output_dir, result = demo
-    terminal = result.stdout + result.stderr
-    for noise in ("EngineCore", "WARNING", "Triton", "kernels-community"):  # vLLM's, transformers', bnb's
-        assert noise not in terminal, noise
-    assert "EngineCore" in (output_dir / "run.log").read_text()
-    summary = result.stdout[result.stdout.index("finished step 40 of 40"):]
-    minutes, seconds = re.search(r"in (\d+)m(\d\d)s", summary.splitlines()[0]).groups()
-    assert 60 * int(minutes) + int(seconds) >= sum(row["time/step"] for row in metrics(output_dir)) - 1
-    assert "reward: first 10 steps" in summary
-    for path in ("adapter", "metrics.jsonl", "plots", "tensorboard", "run.log"):
-        assert str(output_dir / path) in summary, path
-    assert f"-m driver.train {output_dir / 'config.yaml'} --checkpoint.resume=latest --train.steps=80" in summary
+    def test_the_demo_keeps_the_terminal_quiet_and_ends_with_a_summary(self, demo):
+        output_dir, result = demo
+        terminal = result.stdout + result.stderr
+        for noise in ("EngineCore", "WARNING", "Triton", "kernels-community"):  # vLLM's, transformers', bnb's
+            assert noise not in terminal, noise
+        assert "EngineCore" in (output_dir / "run.log").read_text()
+        summary = result.stdout[result.stdout.index("finished step 40 of 40"):]
+        minutes, seconds = re.search(r"in (\d+)m(\d\d)s", summary.splitlines()[0]).groups()
+        assert 60 * int(minutes) + int(seconds) >= sum(row["time/step"] for row in metrics(output_dir)) - 1
+        assert "reward: first 10 steps" in summary
+        for path in ("adapter", "metrics.jsonl", "plots", "tensorboard", "run.log"):
+            assert str(output_dir / path) in summary, path
+        assert f"-m driver.train {output_dir / 'config.yaml'} --checkpoint.resume=latest --train.steps=80" in summary
 
 
-def test_the_saved_adapter_is_what_peft_and_vllm_load(demo, tiny_vllm_server):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    def test_the_saved_adapter_is_what_peft_and_vllm_load(self, demo, tiny_vllm_server):
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
 
-    adapter = demo[0] / "adapter"
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny://qwen2")), adapter)
-    ids = list(range(40, 70))
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, :-1]
-        with model.disable_adapter():
-            base_logits = model(torch.tensor([ids])).logits[0, :-1]
-    targets = torch.tensor(ids[1:])[:, None]
-    peft_logprobs = torch.log_softmax(logits, -1).gather(1, targets)[:, 0]
-    base_logprobs = torch.log_softmax(base_logits, -1).gather(1, targets)[:, 0]
-    assert (base_logprobs - peft_logprobs).abs().max() > 1e-3  # the adapter learned something to compare
-    name = f"e2e-saved-{secrets.token_hex(4)}"  # vLLM's own HTTP API, not the driver's client
-    requests.post(f"{tiny_vllm_server}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(adapter)},
-                  timeout=120).raise_for_status()
-    try:
-        response = requests.post(f"{tiny_vllm_server}/v1/completions", timeout=120, json={
-            "model": name, "prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0})
-        response.raise_for_status()
-    finally:
-        requests.post(f"{tiny_vllm_server}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=120)
-    entries = response.json()["choices"][0]["prompt_logprobs"][1:]
-    vllm_logprobs = torch.tensor([entry[str(token)]["logprob"] for entry, token in zip(entries, ids[1:])])
-    torch.testing.assert_close(vllm_logprobs, peft_logprobs, atol=1e-4, rtol=0)
+        adapter = demo[0] / "adapter"
+        base = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny://qwen2"))
+        model = PeftModel.from_pretrained(base, adapter)
+        ids = list(range(40, 70))
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, :-1]
+            with model.disable_adapter():
+                base_logits = model(torch.tensor([ids])).logits[0, :-1]
+        targets = torch.tensor(ids[1:])[:, None]
+        peft_logprobs = torch.log_softmax(logits, -1).gather(1, targets)[:, 0]
+        base_logprobs = torch.log_softmax(base_logits, -1).gather(1, targets)[:, 0]
+        assert (base_logprobs - peft_logprobs).abs().max() > 1e-3  # the adapter learned something to compare
+        name = f"e2e-saved-{secrets.token_hex(4)}"  # vLLM's own HTTP API, not the driver's client
+        requests.post(f"{tiny_vllm_server}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(adapter)},
+                      timeout=120).raise_for_status()
+        try:
+            response = requests.post(f"{tiny_vllm_server}/v1/completions", timeout=120, json={
+                "model": name, "prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0})
+            response.raise_for_status()
+        finally:
+            requests.post(f"{tiny_vllm_server}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=120)
+        entries = response.json()["choices"][0]["prompt_logprobs"][1:]
+        vllm_logprobs = torch.tensor([entry[str(token)]["logprob"] for entry, token in zip(entries, ids[1:])])
+        torch.testing.assert_close(vllm_logprobs, peft_logprobs, atol=1e-4, rtol=0)
 
 
-def test_resuming_a_checkpoint_is_exact(demo, tmp_path):
-    """3 steps, then resume to 6, gives the bytes of 6 steps straight (the demo's step-6 checkpoint)."""
-    demo_dir = demo[0]
-    resumed = tmp_path / "resumed"
-    checkpoint = demo_dir / "checkpoints" / f"step-{CHECKPOINT_EVERY:06d}"
-    assert_ok(train(resumed, f"--checkpoint.resume={checkpoint}", f"--train.steps={2 * CHECKPOINT_EVERY}", *QUIET))
-    straight = demo_dir / "checkpoints" / f"step-{2 * CHECKPOINT_EVERY:06d}" / "adapter" / "adapter_model.safetensors"
-    assert (resumed / "adapter" / "adapter_model.safetensors").read_bytes() == straight.read_bytes()
-    assert [row["reward"] for row in metrics(resumed)] == [
-        row["reward"] for row in metrics(demo_dir)[CHECKPOINT_EVERY:2 * CHECKPOINT_EVERY]]
+    def test_resuming_a_checkpoint_is_exact(self, demo, tmp_path):
+        """3 steps, then resume to 6, gives the bytes of 6 steps straight (the demo's step-6 checkpoint)."""
+        demo_dir = demo[0]
+        resumed = tmp_path / "resumed"
+        checkpoint = demo_dir / "checkpoints" / f"step-{CHECKPOINT_EVERY:06d}"
+        assert_ok(train(resumed, f"--checkpoint.resume={checkpoint}", f"--train.steps={2 * CHECKPOINT_EVERY}", *QUIET))
+        straight = (demo_dir / "checkpoints" / f"step-{2 * CHECKPOINT_EVERY:06d}" / "adapter"
+                    / "adapter_model.safetensors")
+        assert (resumed / "adapter" / "adapter_model.safetensors").read_bytes() == straight.read_bytes()
+        assert [row["reward"] for row in metrics(resumed)] == [
+            row["reward"] for row in metrics(demo_dir)[CHECKPOINT_EVERY:2 * CHECKPOINT_EVERY]]
 
 
 @pytest.mark.parametrize("overrides", [[], ["--rollout.async_prefetch=true", "--rewards.reward_num_workers=1"]],
@@ -193,47 +198,50 @@ def test_async_run_learns_with_every_sample_efficiency_mechanism_firing(tmp_path
     assert empty and not any(row.get("entropy") is not None for row in empty)
 
 
-def test_bf16_syncs_are_verified_and_a_stale_engine_is_caught(tmp_path):
-    """bf16 kernels of vLLM and transformers differ by ~0.05 per probe token on the same weights: the
-    check must pass the versions really served and stop the run once the engine stops following."""
-    output_dir = tmp_path / "run"
-    result = train(output_dir, *BF16, "--train.steps=16", *QUIET, script=["tests/e2e/plant_stale_sync.py"],
-                   env={"STALE_FROM": "6"})
-    assert result.returncode == 1, result.stderr[-3000:]
-    assert "the engine is not serving the weights just saved" in result.stderr
-    rows = metrics(output_dir)
-    assert verified_versions(rows[:5]) >= 2  # versions 1-5 were served, and checked as such
-    assert "Traceback" not in result.stderr
+class TestBf16:
+    """bf16 runs, where engine and trainer never agree exactly (a class: one unit of work for `pytest -n`)."""
+
+    def test_bf16_syncs_are_verified_and_a_stale_engine_is_caught(self, tmp_path):
+        """bf16 kernels of vLLM and transformers differ by ~0.05 per probe token on the same weights: the
+        check must pass the versions really served and stop the run once the engine stops following."""
+        output_dir = tmp_path / "run"
+        result = train(output_dir, *BF16, "--train.steps=16", *QUIET, script=["tests/e2e/plant_stale_sync.py"],
+                       env={"STALE_FROM": "6"})
+        assert result.returncode == 1, result.stderr[-3000:]
+        assert "the engine is not serving the weights just saved" in result.stderr
+        rows = metrics(output_dir)
+        assert verified_versions(rows[:5]) >= 2  # versions 1-5 were served, and checked as such
+        assert "Traceback" not in result.stderr
 
 
-def test_bf16_moe_with_async_prefetch_trains_experts_lora_on_a_single_weights_engine(tmp_path):
-    """MoE on CPU: vLLM's LoRA path needs Triton, so the engine gets merged weights each sync; version v
-    may replace the weights only after every batch of an older version finished (prefetch depth 2)."""
-    output_dir = tmp_path / "run"
-    result = train(output_dir, *BF16, "--train.steps=5", "--rollout.async_prefetch=true", "--rollout.prefetch_depth=2",
-                   *QUIET, example=MOE_EXAMPLE)
-    assert_ok(result)
-    assert "grouped MoE kernels on 2 experts modules" in result.stdout
-    rows = metrics(output_dir)
-    assert [row["rollout/version"] for row in rows] == [0, 0, 0, 1, 2]
-    assert verified_versions(rows) >= 1
-    adapter = json.loads((output_dir / "adapter" / "adapter_config.json").read_text())
-    assert sorted(adapter["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    def test_bf16_moe_with_async_prefetch_trains_experts_lora_on_a_single_weights_engine(self, tmp_path):
+        """MoE on CPU: vLLM's LoRA path needs Triton, so the engine gets merged weights each sync; version v
+        may replace the weights only after every batch of an older version finished (prefetch depth 2)."""
+        output_dir = tmp_path / "run"
+        result = train(output_dir, *BF16, "--train.steps=5", "--rollout.async_prefetch=true",
+                       "--rollout.prefetch_depth=2", *QUIET, example=MOE_EXAMPLE)
+        assert_ok(result)
+        assert "grouped MoE kernels on 2 experts modules" in result.stdout
+        rows = metrics(output_dir)
+        assert [row["rollout/version"] for row in rows] == [0, 0, 0, 1, 2]
+        assert verified_versions(rows) >= 1
+        adapter = json.loads((output_dir / "adapter" / "adapter_config.json").read_text())
+        assert sorted(adapter["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
 
 
-def test_bf16_qlora_on_a_launched_server_trains_verifies_by_movement_and_stops_the_server(tmp_path):
-    """The 30B example's set-up in miniature: an NF4 trainer, a vLLM server it launches serving the bf16
-    base + adapter (a different base: the sync check can only compare how the probe moves)."""
-    import psutil
+    def test_bf16_qlora_on_a_launched_server_trains_verifies_by_movement_and_stops_the_server(self, tmp_path):
+        """The 30B example's set-up in miniature: an NF4 trainer, a vLLM server it launches serving the bf16
+        base + adapter (a different base: the sync check can only compare how the probe moves)."""
+        import psutil
 
-    output_dir = tmp_path / "run"
-    assert_ok(train(output_dir, *BF16, "--model.qlora=true", "--rollout.backend=server", "--train.steps=6", *QUIET))
-    rows = metrics(output_dir)
-    assert len(rows) == 6 and verified_versions(rows) >= 2
-    # vLLM samples from the unquantized base; the trainer's NF4 base differs and IS sees the gap.
-    assert rows[0]["sampling/sampling_logp_difference/max"] > 1e-2
-    assert (output_dir / "vllm-server.log").stat().st_size > 0
-    launched = [p for p in psutil.process_iter(["cmdline"])  # (the shared server serves float32)
-                if "vllm.entrypoints.openai.api_server" in (p.info["cmdline"] or [])
-                and "bfloat16" in (p.info["cmdline"] or [])]
-    assert not launched, "the run left its vLLM server running"
+        output_dir = tmp_path / "run"
+        assert_ok(train(output_dir, *BF16, "--model.qlora=true", "--rollout.backend=server", "--train.steps=6", *QUIET))
+        rows = metrics(output_dir)
+        assert len(rows) == 6 and verified_versions(rows) >= 2
+        # vLLM samples from the unquantized base; the trainer's NF4 base differs and IS sees the gap.
+        assert rows[0]["sampling/sampling_logp_difference/max"] > 1e-2
+        assert (output_dir / "vllm-server.log").stat().st_size > 0
+        launched = [p for p in psutil.process_iter(["cmdline"])  # (the shared server serves float32)
+                    if "vllm.entrypoints.openai.api_server" in (p.info["cmdline"] or [])
+                    and "bfloat16" in (p.info["cmdline"] or [])]
+        assert not launched, "the run left its vLLM server running"

@@ -48,11 +48,15 @@ def make_config(output_dir, **rollout) -> Config:
 
 
 def server_processes_for(model_dir, besides: str) -> list[psutil.Process]:
-    """API server processes for model_dir, other than the one at URL `besides` (the shared server)."""
+    """API server processes for model_dir started by this test process (not another pytest worker's),
+    other than the one at URL `besides` (the shared server)."""
     shared_port = besides.rsplit(":", 1)[1]
     found = []
-    for process in psutil.process_iter(["cmdline"]):
-        cmdline = process.info["cmdline"] or []
+    for process in psutil.Process().children(recursive=True):
+        try:
+            cmdline = process.cmdline()
+        except psutil.NoSuchProcess:
+            continue
         if "vllm.entrypoints.openai.api_server" in cmdline and str(model_dir) in cmdline \
                 and shared_port not in cmdline:
             found.append(process)
