@@ -1,4 +1,4 @@
-// NF4 CUDA kernels. Memory-bound: each thread moves 8 (quantize) or 16 (dequantize) values with
+// NF4 CUDA kernels. Memory-bound: each thread moves 8 (quantize) or 2 x 32 (dequantize) values with
 // 16-byte loads/stores; the aim is >= 80% of HBM bandwidth. Results are bit-identical to the CPU
 // kernels (and so to bitsandbytes 0.50 on CPU): every rounding step is an explicit _rn
 // intrinsic, so nvcc's default multiply-add contraction cannot change a bit.
@@ -20,7 +20,8 @@ namespace {
 using Packed4 = uint32_t;  // 8 codes = 4 bytes: one quantize thread's output
 
 constexpr int kQuantValuesPerThread = 8;     // 32 B of fp32 / 16 B of bf16 per thread
-constexpr int kDequantValuesPerThread = 16;  // 8 packed bytes in, 64 B fp32 / 32 B bf16 out
+constexpr int kDequantValuesPerThread = 32;  // 16 packed bytes in, 128 B fp32 / 64 B bf16 out
+constexpr int kDequantChunksInFlight = 2;    // loads a thread issues before it decodes
 constexpr int kThreads = 256;
 
 __constant__ float c_code[16] = {
@@ -146,6 +147,31 @@ __device__ __forceinline__ void store16(T* out, const float* v, bool aligned) {
   }
 }
 
+// One chunk: 32 values under one scale (32 divides blocksize), 16 packed bytes in one 16-byte load.
+struct DequantChunk {
+  uint4 bytes;
+  float scale;
+};
+
+template <typename T>
+__device__ __forceinline__ void decode_and_store(const DequantChunk& c, const float* code, T* out, bool out_aligned) {
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&c.bytes);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float v[16];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      v[2 * k] = dequantize_value(code[high_code(bytes[8 * half + k])], c.scale);
+      v[2 * k + 1] = dequantize_value(code[low_code(bytes[8 * half + k])], c.scale);
+    }
+    store16(out + 16 * half, v, out_aligned);
+  }
+}
+
+// Memory-bound: every thread issues the 16-byte loads of kDequantChunksInFlight chunks before it
+// decodes any, so each SM keeps several loads in flight per thread, then writes each chunk with
+// 16-byte stores (64 B bf16 / 128 B fp32 per chunk). Tails and misaligned tensors take the
+// element-wise path.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t* __restrict__ packed,
                                                               BlockScales scales, int64_t numel,
@@ -154,32 +180,32 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t* __r
   if (threadIdx.x < 16) code[threadIdx.x] = c_code[threadIdx.x];
   __syncthreads();
   const int64_t chunks = (numel + kDequantValuesPerThread - 1) / kDequantValuesPerThread;
-  const bool packed_aligned = is_aligned(packed, 8);
-  const bool out_aligned = is_aligned(out, 16);
-  for (int64_t chunk = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; chunk < chunks;
-       chunk += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t first = chunk * kDequantValuesPerThread;
-    // 16 divides blocksize, so a chunk never straddles two blocks.
-    const float scale = block_scale(scales, block_of(first, blocksize));
-    if (whole_vector_in_range(first, kDequantValuesPerThread, numel)) {
-      uint8_t bytes[8];
-      if (packed_aligned) {
-        *reinterpret_cast<uint2*>(bytes) = *reinterpret_cast<const uint2*>(packed + packed_byte_of(first));
+  const bool vector_ok = is_aligned(packed, 16) && is_aligned(out, 16);
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t base = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; base < chunks;
+       base += stride * kDequantChunksInFlight) {
+    DequantChunk loaded[kDequantChunksInFlight];
+#pragma unroll
+    for (int u = 0; u < kDequantChunksInFlight; ++u) {
+      const int64_t first = (base + u * stride) * kDequantValuesPerThread;
+      if (vector_ok && whole_vector_in_range(first, kDequantValuesPerThread, numel)) {
+        loaded[u].bytes = *reinterpret_cast<const uint4*>(packed + packed_byte_of(first));
+        loaded[u].scale = block_scale(scales, block_of(first, blocksize));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kDequantChunksInFlight; ++u) {
+      const int64_t chunk = base + u * stride;
+      if (chunk >= chunks) break;
+      const int64_t first = chunk * kDequantValuesPerThread;
+      if (vector_ok && whole_vector_in_range(first, kDequantValuesPerThread, numel)) {
+        decode_and_store(loaded[u], code, out + first, true);
       } else {
-#pragma unroll
-        for (int k = 0; k < 8; ++k) bytes[k] = packed[packed_byte_of(first) + k];
+        const float scale = block_scale(scales, block_of(first, blocksize));
+        const int64_t end = first + elements_in_range(first, kDequantValuesPerThread, numel);
+        for (int64_t i = first; i < end; ++i)
+          out[i] = from_float<T>(dequantize_value(code[code_of_element(packed[packed_byte_of(i)], i)], scale));
       }
-      float v[kDequantValuesPerThread];
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        v[2 * k] = dequantize_value(code[high_code(bytes[k])], scale);
-        v[2 * k + 1] = dequantize_value(code[low_code(bytes[k])], scale);
-      }
-      store16(out + first, v, out_aligned);
-    } else {
-      const int64_t end = first + elements_in_range(first, kDequantValuesPerThread, numel);
-      for (int64_t i = first; i < end; ++i)
-        out[i] = from_float<T>(dequantize_value(code[code_of_element(packed[packed_byte_of(i)], i)], scale));
     }
   }
 }
@@ -285,11 +311,12 @@ const char* launch_quantize(const QuantizeParams& p, cudaStream_t stream) {
 }
 
 const char* launch_dequantize(const DequantizeParams& p, cudaStream_t stream) {
-  // Each thread decodes 16 values under one scale: 16 must divide blocksize (and a power of two in
+  // Each chunk is 32 values under one scale: 32 must divide blocksize (and a power of two in
   // [32, 4096] does); the launch itself has no other limit (grid-stride loop).
-  if (p.blocksize < 16 || p.blocksize % kDequantValuesPerThread != 0)
-    return "nf4 dequantize: blocksize must be a multiple of 16 (a power of two in [32, 4096])";
-  const int grid = grid_for((p.numel + kDequantValuesPerThread - 1) / kDequantValuesPerThread, kThreads);
+  if (p.blocksize < kDequantValuesPerThread || p.blocksize % kDequantValuesPerThread != 0)
+    return "nf4 dequantize: blocksize must be a multiple of 32 (a power of two in [32, 4096])";
+  const int64_t chunks = (p.numel + kDequantValuesPerThread - 1) / kDequantValuesPerThread;
+  const int grid = grid_for((chunks + kDequantChunksInFlight - 1) / kDequantChunksInFlight, kThreads);
   switch (p.out_dtype) {
     case DType::kFloat32:
       dequantize_kernel<float><<<grid, kThreads, 0, stream>>>(p.packed, p.scales, p.numel, int(p.blocksize),
