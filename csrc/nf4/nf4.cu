@@ -126,24 +126,21 @@ __device__ __forceinline__ float block_scale(const BlockScales& s, int64_t block
                        *s.nested_offset);
 }
 
+// 16 values to out with 16-byte stores; out is 16-byte aligned (the kernel checks, else it goes
+// element-wise).
 template <typename T>
-__device__ __forceinline__ void store16(T* out, const float* v, bool aligned) {
-  if (aligned) {
-    if constexpr (sizeof(T) == 4) {
+__device__ __forceinline__ void store16(T* out, const float* v) {
+  if constexpr (sizeof(T) == 4) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        reinterpret_cast<float4*>(out)[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
-    } else {
-      uint4 raw[2];
-      T* halves = reinterpret_cast<T*>(raw);
-#pragma unroll
-      for (int i = 0; i < 16; ++i) halves[i] = from_float<T>(v[i]);
-      reinterpret_cast<uint4*>(out)[0] = raw[0];
-      reinterpret_cast<uint4*>(out)[1] = raw[1];
-    }
+    for (int i = 0; i < 4; ++i)
+      reinterpret_cast<float4*>(out)[i] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
   } else {
+    uint4 raw[2];
+    T* halves = reinterpret_cast<T*>(raw);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) out[i] = from_float<T>(v[i]);
+    for (int i = 0; i < 16; ++i) halves[i] = from_float<T>(v[i]);
+    reinterpret_cast<uint4*>(out)[0] = raw[0];
+    reinterpret_cast<uint4*>(out)[1] = raw[1];
   }
 }
 
@@ -154,7 +151,7 @@ struct DequantChunk {
 };
 
 template <typename T>
-__device__ __forceinline__ void decode_and_store(const DequantChunk& c, const float* code, T* out, bool out_aligned) {
+__device__ __forceinline__ void decode_and_store(const DequantChunk& c, const float* code, T* out) {
   const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&c.bytes);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -164,7 +161,7 @@ __device__ __forceinline__ void decode_and_store(const DequantChunk& c, const fl
       v[2 * k] = dequantize_value(code[high_code(bytes[8 * half + k])], c.scale);
       v[2 * k + 1] = dequantize_value(code[low_code(bytes[8 * half + k])], c.scale);
     }
-    store16(out + 16 * half, v, out_aligned);
+    store16(out + 16 * half, v);
   }
 }
 
@@ -179,7 +176,7 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t* __r
   __shared__ float code[16];
   if (threadIdx.x < 16) code[threadIdx.x] = c_code[threadIdx.x];
   __syncthreads();
-  const int64_t chunks = (numel + kDequantValuesPerThread - 1) / kDequantValuesPerThread;
+  const int64_t chunks = ceil_div(numel, kDequantValuesPerThread);
   const bool vector_ok = is_aligned(packed, 16) && is_aligned(out, 16);
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t base = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; base < chunks;
@@ -199,7 +196,7 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t* __r
       if (chunk >= chunks) break;
       const int64_t first = chunk * kDequantValuesPerThread;
       if (vector_ok && whole_vector_in_range(first, kDequantValuesPerThread, numel)) {
-        decode_and_store(loaded[u], code, out + first, true);
+        decode_and_store(loaded[u], code, out + first);
       } else {
         const float scale = block_scale(scales, block_of(first, blocksize));
         const int64_t end = first + elements_in_range(first, kDequantValuesPerThread, numel);
@@ -315,8 +312,7 @@ const char* launch_dequantize(const DequantizeParams& p, cudaStream_t stream) {
   // [32, 4096] does); the launch itself has no other limit (grid-stride loop).
   if (p.blocksize < kDequantValuesPerThread || p.blocksize % kDequantValuesPerThread != 0)
     return "nf4 dequantize: blocksize must be a multiple of 32 (a power of two in [32, 4096])";
-  const int64_t chunks = (p.numel + kDequantValuesPerThread - 1) / kDequantValuesPerThread;
-  const int grid = grid_for((chunks + kDequantChunksInFlight - 1) / kDequantChunksInFlight, kThreads);
+  const int grid = grid_for(ceil_div(ceil_div(p.numel, kDequantValuesPerThread), kDequantChunksInFlight), kThreads);
   switch (p.out_dtype) {
     case DType::kFloat32:
       dequantize_kernel<float><<<grid, kThreads, 0, stream>>>(p.packed, p.scales, p.numel, int(p.blocksize),
