@@ -45,8 +45,9 @@ CUDA_CHECK_IF_NVCC := $(if $(shell command -v nvcc 2>/dev/null),cuda-check,no-nv
 test: $(BUILT) lint
 	@$(MAKE) --no-print-directory -j2 --output-sync=target test-fast $(CUDA_CHECK_IF_NVCC)
 
+# hopper_ptx tests read the PTX cuda-check keeps and run there (compiling it twice costs CI a minute).
 test-fast: $(BUILT)
-	$(PY) -m pytest tests -q -m "not slow" --durations=15
+	$(PY) -m pytest tests -q -m "not slow and not hopper_ptx" --durations=15
 
 no-nvcc:
 	@echo "nvcc not found: skipping the CUDA compile check"
@@ -93,12 +94,15 @@ $(BUILT): $(INSTALLED) $(NATIVE_SOURCES)
 bench: $(BUILT)
 	$(PY) -m pytest --benchmark --benchmark-json=$(BENCH_JSON) -q
 
-# Every .cu compiled by nvcc for sm_80 and sm_90a (and the CUDA bindings against torch's headers),
+# Every .cu compiled by nvcc for sm_80 and sm_90a (the *_sm90.cu files for sm_90a alone, keeping
+# their PTX for tests/test_ptx.py's Hopper checks) and the CUDA bindings against torch's headers,
 # without a GPU and with a CPU-only torch.
 cuda-check: $(INSTALLED)
 	$(VENV)/bin/cmake -S . -B $(CUDA_CHECK_DIR) -G Ninja -DPYKERNELS_CUDA_COMPILE_CHECK=ON \
 		-DPython_EXECUTABLE=$(abspath $(PY)) -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja) > /dev/null
 	+$(VENV)/bin/cmake --build $(CUDA_CHECK_DIR)  # "+": ninja shares make's job slots under make test
+	PYKERNELS_PTX_DIR=$(CUDA_CHECK_DIR)/sm90-ptx $(PY) -m pytest tests/test_ptx.py -q -m hopper_ptx --noconftest \
+		-p no:cacheprovider
 
 # GPU machines are leased briefly and offline (README "On a GPU machine"). Here, with a package index:
 # `make gpu-wheels` writes wheelhouse/ (over budget it leaves out cmake, then bitsandbytes; GPU_WHEELS_ARGS

@@ -1,5 +1,6 @@
 # PYKERNELS_CUDA_COMPILE_CHECK: compile, never link, all CUDA code on a machine without a GPU.
-#  1. every csrc/*/*.cu with nvcc for each arch in PYKERNELS_CUDA_ARCHS (they include no torch);
+#  1. every csrc/*/*.cu with nvcc for each arch in PYKERNELS_CUDA_ARCHS (they include no torch),
+#     the *_sm90.cu files for sm_90a alone;
 #  2. every csrc/*/*_cuda_torch.cpp with the host compiler against torch's headers. A CPU-only
 #     torch wheel ships c10/cuda but not the generated c10/cuda/impl/cuda_cmake_macros.h, so a
 #     stand-in is written to the build tree. The bindings must not include ATen/cuda headers that
@@ -14,6 +15,12 @@ set_target_properties(pykernels_cuda_check PROPERTIES CUDA_ARCHITECTURES "${PYKE
 target_compile_options(pykernels_cuda_check PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -Werror all-warnings>)
 
+# --keep: the PTX of each sm_90a file stays in sm90-ptx/ for the Hopper PTX checks (make cuda-check
+# runs tests/test_ptx.py -m hopper_ptx on it instead of compiling the files a second time).
+pykernels_add_sm90_objects(pykernels_cuda_sm90_check -Werror all-warnings --keep
+  --keep-dir=${CMAKE_BINARY_DIR}/sm90-ptx)
+file(MAKE_DIRECTORY ${CMAKE_BINARY_DIR}/sm90-ptx)
+
 find_package(Torch REQUIRED)
 find_package(CUDAToolkit REQUIRED)
 set(shim_dir "${CMAKE_BINARY_DIR}/c10_cuda_shim")
@@ -27,6 +34,7 @@ target_compile_definitions(pykernels_cuda_binding_check PRIVATE PYKERNELS_WITH_C
 target_compile_options(pykernels_cuda_binding_check PRIVATE ${PYKERNELS_CXX_FLAGS} ${TORCH_CXX_FLAGS})
 
 list(LENGTH PYKERNELS_CUDA_SOURCES n_cu)
+list(LENGTH PYKERNELS_CUDA_SM90_SOURCES n_sm90)
 list(LENGTH PYKERNELS_CUDA_BINDINGS n_bind)
-message(STATUS "pykernels: compile check of ${n_cu} .cu files for archs ${PYKERNELS_CUDA_ARCHS} "
-               "and ${n_bind} CUDA binding files")
+message(STATUS "pykernels: compile check of ${n_cu} .cu files for archs ${PYKERNELS_CUDA_ARCHS}, "
+               "${n_sm90} for sm_90a and ${n_bind} CUDA binding files")

@@ -1,10 +1,11 @@
 """The on-disk memory of pykernels.dispatch: which side won, per device and shape bucket.
 
 One JSON file, $PYKERNELS_CACHE/dispatch.json (default ~/.cache/pykernels/dispatch.json), holding
-one entry per *identity*: device name, GPU driver version, torch version, pykernels version and the
-compiled extension's size and mtime. A decision is only valid for the identity that made it: a new
-driver, torch or kernel build can change who is faster or whether ours is right, so any change
-means a fresh entry (re-decided on first use) and the stale entries of that device are dropped.
+one entry per *identity*: device name, GPU driver version, torch version, pykernels version, the
+compiled extension's size and mtime, and whether the Hopper GEMMs are on (PYKERNELS_SM90). A
+decision is only valid for the identity that made it: a new driver, torch or kernel build can
+change who is faster or whether ours is right, so any change means a fresh entry (re-decided on
+first use) and the stale entries of that device are dropped.
 Writes are atomic (temporary file + os.replace), so a crash or a second process never leaves a
 half-written file; a file that does not parse is ignored with one warning and rewritten.
 """
@@ -67,7 +68,10 @@ def identity(device: torch.device) -> dict:
     if str(device) not in _identities:
         _identities[str(device)] = {
             "device": device_name(device), "driver": _driver_version() if device.type == "cuda" else "none",
-            "torch": torch.__version__, "pykernels": pykernels.__version__, "extension": _extension_stamp()}
+            "torch": torch.__version__, "pykernels": pykernels.__version__, "extension": _extension_stamp(),
+            # PYKERNELS_SM90=0 swaps the Hopper GEMMs for the sm80 kernels (csrc/common/gemm_sm90_torch.h):
+            # decisions made with one side must not be reused for the other
+            "sm90_kernels": os.environ.get("PYKERNELS_SM90") != "0"}
     return _identities[str(device)]
 
 

@@ -2,7 +2,8 @@
 
 No CUDA kernel of this project has run on a GPU yet, and index arithmetic is where blind CUDA goes
 wrong. The arithmetic lives in __host__ __device__ headers (csrc/common/tails.h,
-common/online_softmax.h, nf4/nf4_layout.h, moe/moe_schedule.h, logprobs/vocab_chunks.h) that the
+common/online_softmax.h, common/gemm_groups.h, nf4/nf4_layout.h, moe/moe_schedule.h,
+logprobs/vocab_chunks.h) that the
 .cu kernels call; pykernels._C.host_logic compiles the same functions for the host. Each test
 compares them with an independent Python computation (direct enumeration, fp64 math, bitsandbytes)
 on adversarial sizes.
@@ -110,6 +111,121 @@ def test_row_tile_schedule_malformed_offsets_stay_in_bounds(offsets, slots, rows
     wrong numbers, no out-of-bounds access)."""
     assert [tuple(r) for r in H.moe_bucket_slots(offsets, slots)] == bucket_ranges(offsets, slots)
     check_schedule(offsets, slots, rows_per_tile, well_formed=False)
+
+
+# ------------------------------------------------------------------ the sm_90a grouped GEMM's problems
+# common/grouped_gemm_sm90.cu hands CUTLASS one (M, N, K, A, B, D) problem per expert (or one for a
+# dense GEMM), computed on the device by common/gemm_groups.h. Here the problems drive a numpy GEMM
+# with CUTLASS's addressing (row-major: (i, j) at i * ld + j; column-major: at j * ld + i), every
+# address checked against its buffer, and the result is compared with the per-expert products
+# computed directly.
+def view(buffer: np.ndarray, offset: int, rows: int, cols: int, ld: int, row_major: bool) -> np.ndarray:
+    i, j = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
+    index = offset + (i * ld + j if row_major else j * ld + i)
+    assert index.size == 0 or (index.min() >= 0 and index.max() < buffer.size), "address outside the operand"
+    return buffer[index]
+
+
+def run_groups(kind, offsets, slots, a, b, d, zeros, *, m, n, k, lda, ldb, b_expert_stride, ldd, d_expert_stride,
+               a_row_major, b_row_major):
+    """d (flat, updated) as CUTLASS computes it from the problem list; returns the rows/entries written."""
+    written = np.zeros(d.size, dtype=bool)
+    for gm, gn, gk, a_off, b_off, d_off, use_zeros in H.gemm_sm90_groups(
+            kind, offsets, slots, m, n, k, lda, ldb, b_expert_stride, ldd, d_expert_stride):
+        assert gm * gn == 0 or gk >= 1, "CUTLASS leaves a K = 0 tile's accumulators unset"
+        src_a, src_b = (zeros, zeros) if use_zeros else (a, b)
+        op_a = view(src_a, a_off, gm, gk, lda, a_row_major)
+        op_b = view(src_b, b_off, gk, gn, ldb, b_row_major)  # B as K x N
+        i, j = np.meshgrid(np.arange(gm), np.arange(gn), indexing="ij")
+        index = d_off + i * ldd + j
+        assert index.size == 0 or (index.min() >= 0 and index.max() < d.size), "D outside its buffer"
+        assert not written[index].any(), "two groups write one element"
+        d[index] = op_a @ op_b
+        written[index] = True
+    return written
+
+
+def routing_cases():
+    return [offsets_of(counts) for name, counts in ROUTINGS.items() if name != "many experts" and sum(counts) < 2000]
+
+
+@pytest.mark.parametrize("offsets, slots", routing_cases())
+@pytest.mark.parametrize("k_major_b", [True, False])
+def test_sm90_rows_groups_compute_each_experts_rows(offsets, slots, k_major_b):
+    """Forward (weight [E, N, K], K-major) and grad_x (the same weight read as [E, K, N]) with a
+    padded A (lda > k, like the LoRA activations): each kept slot's row is its expert's product,
+    dropped slots' rows are not written."""
+    rng = np.random.default_rng(slots)
+    experts, n, k, lda = len(offsets) - 1, 24, 5, 8
+    x = rng.standard_normal((slots, lda))
+    w = rng.standard_normal((experts, n, k) if k_major_b else (experts, k, n))
+    d = np.full(slots * n, np.nan)
+    written = run_groups("rows", offsets, slots, x.ravel(), w.ravel(), d, None, m=0, n=n, k=k, lda=lda,
+                         ldb=k if k_major_b else n, b_expert_stride=n * k, ldd=n, d_expert_stride=0,
+                         a_row_major=True, b_row_major=not k_major_b)
+    d = d.reshape(slots, n)
+    for e in range(experts):
+        for s in range(offsets[e], offsets[e + 1]):
+            expected = x[s, :k] @ (w[e].T if k_major_b else w[e])
+            np.testing.assert_allclose(d[s], expected, rtol=1e-12, atol=1e-12)
+    dropped = np.arange(slots) >= offsets[-1]
+    assert not written.reshape(slots, n)[dropped].any() and written.reshape(slots, n)[~dropped].all()
+
+
+@pytest.mark.parametrize("offsets, slots", routing_cases())
+def test_sm90_weight_grad_groups_sum_each_experts_slots(offsets, slots):
+    """dW_e = sum over e's slots of dy_s^T x_s (dy read transposed), zeros for experts without slots
+    (they read one column of the zero buffer instead of running K = 0), dropped slots not summed."""
+    rng = np.random.default_rng(slots + 1)
+    experts, m, n = len(offsets) - 1, 16, 24
+    dy, x = rng.standard_normal((slots, m)), rng.standard_normal((slots, n))
+    d = np.full(experts * m * n, np.nan)
+    written = run_groups("weight_grad", offsets, slots, dy.ravel(), x.ravel(), d, np.zeros(max(m, n)), m=m, n=n,
+                         k=0, lda=m, ldb=n, b_expert_stride=0, ldd=n, d_expert_stride=m * n, a_row_major=False,
+                         b_row_major=True)
+    assert written.all()
+    d = d.reshape(experts, m, n)
+    for e in range(experts):
+        rows = slice(offsets[e], offsets[e + 1])
+        np.testing.assert_allclose(d[e], dy[rows].T @ x[rows], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 8, 1), (37, 24, 13), (130, 136, 70)])
+def test_sm90_dense_gemms_are_one_group(m, n, k):
+    """The LoRA and logprobs ops' GEMMs (common/gemm_sm90_torch.h): offsets None is one group over
+    every slot. x W^T and dz W run as rows problems with A's rows as slots (lda > k: a row stride
+    wider than the product), dz^T h as a weight-gradient problem with the K rows as slots."""
+    rng = np.random.default_rng(m)
+    lda = k + 3
+    a, w_nk, w_kn = rng.standard_normal((m, lda)), rng.standard_normal((n, k)), rng.standard_normal((k, n))
+    for w, k_major in ((w_nk, True), (w_kn, False)):
+        d = np.full(m * n, np.nan)
+        run_groups("rows", None, m, a.ravel(), w.ravel(), d, None, m=0, n=n, k=k, lda=lda, ldb=k if k_major else n,
+                   b_expert_stride=0, ldd=n, d_expert_stride=0, a_row_major=True, b_row_major=not k_major)
+        np.testing.assert_allclose(d.reshape(m, n), a[:, :k] @ (w.T if k_major else w), rtol=1e-12, atol=1e-12)
+    # D [m, n] = A^T B with A stored [k, m] (row stride m + 5), B stored [k, n]
+    at, b = rng.standard_normal((k, m + 5)), rng.standard_normal((k, n))
+    d = np.full(m * n, np.nan)
+    run_groups("weight_grad", None, k, at.ravel(), b.ravel(), d, np.zeros(max(m, n)), m=m, n=n, k=0, lda=m + 5,
+               ldb=n, b_expert_stride=0, ldd=n, d_expert_stride=0, a_row_major=False, b_row_major=True)
+    np.testing.assert_allclose(d.reshape(m, n), at[:, :m].T @ b, rtol=1e-12, atol=1e-12)
+
+
+@FAST
+@given(offsets=st.lists(st.integers(-5, 60), min_size=2, max_size=12), slots=st.integers(0, 50))
+def test_sm90_groups_with_malformed_offsets_stay_in_bounds(offsets, slots):
+    """Negative, decreasing or too large offsets: every group still addresses only its operands'
+    memory (run_groups checks each address; overlapping groups may write one row twice)."""
+    experts, n, k = len(offsets) - 1, 8, 8
+    for kind in ("rows", "weight_grad"):
+        for gm, gn, gk, a_off, b_off, d_off, use_zeros in H.gemm_sm90_groups(kind, offsets, slots, 8, n, k, k, n,
+                                                                               n * k, n, 8 * n):
+            assert min(gm, gn, gk) >= 0
+            if kind == "rows":
+                assert a_off + gm * k <= slots * k and b_off + n * k <= experts * n * k and d_off + gm * n <= slots * n
+            else:
+                assert use_zeros or (a_off + gk * 8 <= slots * 8 and b_off + gk * n <= slots * n)
+                assert gk >= 1 and d_off + 8 * n <= experts * 8 * n
 
 
 # ------------------------------------------------------------------ MoE: gather / scatter indices

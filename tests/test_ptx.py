@@ -3,6 +3,7 @@ kernel's design relies on must be there, or the design silently fell back (e.g. 
 compiler could not prove aligned becomes sixteen 1-byte loads and the kernel loses half its
 bandwidth). Skipped where nvcc is missing; CI has it."""
 
+import os
 import re
 import shutil
 import subprocess
@@ -15,13 +16,23 @@ NVCC = shutil.which("nvcc")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="needs nvcc (the CUDA toolkit)")
 
 
-def kernels_ptx(source: str, tmp_path: Path, arch: str = "90a") -> dict[str, str]:
+def cutlass_include() -> str:
+    """The nvidia-cutlass wheel's headers, as CMake finds them (cmake/dependencies.cmake)."""
+    import cutlass_library
+
+    return str(Path(cutlass_library.__file__).parent / "source" / "include")
+
+
+def kernels_ptx(source: str, tmp_path: Path, arch: str = "90a", flags: tuple[str, ...] = ()) -> dict[str, str]:
     """Each kernel's PTX in `source` (relative to csrc/), by mangled name."""
     out = tmp_path / "out.ptx"
-    subprocess.run([NVCC, "-ptx", "-std=c++17", f"-I{ROOT / 'csrc'}",
+    subprocess.run([NVCC, "-ptx", "-std=c++17", f"-I{ROOT / 'csrc'}", *flags,
                     f"-gencode=arch=compute_{arch},code=compute_{arch}", str(ROOT / "csrc" / source), "-o", str(out)],
                    check=True, capture_output=True, text=True, timeout=300)
-    ptx = out.read_text()
+    return split_kernels(out.read_text(), source)
+
+
+def split_kernels(ptx: str, source: str) -> dict[str, str]:
     entries = list(re.finditer(r"^\.(?:visible )?\.?entry (\w+)\(", ptx, re.M))
     assert entries, f"no kernel in {source}'s PTX"
     return {entry.group(1): ptx[entry.start():(entries[i + 1].start() if i + 1 < len(entries) else len(ptx))]
@@ -38,3 +49,33 @@ def test_nf4_dequantize_moves_16_bytes_per_load_and_store(tmp_path):
         assert len(loads) >= 2, f"{name}: {len(loads)} 16-byte loads of packed codes (2 chunks in flight)"
         assert len(stores) >= 8, f"{name}: {len(stores)} 16-byte stores (>= 4 per 32-value chunk)"
         assert not re.search(r"ld\.global\.nc\.v2\.u32", ptx), f"{name}: 8-byte loads of packed codes"
+
+
+def sm90_kernels_ptx(source: str, tmp_path: Path) -> dict[str, str]:
+    """Each kernel's PTX in an sm_90a-only source: the PTX make cuda-check kept (PYKERNELS_PTX_DIR,
+    Makefile), else compiled here with the flags cmake/sm90_sources.cmake uses."""
+    kept = os.environ.get("PYKERNELS_PTX_DIR")
+    if kept:
+        ptx = Path(kept) / (Path(source).stem + ".ptx")
+        assert ptx.is_file(), f"{ptx} missing: make cuda-check keeps it (cmake/cuda_compile_check.cmake)"
+        return split_kernels(ptx.read_text(), source)
+    flags = ("-DPYKERNELS_SM90A_GEMM", "-DNDEBUG", "--expt-relaxed-constexpr", f"-I{cutlass_include()}")
+    return kernels_ptx(source, tmp_path, flags=flags)
+
+
+@pytest.mark.hopper_ptx
+def test_hopper_gemm_core_is_wgmma_fed_by_tma(tmp_path):
+    """The sm_90a GEMM core (common/grouped_gemm_sm90.cu) runs the MoE expert GEMMs (bf16 out:
+    forward, grad_x, weight gradient), the LoRA GEMMs (bf16 out) and the logprobs GEMMs (fp32 out:
+    logit tiles, dh, dW). Each of its six kernels must issue bf16 wgmma from shared memory that TMA
+    fills: a CUTLASS configuration mistake falls back to mma.sync or to cp.async loads without a
+    word."""
+    kernels = sm90_kernels_ptx("common/grouped_gemm_sm90.cu", tmp_path)
+    gemms = {name: ptx for name, ptx in kernels.items() if "GemmUniversal" in name}
+    assert len(gemms) == 6, list(kernels)
+    for name, ptx in gemms.items():
+        assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16", ptx), f"{name}: no bf16 wgmma"
+        assert "cp.async.bulk.tensor" in ptx, f"{name}: operands not loaded by TMA"
+        assert "mma.sync" not in ptx, f"{name}: an Ampere mma.sync path"
+    fp32_out = [name for name in gemms if "EpilogueScheduleIfEEEfNS" in name or "LinearCombinationIffff" in name]
+    assert len(fp32_out) == 3, "three kernels with fp32 D (the logprobs GEMMs)"

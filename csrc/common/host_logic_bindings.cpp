@@ -1,6 +1,6 @@
 // pykernels._C.host_logic: the __host__ __device__ index/tile arithmetic of the CUDA kernels
 // (common/tails.h, common/online_softmax.h, nf4/nf4_layout.h, moe/moe_schedule.h,
-// logprobs/vocab_chunks.h), compiled for the host and exposed with plain ints, floats and lists so
+// common/gemm_groups.h, logprobs/vocab_chunks.h), compiled for the host and exposed with plain ints, floats and lists so
 // that tests/test_device_logic_host.py checks it against direct Python / fp64 computations on a
 // machine without a GPU. Test-only: no op, no torch tensor; where a kernel composes the helpers
 // (the row-tile schedule, the routing maps, a dequantize pass) the function here composes them in
@@ -15,6 +15,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/gemm_groups.h"
 #include "common/online_softmax.h"
 #include "common/tails.h"
 #include "logprobs/vocab_chunks.h"
@@ -37,6 +38,28 @@ void require(bool ok, const std::string& message) {
 }
 
 // ------------------------------------------------------------------ MoE
+// The sm_90a grouped GEMM's problem list, as group_setup_kernel writes it (one entry per group):
+// (m, n, k, a_offset, b_offset, d_offset, zeros). kind "rows" or "weight_grad"; offsets None: a
+// dense GEMM, one group of all slots.
+using GroupTuple = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool>;
+std::vector<GroupTuple> gemm_sm90_groups(const std::string& kind, const std::optional<std::vector<int64_t>>& offsets,
+                                         int64_t slots,
+                                        int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb,
+                                        int64_t b_expert_stride, int64_t ldd, int64_t d_expert_stride) {
+  require((!offsets || offsets->size() >= 2) && slots >= 0, "need experts + 1 >= 2 offsets (or None) and slots >= 0");
+  require(kind == "rows" || kind == "weight_grad", "kind must be 'rows' or 'weight_grad'");
+  const int64_t experts = offsets ? static_cast<int64_t>(offsets->size()) - 1 : 1;
+  const int64_t* data = offsets ? offsets->data() : nullptr;
+  std::vector<GroupTuple> groups;
+  for (int64_t e = 0; e < experts; ++e) {
+    const gemm::GroupProblem g =
+        kind == "rows" ? gemm::rows_group(data, experts, slots, e, n, k, lda, b_expert_stride, ldd)
+                       : gemm::weight_grad_group(data, experts, slots, e, m, n, lda, ldb, d_expert_stride);
+    groups.emplace_back(g.m, g.n, g.k, g.a_offset, g.b_offset, g.d_offset, g.zeros);
+  }
+  return groups;
+}
+
 // (bucket, first slot, end slot) per CTA row of the grid, (-1, 0, 0) for CTAs with no tile: the
 // tile_schedule_kernel's scan done serially, then row_tile_start / row_tile_end per CTA as the
 // kernels call them.
@@ -238,6 +261,10 @@ void define_host_logic(py::module_& m) {
   m.def("moe_assignment_of", &moe::assignment_of, py::arg("token"), py::arg("k_slot"), py::arg("top_k"));
   m.def("moe_routing_maps", &moe_routing_maps, py::arg("sorted_token_idx"), py::arg("offsets"), py::arg("top_k"));
   m.def("moe_slot_row_index", &moe_slot_row_index, py::arg("map"), py::arg("s"), py::arg("rows"));
+  // common/gemm_groups.h
+  m.def("gemm_sm90_groups", &gemm_sm90_groups, py::arg("kind"), py::arg("offsets"), py::arg("slots"), py::arg("m"),
+        py::arg("n"), py::arg("k"), py::arg("lda"), py::arg("ldb"), py::arg("b_expert_stride"), py::arg("ldd"),
+        py::arg("d_expert_stride"));
   // logprobs/vocab_chunks.h
   m.attr("logprobs_vocab_chunk") = logprobs::kVocabChunk;
   m.attr("logprobs_token_chunk") = logprobs::kTokenChunk;

@@ -1,6 +1,7 @@
 // CUDA implementation of the fused token-logprob ops (schemas in csrc/torch_bindings.cpp; the same
 // results as logprobs_cpu.cpp up to rounding): checks, chunking and the composition of the CUTLASS
-// GEMM (lora::launch_gemm) with the reduction kernels of logprobs.cu on torch's current stream.
+// GEMM (gemm::run_gemm: the sm_90a core on Hopper for bf16, else lora::launch_gemm) with the
+// reduction kernels of logprobs.cu on torch's current stream.
 //
 //   forward   for each vocab chunk W_c, token chunk h_t:  z = h_t W_c^T / T   (fp32 tile)
 //                                                         fold z into per-token running stats
@@ -24,6 +25,7 @@
 #include <limits>
 #include <optional>
 
+#include "common/gemm_sm90_torch.h"
 #include "logprobs/logprobs.h"
 #include "logprobs/logprobs_torch_checks.h"
 #include "logprobs/vocab_chunks.h"
@@ -93,7 +95,7 @@ void logits_tile(const at::Tensor& hidden, const at::Tensor& weight, int64_t t0,
   g.b = static_cast<const char*>(weight.data_ptr()) + v0 * h * elem, g.ldb = h, g.b_transposed = true;
   g.c = nullptr, g.ldc = ld, g.d = z.data_ptr(), g.ldd = ld;
   g.ab_dtype = dtype_of(hidden), g.d_dtype = DType::kFloat32, g.alpha = scale, g.beta = 0.0f;
-  check_launch(lora::launch_gemm(g, stream));
+  gemm::run_gemm(g, stream);
 }
 
 Stats stats_of(at::Tensor& stats) {
@@ -178,14 +180,14 @@ std::tuple<at::Tensor, at::Tensor> token_logprobs_backward_cuda(
         g.a = dz.data_ptr(), g.lda = ld, g.a_transposed = false;
         g.b = w_chunk, g.ldb = s.h, g.b_transposed = false;
         g.c = d, g.ldc = s.h, g.d = d, g.ldd = s.h, g.beta = 1.0f;
-        check_launch(lora::launch_gemm(g, stream));
+        gemm::run_gemm(g, stream);
       }
       if (compute_grad_weight) {  // dW_c (+)= dz^T h_t
         g.m = rows, g.n = s.h, g.k = tokens;
         g.a = dz.data_ptr(), g.lda = ld, g.a_transposed = true;
         g.b = h_chunk, g.ldb = s.h, g.b_transposed = false;
         g.c = dw.data_ptr(), g.ldc = s.h, g.d = dw.data_ptr(), g.ldd = s.h, g.beta = t0 == 0 ? 0.0f : 1.0f;
-        check_launch(lora::launch_gemm(g, stream));
+        gemm::run_gemm(g, stream);
       }
     }
     if (compute_grad_weight) grad_weight.narrow(0, v0, rows).copy_(dw.narrow(0, 0, rows));

@@ -15,7 +15,8 @@
 // nothing on the LoRA path is rounded to 16 bits before its output (as on the CPU and in PEFT,
 // whose fp32 adapters see an fp32 copy of x). With an NF4 weight, chunks of rows of W (up to
 // 16 MiB) are dequantized into one buffer and multiplied one after the other; grad_x sums the
-// chunks in an fp32 buffer and is rounded once.
+// chunks in an fp32 buffer and is rounded once. On Hopper, the GEMMs with bf16 operands run on
+// the sm_90a core (TMA + wgmma, common/gemm_sm90_torch.h), the rest on launch_gemm's sm80 kernels.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -23,6 +24,7 @@
 #include <algorithm>
 #include <optional>
 
+#include "common/gemm_sm90_torch.h"
 #include "lora/lora.h"
 #include "lora/lora_torch_checks.h"
 #include "nf4/nf4.h"
@@ -83,7 +85,7 @@ void gemm(int64_t m, int64_t n, int64_t k, Operand a, Operand b, DType ab_dtype,
   p.d_dtype = out.dtype;
   p.alpha = alpha;
   p.beta = accumulate ? 1.0f : 0.0f;
-  check_launch(launch_gemm(p, stream));
+  gemm::run_gemm(p, stream);  // the sm_90a core on Hopper (bf16), else launch_gemm
 }
 
 // The rows of an NF4 weight [n, k], dequantized a chunk at a time into one buffer of x's dtype.

@@ -120,16 +120,37 @@ struct SumPerTokenParams {
 const char* launch_sum_per_token(const SumPerTokenParams& p, cudaStream_t stream);
 
 // out[s, c] = src[s, c] * gate_of_slot[s] for s < slots, c < src.cols (src read as in SlotRows);
-// out [slots, ld_out].
+// out [slots, ld_out]. Without gates a gather (or scatter through the inverse map). out may be src
+// (in place) when src has no map.
 struct ScaleRowsParams {
   DType dtype;
   int64_t slots;
   SlotRows src;
-  const float* gate_of_slot;  // [slots]
+  const float* gate_of_slot;  // [slots], or null: gate 1
   void* out;
   int64_t ld_out;
 };
 const char* launch_scale_rows(const ScaleRowsParams& p, cudaStream_t stream);
+
+// out[s, c] = 0 for c < cols and the slots of the dropped bucket (s >= expert_offsets[experts],
+// clamped): the rows no expert's GEMM writes. out [slots, ld].
+struct ZeroDroppedRowsParams {
+  DType dtype;
+  int64_t slots, experts;
+  const int64_t* expert_offsets;  // [experts + 1]
+  void* out;
+  int64_t ld, cols;
+};
+const char* launch_zero_dropped_rows(const ZeroDroppedRowsParams& p, cudaStream_t stream);
+
+// dots[s] = sum_c a[s, c] b[s, c] over c < a.cols, in fp32 (rows read as in SlotRows).
+struct RowDotsParams {
+  DType dtype;
+  int64_t slots;
+  SlotRows a, b;
+  float* dots;  // [slots]
+};
+const char* launch_row_dots(const RowDotsParams& p, cudaStream_t stream);
 
 // grad_gates[a] = sum_i dgate_partial[i, slot_of_assignment[a]] over column_tiles i in order, 0 for
 // dropped assignments; stored in gates_dtype.

@@ -16,12 +16,22 @@
 //             dA_e = sum_s g_s v_s^T x_s                    deterministic)
 // u and v are rounded to x's dtype (like the CPU's bf16 path) and padded to r8 = r rounded up to 8
 // columns of zeros, which keeps their rows 16-byte aligned for the tensor-core kernels.
+//
+// On Hopper (compute capability 9.0, bf16, feature sizes multiples of 8) the products with W and
+// the LoRA products on the base's rows (u B^T, v A) run as CUTLASS sm_90a grouped GEMMs on rows in
+// slot order (common/grouped_gemm_sm90.cu); the gather of x / dy into slot order, the gates, the scatter and
+// the gate gradient's dots are separate passes around them (the sm80 kernels fuse those; the
+// sm_90a epilogues do not yet). PYKERNELS_SM90=0 keeps the sm80 kernels on Hopper.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
 #include <optional>
 
+#include "common/gemm_sm90_torch.h"
 #include "moe/moe.h"
 #include "moe/moe_torch_checks.h"
 
@@ -164,6 +174,149 @@ at::Tensor lora_b_by_expert(const Problem& p) {
   return b;
 }
 
+// ------------------------------------------------------------------ sm_90a path
+// Whether the grouped GEMMs of this problem run on the sm_90a kernels: bf16, row strides that TMA
+// accepts (multiples of 8 elements) and 16-byte aligned operands, on a compute capability 9.0 device.
+bool use_sm90(const Problem& p, std::initializer_list<at::Tensor> operands) {
+  if (p.x.scalar_type() != at::kBFloat16 || p.size.in % 8 != 0 || p.size.out % 8 != 0) return false;
+  for (const at::Tensor& t : operands)
+    if (t.defined() && !gemm::aligned16(t.data_ptr())) return false;
+  return gemm::sm90_usable(static_cast<int>(p.x.get_device()));
+}
+
+using gemm::GroupedGemmSm90Params;
+using gemm::Sm90GemmKind;
+
+GroupedGemmSm90Params sm90_gemm(const Problem& p, Sm90GemmKind kind) {
+  GroupedGemmSm90Params g{};
+  g.kind = kind;
+  g.slots = p.size.slots;
+  g.experts = p.size.experts;
+  g.expert_offsets = p.expert_offsets.data_ptr<int64_t>();
+  g.d_dtype = DType::kBFloat16;
+  g.alpha = 1.0f;
+  return g;
+}
+
+void run_sm90(const Problem& p, const GroupedGemmSm90Params& g) {
+  gemm::run_grouped_gemm_sm90(g, static_cast<int>(p.x.get_device()), p.stream);
+}
+
+// D[s] (+)= A[s] B_e^T (B_e [n, k] with row stride ldb) or A[s] B_e (B_e [k, n]) for the slots of
+// each expert; A [slots, >= k] and D [slots, n] contiguous.
+void sm90_rows(const Problem& p, Sm90GemmKind kind, const at::Tensor& a, int64_t k, const at::Tensor& b,
+               int64_t ldb, int64_t b_expert_stride, at::Tensor& d, bool accumulate) {
+  GroupedGemmSm90Params g = sm90_gemm(p, kind);
+  g.n = d.size(1);
+  g.k = k;
+  g.a = a.data_ptr();
+  g.lda = a.size(1);
+  g.b = b.data_ptr();
+  g.ldb = ldb;
+  g.b_expert_stride = b_expert_stride;
+  g.d = d.data_ptr();
+  g.ldd = d.size(1);
+  g.c = accumulate ? g.d : nullptr;  // in place
+  g.beta = accumulate ? 1.0f : 0.0f;
+  run_sm90(p, g);
+}
+
+// t's rows in slot order: slot s gets row map[s] (zeros outside t); t itself without a map.
+at::Tensor in_slot_order(const Problem& p, const at::Tensor& t, const at::Tensor& map) {
+  if (!map.defined()) return t;
+  at::Tensor out = at::empty({p.size.slots, t.size(1)}, t.options());
+  ScaleRowsParams s{dtype_of(t), p.size.slots, slot_rows(t, map), nullptr, out.data_ptr(), t.size(1)};
+  check_launch(launch_scale_rows(s, p.stream));
+  return out;
+}
+
+// rows[s] *= gate_of_slot[s] in place (nothing without gates).
+void apply_gates(const Problem& p, at::Tensor& rows) {
+  if (!p.gates.defined()) return;
+  ScaleRowsParams s{dtype_of(rows), p.size.slots, slot_rows(rows), p.gate_of_slot.data_ptr<float>(),
+                    rows.data_ptr(), rows.size(1)};
+  check_launch(launch_scale_rows(s, p.stream));
+}
+
+// Zero the rows of the dropped bucket, which no expert's GEMM writes.
+void zero_dropped_rows(const Problem& p, at::Tensor& rows) {
+  ZeroDroppedRowsParams z{dtype_of(rows), p.size.slots, p.size.experts, p.expert_offsets.data_ptr<int64_t>(),
+                          rows.data_ptr(), rows.size(1), rows.size(1)};
+  check_launch(launch_zero_dropped_rows(z, p.stream));
+}
+
+at::Tensor grouped_linear_sm90(const Problem& p) {
+  const Sizes& z = p.size;
+  const at::Tensor xs = in_slot_order(p, p.x, p.grouped_in ? at::Tensor() : p.token_of_slot);
+  at::Tensor rows = at::empty({z.slots, z.out}, p.x.options());  // slot order, ungated
+  sm90_rows(p, Sm90GemmKind::kRowsKMajorB, xs, z.in, p.weight, z.in, z.out * z.in, rows, false);
+  if (p.lora()) {
+    const at::Tensor u = lora_u(p), b = lora_b_by_expert(p);  // [slots, r8], [E, out, r8]
+    sm90_rows(p, Sm90GemmKind::kRowsKMajorB, u, z.rank, b, b.size(2), b.size(1) * b.size(2), rows, true);
+  }
+  apply_gates(p, rows);
+  if (p.summed()) return sum_per_token(p, rows);
+  if (p.grouped_out) {
+    zero_dropped_rows(p, rows);
+    return rows;
+  }
+  return in_slot_order(p, rows, p.slot_of_assignment);  // assignment a gets slot_of_assignment[a]'s row
+}
+
+// grad_x, grad_weight and grad_gates on the sm_90a GEMMs (the LoRA factor gradients stay with the
+// caller: rank-r products); v = scaling dy_s B_e or undefined.
+void grouped_linear_backward_sm90(const Problem& p, const at::Tensor& dy, const at::Tensor& v, bool compute_grad_x,
+                                  bool compute_grad_weight, bool compute_grad_gates, at::Tensor& grad_x,
+                                  at::Tensor& grad_weight, at::Tensor& grad_gates) {
+  const Sizes& z = p.size;
+  const at::Tensor dys =
+      in_slot_order(p, dy, p.grouped_out ? at::Tensor() : p.summed() ? p.token_of_slot : p.sorted_token_idx);
+  if (compute_grad_x || compute_grad_gates) {
+    at::Tensor dx_rows = at::empty({z.slots, z.in}, p.x.options());  // dy_s W_e + v_s A_e, ungated
+    sm90_rows(p, Sm90GemmKind::kRowsNMajorB, dys, z.out, p.weight, z.in, z.out * z.in, dx_rows, false);
+    if (v.defined()) {
+      const at::Tensor a = p.lora_a_by_expert();  // [E, r, in]: K = r rows per expert, no padding
+      sm90_rows(p, Sm90GemmKind::kRowsNMajorB, v, z.rank, a, z.in, z.rank * z.in, dx_rows, true);
+    }
+    if (compute_grad_gates) {
+      at::Tensor dots = at::empty({1, z.slots}, p.x.options().dtype(at::kFloat));
+      RowDotsParams d{dtype_of(dx_rows), z.slots, slot_rows(dx_rows), p.x_rows(), dots.data_ptr<float>()};
+      check_launch(launch_row_dots(d, p.stream));
+      grad_gates = at::empty({z.tokens, z.top_k}, p.gates.options());
+      GateGradParams gg{dots.data_ptr<float>(), 1, z.slots, p.slot_of_assignment.data_ptr<int64_t>(),
+                        grad_gates.data_ptr(), dtype_of(grad_gates)};
+      check_launch(launch_gate_grad(gg, p.stream));
+    }
+    if (compute_grad_x) {
+      apply_gates(p, dx_rows);
+      if (p.grouped_in) zero_dropped_rows(p, dx_rows);
+      grad_x = p.grouped_in ? dx_rows : sum_per_token(p, dx_rows);
+    }
+  }
+  if (compute_grad_weight) {
+    at::Tensor gated_dy = dys;
+    if (p.gates.defined()) {
+      if (dys.is_same(dy)) gated_dy = dys.clone();  // the caller's gradient: never scaled in place
+      apply_gates(p, gated_dy);
+    }
+    const at::Tensor xs = in_slot_order(p, p.x, p.grouped_in ? at::Tensor() : p.token_of_slot);
+    const at::Tensor zeros = at::zeros({std::max(z.out, z.in)}, p.x.options());
+    grad_weight = at::empty(p.weight.sizes(), p.weight.options());
+    GroupedGemmSm90Params g = sm90_gemm(p, Sm90GemmKind::kWeightGrad);
+    g.m = z.out;
+    g.n = z.in;
+    g.a = gated_dy.data_ptr();
+    g.lda = z.out;
+    g.b = xs.data_ptr();
+    g.ldb = z.in;
+    g.d = grad_weight.data_ptr();
+    g.ldd = z.in;
+    g.d_expert_stride = z.out * z.in;
+    g.zeros = zeros.data_ptr();
+    run_sm90(p, g);
+  }
+}
+
 // ------------------------------------------------------------------ ops
 std::tuple<at::Tensor, at::Tensor, at::Tensor> sort_tokens_cuda(const at::Tensor& top_k_index, int64_t num_experts) {
   check_top_k_index(top_k_index, num_experts);
@@ -190,6 +343,7 @@ at::Tensor grouped_linear_cuda(const at::Tensor& x, const at::Tensor& weight, co
   const c10::cuda::CUDAGuard guard(x.device());
   const Problem p = make_problem(sizes, x, weight, sorted_token_idx, expert_offsets, grouped_in, grouped_out, gates,
                                  lora_a, lora_b, lora_scaling);
+  if (use_sm90(p, {p.x, p.weight, p.lora_a, p.lora_b})) return grouped_linear_sm90(p);
   const Sizes& z = p.size;
   // Slot rows land in y (slot or assignment order) or, summed per token, in a slot-order workspace.
   at::Tensor rows = at::empty({z.slots, z.out}, p.x.options());
@@ -251,7 +405,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> grouped_l
     g.ld_out = v.size(1);
     run_rows_gemm(g, p);
   }
-  if (compute_grad_x || compute_grad_gates) {
+  const bool sm90 = use_sm90(p, {p.x, p.weight, p.lora_a, p.lora_b, dy});
+  if (sm90) {
+    grouped_linear_backward_sm90(p, dy, v, compute_grad_x, compute_grad_weight, compute_grad_gates, grad_x,
+                                 grad_weight, grad_gates);
+  } else if (compute_grad_x || compute_grad_gates) {
     GroupedRowsParams g = rows_gemm(p, z.in);
     g.a = dy_rows;
     g.b = n_major(p.weight, z.out);
@@ -280,10 +438,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> grouped_l
       check_launch(launch_gate_grad(gg, p.stream));
     }
   }
-  if (compute_grad_weight || compute_grad_lora) {
+  if ((compute_grad_weight && !sm90) || compute_grad_lora) {
     at::Tensor gated_dy_storage;
     const SlotRows gated_dy = gated(p, dy_rows, gated_dy_storage);  // g_s dy_s
-    if (compute_grad_weight) {
+    if (compute_grad_weight && !sm90) {
       grad_weight = at::empty(p.weight.sizes(), p.weight.options());
       weight_grad_gemm(p, gated_dy, p.x_rows(), z.out, z.in, grad_weight, z.out * z.in, z.in, 1);
     }

@@ -134,9 +134,38 @@ __global__ void __launch_bounds__(kThreads) scale_rows_kernel(const ScaleRowsPar
        i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t s = i / p.src.cols, c = i % p.src.cols;
     const T* src = slot_row<T>(p.src, s);
-    const float value = src != nullptr ? to_float(src[c]) * p.gate_of_slot[s] : 0.0f;
+    const float gate = p.gate_of_slot != nullptr ? p.gate_of_slot[s] : 1.0f;
+    const float value = src != nullptr ? to_float(src[c]) * gate : 0.0f;
     static_cast<T*>(p.out)[s * p.ld_out + c] = from_float<T>(value);
   }
+}
+
+// One block per group of kZeroRowsPerBlock slots; only blocks reaching the dropped bucket write.
+constexpr int kZeroRowsPerBlock = 8;
+template <typename T>
+__global__ void __launch_bounds__(kThreads) zero_dropped_rows_kernel(const ZeroDroppedRowsParams p) {
+  const int64_t valid_end = bucket_slots(p.expert_offsets, p.experts, p.slots, p.experts).begin;
+  const int64_t first = int64_t(blockIdx.x) * kZeroRowsPerBlock;
+  if (first + kZeroRowsPerBlock <= valid_end) return;
+  for (int64_t i = threadIdx.x; i < kZeroRowsPerBlock * p.cols; i += blockDim.x) {
+    const int64_t s = first + i / p.cols;
+    if (s >= valid_end && s < p.slots) static_cast<T*>(p.out)[s * p.ld + i % p.cols] = from_float<T>(0.0f);
+  }
+}
+
+// One warp per slot.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) row_dots_kernel(const RowDotsParams p) {
+  const int64_t s = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (s >= p.slots) return;
+  const T* a = slot_row<T>(p.a, s);
+  const T* b = slot_row<T>(p.b, s);
+  float sum = 0.0f;
+  if (a != nullptr && b != nullptr)
+    for (int64_t c = lane; c < p.a.cols; c += 32) sum += to_float(a[c]) * to_float(b[c]);
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if (lane == 0) p.dots[s] = sum;
 }
 
 template <typename G>
@@ -206,6 +235,26 @@ const char* launch_scale_rows(const ScaleRowsParams& p, cudaStream_t stream) {
   return with_element(p.dtype, [&](auto element) {
     scale_rows_kernel<decltype(element)><<<grid_for(p.slots * p.src.cols), kThreads, 0, stream>>>(p);
     return launch_status("moe scale rows: kernel launch failed");
+  });
+}
+
+const char* launch_zero_dropped_rows(const ZeroDroppedRowsParams& p, cudaStream_t stream) {
+  if (p.slots * p.cols == 0) return nullptr;
+  const int64_t blocks = ceil_div(p.slots, kZeroRowsPerBlock);
+  if (blocks > INT32_MAX) return "moe zero dropped rows: too many slots";
+  return with_element(p.dtype, [&](auto element) {
+    zero_dropped_rows_kernel<decltype(element)><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
+    return launch_status("moe zero dropped rows: kernel launch failed");
+  });
+}
+
+const char* launch_row_dots(const RowDotsParams& p, cudaStream_t stream) {
+  if (p.slots == 0) return nullptr;
+  const int64_t blocks = ceil_div(p.slots * 32, kThreads);
+  if (blocks > INT32_MAX) return "moe row dots: too many slots";
+  return with_element(p.dtype, [&](auto element) {
+    row_dots_kernel<decltype(element)><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
+    return launch_status("moe row dots: kernel launch failed");
   });
 }
 
