@@ -113,6 +113,14 @@ def test_row_tile_schedule_malformed_offsets_stay_in_bounds(offsets, slots, rows
     check_schedule(offsets, slots, rows_per_tile, well_formed=False)
 
 
+@pytest.mark.parametrize("row_tiles, column_tiles", [(1, 1), (7, 1), (1, 9), (13, 5), (1153, 12)])
+def test_rows_grid_puts_column_tiles_innermost(row_tiles, column_tiles):
+    """The rows GEMM's 1-D grid covers every (row tile, column tile) once, and consecutive CTAs walk
+    one row tile's column tiles before the next row tile (its gathered rows stay in L2)."""
+    tiles = [H.moe_grid_tile(c, column_tiles) for c in range(row_tiles * column_tiles)]
+    assert tiles == [(r, c) for r in range(row_tiles) for c in range(column_tiles)]
+
+
 # ------------------------------------------------------------------ the sm_90a grouped GEMM's problems
 # common/grouped_gemm_sm90.cu hands CUTLASS one (M, N, K, A, B, D) problem per expert (or one for a
 # dense GEMM), computed on the device by common/gemm_groups.h. Here the problems drive a numpy GEMM

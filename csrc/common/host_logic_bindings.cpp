@@ -256,6 +256,14 @@ void define_host_logic(py::module_& m) {
   m.def("moe_bucket_slots", &moe_bucket_slots, py::arg("offsets"), py::arg("slots"));
   m.def("moe_row_tile_schedule", &moe_row_tile_schedule, py::arg("offsets"), py::arg("slots"),
         py::arg("rows_per_tile"));
+  m.def(
+      "moe_grid_tile",
+      [](int64_t cta, int64_t column_tiles) {
+        require(cta >= 0 && column_tiles >= 1, "need cta >= 0 and column_tiles >= 1");
+        const moe::GridTile t = moe::grid_tile(cta, column_tiles);
+        return std::make_pair(t.row, t.column);
+      },
+      py::arg("cta"), py::arg("column_tiles"));
   m.def("moe_max_row_tiles", &moe::max_row_tiles, py::arg("slots"), py::arg("experts"), py::arg("rows_per_tile"));
   m.def("moe_expert_bucket", &moe::expert_bucket, py::arg("id"), py::arg("experts"));
   m.def("moe_assignment_of", &moe::assignment_of, py::arg("token"), py::arg("k_slot"), py::arg("top_k"));

@@ -4,6 +4,8 @@
 // grouped   ONE launch for all experts: a one-block schedule kernel turns expert_offsets into a
 // GEMMs     list of (bucket, first slot) row tiles on the device (grid sized by the upper bound
 //           ceil(slots / BM) + E + 1; CTAs past the end exit), so nothing waits on the host.
+//           The grid is 1-D with column tiles innermost (moe_schedule.h's grid_tile): a row
+//           tile's gathered rows are read from HBM once, not once per column tile.
 //           Row-grouped CTAs gather their operand rows straight from x through the per-slot row
 //           map inside the cp.async global->shared copies (no permuted copy of x), run the LoRA
 //           product as extra K-steps of the same accumulator, and gate / scatter / reduce the gate
@@ -60,15 +62,18 @@ __global__ void __launch_bounds__(kScanThreads) tile_schedule_kernel(const int64
   }
 }
 
-// The slots [begin, end) of a row tile and its bucket; false when the CTA has no tile.
+// This CTA's tile (moe_schedule.h's grid_tile: column tiles innermost): the slots [begin, end) of
+// its row tile, their bucket, and its column tile; false when the CTA has no row tile.
 struct RowTile {
-  int64_t bucket, begin, end;
+  int64_t bucket, begin, end, column;
 };
-__device__ bool row_tile(const GroupedRowsParams& p, const int2* tiles, int rows_per_tile, RowTile& tile) {
-  const int2 entry = tiles[blockIdx.x];
+__device__ bool row_tile(const GroupedRowsParams& p, const int2* tiles, int rows_per_tile, int cols_per_tile,
+                         RowTile& tile) {
+  const GridTile cta = grid_tile(blockIdx.x, ceil_div(p.n_cols, cols_per_tile));
+  const int2 entry = tiles[cta.row];
   if (entry.x < 0) return false;
   const SlotRange r = bucket_slots(p.expert_offsets, p.experts, p.slots, entry.x);
-  tile = {entry.x, entry.y, row_tile_end(entry.y, rows_per_tile, r)};
+  tile = {entry.x, entry.y, row_tile_end(entry.y, rows_per_tile, r), cta.column};
   return true;
 }
 
@@ -239,18 +244,18 @@ __device__ void rows_epilogue(const GroupedRowsParams& p, const RowTile& tile, i
   __syncthreads();
   for (int i = threadIdx.x; i < Cfg::kM; i += Cfg::kThreads) {
     if (tile.begin + i < tile.end)
-      p.dgate_partial[int64_t(blockIdx.y) * p.slots + tile.begin + i] = row_dot[0][i] + row_dot[1][i];
+      p.dgate_partial[tile.column * p.slots + tile.begin + i] = row_dot[0][i] + row_dot[1][i];
   }
 }
 
-// One row tile (blockIdx.x through the schedule) x one column tile (blockIdx.y).
+// One row tile x one column tile (row_tile).
 template <typename T, bool kBKMajor>
 __global__ void __launch_bounds__(Config<T>::kThreads) rows_kernel(const GroupedRowsParams p, const int2* tiles) {
   using Cfg = Config<T>;
   using E = typename Cfg::Element;
   constexpr int kM = Cfg::kM, kN = Cfg::kN, kK = Cfg::kK, kC = Cfg::kChunk;
   RowTile tile;
-  if (!row_tile(p, tiles, kM, tile)) return;
+  if (!row_tile(p, tiles, kM, kN, tile)) return;
   auto& smem = *reinterpret_cast<RowsSmem<Cfg, kBKMajor>*>(dynamic_smem());
   using Pipe = Pipeline<Cfg, true, kBKMajor>;
   Tensor sA = make_tensor(make_smem_ptr(smem.pipe.a.data()), typename Pipe::LayoutA{});  // (m, k, stage)
@@ -264,7 +269,7 @@ __global__ void __launch_bounds__(Config<T>::kThreads) rows_kernel(const Grouped
   const bool dropped = tile.bucket == p.experts;  // zero rows: no product
   const int k1_tiles = dropped ? 0 : static_cast<int>(ceil_div(p.a.cols, kK));
   const int k2_tiles = dropped ? 0 : static_cast<int>(ceil_div(p.a2.cols, kK));
-  const int64_t n0 = int64_t(blockIdx.y) * kN;
+  const int64_t n0 = tile.column * kN;
   auto load = [&](int kt, int stage) {
     const int lora = kt >= k1_tiles;  // the LoRA product's K-steps follow the base product's
     const int64_t k0 = int64_t(lora ? kt - k1_tiles : kt) * kK;
@@ -374,7 +379,7 @@ __device__ void multiply(const Tiles& t, float (&acc)[kPerThread][kPerThread]) {
 template <typename T>
 __global__ void __launch_bounds__(kThreads) rows_kernel(const GroupedRowsParams p, const int2* tiles) {
   RowTile tile;
-  if (!row_tile(p, tiles, kM, tile)) return;
+  if (!row_tile(p, tiles, kM, kN, tile)) return;
   __shared__ const T* rows[2][kM];
   __shared__ Tiles t;
   for (int i = threadIdx.x; i < kM; i += kThreads) {
@@ -384,7 +389,7 @@ __global__ void __launch_bounds__(kThreads) rows_kernel(const GroupedRowsParams 
   }
   const bool dropped = tile.bucket == p.experts;
   const int64_t k1_tiles = dropped ? 0 : ceil_div(p.a.cols, kK), k2_tiles = dropped ? 0 : ceil_div(p.a2.cols, kK);
-  const int64_t n0 = int64_t(blockIdx.y) * kN;
+  const int64_t n0 = tile.column * kN;
   float acc[kPerThread][kPerThread] = {};
   for (int64_t kt = 0; kt < k1_tiles + k2_tiles; ++kt) {
     const int lora = kt >= k1_tiles;
@@ -422,7 +427,7 @@ __global__ void __launch_bounds__(kThreads) rows_kernel(const GroupedRowsParams 
       if (out != nullptr && n < p.n_cols) out[n] = from_float<T>(value * gate);
     }
     for (int offset = 8; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-    if (p.dgate_partial != nullptr && in_tile && tx == 0) p.dgate_partial[int64_t(blockIdx.y) * p.slots + s] = dot;
+    if (p.dgate_partial != nullptr && in_tile && tx == 0) p.dgate_partial[tile.column * p.slots + s] = dot;
   }
 }
 
@@ -561,13 +566,13 @@ const char* launch_grouped_rows(const GroupedRowsParams& p, void* workspace, cud
   if (p.slots > INT32_MAX) return "moe grouped rows: T * k must be < 2^31";
   if (p.slots == 0 || p.n_cols == 0) return nullptr;
   const int64_t column_tiles = grouped_rows_column_tiles(p), row_tiles = row_tile_grid(p);
-  if (column_tiles > 65535 || row_tiles > INT32_MAX) return "moe grouped rows: output too large for one launch";
+  if (row_tiles * column_tiles > INT32_MAX) return "moe grouped rows: output too large for one launch";
   int64_t* tile_start = static_cast<int64_t*>(workspace);
   int2* tiles = reinterpret_cast<int2*>(tile_start + p.experts + 2);
   tile_schedule_kernel<<<1, kScanThreads, 0, stream>>>(p.expert_offsets, p.experts, p.slots, rows_per_tile(p),
                                                        tile_start, tiles, row_tiles);
   if (const char* error = launch_status("moe grouped rows: schedule launch failed")) return error;
-  const dim3 grid(static_cast<unsigned>(row_tiles), static_cast<unsigned>(column_tiles));
+  const dim3 grid(static_cast<unsigned>(row_tiles * column_tiles));  // grid_tile: column tiles innermost
   return with_element(p.dtype, [&](auto element) {
     return launch_rows_kernel<decltype(element)>(p, tiles, grid, stream);
   });

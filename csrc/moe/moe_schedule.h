@@ -97,4 +97,16 @@ PYKERNELS_HOST_DEVICE inline int64_t row_tile_end(int64_t first, int64_t rows_pe
   return first + rows_per_tile < bucket.end ? first + rows_per_tile : bucket.end;
 }
 
+// The rows GEMM's grid is one-dimensional: CTA c takes row tile c / column_tiles and column tile
+// c % column_tiles. Column tiles innermost: the CTAs resident at once cover every column tile of a
+// few row tiles, so a row tile's gathered operand rows come from HBM once and stay in L2 for its
+// other column tiles, and its expert's weight tiles, shared by all its row tiles, come from L2 too.
+// (Row tiles innermost re-read the gathered rows from HBM for every column tile.)
+struct GridTile {
+  int64_t row, column;
+};
+PYKERNELS_HOST_DEVICE inline GridTile grid_tile(int64_t cta, int64_t column_tiles) {
+  return {cta / column_tiles, cta % column_tiles};
+}
+
 }  // namespace pykernels::moe
