@@ -8,6 +8,9 @@
 #include <vector>
 
 #include "common/cpu_isa.h"
+#ifdef PYKERNELS_WITH_CUDA
+#include "common/grouped_gemm_sm90.h"
+#endif
 
 namespace py = pybind11;
 
@@ -37,6 +40,15 @@ bool has_cuda() {
 #endif
 }
 
+// The Hopper GEMM core (common/grouped_gemm_sm90.cu) was compiled in (the archs include sm_90a).
+bool hopper_gemm() {
+#ifdef PYKERNELS_WITH_CUDA
+  return pykernels::gemm::grouped_gemm_sm90_built();
+#else
+  return false;
+#endif
+}
+
 std::vector<std::string> cuda_archs() {
 #ifdef PYKERNELS_WITH_CUDA
   return split_csv(PYKERNELS_CUDA_ARCHS);
@@ -50,6 +62,7 @@ py::dict build_info() {
   info["families"] = split_csv(PYKERNELS_FAMILIES);
   info["cuda"] = has_cuda();
   info["cuda_archs"] = cuda_archs();
+  info["hopper_gemm"] = hopper_gemm();
   const std::string cutlass = PYKERNELS_CUTLASS_VERSION;
   info["cutlass_version"] = cutlass.empty() ? py::object(py::none()) : py::object(py::str(cutlass));
   info["torch_version"] = PYKERNELS_TORCH_VERSION;
@@ -63,7 +76,8 @@ py::dict build_info() {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "pykernels compiled kernels; ops are registered under torch.ops.pykernels";
   m.def("build_info", &build_info,
-        "Compiled kernel families, CUDA on/off, CUDA archs, CUTLASS and torch versions, CPU SIMD path");
+        "Compiled kernel families, CUDA on/off, CUDA archs, the Hopper GEMM core, CUTLASS and torch versions, "
+        "CPU SIMD path");
   m.def("has_cuda", &has_cuda, "True when CUDA kernels were compiled into this build");
   m.def("cuda_archs", &cuda_archs, "CUDA architectures compiled into this build");
   m.def(

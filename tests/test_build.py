@@ -20,6 +20,8 @@ def test_build_info_fields():
     assert "nf4" in info["families"]
     assert info["cuda"] == _C.has_cuda()
     assert info["cuda_archs"] == (_C.cuda_archs() if info["cuda"] else [])
+    # the Hopper GEMM core is in exactly when sm_90a is among the archs (cmake/sm90_sources.cmake)
+    assert info["hopper_gemm"] == ("90a" in info["cuda_archs"])
     assert info["torch_version"].split("+")[0] == torch.__version__.split("+")[0], (
         "rebuild: _C was built for another torch"
     )

@@ -145,3 +145,15 @@ def test_static_libstdcxx_is_reported(tmp_path):
     not_elf.write_bytes(b"#!/bin/sh\n")
     with pytest.raises(ValueError, match="not a 64-bit little-endian ELF"):
         linkage.needed_libraries(not_elf)
+
+
+def test_build_stage_fails_an_sm90a_build_without_the_hopper_gemm_core():
+    build = load("build")
+    ops = {"pykernels::nf4_dequantize": True, "pykernels::lora_linear": True, "pykernels::token_logprobs_forward": True,
+           "pykernels::moe_grouped_linear": True}
+    info = {"build_info": {"cuda": True, "cuda_archs": ["90a"], "hopper_gemm": True}, "cuda_ops": ops}
+    assert not [p for p in build.check_families(info) if "Hopper" in p]
+    info["build_info"]["hopper_gemm"] = False
+    assert [p for p in build.check_families(info) if "Hopper" in p]
+    info["build_info"]["cuda_archs"] = ["80"]
+    assert not [p for p in build.check_families(info) if "Hopper" in p]

@@ -52,8 +52,12 @@ def gpu_archs() -> str:
 
 
 def check_families(info: dict) -> list[str]:
-    """The problems that fail the stage: CUDA off, or a family with no CUDA kernel."""
-    problems = [] if info["build_info"]["cuda"] else ["build_info()['cuda'] is False: no CUDA kernels were built"]
+    """The problems that fail the stage: CUDA off, a family with no CUDA kernel, or sm_90a among the
+    archs without the Hopper GEMM core (cmake/sm90_sources.cmake)."""
+    build_info = info["build_info"]
+    problems = [] if build_info["cuda"] else ["build_info()['cuda'] is False: no CUDA kernels were built"]
+    if "90a" in build_info["cuda_archs"] and not build_info.get("hopper_gemm"):
+        problems.append("built for sm_90a without the Hopper GEMM core (build_info()['hopper_gemm'] is False)")
     for family, prefixes in FAMILY_OPS.items():
         ops = [name for name in info["cuda_ops"] if name.split("::")[1].startswith(prefixes)]
         if not ops:

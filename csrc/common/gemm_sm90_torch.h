@@ -19,12 +19,11 @@
 
 namespace pykernels::gemm {
 
+// Read on every call (a getenv, nanoseconds beside a GEMM), so one process can time or check both
+// sides (tests/test_real_shapes_cuda.py).
 inline bool sm90_enabled_by_env() {
-  static const bool enabled = [] {
-    const char* value = std::getenv("PYKERNELS_SM90");
-    return value == nullptr || std::string(value) != "0";
-  }();
-  return enabled;
+  const char* value = std::getenv("PYKERNELS_SM90");
+  return value == nullptr || std::string(value) != "0";
 }
 
 // The sm_90a kernels are built, enabled and run on this device.

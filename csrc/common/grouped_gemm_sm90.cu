@@ -261,6 +261,14 @@ const char* check_params(const GroupedGemmSm90Params& p) {
 }  // namespace
 #endif  // PYKERNELS_SM90A_GEMM
 
+bool grouped_gemm_sm90_built() {
+#ifdef PYKERNELS_SM90A_GEMM
+  return true;
+#else
+  return false;
+#endif
+}
+
 bool grouped_gemm_sm90_available(int device) {
 #ifdef PYKERNELS_SM90A_GEMM
   int major = 0, minor = 0;

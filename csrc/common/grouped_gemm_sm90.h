@@ -42,6 +42,7 @@ struct GroupedGemmSm90Params {
   const void* zeros;              // kWeightGrad: max(m, n) bf16 zeros, 16-byte aligned
 };
 
+bool grouped_gemm_sm90_built();  // compiled for sm_90a into this build
 bool grouped_gemm_sm90_available(int device);
 int64_t grouped_gemm_sm90_workspace_bytes(const GroupedGemmSm90Params& p, int device);
 // nullptr on success, else a message.
