@@ -79,3 +79,16 @@ def test_hopper_gemm_core_is_wgmma_fed_by_tma(tmp_path):
         assert "mma.sync" not in ptx, f"{name}: an Ampere mma.sync path"
     fp32_out = [name for name in gemms if "EpilogueScheduleIfEEEfNS" in name or "LinearCombinationIffff" in name]
     assert len(fp32_out) == 3, "three kernels with fp32 D (the logprobs GEMMs)"
+
+
+def test_moe_gather_and_token_sums_move_16_bytes(tmp_path):
+    """The passes around the Hopper expert GEMMs (the gather of x / dy into slot order, the gates,
+    the gated sum over a token's k rows) are memory-bound: their packed variants (8 bf16 / fp16 or
+    4 fp32 elements per thread) must load and store 16 bytes at a time."""
+    kernels = kernels_ptx("moe/moe_routing.cu", tmp_path, flags=("--expt-relaxed-constexpr",))
+    packed = {name: ptx for name, ptx in kernels.items()
+              if re.search(r"(scale_rows|sum_per_token)_kernelI(13__nv_bfloat16Li8|6__halfLi8|fLi4)E", name)}
+    assert len(packed) == 6, list(kernels)
+    for name, ptx in packed.items():
+        assert re.search(r"ld\.global(?:\.nc)?\.v4\.", ptx), f"{name}: no 16-byte load"
+        assert re.search(r"st\.global\.v4\.", ptx), f"{name}: no 16-byte store"

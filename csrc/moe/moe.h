@@ -108,14 +108,16 @@ struct GroupedWeightGradParams {
 const char* launch_grouped_weight_grad(const GroupedWeightGradParams& p, cudaStream_t stream);
 
 // ------------------------------------------------------------------ small kernels
-// out[t, c] = sum_j rows[slot_of_assignment[t * top_k + j], c] summed in fp32 in j order, rounded
-// once; dropped assignments add nothing. rows [slots, cols], out [tokens, cols], both contiguous.
+// out[t, c] = sum_j g_s rows[s, c] with s = slot_of_assignment[t * top_k + j] and g_s =
+// gate_of_slot[s] (1 without gates), summed in fp32 in j order, rounded once; dropped assignments
+// add nothing. rows [slots, cols], out [tokens, cols], both contiguous.
 struct SumPerTokenParams {
   DType dtype;
   const void* rows;
   const int64_t* slot_of_assignment;  // [tokens * top_k]
   int64_t tokens, top_k, cols;
   void* out;
+  const float* gate_of_slot;          // [slots] or null
 };
 const char* launch_sum_per_token(const SumPerTokenParams& p, cudaStream_t stream);
 

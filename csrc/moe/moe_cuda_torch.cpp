@@ -134,11 +134,13 @@ void weight_grad_gemm(const Problem& p, SlotRows a, SlotRows b, int64_t m_rows, 
   check_launch(launch_grouped_weight_grad(g, p.stream));
 }
 
-// Rows [slots, cols] in slot order -> [T, cols], each token's k rows summed (dropped ones skipped).
-at::Tensor sum_per_token(const Problem& p, const at::Tensor& slot_rows_in) {
+// Rows [slots, cols] in slot order -> [T, cols], each token's k rows summed (dropped ones skipped),
+// each times its slot's gate when `gated` (the rows are not gated yet).
+at::Tensor sum_per_token(const Problem& p, const at::Tensor& slot_rows_in, bool gated = false) {
   at::Tensor out = at::empty({p.size.tokens, slot_rows_in.size(1)}, slot_rows_in.options());
   SumPerTokenParams s{dtype_of(out), slot_rows_in.data_ptr(), p.slot_of_assignment.data_ptr<int64_t>(),
-                      p.size.tokens, p.size.top_k, slot_rows_in.size(1), out.data_ptr()};
+                      p.size.tokens, p.size.top_k, slot_rows_in.size(1), out.data_ptr(),
+                      gated && p.gates.defined() ? p.gate_of_slot.data_ptr<float>() : nullptr};
   check_launch(launch_sum_per_token(s, p.stream));
   return out;
 }
@@ -254,9 +256,9 @@ at::Tensor grouped_linear_sm90(const Problem& p) {
     const at::Tensor u = lora_u(p), b = lora_b_by_expert(p);  // [slots, r8], [E, out, r8]
     sm90_rows(p, Sm90GemmKind::kRowsKMajorB, u, z.rank, b, b.size(2), b.size(1) * b.size(2), rows, true);
   }
-  apply_gates(p, rows);
-  if (p.summed()) return sum_per_token(p, rows);
+  if (p.summed()) return sum_per_token(p, rows, /*gated=*/true);  // gates applied in the sum
   if (p.grouped_out) {
+    apply_gates(p, rows);
     zero_dropped_rows(p, rows);
     return rows;
   }
@@ -287,10 +289,12 @@ void grouped_linear_backward_sm90(const Problem& p, const at::Tensor& dy, const 
                         grad_gates.data_ptr(), dtype_of(grad_gates)};
       check_launch(launch_gate_grad(gg, p.stream));
     }
-    if (compute_grad_x) {
+    if (compute_grad_x && p.grouped_in) {
       apply_gates(p, dx_rows);
-      if (p.grouped_in) zero_dropped_rows(p, dx_rows);
-      grad_x = p.grouped_in ? dx_rows : sum_per_token(p, dx_rows);
+      zero_dropped_rows(p, dx_rows);
+      grad_x = dx_rows;
+    } else if (compute_grad_x) {
+      grad_x = sum_per_token(p, dx_rows, /*gated=*/true);  // gates applied in the sum
     }
   }
   if (compute_grad_weight) {

@@ -6,11 +6,13 @@
 //           __match_any_sync), one block scans all counts in bucket-major order, and each warp
 //           scatters its chunk again in assignment order from its chunk's first slot per bucket.
 // maps      per-slot token / inverse-permutation / gate maps from the sorted routing.
-// small     grid-stride element-wise kernels around the GEMMs: the sum over a token's k expert
-// kernels   rows, the gating of slot rows and the reduction of the gate-gradient partials.
+// small     grid-stride element-wise kernels around the GEMMs: the (gated) sum over a token's k
+// kernels   expert rows, the gather / gating of slot rows (16-byte packs when rows allow), the
+//           zeroing of dropped rows, row dots and the reduction of the gate-gradient partials.
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 
 #include "common/cuda_convert.cuh"
@@ -112,31 +114,70 @@ __global__ void __launch_bounds__(kThreads) routing_maps_kernel(const RoutingMap
 }
 
 // ------------------------------------------------------------------ element-wise kernels
-template <typename T>
-__global__ void __launch_bounds__(kThreads) sum_per_token_kernel(const SumPerTokenParams p) {
-  const T* rows = static_cast<const T*>(p.rows);
-  const int64_t slots = p.tokens * p.top_k;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < p.tokens * p.cols;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t t = i / p.cols, c = i % p.cols;
-    float sum = 0.0f;
-    for (int64_t j = 0; j < p.top_k; ++j) {
-      const int64_t s = p.slot_of_assignment[assignment_of(t, j, p.top_k)];
-      if (s >= 0 && s < slots) sum += to_float(rows[s * p.cols + c]);
-    }
-    static_cast<T*>(p.out)[i] = from_float<T>(sum);
+// kV consecutive elements of a row as fp32: one 16-byte access when kV elements fill 16 bytes (the
+// launchers check alignment), else one access per element.
+template <typename T, int kV>
+__device__ __forceinline__ void load_pack(const T* src, float (&out)[kV]) {
+  if constexpr (kV * sizeof(T) == 16) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(src);
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int k = 0; k < kV; ++k) out[k] = to_float(e[k]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kV; ++k) out[k] = to_float(src[k]);
   }
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads) scale_rows_kernel(const ScaleRowsParams p) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < p.slots * p.src.cols;
+template <typename T, int kV>
+__device__ __forceinline__ void store_pack(T* dst, const float (&in)[kV]) {
+  if constexpr (kV * sizeof(T) == 16) {
+    uint4 raw;
+    T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int k = 0; k < kV; ++k) e[k] = from_float<T>(in[k]);
+    *reinterpret_cast<uint4*>(dst) = raw;
+  } else {
+#pragma unroll
+    for (int k = 0; k < kV; ++k) dst[k] = from_float<T>(in[k]);
+  }
+}
+
+// Each work item: kV consecutive columns of one output row.
+template <typename T, int kV>
+__global__ void __launch_bounds__(kThreads) sum_per_token_kernel(const SumPerTokenParams p) {
+  const T* rows = static_cast<const T*>(p.rows);
+  const int64_t slots = p.tokens * p.top_k, packs = p.cols / kV;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < p.tokens * packs;
        i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t s = i / p.src.cols, c = i % p.src.cols;
+    const int64_t t = i / packs, c = i % packs * kV;
+    float sum[kV] = {};
+    for (int64_t j = 0; j < p.top_k; ++j) {
+      const int64_t s = p.slot_of_assignment[assignment_of(t, j, p.top_k)];
+      if (s < 0 || s >= slots) continue;
+      const float gate = p.gate_of_slot != nullptr ? p.gate_of_slot[s] : 1.0f;
+      float v[kV];
+      load_pack<T, kV>(rows + s * p.cols + c, v);
+#pragma unroll
+      for (int k = 0; k < kV; ++k) sum[k] += v[k] * gate;
+    }
+    store_pack<T, kV>(static_cast<T*>(p.out) + t * p.cols + c, sum);
+  }
+}
+
+template <typename T, int kV>
+__global__ void __launch_bounds__(kThreads) scale_rows_kernel(const ScaleRowsParams p) {
+  const int64_t packs = p.src.cols / kV;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < p.slots * packs;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t s = i / packs, c = i % packs * kV;
     const T* src = slot_row<T>(p.src, s);
     const float gate = p.gate_of_slot != nullptr ? p.gate_of_slot[s] : 1.0f;
-    const float value = src != nullptr ? to_float(src[c]) * gate : 0.0f;
-    static_cast<T*>(p.out)[s * p.ld_out + c] = from_float<T>(value);
+    float v[kV] = {};
+    if (src != nullptr) load_pack<T, kV>(src + c, v);
+#pragma unroll
+    for (int k = 0; k < kV; ++k) v[k] *= gate;
+    store_pack<T, kV>(static_cast<T*>(p.out) + s * p.ld_out + c, v);
   }
 }
 
@@ -222,10 +263,28 @@ const char* launch_routing_maps(const RoutingMapsParams& p, cudaStream_t stream)
   });
 }
 
+// Whether rows of `cols` elements of T with these row strides and base pointers can move in 16-byte
+// packs.
+template <typename T>
+bool packs_of_16_bytes(int64_t cols, std::initializer_list<int64_t> lds, std::initializer_list<const void*> bases) {
+  constexpr int64_t kV = 16 / sizeof(T);
+  if (cols % kV != 0) return false;
+  for (const int64_t ld : lds)
+    if (ld % kV != 0) return false;
+  for (const void* base : bases)
+    if (reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
+  return true;
+}
+
 const char* launch_sum_per_token(const SumPerTokenParams& p, cudaStream_t stream) {
   if (p.tokens * p.cols == 0) return nullptr;
   return with_element(p.dtype, [&](auto element) {
-    sum_per_token_kernel<decltype(element)><<<grid_for(p.tokens * p.cols), kThreads, 0, stream>>>(p);
+    using T = decltype(element);
+    constexpr int kV = 16 / sizeof(T);
+    if (packs_of_16_bytes<T>(p.cols, {}, {p.rows, p.out}))
+      sum_per_token_kernel<T, kV><<<grid_for(p.tokens * p.cols / kV), kThreads, 0, stream>>>(p);
+    else
+      sum_per_token_kernel<T, 1><<<grid_for(p.tokens * p.cols), kThreads, 0, stream>>>(p);
     return launch_status("moe sum per token: kernel launch failed");
   });
 }
@@ -233,7 +292,12 @@ const char* launch_sum_per_token(const SumPerTokenParams& p, cudaStream_t stream
 const char* launch_scale_rows(const ScaleRowsParams& p, cudaStream_t stream) {
   if (p.slots * p.src.cols == 0) return nullptr;
   return with_element(p.dtype, [&](auto element) {
-    scale_rows_kernel<decltype(element)><<<grid_for(p.slots * p.src.cols), kThreads, 0, stream>>>(p);
+    using T = decltype(element);
+    constexpr int kV = 16 / sizeof(T);
+    if (packs_of_16_bytes<T>(p.src.cols, {p.src.ld, p.ld_out}, {p.src.data, p.out}))
+      scale_rows_kernel<T, kV><<<grid_for(p.slots * p.src.cols / kV), kThreads, 0, stream>>>(p);
+    else
+      scale_rows_kernel<T, 1><<<grid_for(p.slots * p.src.cols), kThreads, 0, stream>>>(p);
     return launch_status("moe scale rows: kernel launch failed");
   });
 }
