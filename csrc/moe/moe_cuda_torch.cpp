@@ -19,9 +19,10 @@
 //
 // On Hopper (compute capability 9.0, bf16, feature sizes multiples of 8) the products with W and
 // the LoRA products on the base's rows (u B^T, v A) run as CUTLASS sm_90a grouped GEMMs on rows in
-// slot order (common/grouped_gemm_sm90.cu); the gather of x / dy into slot order, the gates, the scatter and
-// the gate gradient's dots are separate passes around them (the sm80 kernels fuse those; the
-// sm_90a epilogues do not yet). PYKERNELS_SM90=0 keeps the sm80 kernels on Hopper.
+// slot order (common/grouped_gemm_sm90.cu). The gather of x / dy into slot order, the scatter and
+// the gate gradient's dots are separate passes around them, and the gates ride on the per-token
+// sum (the sm80 kernels fuse all of it; the sm_90a epilogues do not yet). PYKERNELS_SM90=0 keeps
+// the sm80 kernels on Hopper.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
