@@ -40,13 +40,18 @@ inline void run_grouped_gemm_sm90(const GroupedGemmSm90Params& g, int device, cu
 
 // Runs p (lora.h's GemmParams) on the sm_90a core and returns true when the core takes it: bf16
 // operands, bf16 or fp32 D, op_a and op_b not both transposed, C absent or laid out like D, sizes
-// >= 1, 16-byte strides and pointers, a compute capability 9.0 device. Else false: nothing ran.
+// >= 1, 16-byte strides, pointers and contiguous extents, a compute capability 9.0 device. Else
+// false: nothing ran.
 inline bool try_gemm_sm90(const lora::GemmParams& p, int device, cudaStream_t stream) {
   if (p.ab_dtype != DType::kBFloat16 || (p.d_dtype != DType::kBFloat16 && p.d_dtype != DType::kFloat32)) return false;
   if (p.a_transposed && p.b_transposed) return false;
   if (p.m < 1 || p.n < 1 || p.k < 1 || (p.c != nullptr && p.ldc != p.ldd)) return false;
   const int64_t d_per_16_bytes = 16 / dtype_bytes(p.d_dtype);
   if (p.lda % 8 != 0 || p.ldb % 8 != 0 || p.ldd % d_per_16_bytes != 0) return false;
+  // the contiguous extent of every operand a whole number of 16-byte vectors, as CUTLASS's own
+  // alignment check asks of TMA operands
+  const int64_t a_contiguous = p.a_transposed ? p.m : p.k, b_contiguous = p.b_transposed ? p.k : p.n;
+  if (a_contiguous % 8 != 0 || b_contiguous % 8 != 0 || p.n % d_per_16_bytes != 0) return false;
   if (!aligned16(p.a) || !aligned16(p.b) || !aligned16(p.c) || !aligned16(p.d)) return false;
   if (!sm90_usable(device)) return false;
   GroupedGemmSm90Params g{};

@@ -11,7 +11,9 @@
 // lda / ldb; D and C (which may alias D, or be null when beta == 0) are row-major with row stride
 // ldd, bf16 or fp32. Rows of slots no group owns (the dropped bucket) are not written. TMA needs
 // every row stride and expert stride a multiple of 16 bytes and every base pointer 16-byte aligned:
-// checked, with an error. Built only when the archs include sm_90a; grouped_gemm_sm90_available
+// checked, with an error. Callers also keep each operand's contiguous extent (k of A and of a
+// K-major B, n of an N-major B and of D, m of kWeightGrad's A) a multiple of 16 bytes, as CUTLASS's
+// own check asks of TMA operands (it cannot run here: the shapes live on the device). Built only when the archs include sm_90a; grouped_gemm_sm90_available
 // says whether it runs on a device (compute capability 9.0).
 #pragma once
 

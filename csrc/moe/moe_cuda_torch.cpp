@@ -254,8 +254,9 @@ at::Tensor grouped_linear_sm90(const Problem& p) {
   at::Tensor rows = at::empty({z.slots, z.out}, p.x.options());  // slot order, ungated
   sm90_rows(p, Sm90GemmKind::kRowsKMajorB, xs, z.in, p.weight, z.in, z.out * z.in, rows, false);
   if (p.lora()) {
+    // K = r8: both operands carry zero padding columns, so every TMA extent is a multiple of 16 bytes
     const at::Tensor u = lora_u(p), b = lora_b_by_expert(p);  // [slots, r8], [E, out, r8]
-    sm90_rows(p, Sm90GemmKind::kRowsKMajorB, u, z.rank, b, b.size(2), b.size(1) * b.size(2), rows, true);
+    sm90_rows(p, Sm90GemmKind::kRowsKMajorB, u, p.padded_rank(), b, b.size(2), b.size(1) * b.size(2), rows, true);
   }
   if (p.summed()) return sum_per_token(p, rows, /*gated=*/true);  // gates applied in the sum
   if (p.grouped_out) {
@@ -277,9 +278,10 @@ void grouped_linear_backward_sm90(const Problem& p, const at::Tensor& dy, const 
   if (compute_grad_x || compute_grad_gates) {
     at::Tensor dx_rows = at::empty({z.slots, z.in}, p.x.options());  // dy_s W_e + v_s A_e, ungated
     sm90_rows(p, Sm90GemmKind::kRowsNMajorB, dys, z.out, p.weight, z.in, z.out * z.in, dx_rows, false);
-    if (v.defined()) {
-      const at::Tensor a = p.lora_a_by_expert();  // [E, r, in]: K = r rows per expert, no padding
-      sm90_rows(p, Sm90GemmKind::kRowsNMajorB, v, z.rank, a, z.in, z.rank * z.in, dx_rows, true);
+    if (v.defined()) {  // K = r8 as in the forward: A_e padded with zero rows
+      at::Tensor a = at::zeros({z.experts, p.padded_rank(), z.in}, p.x.options());
+      a.narrow(1, 0, z.rank).copy_(p.lora_a_by_expert());
+      sm90_rows(p, Sm90GemmKind::kRowsNMajorB, v, p.padded_rank(), a, z.in, a.size(1) * z.in, dx_rows, true);
     }
     if (compute_grad_gates) {
       at::Tensor dots = at::empty({1, z.slots}, p.x.options().dtype(at::kFloat));
