@@ -32,6 +32,9 @@ target_include_directories(pykernels_cuda_binding_check PRIVATE
   ${CMAKE_SOURCE_DIR}/csrc ${shim_dir} ${TORCH_INCLUDE_DIRS} ${CUDAToolkit_INCLUDE_DIRS})
 target_compile_definitions(pykernels_cuda_binding_check PRIVATE PYKERNELS_WITH_CUDA)
 target_compile_options(pykernels_cuda_binding_check PRIVATE ${PYKERNELS_CXX_FLAGS} ${TORCH_CXX_FLAGS})
+# The torch headers every binding includes, parsed once: most of each file's compile time.
+target_precompile_headers(pykernels_cuda_binding_check PRIVATE
+  <torch/library.h> <c10/cuda/CUDAGuard.h> <c10/cuda/CUDAStream.h> <ATen/ATen.h>)
 
 list(LENGTH PYKERNELS_CUDA_SOURCES n_cu)
 list(LENGTH PYKERNELS_CUDA_SM90_SOURCES n_sm90)
