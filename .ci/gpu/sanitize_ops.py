@@ -1,6 +1,8 @@
 """The workload gpu-sanitize runs under compute-sanitizer: every public op once, forward and
-backward, on small odd shapes, with our kernels forced (PYKERNELS_KERNELS=ours). On CPU (the dry
-run) the same calls check that this script still matches the ops' signatures.
+backward, on small odd shapes, with our kernels forced (PYKERNELS_KERNELS=ours); and once more on
+sizes whose bf16 GEMMs a Hopper GPU runs on the sm_90a core (multiples of 8: csrc/common/
+gemm_sm90_torch.h), MoE with LoRA on its experts and a dropped assignment. On CPU (the dry run) the
+same calls check that this script still matches the ops' signatures.
 
     python .ci/gpu/sanitize_ops.py [--device cuda|cpu]
 """
@@ -38,23 +40,25 @@ def run_nf4(device: str) -> None:
 
 
 def run_lora(device: str) -> None:
-    x, a, b = randn(7, 64, device=device, grad=True), randn(3, 64, device=device, grad=True), randn(
-        83, 3, device=device, grad=True)
-    weight = randn(83, 64, device=device)
-    for base in (weight, nf4.quantize(weight, 64)):
-        lora.lora_linear(x, base, a, b, 2.0).float().square().sum().backward()
+    for out_features in (83, 96):  # 96: the base GEMMs on the Hopper core
+        x, a, b = randn(7, 64, device=device, grad=True), randn(3, 64, device=device, grad=True), randn(
+            out_features, 3, device=device, grad=True)
+        weight = randn(out_features, 64, device=device)
+        for base in (weight, nf4.quantize(weight, 64)):
+            lora.lora_linear(x, base, a, b, 2.0).float().square().sum().backward()
 
 
 def run_logprobs(device: str) -> None:
-    hidden, weight = randn(9, 64, device=device, grad=True), randn(769, 64, device=device, grad=True)
-    ids = torch.randint(0, 769, (9,), generator=GENERATOR).to(device)
-    targets = logprobs.packed_targets(ids, torch.tensor([0, 4, 9], dtype=torch.int32, device=device))
-    lp, entropy = logprobs.token_logprobs(hidden, weight, targets, temperature=0.7, return_entropy=True)
-    (lp.sum() + entropy.sum()).backward()
+    for vocab in (769, 768):  # 768: the logit-tile GEMMs on the Hopper core
+        hidden, weight = randn(9, 64, device=device, grad=True), randn(vocab, 64, device=device, grad=True)
+        ids = torch.randint(0, vocab, (9,), generator=GENERATOR).to(device)
+        targets = logprobs.packed_targets(ids, torch.tensor([0, 4, 9], dtype=torch.int32, device=device))
+        lp, entropy = logprobs.token_logprobs(hidden, weight, targets, temperature=0.7, return_entropy=True)
+        (lp.sum() + entropy.sum()).backward()
 
 
 def run_moe(device: str) -> None:
-    tokens, hidden_size, intermediate, experts, top_k = 7, 64, 32, 4, 2
+    tokens, hidden_size, intermediate, experts, top_k, rank = 7, 64, 32, 4, 2, 3
     hidden = randn(tokens, hidden_size, device=device, grad=True)
     logits = randn(tokens, experts, device=device).float()
     top_k_weights, top_k_index = moe.route(logits, top_k)
@@ -62,6 +66,16 @@ def run_moe(device: str) -> None:
     gate_up, down = randn(experts, 2 * intermediate, hidden_size, device=device), randn(
         experts, hidden_size, intermediate, device=device)
     out = moe.experts_forward(hidden, top_k_index, top_k_weights.to(DTYPE), gate_up, down)
+    out.float().square().sum().backward()
+    # LoRA on both projections (the Hopper core's accumulating products) and one assignment routed
+    # to another rank's expert (a dropped slot: rows no GEMM writes)
+    top_k_index = top_k_index.clone()
+    top_k_index[0, 0] = experts
+    adapters = {name: moe.LoRAFactors(randn(rank * experts, in_f, device=device, grad=True),
+                                      randn(out_f, rank * experts, device=device, grad=True), 2.0)
+                for name, out_f, in_f in (("gate_up_proj", 2 * intermediate, hidden_size),
+                                          ("down_proj", hidden_size, intermediate))}
+    out = moe.experts_forward(hidden, top_k_index, top_k_weights.to(DTYPE), gate_up, down, lora=adapters)
     out.float().square().sum().backward()
 
 
