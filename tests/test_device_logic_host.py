@@ -219,6 +219,65 @@ def test_sm90_dense_gemms_are_one_group(m, n, k):
     np.testing.assert_allclose(d.reshape(m, n), at[:, :m].T @ b, rtol=1e-12, atol=1e-12)
 
 
+# The dense GEMMs of the LoRA and logprobs ops as the CUDA bindings fill lora::GemmParams
+# (lora_cuda_torch.cpp, logprobs_cuda_torch.cpp): (m, n, k, lda, ldb, ldd, a_t, b_t, D, accumulate)
+# -> the core's kind and its slots (the dimension its one group walks).
+DENSE_CALLS = {
+    "lora y += x W^T": ((8192, 14336, 4096, 4096, 4096, 14336, False, True, "bf16", True), ("rows_k_major_b", 8192)),
+    "lora dx = dy W": ((8192, 4096, 14336, 14336, 4096, 4096, False, False, "bf16", False), ("rows_n_major_b", 8192)),
+    "qlora dx += dy W_chunk (fp32)": ((8192, 4096, 1024, 14336, 4096, 4096, False, False, "fp32", True),
+                                      ("rows_n_major_b", 8192)),
+    "logits z = h W_c^T": ((512, 4096, 4096, 4096, 4096, 4096, False, True, "fp32", False), ("rows_k_major_b", 512)),
+    "dh += dz W_c": ((512, 4096, 4096, 4096, 4096, 4096, False, False, "fp32", True), ("rows_n_major_b", 512)),
+    "first dW_c = dz^T h": ((4096, 4096, 512, 4096, 4096, 4096, True, False, "fp32", False), ("weight_grad", 512)),
+    "dW_c += dz^T h": ((4096, 4096, 512, 4096, 4096, 4096, True, False, "fp32", True), ("weight_grad", 512)),
+}
+
+
+@pytest.mark.parametrize("name", list(DENSE_CALLS))
+def test_sm90_core_takes_the_dense_gemms_the_ops_make(name):
+    """Each call pattern maps to its kind with the right dimension as slots, and the launcher's own
+    check accepts the result (a dense A^T B once failed it: the check asked for the zero buffer
+    that only grouped calls carry)."""
+    (m, n, k, lda, ldb, ldd, a_t, b_t, d_dtype, accumulate), (kind, slots) = DENSE_CALLS[name]
+    taken = H.gemm_sm90_dense(m, n, k, lda, ldb, ldd, a_t, b_t, "bf16", d_dtype, accumulate)
+    assert taken is not None, "the Hopper core refused it"
+    assert taken[:2] == (kind, slots)
+    assert taken[2:5] == ((m if a_t else 0), n, (0 if a_t else k))
+    assert taken[5] is None, taken[5]
+
+
+@pytest.mark.parametrize("args, why", [
+    ((64, 64, 64, 64, 64, 64, True, True, "bf16", "bf16", False), "A^T B^T"),
+    ((64, 64, 64, 64, 64, 64, False, True, "fp16", "fp16", False), "fp16 operands"),
+    ((64, 64, 60, 64, 64, 64, False, True, "bf16", "bf16", False), "k not a multiple of 8"),
+    ((64, 61, 64, 64, 64, 64, False, False, "bf16", "fp32", False), "N-major B of 61 columns"),
+    ((64, 64, 64, 60, 64, 64, False, True, "bf16", "bf16", False), "row stride of 120 bytes"),
+    ((0, 64, 64, 64, 64, 64, False, True, "bf16", "bf16", False), "no rows"),
+])
+def test_sm90_core_refuses_what_tma_cannot_address(args, why):
+    assert H.gemm_sm90_dense(*args) is None, why
+    assert H.gemm_sm90_dense(64, 64, 64, 64, 64, 64, False, True, "bf16", "bf16", False, misaligned=True) is None
+
+
+def test_sm90_core_check_on_the_moe_calls():
+    """The expert GEMMs as moe_cuda_torch.cpp fills them pass; a grouped weight gradient without the
+    zero buffer, a stride TMA cannot take or C without beta do not."""
+    rows = dict(kind="rows_k_major_b", grouped=True, experts=128, slots=131072, m=0, n=1536, k=2048, lda=2048,
+                ldb=2048, b_expert_stride=1536 * 2048, ldd=1536, d_expert_stride=0, d_dtype="bf16",
+                accumulate=False, zeros=False)
+    assert H.gemm_sm90_error(**rows) is None
+    assert H.gemm_sm90_error(**{**rows, "accumulate": True}) is None
+    assert "row stride" in H.gemm_sm90_error(**{**rows, "ldb": 2044})
+    assert "dense" in H.gemm_sm90_error(**{**rows, "grouped": False})
+    grad = dict(rows, kind="weight_grad", m=1536, n=2048, k=0, lda=1536, b_expert_stride=0, ldd=2048,
+                d_expert_stride=1536 * 2048, zeros=True)
+    assert H.gemm_sm90_error(**grad) is None
+    assert "zero buffer" in H.gemm_sm90_error(**{**grad, "zeros": False})
+    assert H.gemm_sm90_error(**{**grad, "grouped": False, "experts": 1, "zeros": False}) is None
+    assert "K >= 1" in H.gemm_sm90_error(**{**grad, "grouped": False, "experts": 1, "slots": 0})
+
+
 @FAST
 @given(offsets=st.lists(st.integers(-5, 60), min_size=2, max_size=12), slots=st.integers(0, 50))
 def test_sm90_groups_with_malformed_offsets_stay_in_bounds(offsets, slots):

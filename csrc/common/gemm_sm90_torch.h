@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "common/gemm_sm90_dense.h"
 #include "common/grouped_gemm_sm90.h"
 #include "lora/lora.h"
 
@@ -29,8 +30,6 @@ inline bool sm90_enabled_by_env() {
 // The sm_90a kernels are built, enabled and run on this device.
 inline bool sm90_usable(int device) { return sm90_enabled_by_env() && grouped_gemm_sm90_available(device); }
 
-inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 inline void run_grouped_gemm_sm90(const GroupedGemmSm90Params& g, int device, cudaStream_t stream) {
   const at::Tensor workspace = at::empty({grouped_gemm_sm90_workspace_bytes(g, device)},
                                          at::TensorOptions().device(at::kCUDA, device).dtype(at::kByte));
@@ -38,44 +37,11 @@ inline void run_grouped_gemm_sm90(const GroupedGemmSm90Params& g, int device, cu
   TORCH_CHECK(error == nullptr, error);
 }
 
-// Runs p (lora.h's GemmParams) on the sm_90a core and returns true when the core takes it: bf16
-// operands, bf16 or fp32 D, op_a and op_b not both transposed, C absent or laid out like D, sizes
-// >= 1, 16-byte strides, pointers and contiguous extents, a compute capability 9.0 device. Else
-// false: nothing ran.
+// Runs p on the sm_90a core and returns true when the core takes it (dense_gemm_as_group) and runs
+// on this device; else false: nothing ran.
 inline bool try_gemm_sm90(const lora::GemmParams& p, int device, cudaStream_t stream) {
-  if (p.ab_dtype != DType::kBFloat16 || (p.d_dtype != DType::kBFloat16 && p.d_dtype != DType::kFloat32)) return false;
-  if (p.a_transposed && p.b_transposed) return false;
-  if (p.m < 1 || p.n < 1 || p.k < 1 || (p.c != nullptr && p.ldc != p.ldd)) return false;
-  const int64_t d_per_16_bytes = 16 / dtype_bytes(p.d_dtype);
-  if (p.lda % 8 != 0 || p.ldb % 8 != 0 || p.ldd % d_per_16_bytes != 0) return false;
-  // the contiguous extent of every operand a whole number of 16-byte vectors, as CUTLASS's own
-  // alignment check asks of TMA operands
-  const int64_t a_contiguous = p.a_transposed ? p.m : p.k, b_contiguous = p.b_transposed ? p.k : p.n;
-  if (a_contiguous % 8 != 0 || b_contiguous % 8 != 0 || p.n % d_per_16_bytes != 0) return false;
-  if (!aligned16(p.a) || !aligned16(p.b) || !aligned16(p.c) || !aligned16(p.d)) return false;
-  if (!sm90_usable(device)) return false;
   GroupedGemmSm90Params g{};
-  g.experts = 1;  // expert_offsets null: one group of all slots
-  g.n = p.n;
-  g.a = p.a;
-  g.lda = p.lda;
-  g.b = p.b;
-  g.ldb = p.ldb;
-  g.c = p.beta != 0.0f ? p.c : nullptr;
-  g.d = p.d;
-  g.ldd = p.ldd;
-  g.d_dtype = p.d_dtype;
-  g.alpha = p.alpha;
-  g.beta = g.c != nullptr ? p.beta : 0.0f;
-  if (p.a_transposed) {  // D = A^T B with A [k, m], B [k, n]: a weight-gradient product, k as slots
-    g.kind = Sm90GemmKind::kWeightGrad;
-    g.slots = p.k;
-    g.m = p.m;
-  } else {  // rows of A times B^T (B stored [n, k]) or B (stored [k, n])
-    g.kind = p.b_transposed ? Sm90GemmKind::kRowsKMajorB : Sm90GemmKind::kRowsNMajorB;
-    g.slots = p.m;
-    g.k = p.k;
-  }
+  if (!dense_gemm_as_group(p, g) || !sm90_usable(device)) return false;
   run_grouped_gemm_sm90(g, device, stream);
   return true;
 }

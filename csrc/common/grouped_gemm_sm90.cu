@@ -235,29 +235,6 @@ auto with_kernel(const GroupedGemmSm90Params& p, F&& f) {
   return p.d_dtype == DType::kFloat32 ? with_layouts<EpilogueFp32>(p.kind, f) : with_layouts<EpilogueBf16>(p.kind, f);
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-// What TMA and the 32-bit CUTLASS problem shapes need, or null.
-const char* check_params(const GroupedGemmSm90Params& p) {
-  constexpr int64_t kMax = int64_t{1} << 31;
-  if (p.slots < 0 || p.slots >= kMax || p.experts < 1 || p.experts >= kMax)
-    return fail_sm90("need 0 <= slots < 2^31 and 1 <= groups < 2^31");
-  if (p.d_dtype != DType::kBFloat16 && p.d_dtype != DType::kFloat32) return fail_sm90("D must be bf16 or fp32");
-  const bool weight_grad = p.kind == Sm90GemmKind::kWeightGrad;
-  if ((weight_grad ? p.m : p.k) < 1 || p.n < 1 || p.m >= kMax || p.n >= kMax || p.k >= kMax)
-    return fail_sm90("GEMM sizes must lie in [1, 2^31)");
-  const int64_t d_per_16_bytes = 16 / dtype_bytes(p.d_dtype);
-  if (p.lda < 1 || p.lda % 8 != 0 || p.ldb < 1 || p.ldb % 8 != 0 || p.ldd < 1 || p.ldd % d_per_16_bytes != 0)
-    return fail_sm90("every row stride must be a multiple of 16 bytes");
-  if ((!weight_grad && p.b_expert_stride % 8 != 0) || (weight_grad && p.d_expert_stride % d_per_16_bytes != 0))
-    return fail_sm90("the expert strides must be multiples of 16 bytes");
-  if (!aligned16(p.a) || !aligned16(p.b) || !aligned16(p.d) || !aligned16(p.c) || !aligned16(p.zeros))
-    return fail_sm90("a, b, c, d and zeros must be 16-byte aligned");
-  if (weight_grad && p.zeros == nullptr) return fail_sm90("the weight gradient needs the zero buffer");
-  if ((p.c == nullptr) != (p.beta == 0.0f)) return fail_sm90("c must be given iff beta != 0");
-  return nullptr;
-}
-
 }  // namespace
 #endif  // PYKERNELS_SM90A_GEMM
 
@@ -293,7 +270,7 @@ int64_t grouped_gemm_sm90_workspace_bytes(const GroupedGemmSm90Params& p, int de
 
 const char* launch_grouped_gemm_sm90(const GroupedGemmSm90Params& p, void* workspace, int device, cudaStream_t stream) {
 #ifdef PYKERNELS_SM90A_GEMM
-  if (const char* error = check_params(p)) return error;
+  if (const char* error = grouped_gemm_sm90_error(p)) return fail_sm90(error);
   if (p.slots == 0 && p.kind != Sm90GemmKind::kWeightGrad) return nullptr;
   return with_kernel(p, [&](auto g) { return run<decltype(g)>(p, workspace, device, stream); });
 #else

@@ -44,6 +44,33 @@ struct GroupedGemmSm90Params {
   const void* zeros;              // kWeightGrad: max(m, n) bf16 zeros, 16-byte aligned
 };
 
+// What TMA and the 32-bit CUTLASS problem shapes need of p, or null (checked by the launcher;
+// host-tested through pykernels._C.host_logic).
+inline const char* grouped_gemm_sm90_error(const GroupedGemmSm90Params& p) {
+  constexpr int64_t kMax = int64_t{1} << 31;
+  auto aligned16 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  if (p.slots < 0 || p.slots >= kMax || p.experts < 1 || p.experts >= kMax)
+    return "need 0 <= slots < 2^31 and 1 <= groups < 2^31";
+  if (p.expert_offsets == nullptr && p.experts != 1) return "a dense GEMM (no expert_offsets) is one group";
+  if (p.d_dtype != DType::kBFloat16 && p.d_dtype != DType::kFloat32) return "D must be bf16 or fp32";
+  const bool weight_grad = p.kind == Sm90GemmKind::kWeightGrad;
+  if ((weight_grad ? p.m : p.k) < 1 || p.n < 1 || p.m >= kMax || p.n >= kMax || p.k >= kMax)
+    return "GEMM sizes must lie in [1, 2^31)";
+  const int64_t d_per_16_bytes = 16 / dtype_bytes(p.d_dtype);
+  if (p.lda < 1 || p.lda % 8 != 0 || p.ldb < 1 || p.ldb % 8 != 0 || p.ldd < 1 || p.ldd % d_per_16_bytes != 0)
+    return "every row stride must be a multiple of 16 bytes";
+  if ((!weight_grad && p.b_expert_stride % 8 != 0) || (weight_grad && p.d_expert_stride % d_per_16_bytes != 0))
+    return "the expert strides must be multiples of 16 bytes";
+  if (!aligned16(p.a) || !aligned16(p.b) || !aligned16(p.d) || !aligned16(p.c) || !aligned16(p.zeros))
+    return "a, b, c, d and zeros must be 16-byte aligned";
+  // grouped: an expert without slots reads the zero buffer; dense: the one group must have slots
+  if (weight_grad && p.expert_offsets != nullptr && p.zeros == nullptr)
+    return "the grouped weight gradient needs the zero buffer";
+  if (weight_grad && p.expert_offsets == nullptr && p.slots < 1) return "a dense A^T B needs K >= 1";
+  if ((p.c == nullptr) != (p.beta == 0.0f)) return "c must be given iff beta != 0";
+  return nullptr;
+}
+
 bool grouped_gemm_sm90_built();  // compiled for sm_90a into this build
 bool grouped_gemm_sm90_available(int device);
 int64_t grouped_gemm_sm90_workspace_bytes(const GroupedGemmSm90Params& p, int device);

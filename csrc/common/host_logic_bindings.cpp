@@ -1,6 +1,6 @@
 // pykernels._C.host_logic: the __host__ __device__ index/tile arithmetic of the CUDA kernels
 // (common/tails.h, common/online_softmax.h, nf4/nf4_layout.h, moe/moe_schedule.h,
-// common/gemm_groups.h, logprobs/vocab_chunks.h), compiled for the host and exposed with plain ints, floats and lists so
+// common/gemm_groups.h, common/gemm_sm90_dense.h, logprobs/vocab_chunks.h), compiled for the host and exposed with plain ints, floats and lists so
 // that tests/test_device_logic_host.py checks it against direct Python / fp64 computations on a
 // machine without a GPU. Test-only: no op, no torch tensor; where a kernel composes the helpers
 // (the row-tile schedule, the routing maps, a dequantize pass) the function here composes them in
@@ -16,6 +16,8 @@
 #include <vector>
 
 #include "common/gemm_groups.h"
+#include "common/gemm_sm90_dense.h"
+#include "common/grouped_gemm_sm90.h"
 #include "common/online_softmax.h"
 #include "common/tails.h"
 #include "logprobs/vocab_chunks.h"
@@ -35,6 +37,68 @@ Partial from_partial(const SoftmaxPartial& p) { return {p.max_z, p.sum_exp, p.su
 
 void require(bool ok, const std::string& message) {
   if (!ok) throw std::invalid_argument(message);
+}
+
+// ------------------------------------------------------------------ Hopper GEMM core: parameters
+// Stand-in operand addresses: 16-byte aligned, or 2 bytes off for `misaligned`.
+const void* fake_address(int64_t slot, bool misaligned) {
+  return reinterpret_cast<const void*>(uintptr_t(0x10000) * (slot + 1) + (misaligned ? 2 : 0));
+}
+
+DType dtype_named(const std::string& name) {
+  require(name == "bf16" || name == "fp32" || name == "fp16", "dtype must be 'bf16', 'fp16' or 'fp32'");
+  return name == "bf16" ? DType::kBFloat16 : name == "fp16" ? DType::kFloat16 : DType::kFloat32;
+}
+
+const char* kind_name(gemm::Sm90GemmKind kind) {
+  switch (kind) {
+    case gemm::Sm90GemmKind::kRowsKMajorB: return "rows_k_major_b";
+    case gemm::Sm90GemmKind::kRowsNMajorB: return "rows_n_major_b";
+    default: return "weight_grad";
+  }
+}
+
+// A lora::GemmParams as the LoRA and logprobs ops fill it (C aliases D when accumulate), through
+// dense_gemm_as_group: None when the core does not take it, else (kind, slots, m, n, k, the
+// launcher's parameter check: None or its message).
+py::object gemm_sm90_dense(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldd,
+                           bool a_transposed, bool b_transposed, const std::string& ab_dtype,
+                           const std::string& d_dtype, bool accumulate, bool misaligned) {
+  lora::GemmParams p{};
+  p.m = m, p.n = n, p.k = k;
+  p.a = fake_address(0, misaligned), p.lda = lda, p.a_transposed = a_transposed;
+  p.b = fake_address(1, false), p.ldb = ldb, p.b_transposed = b_transposed;
+  p.d = const_cast<void*>(fake_address(2, false)), p.ldd = ldd;
+  p.c = accumulate ? p.d : nullptr, p.ldc = ldd;
+  p.ab_dtype = dtype_named(ab_dtype), p.d_dtype = dtype_named(d_dtype);
+  p.alpha = 1.0f, p.beta = accumulate ? 1.0f : 0.0f;
+  gemm::GroupedGemmSm90Params g{};
+  if (!gemm::dense_gemm_as_group(p, g)) return py::none();
+  const char* error = gemm::grouped_gemm_sm90_error(g);
+  return py::make_tuple(kind_name(g.kind), g.slots, g.m, g.n, g.k,
+                        error ? py::object(py::str(error)) : py::object(py::none()));
+}
+
+// The launcher's parameter check on a grouped call (MoE: expert_offsets given) or a dense one.
+py::object gemm_sm90_error(const std::string& kind, bool grouped, int64_t experts, int64_t slots, int64_t m,
+                           int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t b_expert_stride, int64_t ldd,
+                           int64_t d_expert_stride, const std::string& d_dtype, bool accumulate, bool zeros) {
+  static const int64_t offsets[2] = {0, 0};  // only its presence matters to the check
+  gemm::GroupedGemmSm90Params g{};
+  g.kind = kind == "weight_grad"      ? gemm::Sm90GemmKind::kWeightGrad
+           : kind == "rows_n_major_b" ? gemm::Sm90GemmKind::kRowsNMajorB
+                                      : gemm::Sm90GemmKind::kRowsKMajorB;
+  g.slots = slots, g.experts = experts, g.expert_offsets = grouped ? offsets : nullptr;
+  g.m = m, g.n = n, g.k = k;
+  g.a = fake_address(0, false), g.lda = lda, g.b = fake_address(1, false), g.ldb = ldb;
+  g.b_expert_stride = b_expert_stride;
+  g.d = const_cast<void*>(fake_address(2, false)), g.ldd = ldd, g.d_expert_stride = d_expert_stride;
+  g.c = accumulate ? g.d : nullptr;
+  g.d_dtype = dtype_named(d_dtype);
+  g.alpha = 1.0f, g.beta = accumulate ? 1.0f : 0.0f;
+  g.zeros = zeros ? fake_address(3, false) : nullptr;
+  const char* error = gemm::grouped_gemm_sm90_error(g);
+  return error ? py::object(py::str(error)) : py::object(py::none());
 }
 
 // ------------------------------------------------------------------ MoE
@@ -269,6 +333,14 @@ void define_host_logic(py::module_& m) {
   m.def("moe_assignment_of", &moe::assignment_of, py::arg("token"), py::arg("k_slot"), py::arg("top_k"));
   m.def("moe_routing_maps", &moe_routing_maps, py::arg("sorted_token_idx"), py::arg("offsets"), py::arg("top_k"));
   m.def("moe_slot_row_index", &moe_slot_row_index, py::arg("map"), py::arg("s"), py::arg("rows"));
+  // common/gemm_sm90_dense.h, common/grouped_gemm_sm90.h
+  m.def("gemm_sm90_dense", &gemm_sm90_dense, py::arg("m"), py::arg("n"), py::arg("k"), py::arg("lda"),
+        py::arg("ldb"), py::arg("ldd"), py::arg("a_transposed"), py::arg("b_transposed"), py::arg("ab_dtype"),
+        py::arg("d_dtype"), py::arg("accumulate"), py::arg("misaligned") = false);
+  m.def("gemm_sm90_error", &gemm_sm90_error, py::arg("kind"), py::arg("grouped"), py::arg("experts"),
+        py::arg("slots"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("lda"), py::arg("ldb"),
+        py::arg("b_expert_stride"), py::arg("ldd"), py::arg("d_expert_stride"), py::arg("d_dtype"),
+        py::arg("accumulate"), py::arg("zeros"));
   // common/gemm_groups.h
   m.def("gemm_sm90_groups", &gemm_sm90_groups, py::arg("kind"), py::arg("offsets"), py::arg("slots"), py::arg("m"),
         py::arg("n"), py::arg("k"), py::arg("lda"), py::arg("ldb"), py::arg("b_expert_stride"), py::arg("ldd"),
