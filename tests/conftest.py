@@ -12,9 +12,9 @@ requires_cuda = pytest.mark.skipif(
 
 
 def _pin_xdist_worker_to_one_core() -> None:
-    """Under `pytest -n N` (make test-e2e), worker i and every process it starts (training runs, vLLM
-    engines and servers) run on core i: otherwise every vLLM engine binds its threads to core 0 and
-    the workers' runs queue on it while the other cores idle."""
+    """Under `pytest -n N` (make test-e2e, make test-fast), worker i and every process it starts
+    (training runs, vLLM engines and servers) run on core i: otherwise every vLLM engine binds its
+    threads to core 0 and the workers' runs queue on it while the other cores idle."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ...
     if worker is None or not hasattr(os, "sched_setaffinity"):
         return

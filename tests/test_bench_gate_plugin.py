@@ -61,6 +61,8 @@ THRESHOLDS = '''[cpu]
 @pytest.fixture
 def toy(pytester, monkeypatch):
     monkeypatch.delenv(PLANT_ENV, raising=False)
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
+        monkeypatch.delenv(name, raising=False)  # the inner session is no xdist worker (make test-fast runs -n 2)
     monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the re-measure's fresh process imports benchmarks.self_test
     pytester.makeconftest((ROOT / "conftest.py").read_text())
     pytester.makepyprojecttoml('[tool.pytest.ini_options]\ntestpaths = ["tests"]\n')
