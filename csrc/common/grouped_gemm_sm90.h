@@ -13,8 +13,9 @@
 // every row stride and expert stride a multiple of 16 bytes and every base pointer 16-byte aligned:
 // checked, with an error. Callers also keep each operand's contiguous extent (k of A and of a
 // K-major B, n of an N-major B and of D, m of kWeightGrad's A) a multiple of 16 bytes, as CUTLASS's
-// own check asks of TMA operands (it cannot run here: the shapes live on the device). Built only when the archs include sm_90a; grouped_gemm_sm90_available
-// says whether it runs on a device (compute capability 9.0).
+// own check asks of TMA operands (it cannot run here: the shapes live on the device). Built only
+// when the archs include sm_90a; grouped_gemm_sm90_available says whether it runs on a device
+// (compute capability 9.0).
 #pragma once
 
 #include <cstdint>
@@ -41,7 +42,7 @@ struct GroupedGemmSm90Params {
   int64_t ldd, d_expert_stride;
   DType d_dtype;                  // kBFloat16 or kFloat32
   float alpha, beta;
-  const void* zeros;              // kWeightGrad: max(m, n) bf16 zeros, 16-byte aligned
+  const void* zeros;              // grouped kWeightGrad: max(m, n) bf16 zeros, 16-byte aligned
 };
 
 // What TMA and the 32-bit CUTLASS problem shapes need of p, or null (checked by the launcher;
