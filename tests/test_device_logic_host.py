@@ -3,8 +3,9 @@
 No CUDA kernel of this project has run on a GPU yet, and index arithmetic is where blind CUDA goes
 wrong. The arithmetic lives in __host__ __device__ headers (csrc/common/tails.h,
 common/online_softmax.h, common/gemm_groups.h, nf4/nf4_layout.h, moe/moe_schedule.h,
-logprobs/vocab_chunks.h) that the
-.cu kernels call; pykernels._C.host_logic compiles the same functions for the host. Each test
+logprobs/vocab_chunks.h) that the .cu kernels call, and in the torch-free parameter logic of the
+Hopper GEMM core (common/grouped_gemm_sm90.h, common/gemm_sm90_dense.h);
+pykernels._C.host_logic compiles the same functions for the host. Each test
 compares them with an independent Python computation (direct enumeration, fp64 math, bitsandbytes)
 on adversarial sizes.
 """
