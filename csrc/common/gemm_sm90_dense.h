@@ -6,11 +6,10 @@
 #include <cstdint>
 
 #include "common/grouped_gemm_sm90.h"
+#include "common/tails.h"
 #include "lora/lora.h"
 
 namespace pykernels::gemm {
-
-inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // Fills g with p as one group and returns true when the core can take p: bf16 operands, bf16 or
 // fp32 D, op_a and op_b not both transposed, C absent or laid out like D, sizes >= 1, 16-byte
@@ -20,11 +19,11 @@ inline bool dense_gemm_as_group(const lora::GemmParams& p, GroupedGemmSm90Params
   if (p.ab_dtype != DType::kBFloat16 || (p.d_dtype != DType::kBFloat16 && p.d_dtype != DType::kFloat32)) return false;
   if (p.a_transposed && p.b_transposed) return false;
   if (p.m < 1 || p.n < 1 || p.k < 1 || (p.c != nullptr && p.ldc != p.ldd)) return false;
-  const int64_t d_per_16_bytes = 16 / dtype_bytes(p.d_dtype);
-  if (p.lda % 8 != 0 || p.ldb % 8 != 0 || p.ldd % d_per_16_bytes != 0) return false;
-  const int64_t a_contiguous = p.a_transposed ? p.m : p.k, b_contiguous = p.b_transposed ? p.k : p.n;
-  if (a_contiguous % 8 != 0 || b_contiguous % 8 != 0 || p.n % d_per_16_bytes != 0) return false;
-  if (!aligned16(p.a) || !aligned16(p.b) || !aligned16(p.c) || !aligned16(p.d)) return false;
+  const int d_bytes = dtype_bytes(p.d_dtype), d_per_16_bytes = 16 / d_bytes;
+  if (!rows_vector_aligned(p.a, p.lda, p.a_transposed ? p.m : p.k, 8, 2) ||
+      !rows_vector_aligned(p.b, p.ldb, p.b_transposed ? p.k : p.n, 8, 2) ||
+      !rows_vector_aligned(p.d, p.ldd, p.n, d_per_16_bytes, d_bytes) || !is_aligned(p.c, 16))
+    return false;
   g = GroupedGemmSm90Params{};
   g.experts = 1;  // expert_offsets null: one group of all slots
   g.n = p.n;

@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "common/dtype.h"
+#include "common/tails.h"
 
 typedef struct CUstream_st* cudaStream_t;
 
@@ -49,7 +50,6 @@ struct GroupedGemmSm90Params {
 // host-tested through pykernels._C.host_logic).
 inline const char* grouped_gemm_sm90_error(const GroupedGemmSm90Params& p) {
   constexpr int64_t kMax = int64_t{1} << 31;
-  auto aligned16 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   if (p.slots < 0 || p.slots >= kMax || p.experts < 1 || p.experts >= kMax)
     return "need 0 <= slots < 2^31 and 1 <= groups < 2^31";
   if (p.expert_offsets == nullptr && p.experts != 1) return "a dense GEMM (no expert_offsets) is one group";
@@ -62,7 +62,8 @@ inline const char* grouped_gemm_sm90_error(const GroupedGemmSm90Params& p) {
     return "every row stride must be a multiple of 16 bytes";
   if ((!weight_grad && p.b_expert_stride % 8 != 0) || (weight_grad && p.d_expert_stride % d_per_16_bytes != 0))
     return "the expert strides must be multiples of 16 bytes";
-  if (!aligned16(p.a) || !aligned16(p.b) || !aligned16(p.d) || !aligned16(p.c) || !aligned16(p.zeros))
+  if (!is_aligned(p.a, 16) || !is_aligned(p.b, 16) || !is_aligned(p.d, 16) || !is_aligned(p.c, 16) ||
+      !is_aligned(p.zeros, 16))
     return "a, b, c, d and zeros must be 16-byte aligned";
   // grouped: an expert without slots reads the zero buffer; dense: the one group must have slots
   if (weight_grad && p.expert_offsets != nullptr && p.zeros == nullptr)

@@ -33,6 +33,7 @@
 #include <optional>
 
 #include "common/gemm_sm90_torch.h"
+#include "common/tails.h"
 #include "moe/moe.h"
 #include "moe/moe_torch_checks.h"
 
@@ -183,7 +184,7 @@ at::Tensor lora_b_by_expert(const Problem& p) {
 bool use_sm90(const Problem& p, std::initializer_list<at::Tensor> operands) {
   if (p.x.scalar_type() != at::kBFloat16 || p.size.in % 8 != 0 || p.size.out % 8 != 0) return false;
   for (const at::Tensor& t : operands)
-    if (t.defined() && !gemm::aligned16(t.data_ptr())) return false;
+    if (t.defined() && !is_aligned(t.data_ptr(), 16)) return false;
   return gemm::sm90_usable(static_cast<int>(p.x.get_device()));
 }
 

@@ -12,10 +12,10 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <initializer_list>
 #include <string>
 
 #include "common/cuda_convert.cuh"
+#include "common/tails.h"
 #include "moe/moe.h"
 #include "moe/moe_cuda_common.cuh"
 #include "moe/moe_schedule.h"
@@ -263,17 +263,10 @@ const char* launch_routing_maps(const RoutingMapsParams& p, cudaStream_t stream)
   });
 }
 
-// Whether rows of `cols` elements of T with these row strides and base pointers can move in 16-byte
-// packs.
+// Whether rows of `cols` elements of T (row stride ld) at base move in 16-byte packs.
 template <typename T>
-bool packs_of_16_bytes(int64_t cols, std::initializer_list<int64_t> lds, std::initializer_list<const void*> bases) {
-  constexpr int64_t kV = 16 / sizeof(T);
-  if (cols % kV != 0) return false;
-  for (const int64_t ld : lds)
-    if (ld % kV != 0) return false;
-  for (const void* base : bases)
-    if (reinterpret_cast<uintptr_t>(base) % 16 != 0) return false;
-  return true;
+bool packs_of_16_bytes(const void* base, int64_t ld, int64_t cols) {
+  return rows_vector_aligned(base, ld, cols, 16 / sizeof(T), sizeof(T));
 }
 
 const char* launch_sum_per_token(const SumPerTokenParams& p, cudaStream_t stream) {
@@ -281,7 +274,7 @@ const char* launch_sum_per_token(const SumPerTokenParams& p, cudaStream_t stream
   return with_element(p.dtype, [&](auto element) {
     using T = decltype(element);
     constexpr int kV = 16 / sizeof(T);
-    if (packs_of_16_bytes<T>(p.cols, {}, {p.rows, p.out}))
+    if (packs_of_16_bytes<T>(p.rows, p.cols, p.cols) && packs_of_16_bytes<T>(p.out, p.cols, p.cols))
       sum_per_token_kernel<T, kV><<<grid_for(p.tokens * p.cols / kV), kThreads, 0, stream>>>(p);
     else
       sum_per_token_kernel<T, 1><<<grid_for(p.tokens * p.cols), kThreads, 0, stream>>>(p);
@@ -294,7 +287,7 @@ const char* launch_scale_rows(const ScaleRowsParams& p, cudaStream_t stream) {
   return with_element(p.dtype, [&](auto element) {
     using T = decltype(element);
     constexpr int kV = 16 / sizeof(T);
-    if (packs_of_16_bytes<T>(p.src.cols, {p.src.ld, p.ld_out}, {p.src.data, p.out}))
+    if (packs_of_16_bytes<T>(p.src.data, p.src.ld, p.src.cols) && packs_of_16_bytes<T>(p.out, p.ld_out, p.src.cols))
       scale_rows_kernel<T, kV><<<grid_for(p.slots * p.src.cols / kV), kThreads, 0, stream>>>(p);
     else
       scale_rows_kernel<T, 1><<<grid_for(p.slots * p.src.cols), kThreads, 0, stream>>>(p);
