@@ -532,6 +532,78 @@ def test_softmax_merge_with_empty_partials_is_exact():
     assert H.softmax_fold_chunk(EMPTY, 2.0, 1.0, 0.0) == (2.0, 1.0, 0.0)
 
 
+@pytest.mark.parametrize("n, scale, shift, p_neg_inf", CASES)
+@pytest.mark.parametrize("order", ["as drawn", "ascending", "descending"])
+def test_softmax_add_logits_matches_fp64(n, scale, shift, p_neg_inf, order):
+    """add_logit, the Hopper epilogue's per-logit step: ascending logits take the new-max branch every
+    time, descending ones never; -inf logits (also before any finite one) add nothing, never NaN."""
+    rng = random.Random(n + 7)
+    z = logits(rng, n, scale, shift, p_neg_inf)
+    if all(v == NEG_INF for v in z):
+        z[-1] = 0.0
+    z = {"as drawn": z, "ascending": sorted(z), "descending": sorted(z, reverse=True)}[order]
+    assert_close_to_fp64(H.softmax_add_logits(z), z)
+
+
+def test_softmax_add_logit_edge_values():
+    assert H.softmax_add_logits([]) == EMPTY
+    assert H.softmax_add_logits([NEG_INF, NEG_INF]) == EMPTY
+    assert H.softmax_add_logits([NEG_INF, 2.0, NEG_INF]) == (2.0, 1.0, 0.0)
+    assert math.isnan(H.softmax_add_logits([1.0, float("nan"), 0.5])[1])  # a NaN logit is not hidden
+
+
+# ------------------------------------------------------------------ Hopper logprobs (logprobs_sm90.h)
+@pytest.mark.parametrize("tokens, cols", [(1, 1), (3, 127), (2, 128), (5, 129), (130, 300), (4, 1000)])
+@pytest.mark.parametrize("scale, shift", [(1.0, 0.0), (30.0, -20.0), (1.0, 8000.0)])
+def test_sm90_forward_stats_match_fp64(tokens, cols, scale, shift):
+    """The Hopper forward's statistics path (per-lane add_logit, the quad's shuffle tree, planes at
+    partial_index with rows padded to 128, the fold pass in tile order) gives each row's log-sum-exp
+    and entropy: partial last tiles, padding rows and tokens past one GEMM tile included."""
+    rng = random.Random(tokens * 1000 + cols)
+    z = [logits(rng, cols, scale, shift, 0.0) for _ in range(tokens)]
+    for row, (lse, entropy) in zip(z, H.logprobs_sm90_stats(z)):
+        lse64, entropy64 = lse_entropy_fp64(row)
+        assert math.isclose(lse, lse64, rel_tol=2e-6, abs_tol=2e-5), (lse, lse64)
+        assert math.isclose(entropy, entropy64, rel_tol=1e-4, abs_tol=1e-4), (entropy, entropy64)
+
+
+@pytest.mark.parametrize("g_lp, g_ent", [(1.0, 0.0), (0.0, 1.0), (-0.7, 2.5), (0.0, 0.0)])
+def test_logit_grad_matches_autograd(g_lp, g_ent):
+    """logit_grad, the per-logit formula of the sm80 grad kernel, the Hopper epilogue (target=False)
+    and the target fix-up (target=True), against autograd of g_lp logprob + g_ent entropy in fp64."""
+    import torch
+
+    z = torch.randn(37, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).mul_(4).requires_grad_()
+    target = 11
+    logp = torch.log_softmax(z, 0)
+    entropy = -(logp.exp() * logp).sum()
+    (g_lp * logp[target] + g_ent * entropy).backward()
+    lse = torch.logsumexp(z, 0).item()
+    shift = entropy.item() - lse
+    ours = [H.logprobs_logit_grad(f32(v), f32(lse), f32(shift), g_lp, g_ent, i == target)
+            for i, v in enumerate(z.tolist())]
+    torch.testing.assert_close(torch.tensor(ours, dtype=torch.float64), z.grad, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("args, why", [
+    (dict(tokens=0, rows=5, h=64), "lie in [1, 2^31)"),
+    (dict(tokens=5, rows=2**31, h=64), "lie in [1, 2^31)"),
+    (dict(tokens=5, rows=5, h=60), "multiple of 8"),
+    (dict(tokens=5, rows=5, h=64, hidden=8), "16-byte aligned"),
+    (dict(tokens=5, rows=5, h=64, weight=24), "16-byte aligned"),
+    (dict(tokens=5, rows=9, h=64, ld=8, dz=16), "cover the rows"),
+    (dict(tokens=5, rows=9, h=64, ld=20, dz=16), "multiple of 8"),
+    (dict(tokens=5, rows=9, h=64, ld=16, dz=8), "dz must be 16-byte aligned"),
+])
+def test_sm90_logprobs_refuse_what_tma_cannot_address(args, why):
+    assert why in H.logprobs_sm90_error(**args)
+
+
+def test_sm90_logprobs_accept_the_shapes_the_op_makes():
+    for tokens, rows, h, ld in [(1, 1, 8, 0), (4096, 65536, 4096, 0), (4096, 8192, 4096, 8192), (7, 13, 24, 16)]:
+        assert H.logprobs_sm90_error(tokens, rows, h, hidden=256, weight=512, ld=ld, dz=1024) == ""
+
+
 # ------------------------------------------------------------------ tails and alignment
 @pytest.mark.parametrize("width", [1, 4, 8, 16])
 def test_elements_in_range(width):

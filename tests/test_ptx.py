@@ -81,6 +81,29 @@ def test_hopper_gemm_core_is_wgmma_fed_by_tma(tmp_path):
     assert len(fp32_out) == 3, "three kernels with fp32 D (the logprobs GEMMs)"
 
 
+@pytest.mark.hopper_ptx
+def test_hopper_logprobs_keep_the_logits_in_registers(tmp_path):
+    """The Hopper lm_head GEMMs (logprobs/logprobs_sm90.cu) are wgmma fed by TMA like the core, with
+    the softmax work in the epilogue: the statistics kernel stores no tile at all (no TMA store; its
+    only global stores are the three partial planes, per row a thread holds), and the logit-grad
+    kernel stores its bf16 dz tile by TMA. A logits tile written to global memory would show as a
+    TMA store or a flood of st.global in the first."""
+    kernels = sm90_kernels_ptx("logprobs/logprobs_sm90.cu", tmp_path)
+    gemms = {name: ptx for name, ptx in kernels.items() if "GemmUniversal" in name}
+    assert len(gemms) == 2, list(kernels)
+    for name, ptx in gemms.items():
+        assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16", ptx), f"{name}: no bf16 wgmma"
+        assert re.search(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global", ptx), f"{name}: no TMA loads"
+        assert "mma.sync" not in ptx, f"{name}: an Ampere mma.sync path"
+    tma_store = r"cp\.async\.bulk\.tensor\.\dd\.global\.shared"
+    (stats,) = [ptx for name, ptx in gemms.items() if "SoftmaxPartials" in name]
+    (grad,) = [ptx for name, ptx in gemms.items() if "LogitGrad" in name]
+    assert not re.search(tma_store, stats), "the statistics kernel stores a tile"
+    assert 1 <= len(re.findall(r"st\.global", stats)) <= 12, "the statistics kernel's stores are its partials"
+    assert re.search(tma_store, grad), "the logit-grad kernel's dz tile is not stored by TMA"
+    assert re.search(r"shfl\.sync", stats), "no shuffle tree over the lanes sharing a row"
+
+
 def test_moe_gather_and_token_sums_move_16_bytes(tmp_path):
     """The passes around the Hopper expert GEMMs (the gather of x / dy into slot order, the gates,
     the gated sum over a token's k rows) are memory-bound: their packed variants (8 bf16 / fp16 or

@@ -49,8 +49,10 @@ def run_lora(device: str) -> None:
 
 
 def run_logprobs(device: str) -> None:
-    for vocab in (769, 768):  # 768: the logit-tile GEMMs on the Hopper core
-        hidden, weight = randn(9, 64, device=device, grad=True), randn(vocab, 64, device=device, grad=True)
+    # hidden 64 on Hopper: the fused-epilogue GEMMs (769 ends in a partial vocab tile); 60: the sm80 path
+    for vocab, hidden_size in ((769, 64), (768, 60)):
+        hidden = randn(9, hidden_size, device=device, grad=True)
+        weight = randn(vocab, hidden_size, device=device, grad=True)
         ids = torch.randint(0, vocab, (9,), generator=GENERATOR).to(device)
         targets = logprobs.packed_targets(ids, torch.tensor([0, 4, 9], dtype=torch.int32, device=device))
         lp, entropy = logprobs.token_logprobs(hidden, weight, targets, temperature=0.7, return_entropy=True)

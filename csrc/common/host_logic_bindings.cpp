@@ -1,6 +1,7 @@
 // pykernels._C.host_logic: the __host__ __device__ index/tile arithmetic of the CUDA kernels
 // (common/tails.h, common/online_softmax.h, nf4/nf4_layout.h, moe/moe_schedule.h,
-// common/gemm_groups.h, common/gemm_sm90_dense.h, logprobs/vocab_chunks.h), compiled for the host and exposed with plain ints, floats and lists so
+// common/gemm_groups.h, common/gemm_sm90_dense.h, logprobs/vocab_chunks.h, logprobs/logit_grad.h,
+// logprobs/logprobs_sm90.h), compiled for the host and exposed with plain ints, floats and lists so
 // that tests/test_device_logic_host.py checks it against direct Python / fp64 computations on a
 // machine without a GPU. Test-only: no op, no torch tensor; where a kernel composes the helpers
 // (the row-tile schedule, the routing maps, a dequantize pass) the function here composes them in
@@ -20,6 +21,8 @@
 #include "common/grouped_gemm_sm90.h"
 #include "common/online_softmax.h"
 #include "common/tails.h"
+#include "logprobs/logit_grad.h"
+#include "logprobs/logprobs_sm90.h"
 #include "logprobs/vocab_chunks.h"
 #include "moe/moe_schedule.h"
 #include "nf4/nf4.h"
@@ -266,6 +269,59 @@ Partial softmax_merge_all(const std::vector<Partial>& chunks) {
   return from_partial(running);
 }
 
+Partial softmax_add_logits(const std::vector<float>& logits) {
+  SoftmaxPartial running{-INFINITY, 0.0f, 0.0f};
+  for (const float z : logits) running = add_logit(running, z);
+  return from_partial(running);
+}
+
+// The Hopper forward's statistics for logits z [tokens][cols] (one vocab chunk), as its kernels
+// make them: per (row, 128-column tile) the four lanes of a wgmma quad each fold their column pairs
+// with add_logit (columns past cols skipped), the shuffle tree merges lane 2 into 0 and 3 into 1,
+// then 1 into 0; the partial goes to the planes at partial_index; the fold pass merges a row's
+// partials in tile order into stats that start empty. Returns (lse, entropy) per row.
+std::vector<std::pair<float, float>> logprobs_sm90_stats(const std::vector<std::vector<float>>& z) {
+  const int64_t tokens = static_cast<int64_t>(z.size());
+  require(tokens >= 1, "need at least one row");
+  const int64_t cols = static_cast<int64_t>(z[0].size());
+  for (const auto& row : z) require(static_cast<int64_t>(row.size()) == cols && cols >= 1, "rows of one length >= 1");
+  const int64_t tiles = logprobs::vocab_tiles(cols), rows_padded = logprobs::partial_rows(tokens);
+  std::vector<SoftmaxPartial> planes(static_cast<size_t>(tiles * rows_padded), {NAN, NAN, NAN});  // garbage
+  for (int64_t row = 0; row < rows_padded; ++row) {  // the padding rows' lanes run too (no logits)
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+      SoftmaxPartial lane[4];
+      for (int l = 0; l < 4; ++l) {
+        lane[l] = {-INFINITY, 0.0f, 0.0f};
+        for (int64_t c = tile * logprobs::kSm90Tile + 2 * l; c < (tile + 1) * logprobs::kSm90Tile; c += 8) {
+          for (int64_t pair = c; pair < c + 2; ++pair)
+            if (row < tokens && pair < cols) lane[l] = add_logit(lane[l], z[row][pair]);
+        }
+      }
+      lane[0] = merge_partials(lane[0], lane[2]);
+      lane[1] = merge_partials(lane[1], lane[3]);
+      planes[logprobs::partial_index(row, tile, rows_padded)] = merge_partials(lane[0], lane[1]);
+    }
+  }
+  std::vector<std::pair<float, float>> out;
+  for (int64_t row = 0; row < tokens; ++row) {
+    SoftmaxPartial running{-INFINITY, 0.0f, 0.0f};
+    for (int64_t tile = 0; tile < tiles; ++tile)
+      running = merge_partials(running, planes[logprobs::partial_index(row, tile, rows_padded)]);
+    const SoftmaxSummary summary = summarize_partial(running);
+    out.emplace_back(summary.lse, summary.entropy);
+  }
+  return out;
+}
+
+const char* logprobs_sm90_error(int64_t tokens, int64_t rows, int64_t h, uintptr_t hidden, uintptr_t weight,
+                                int64_t ld, uintptr_t dz) {
+  logprobs::LogitGradSm90Params p{};
+  p.gemm = {reinterpret_cast<const void*>(hidden), reinterpret_cast<const void*>(weight), tokens, rows, h, 1.0f};
+  p.dz = reinterpret_cast<void*>(dz);
+  p.ld = ld;
+  return ld == 0 ? logprobs::logits_gemm_sm90_error(p.gemm) : logprobs::logit_grad_sm90_error(p);
+}
+
 }  // namespace
 
 void define_host_logic(py::module_& m) {
@@ -294,6 +350,7 @@ void define_host_logic(py::module_& m) {
       },
       py::arg("running"), py::arg("new_max"), py::arg("chunk_sum_exp"), py::arg("chunk_sum_exp_z"));
   m.def("softmax_merge_all", &softmax_merge_all, py::arg("partials"));
+  m.def("softmax_add_logits", &softmax_add_logits, py::arg("logits"));
   m.def(
       "softmax_summarize",
       [](const Partial& p) {
@@ -354,6 +411,19 @@ void define_host_logic(py::module_& m) {
   m.def("logprobs_target_out_of_vocab", &logprobs::target_out_of_vocab, py::arg("target"), py::arg("ignore_index"),
         py::arg("vocab"));
   m.def("logprobs_target_claims", &logprobs_target_claims, py::arg("targets"), py::arg("vocab"), py::arg("chunk"));
+  m.attr("logprobs_sm90_vocab_chunk") = logprobs::kSm90VocabChunk;
+  m.def("logprobs_sm90_stats", &logprobs_sm90_stats, py::arg("logits"));
+  // logprobs/logit_grad.h, logprobs/logprobs_sm90.h
+  m.def("logprobs_logit_grad", &logprobs::logit_grad, py::arg("z"), py::arg("lse"), py::arg("shift"), py::arg("g_lp"),
+        py::arg("g_ent"), py::arg("target"));
+  m.def(
+      "logprobs_sm90_error",
+      [](int64_t tokens, int64_t rows, int64_t h, uintptr_t hidden, uintptr_t weight, int64_t ld, uintptr_t dz) {
+        const char* error = logprobs_sm90_error(tokens, rows, h, hidden, weight, ld, dz);
+        return error == nullptr ? std::string() : std::string(error);
+      },
+      py::arg("tokens"), py::arg("rows"), py::arg("h"), py::arg("hidden") = 0, py::arg("weight") = 0,
+      py::arg("ld") = 0, py::arg("dz") = 0);
 }
 
 }  // namespace pykernels

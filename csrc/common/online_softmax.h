@@ -49,6 +49,18 @@ PYKERNELS_HOST_DEVICE inline SoftmaxPartial merge_partials(SoftmaxPartial a, Sof
   return fold_chunk(a, max_z, rebased_b.sum_exp, rebased_b.sum_exp_z);
 }
 
+// p with one more logit z: one exp per logit (merge_partials(p, {z, 1, 0}) would take two). The
+// step of the Hopper logprobs epilogue, which folds each logit of a tile as it leaves the GEMM.
+PYKERNELS_HOST_DEVICE inline SoftmaxPartial add_logit(SoftmaxPartial p, float z) {
+  if (z > p.max_z) {  // z is the new max: it adds exp(0) = 1 and (z - z) = 0
+    const SoftmaxPartial old = rebase_partial(p, z);
+    return {z, old.sum_exp + 1.0f, old.sum_exp_z};
+  }
+  if (z == -INFINITY) return p;  // exp(-inf) adds 0, but (-inf) - max and 0 * -inf would be NaN
+  const float d = z - p.max_z, e = softmax_exp(d);  // NaN z lands here and spreads, as in the tile path
+  return {p.max_z, p.sum_exp + e, p.sum_exp_z + e * d};
+}
+
 // lse = max_z + log(sum_exp); entropy = -sum p log p = log(sum_exp) - sum_exp_z / sum_exp.
 struct SoftmaxSummary {
   float lse, entropy;

@@ -71,4 +71,47 @@ struct GradParams {
 };
 const char* launch_grad(const GradParams& p, cudaStream_t stream);
 
+// The pieces around the Hopper GEMMs (logprobs_sm90.h), which never hold a logits tile:
+
+// z_target[t] = scale * dot(hidden[t], weight[targets[t]]) in fp32 for every token whose target is
+// a vocabulary entry (others 0): the picked logit of the forward, the target column's logit of the
+// backward. One warp per token, 16-byte loads; bf16, h % 8 == 0, 16-byte aligned rows.
+struct TargetLogitsParams {
+  const void* hidden;  // bf16 [n, h]
+  const void* weight;  // bf16 [vocab, h]
+  int64_t n, h, vocab;
+  const int64_t* targets;
+  float scale;
+  float* z_target;  // [n]
+};
+const char* launch_target_logits(const TargetLogitsParams& p, cudaStream_t stream);
+
+// Folds the softmax partials of one (token chunk, vocab chunk), planes [tiles][rows_padded]
+// (vocab_chunks.h: partial_index), into stats[t0 + row] in tile order. One thread per token.
+struct FoldPartialsParams {
+  const float* max_z;
+  const float* sum_exp;
+  const float* sum_exp_z;
+  int64_t tokens, tiles, rows_padded, t0;
+  Stats stats;
+};
+const char* launch_fold_partials(const FoldPartialsParams& p, cudaStream_t stream);
+
+// Completes the dz tile the Hopper logit-grad GEMM wrote (everything but the target's + g_lp): for
+// each token t0 + row whose target lies in [v0, v0 + cols), dz[row, target - v0] = scale dL/dz
+// recomputed with the target term from z_target (grad_kernel's formula).
+struct FixTargetGradsParams {
+  int64_t rows, cols, t0, v0;
+  const int64_t* targets;
+  const float* z_target;
+  const float* lse;
+  const float* entropy;
+  const float* grad_logprob;
+  const float* grad_entropy;
+  float scale;
+  void* dz;  // bf16
+  int64_t ld;
+};
+const char* launch_fix_target_grads(const FixTargetGradsParams& p, cudaStream_t stream);
+
 }  // namespace pykernels::logprobs

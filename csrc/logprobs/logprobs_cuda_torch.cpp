@@ -6,11 +6,16 @@
 //   forward   for each vocab chunk W_c, token chunk h_t:  z = h_t W_c^T / T   (fp32 tile)
 //                                                         fold z into per-token running stats
 //             finalize: logprobs, entropy, lse
+//             Hopper (bf16, logprobs_sm90.h): the GEMM's epilogue folds z in registers and leaves
+//             one softmax partial per (token, 128-entry vocab tile); a small pass folds those into
+//             the running stats; the target logits come from one dot per token. No z tile.
 //   backward  for each vocab chunk W_c:  dW_c = 0 (fp32)
 //               for each token chunk:   z = h_t W_c^T / T, dz = scale dL/dz (input dtype)
 //                                       dh_t += dz W_c          (fp32, C = D)
 //                                       dW_c += dz^T h_t        (fp32, C = D)
 //               grad_weight[c] = dW_c   (rounded once: fp32 sums across token chunks)
+//             Hopper: the GEMM's epilogue writes dz (bf16) straight from the accumulators (z never
+//             leaves registers); a small pass adds the target column's term.
 // Extra memory: one fp32 tile and one dz tile (kTokenChunk x kVocabChunk), an fp32 [vocab chunk, H]
 // dW buffer and an fp32 [N, H] dh buffer; never [N, V].
 #include <c10/cuda/CUDAGuard.h>
@@ -27,6 +32,7 @@
 
 #include "common/gemm_sm90_torch.h"
 #include "logprobs/logprobs.h"
+#include "logprobs/logprobs_sm90.h"
 #include "logprobs/logprobs_torch_checks.h"
 #include "logprobs/vocab_chunks.h"
 #include "lora/lora.h"
@@ -102,6 +108,71 @@ Stats stats_of(at::Tensor& stats) {
   return {stats[0].data_ptr<float>(), stats[1].data_ptr<float>(), stats[2].data_ptr<float>()};
 }
 
+// The Hopper kernels take bf16 with 16-byte rows (TMA); PYKERNELS_SM90=0 keeps the sm80 path.
+bool use_sm90(const at::Tensor& hidden, const at::Tensor& weight) {
+  return hidden.scalar_type() == at::kBFloat16 && hidden.size(1) % 8 == 0 && is_aligned(hidden.data_ptr(), 16) &&
+         is_aligned(weight.data_ptr(), 16) && logprobs_sm90_built() && gemm::sm90_usable(hidden.get_device());
+}
+
+at::Tensor workspace(int64_t bytes, const at::Tensor& like) {
+  return at::empty({bytes}, like.options().dtype(at::kByte));
+}
+
+// z_target [N]: the logit of each token's target (0 where it is no vocabulary entry).
+at::Tensor target_logits(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, float scale,
+                         cudaStream_t stream) {
+  at::Tensor z_target = at::empty({hidden.size(0)}, hidden.options().dtype(at::kFloat));
+  check_launch(launch_target_logits({hidden.data_ptr(), weight.data_ptr(), hidden.size(0), hidden.size(1),
+                                     weight.size(0), targets.data_ptr<int64_t>(), scale, z_target.data_ptr<float>()},
+                                    stream));
+  return z_target;
+}
+
+// The forward's running stats: per (vocab chunk, token chunk) the logits tile and its fold. Returns
+// the target logits (finalize's `picked`).
+at::Tensor fold_stats(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, const Sizes& s,
+                      float scale, at::Tensor& stats, cudaStream_t stream) {
+  at::Tensor picked = at::zeros({s.n}, hidden.options().dtype(at::kFloat));
+  const int64_t ld = padded_row_length(std::min(kVocabChunk, s.v));
+  at::Tensor z = at::empty({std::min(kTokenChunk, s.n), ld}, hidden.options().dtype(at::kFloat));
+  for (int64_t vc = 0; vc < chunk_count(s.v, kVocabChunk); ++vc) {
+    const auto [v0, rows] = chunk_at(s.v, kVocabChunk, vc);
+    for (int64_t tc = 0; tc < chunk_count(s.n, kTokenChunk); ++tc) {
+      const auto [t0, tokens] = chunk_at(s.n, kTokenChunk, tc);
+      logits_tile(hidden, weight, t0, tokens, v0, rows, scale, z, ld, stream);
+      check_launch(launch_fold({z.data_ptr<float>(), tokens, rows, ld, t0, v0, targets.data_ptr<int64_t>(),
+                                stats_of(stats), picked.data_ptr<float>()}, stream));
+    }
+  }
+  return picked;
+}
+
+// The same on Hopper: per (vocab chunk, token chunk) the partials GEMM and the fold of its
+// partials; the target logits from one dot per token.
+at::Tensor fold_stats_sm90(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+                           const Sizes& s, float scale, at::Tensor& stats, cudaStream_t stream) {
+  const int device = hidden.get_device();
+  const int64_t elem = hidden.element_size();
+  const int64_t plane = vocab_tiles(std::min(kSm90VocabChunk, s.v)) * partial_rows(std::min(kTokenChunk, s.n));
+  at::Tensor planes = at::empty({3 * plane}, hidden.options().dtype(at::kFloat));
+  float* max_z = planes.data_ptr<float>();
+  for (int64_t vc = 0; vc < chunk_count(s.v, kSm90VocabChunk); ++vc) {
+    const auto [v0, rows] = chunk_at(s.v, kSm90VocabChunk, vc);
+    for (int64_t tc = 0; tc < chunk_count(s.n, kTokenChunk); ++tc) {
+      const auto [t0, tokens] = chunk_at(s.n, kTokenChunk, tc);
+      const SoftmaxPartialsSm90Params p{{static_cast<const char*>(hidden.data_ptr()) + t0 * s.h * elem,
+                                         static_cast<const char*>(weight.data_ptr()) + v0 * s.h * elem, tokens, rows,
+                                         s.h, scale},
+                                        max_z, max_z + plane, max_z + 2 * plane};
+      const at::Tensor space = workspace(softmax_partials_sm90_workspace_bytes(p, device), hidden);
+      check_launch(launch_softmax_partials_sm90(p, space.data_ptr(), device, stream));
+      check_launch(launch_fold_partials({p.max_z, p.sum_exp, p.sum_exp_z, tokens, vocab_tiles(rows),
+                                         partial_rows(tokens), t0, stats_of(stats)}, stream));
+    }
+  }
+  return target_logits(hidden, weight, targets, scale, stream);
+}
+
 // hidden_grad_terms is not implemented here yet: grad_terms comes back empty and the backward
 // recomputes the logits instead (pykernels/ops/logprobs.py falls back on an empty grad_terms).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_logprobs_cuda(
@@ -121,18 +192,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_logprobs_cuda(
   const float scale = static_cast<float>(1.0 / temperature);
   at::Tensor stats = at::zeros({3, s.n}, f32);
   stats[0].fill_(-std::numeric_limits<float>::infinity());
-  at::Tensor picked = at::zeros({s.n}, f32);
-  const int64_t ld = padded_row_length(std::min(kVocabChunk, s.v));
-  at::Tensor z = at::empty({std::min(kTokenChunk, s.n), ld}, f32);
-  for (int64_t vc = 0; vc < chunk_count(s.v, kVocabChunk); ++vc) {
-    const auto [v0, rows] = chunk_at(s.v, kVocabChunk, vc);
-    for (int64_t tc = 0; tc < chunk_count(s.n, kTokenChunk); ++tc) {
-      const auto [t0, tokens] = chunk_at(s.n, kTokenChunk, tc);
-      logits_tile(hidden, weight, t0, tokens, v0, rows, scale, z, ld, stream);
-      check_launch(launch_fold({z.data_ptr<float>(), tokens, rows, ld, t0, v0, targets.data_ptr<int64_t>(),
-                                stats_of(stats), picked.data_ptr<float>()}, stream));
-    }
-  }
+  const at::Tensor picked = use_sm90(hidden, weight) ? fold_stats_sm90(hidden, weight, targets, s, scale, stats, stream)
+                                                     : fold_stats(hidden, weight, targets, s, scale, stats, stream);
   check_launch(launch_finalize({s.n, targets.data_ptr<int64_t>(), ignore_index, s.v, bad_target, stats_of(stats),
                                 picked.data_ptr<float>(), logprobs.data_ptr<float>(), entropy.data_ptr<float>(),
                                 lse.data_ptr<float>()}, stream));
@@ -158,9 +219,13 @@ std::tuple<at::Tensor, at::Tensor> token_logprobs_backward_cuda(
   }
   const float scale = static_cast<float>(1.0 / temperature);
   const int64_t ld = padded_row_length(std::min(kVocabChunk, s.v)), chunk = std::min(kTokenChunk, s.n);
-  at::Tensor z = at::empty({chunk, ld}, f32);
+  const bool sm90 = use_sm90(hidden, weight);
+  const int device = hidden.get_device();
+  at::Tensor z = sm90 ? at::Tensor() : at::empty({chunk, ld}, f32);
   at::Tensor dz = at::empty({chunk, ld}, hidden.options());
   at::Tensor dw = compute_grad_weight ? at::empty({std::min(kVocabChunk, s.v), s.h}, f32) : at::Tensor();
+  const at::Tensor z_target = sm90 ? target_logits(hidden, weight, targets, scale, stream) : at::Tensor();
+  const at::Tensor shift = sm90 ? ent_c - lse_c : at::Tensor();
   const int64_t elem = hidden.element_size();
   for (int64_t vc = 0; vc < chunk_count(s.v, kVocabChunk); ++vc) {
     const auto [v0, rows] = chunk_at(s.v, kVocabChunk, vc);
@@ -168,10 +233,26 @@ std::tuple<at::Tensor, at::Tensor> token_logprobs_backward_cuda(
     for (int64_t tc = 0; tc < chunk_count(s.n, kTokenChunk); ++tc) {
       const auto [t0, tokens] = chunk_at(s.n, kTokenChunk, tc);
       const char* h_chunk = static_cast<const char*>(hidden.data_ptr()) + t0 * s.h * elem;
-      logits_tile(hidden, weight, t0, tokens, v0, rows, scale, z, ld, stream);
-      check_launch(launch_grad({z.data_ptr<float>(), tokens, rows, ld, t0, v0, targets.data_ptr<int64_t>(),
-                                lse_c.data_ptr<float>(), ent_c.data_ptr<float>(), g_lp.data_ptr<float>(),
-                                g_ent.data_ptr<float>(), scale, dz.data_ptr(), ld, dtype_of(hidden)}, stream));
+      if (sm90) {  // dz from the GEMM's epilogue, then the target column's term
+        const LogitGradSm90Params p{{h_chunk, w_chunk, tokens, rows, s.h, scale},
+                                    lse_c.data_ptr<float>() + t0,
+                                    shift.data_ptr<float>() + t0,
+                                    g_lp.data_ptr<float>() + t0,
+                                    g_ent.data_ptr<float>() + t0,
+                                    dz.data_ptr(),
+                                    ld};
+        const at::Tensor space = workspace(logit_grad_sm90_workspace_bytes(p, device), hidden);
+        check_launch(launch_logit_grad_sm90(p, space.data_ptr(), device, stream));
+        check_launch(launch_fix_target_grads({tokens, rows, t0, v0, targets.data_ptr<int64_t>(),
+                                              z_target.data_ptr<float>(), lse_c.data_ptr<float>(),
+                                              ent_c.data_ptr<float>(), g_lp.data_ptr<float>(),
+                                              g_ent.data_ptr<float>(), scale, dz.data_ptr(), ld}, stream));
+      } else {
+        logits_tile(hidden, weight, t0, tokens, v0, rows, scale, z, ld, stream);
+        check_launch(launch_grad({z.data_ptr<float>(), tokens, rows, ld, t0, v0, targets.data_ptr<int64_t>(),
+                                  lse_c.data_ptr<float>(), ent_c.data_ptr<float>(), g_lp.data_ptr<float>(),
+                                  g_ent.data_ptr<float>(), scale, dz.data_ptr(), ld, dtype_of(hidden)}, stream));
+      }
       lora::GemmParams g{};
       g.ab_dtype = dtype_of(hidden), g.d_dtype = DType::kFloat32, g.alpha = 1.0f;
       if (compute_grad_hidden) {  // dh[t0:] += dz W_c

@@ -1,0 +1,78 @@
+// The Hopper kernels of the fused token logprobs (logprobs_sm90.cu): the lm_head GEMM with the
+// softmax work in its epilogue, so the fp32 logits never reach global memory. Torch-free.
+//
+//   softmax partials  z = scale h W_c^T (tokens x rows, fp32 in registers); the epilogue folds
+//                     each logit into per-row (max_z, sum_exp, sum_exp_z) (common/online_softmax.h,
+//                     add_logit), reduces them over the threads that share a row and writes one
+//                     partial per (token, 128-entry vocab tile) (vocab_chunks.h: partial_index).
+//                     No D: nothing of the tile itself is stored.
+//   logit grad        dz = scale (-p (g_lp + g_ent (z + shift))), p = exp(z - lse), per row
+//                     lse / shift = entropy - lse / g_lp / g_ent broadcast from [tokens] vectors;
+//                     dz written in bf16 (the operand of the dh and dW GEMMs that follow). The
+//                     target's column (+ scale g_lp) is fixed afterwards by launch_fix_target_grads
+//                     (logprobs.h): an epilogue element does not know its column.
+// Both: bf16 h [tokens, H] and W_c [rows, H], row-major, H % 8 == 0, 16-byte aligned (TMA), the
+// CUTLASS 3.x warp-specialized cooperative kernel (TMA loads, wgmma, 128x128x64 tiles, the tile
+// scheduler walking the output tiles). Built only when the archs include sm_90a
+// (cmake/sm90_sources.cmake); the GEMM core's grouped_gemm_sm90_available says where they run.
+#pragma once
+
+#include <cstdint>
+
+#include "common/tails.h"
+
+typedef struct CUstream_st* cudaStream_t;
+
+namespace pykernels::logprobs {
+
+// The logits GEMM both kernels share: z [tokens, rows] = scale hidden W^T.
+struct LogitsGemmSm90 {
+  const void* hidden;  // bf16 [tokens, h], row stride h
+  const void* weight;  // bf16 [rows, h], row stride h
+  int64_t tokens, rows, h;
+  float scale;         // 1 / temperature
+};
+
+struct SoftmaxPartialsSm90Params {
+  LogitsGemmSm90 gemm;
+  float* max_z;  // each [vocab_tiles(rows)][partial_rows(tokens)]
+  float* sum_exp;
+  float* sum_exp_z;
+};
+
+struct LogitGradSm90Params {
+  LogitsGemmSm90 gemm;
+  const float* lse;  // each [tokens]
+  const float* shift;  // entropy - lse
+  const float* grad_logprob;
+  const float* grad_entropy;
+  void* dz;  // bf16 [tokens, ld]
+  int64_t ld;
+};
+
+// What TMA and the 32-bit problem shapes need, or null (host-tested through pykernels._C.host_logic).
+inline const char* logits_gemm_sm90_error(const LogitsGemmSm90& g) {
+  constexpr int64_t kMax = int64_t{1} << 31;
+  if (g.tokens < 1 || g.rows < 1 || g.h < 1 || g.tokens >= kMax || g.rows >= kMax || g.h >= kMax)
+    return "tokens, rows and hidden size must lie in [1, 2^31)";
+  if (g.h % 8 != 0) return "the hidden size must be a multiple of 8 (16-byte rows for TMA)";
+  if (!is_aligned(g.hidden, 16) || !is_aligned(g.weight, 16)) return "hidden and weight must be 16-byte aligned";
+  return nullptr;
+}
+
+inline const char* logit_grad_sm90_error(const LogitGradSm90Params& p) {
+  if (const char* error = logits_gemm_sm90_error(p.gemm)) return error;
+  if (p.ld < p.gemm.rows || p.ld % 8 != 0) return "dz's row stride must cover the rows and be a multiple of 8";
+  if (!is_aligned(p.dz, 16)) return "dz must be 16-byte aligned";
+  return nullptr;
+}
+
+bool logprobs_sm90_built();  // compiled for sm_90a into this build
+int64_t softmax_partials_sm90_workspace_bytes(const SoftmaxPartialsSm90Params& p, int device);
+int64_t logit_grad_sm90_workspace_bytes(const LogitGradSm90Params& p, int device);
+// nullptr on success, else a message.
+const char* launch_softmax_partials_sm90(const SoftmaxPartialsSm90Params& p, void* workspace, int device,
+                                         cudaStream_t stream);
+const char* launch_logit_grad_sm90(const LogitGradSm90Params& p, void* workspace, int device, cudaStream_t stream);
+
+}  // namespace pykernels::logprobs
