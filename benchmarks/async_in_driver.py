@@ -40,7 +40,7 @@ PREFETCH_RUNS = {
 
 
 def slow_digit_fraction(prompts, completions, **columns):
-    from driver.toy_tasks import digit_fraction
+    from driver.data.toy_tasks import digit_fraction
 
     time.sleep(SLEEP_PER_COMPLETION * len(completions))
     return digit_fraction(prompts, completions, **columns)
@@ -76,12 +76,12 @@ def filtering() -> None:
     import torch
 
     from driver.config import Config
-    from driver.filtering import filter_zero_advantage
-    from driver.model import load_policy
-    from driver.optim import build_optimizer, build_scheduler
-    from driver.batch import RolloutBatch
-    from driver.scoring import completion_logprobs, pack
-    from driver.update import optimize
+    from driver.policy.logprobs import completion_logprobs, pack
+    from driver.policy.model import load_policy
+    from driver.rollouts.batch import RolloutBatch
+    from driver.rollouts.filtering import filter_zero_advantage
+    from driver.update.optim import build_optimizer, build_scheduler
+    from driver.update.step import optimize
 
     config = Config.model_validate({"train": {"micro_batch_size": 16}})
     policy = load_policy(config)

@@ -40,7 +40,7 @@ def main() -> None:
     from driver.config import Config
     from driver.ebft.strided_generate import sample_strided
     from driver.ebft.strided_layout import strided_layout
-    from driver.model import load_policy
+    from driver.policy.model import load_policy
 
     torch.manual_seed(0)
     model = load_policy(Config.model_validate({"lora": {"r": 8}})).model

@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from benchmarks.conftest import peak_extra_memory
-from driver.scoring import completion_logprobs, pack
+from driver.policy.logprobs import completion_logprobs, pack
 from pykernels import backend
 
 

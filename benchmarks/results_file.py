@@ -6,7 +6,6 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-
 MEMORY_RESOLUTION = 2**20  # bytes: allocations below glibc's pinned mmap threshold (benchmarks/conftest.py)
 
 

@@ -3,7 +3,7 @@
 output_dir/checkpoints/step-000012/
     adapter/               PEFT format (adapter_config.json, adapter_model.safetensors)
     trainer_state.pt       optimizer, scheduler, RNG states, data position, step, and the rollout state
-                           (groups in flight, re-roll and replay queues: driver/rollouts.py)
+                           (groups in flight, re-roll and replay queues: driver/rollouts/feed.py)
     optimizer/             under torchrun: the sharded optimizer state (torch.distributed.checkpoint,
                            one file per rank; loads at any world size), instead of trainer_state.pt's
 Written to a temporary directory and renamed, so a crash never leaves half a checkpoint.
@@ -11,16 +11,36 @@ Written to a temporary directory and renamed, so a crash never leaves half a che
 
 from __future__ import annotations
 
+import pickle
 import random
 import shutil
+import types
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from driver import distributed
+from driver.distributed import world as distributed
 
 STATE_FILE = "trainer_state.pt"
+
+# The rollout state pickles prompts and sample groups (partial rollouts in flight, re-rolls);
+# checkpoints written before the driver's packages name their classes by the old modules, and
+# still resume.
+MOVED_MODULES = {"driver.data": "driver.data.prompts", "driver.rollout.records": "driver.data.records"}
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        return super().find_class(MOVED_MODULES.get(module, module), name)
+
+
+_PICKLE = types.SimpleNamespace(__name__="pickle", Unpickler=_Unpickler, load=pickle.load)
+
+
+def load_state(path: Path) -> dict:
+    """trainer_state.pt, from this version or one that named the driver's classes by older modules."""
+    return torch.load(path, weights_only=False, pickle_module=_PICKLE)
 
 
 def checkpoint_dir(output_dir: Path, step: int) -> Path:
@@ -51,7 +71,7 @@ def save_checkpoint(output_dir: Path, step: int, policy, optimizer, scheduler, p
     policy.save_adapter(staging / "adapter")
     state = {"step": step, "scheduler": scheduler.state_dict(), "rng": rng_state()}
     if world.distributed:
-        from driver.fsdp import save_optimizer
+        from driver.distributed.fsdp import save_optimizer
 
         save_optimizer(staging, policy.model, optimizer)
     else:
@@ -91,14 +111,14 @@ def load_checkpoint(path: Path, policy, optimizer, scheduler, prompts) -> tuple[
     unexpected = getattr(result, "unexpected_keys", [])
     if unexpected:
         raise ValueError(f"{path}: adapter has weights this model lacks: {unexpected[:3]}")
-    state = torch.load(path / STATE_FILE, weights_only=False)
+    state = load_state(path / STATE_FILE)
     if "optimizer" in state:
         if distributed.world().distributed:
             raise ValueError(f"{path} was written by a single process (its optimizer state is not sharded): "
                              "resume it without torchrun")
         optimizer.load_state_dict(state["optimizer"])
     else:  # torchrun's sharded state: loads at any world size, one process included
-        from driver.fsdp import load_optimizer
+        from driver.distributed.fsdp import load_optimizer
 
         load_optimizer(path, policy.model, optimizer)
     scheduler.load_state_dict(state["scheduler"])

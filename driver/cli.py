@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
@@ -81,10 +82,19 @@ def format_validation_error(error: ValidationError) -> str:
     return "invalid config:\n" + "\n".join(lines)
 
 
+# Modules configs name that moved when the driver became packages: they keep working, with one
+# warning giving the new name.
+MOVED_MODULES = {"driver.reward_functions": "driver.data.gsm8k", "driver.toy_tasks": "driver.data.toy_tasks"}
+
+
 def import_dotted(path: str, what: str):
     module_name, _, attribute = path.rpartition(".")
     if not module_name:
         raise ConfigError(f"{what}: {path!r} must be a dotted path like package.module.function")
+    if module_name in MOVED_MODULES:
+        module_name = MOVED_MODULES[module_name]
+        warnings.warn(f"{what}: {path} is now {module_name}.{attribute} (the old name will go away)", FutureWarning,
+                      stacklevel=2)
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:

@@ -72,7 +72,7 @@ class RewardFunction(Section):
 
 class RewardsConfig(Section):
     functions: list[RewardFunction] = Field(
-        [RewardFunction(path="driver.toy_tasks.digit_fraction")], description="reward functions")
+        [RewardFunction(path="driver.data.toy_tasks.digit_fraction")], description="reward functions")
     aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = Field(
         "sum_then_normalize", description="weighted-sum the rewards then normalize per group, or normalize "
         "each reward per group then sum")
@@ -107,7 +107,7 @@ class RolloutConfig(Section):
                               "trainer and fail when vLLM still serves old weights")
     sync_tolerance: float = Field(1e-3, gt=0, description="float32 with a dense base: largest probe logprob "
                                   "difference between vLLM and the trainer at any version; other dtypes and QLoRA "
-                                  "compare how the probe moved instead (driver/rollout/sync_check.py), and this is "
+                                  "compare how the probe moved instead (driver/engine/sync_check.py), and this is "
                                   "the floor of their noise thresholds")
     vllm_sync_interval: int = Field(1, ge=1, description="push the adapter to vLLM every this many optimizer steps "
                                     "(samples are then up to interval - 1 versions older)")

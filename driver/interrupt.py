@@ -12,7 +12,7 @@ class GracefulInterrupt:
     def __init__(self, out: TextIO | None = None) -> None:
         self.requested = False
         self._previous = None
-        self._out = out  # the terminal (driver/console.py); sys.stdout when None
+        self._out = out  # the terminal (driver/metrics/console.py); sys.stdout when None
 
     def _handle(self, signum, frame) -> None:
         if self.requested:

@@ -3,7 +3,7 @@
 One step: prompts -> vLLM samples num_generations completions each (with their logprobs) ->
 rewards -> group advantages (DeepSeekMath GRPO, https://arxiv.org/abs/2402.03300) -> clipped,
 importance-corrected loss on packed sequences -> optimizer update(s) -> adapter sync to vLLM,
-verified with a logprob probe. driver/rollouts.py feeds the batches: synchronously, or generated
+verified with a logprob probe. driver/rollouts/feed.py feeds the batches: synchronously, or generated
 ahead in a thread (rollout.async_prefetch), with partial rollouts, reward workers, zero-advantage
 filtering, replay and re-rolls. EBFT (algo.name: ebft, https://arxiv.org/abs/2603.12248) replaces the
 rewards by feature matching against a ground truth (driver/ebft/); its strided mode samples blocks
@@ -21,29 +21,29 @@ import yaml
 from rich.console import Console
 
 import pykernels.backend
-
-from driver import distributed, memory, sync
+from driver.algorithms import algorithm
 from driver.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from driver.cli import ConfigError, config_from_argv, exit_on_config_error
 from driver.config import Config
-from driver.console import LOG_FILE, Terminal, library_output_to_file
-from driver.data import PromptSource
-from driver.distributed_feed import FollowerFeed, LeaderFeed, on_rank0
+from driver.data.prompts import PromptSource
+from driver.distributed import world as distributed
+from driver.distributed.fsdp import shard_policy
 from driver.ebft.strided import StridedSource
-from driver.ebft.structured import check_ground_truths
 from driver.ebft.strided_update import optimize_strided
-from driver.fsdp import shard_policy
+from driver.engine import RolloutError, make_generator
+from driver.engine import adapter_sync as sync
 from driver.interrupt import GracefulInterrupt
-from driver.metrics import MetricsLogger
-from driver.model import kernel_modes, load_policy
-from driver.optim import build_optimizer, build_scheduler
-from driver.plots import plot_metrics
-from driver.rewards import RewardError
-from driver.rollout import RolloutError, make_generator
-from driver.rollouts import Rollouts
-from driver.summary import run_summary
-from driver.update import optimize
-
+from driver.metrics import memory
+from driver.metrics.console import LOG_FILE, Terminal, library_output_to_file
+from driver.metrics.logger import MetricsLogger
+from driver.metrics.plots import plot_metrics
+from driver.metrics.summary import run_summary
+from driver.policy.model import kernel_modes, load_policy
+from driver.rewards.functions import RewardError
+from driver.rollouts.distributed_feed import FollowerFeed, LeaderFeed, on_rank0
+from driver.rollouts.feed import Rollouts
+from driver.update.optim import build_optimizer, build_scheduler
+from driver.update.step import optimize
 
 INTERRUPTED_EXIT_CODE = 130  # the shell's convention for a run stopped by SIGINT
 
@@ -70,13 +70,14 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
     output_dir = config.output_dir
     torch.manual_seed(config.train.seed)
     pykernels.backend.set_kernels(**kernel_modes(config))
+    algo = algorithm(config)
 
     policy = load_policy(config)
     if world.distributed:
         shard_policy(policy)  # before the optimizer: FSDP replaces the parameters
     prompts = PromptSource(config.data, policy.tokenizer, config.train.seed) if world.is_main else None
-    if prompts is not None and config.algo.name == "ebft" and config.ebft.ground_truth_field is not None:
-        check_ground_truths(prompts, config.ebft.ground_truth_field)
+    if prompts is not None:
+        algo.check_prompts(config, prompts)
     optimizer = build_optimizer(policy.trainable_parameters(), config.train)
     scheduler = build_scheduler(optimizer, config.train, config.train.steps * config.algo.num_iterations)
     step, rollout_state = 0, None
@@ -86,7 +87,7 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
                                               optimizer, scheduler, prompts)
         first_step = step
 
-    strided = config.algo.name == "ebft" and config.ebft.mode == "strided"  # the trainer samples: no vLLM
+    strided = algo.trainer_samples(config)  # no inference engine
     generator = None if strided else on_rank0(lambda: make_generator(config, policy), "start vLLM")
     verifier = None if strided else sync.make_verifier(config, policy)
     update = optimize_strided if strided else optimize
@@ -102,10 +103,12 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
         if strided:
             rollouts = StridedSource(config, policy, prompts, rollout_state)
         elif not world.distributed:
-            rollouts = Rollouts(config, policy, generator, prompts, verifier, step, rollout_state)
+            rollouts = Rollouts(config, policy, generator, prompts, verifier, step, rollout_state,
+                                make_scorer=algo.make_scorer)
         elif world.is_main:
             rollouts = LeaderFeed(lambda ready: Rollouts(config, policy, generator, prompts, verifier, step,
-                                                         rollout_state, before_first_push=ready))
+                                                         rollout_state, before_first_push=ready,
+                                                         make_scorer=algo.make_scorer))
         else:
             rollouts = FollowerFeed(config, policy)
         with GracefulInterrupt(out=terminal.out) as interrupt:
@@ -159,9 +162,9 @@ def check_world(config: Config, world: distributed.World) -> None:
     """What a torchrun launch cannot do yet, said before anything starts."""
     if not world.distributed:
         return
-    if config.algo.name == "ebft":
-        raise ConfigError("algo.name = ebft runs in one process for now (its features are scored by the trainer's "
-                          "model on rank 0's groups); launch it without torchrun")
+    if (reason := algorithm(config).single_process) is not None:
+        raise ConfigError(f"algo.name = {config.algo.name} runs in one process for now ({reason}); launch it "
+                          "without torchrun")
     if config.rollout.backend != "server":
         raise ConfigError(f"rollout.backend = {config.rollout.backend}: under torchrun vLLM runs as a server on its "
                           "own GPUs (rollout.backend: server, with rollout.server_url or launched by rank 0)")

@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-from driver.rollout.base import Completion, Request
+from driver.engine.base import Completion, Request
 
 COMPLETION_BASE = 1000
 

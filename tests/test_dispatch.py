@@ -324,7 +324,7 @@ def test_driver_config_maps_to_per_op_modes(monkeypatch):
     from pydantic import ValidationError
 
     from driver.config import Config
-    from driver.model import kernel_modes
+    from driver.policy.model import kernel_modes
 
     assert Config().train.kernel_modes() == dict.fromkeys(backend.OPS, "auto")
     reference = Config.model_validate({"train": {"kernels": "reference", "kernel_ops": {"logprobs": "ours"}}})

@@ -2,7 +2,7 @@
 
 Checked: relative markdown links, repo paths (`driver/config.py`, `benchmarks/results/`), bare file
 names (`collect.py` in a listing: some file of the repo must have the name), and dotted Python
-names (`python -m driver.train`, `driver.toy_tasks.digit_fraction`) down to the module file and
+names (`python -m driver.train`, `driver.data.toy_tasks.digit_fraction`) down to the module file and
 the name it defines. Paths with placeholders (`<family>`, `*`, `vNNNNNN`) and
 paths of a run's outputs (`outputs/...`, `output_dir/...`) are not references to the repo.
 """
@@ -105,9 +105,9 @@ def test_every_reference_exists(document):
 def test_the_checker_catches_what_the_issue_found(tmp_path):
     stale = tmp_path / "stale.md"
     stale.write_text("driver/collect.py (rollouts), see DESIGN.md and [it](docs/nowhere.md); "
-                     "`python -m driver.nothing`, `driver.toy_tasks.no_such_function`, driver/config.py")
+                     "`python -m driver.nothing`, `driver.data.toy_tasks.no_such_function`, driver/config.py")
     kinds = {(kind, ref): exists(stale, kind, ref) for kind, ref in references(stale)}
     assert kinds == {("path", "driver/collect.py"): False, ("file", "DESIGN.md"): False,
                      ("link", "docs/nowhere.md"): False, ("path", "docs/nowhere.md"): False,
-                     ("module", "driver.nothing"): False, ("module", "driver.toy_tasks.no_such_function"): False,
+                     ("module", "driver.nothing"): False, ("module", "driver.data.toy_tasks.no_such_function"): False,
                      ("path", "driver/config.py"): True}

@@ -1,4 +1,4 @@
-"""driver.advantages.combine_rewards against a float64 oracle written as explicit loops over groups,
+"""driver.rewards.advantages.combine_rewards against a float64 oracle written as explicit loops over groups,
 following TRL's GRPOTrainer._generate_and_score_completions (trl/trainer/grpo_trainer.py, main as of
 2026-07): its nanstd (unbiased, NaN for fewer than two values), eps 1e-4, unscorable rows (every function
 None) NaN in the statistics and advantage 0, GDPO's batch standardization of the summed z-scores."""
@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from driver.advantages import combine_rewards
-from driver.losses import all_zero
+from driver.rewards.advantages import combine_rewards
+from driver.update.losses import all_zero
 
 GROUP_SIZE = 3
 NAN = math.nan

@@ -10,10 +10,10 @@ import torch
 from pydantic import ValidationError
 
 from driver.config import Config
-from driver.data import PromptSource
-from driver.producer import Producer
-from driver.rollouts import Rollouts
-from driver.schedule import job_version, staleness, steady_staleness, versions_kept
+from driver.data.prompts import PromptSource
+from driver.rollouts.feed import Rollouts
+from driver.rollouts.producer import Producer
+from driver.rollouts.schedule import job_version, staleness, steady_staleness, versions_kept
 from tests.async_fakes import COMPLETION_BASE, FakeGenerator, FakePolicy, FakeTokenizer
 
 PROMPTS = ["alpha", "bravo", "flat charlie", "delta", "echo", "flat foxtrot", "golf", "hotel"]

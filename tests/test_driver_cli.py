@@ -57,7 +57,7 @@ def test_dotted_overrides_are_parsed_as_yaml(tmp_path):
     ({"algo.loss_type": "ppo"}, "algo.loss_type: Input should be 'grpo', 'bnpo', 'dr_grpo' or 'dapo'"),
     ({"model.qlora_blocksize": "48"}, "model.qlora_blocksize: Value error, must be a power of two"),
     ({"rewards.functions": "[{path: no_such_module.reward}]"}, "rewards.functions[0].path: cannot import module"),
-    ({"rewards.functions": "[{path: driver.toy_tasks.nope}]"}, "module 'driver.toy_tasks' has no 'nope'"),
+    ({"rewards.functions": "[{path: driver.data.toy_tasks.nope}]"}, "module 'driver.data.toy_tasks' has no 'nope'"),
     ({"data.source": "/nonexistent/prompts.jsonl"},
      "data.source: dataset file /nonexistent/prompts.jsonl does not exist"),
     ({"model.path": "/nonexistent/model"}, "model.path: /nonexistent/model is not a local model directory"),
@@ -142,7 +142,7 @@ def test_gpu_examples_are_valid_configs(name):
 
 
 def test_gsm8k_reward():
-    from driver.reward_functions import boxed_format, gsm8k_correct, gsm8k_prompt
+    from driver.data.gsm8k import boxed_format, gsm8k_correct, gsm8k_prompt
 
     answers = ["Natalia sold 48/2 = 24 clips in May.\n#### 72", "#### 1,000"]
     completions = ["so the answer is \\boxed{72}", "It is 1000 dollars. Wait, 999."]
@@ -159,3 +159,13 @@ def test_config_reference_doc_is_current():
 
     assert Path("docs/config.md").read_text() == markdown_reference(), \
         "docs/config.md is stale: regenerate with `python -m driver.cli > docs/config.md`"
+
+
+@pytest.mark.parametrize("old, new", [("driver.reward_functions.gsm8k_correct", "driver.data.gsm8k.gsm8k_correct"),
+                                      ("driver.toy_tasks.digit_fraction", "driver.data.toy_tasks.digit_fraction")])
+def test_moved_reward_modules_still_resolve_with_a_warning(old, new):
+    """Configs written before the driver's packages keep working and are told the new name."""
+    from driver.cli import import_dotted
+
+    with pytest.warns(FutureWarning, match=new.replace(".", r"\.")):
+        assert import_dotted(old, "rewards.functions[0].path") is import_dotted(new, "x")

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from driver.console import library_output_to_file
+from driver.metrics.console import library_output_to_file
 
 
 def test_library_output_goes_to_the_log_and_ours_to_the_terminal(tmp_path, capfd):

@@ -8,10 +8,10 @@ import torch
 
 from driver.cli import ConfigError
 from driver.config import DataConfig, RewardFunction, RewardsConfig
-from driver.data import PromptSource, load_rows
-from driver.rewards import RewardError, RewardFunctions
-from driver.tiny_model import resolve_model_path
-from driver.toy_tasks import digit_fraction
+from driver.data.prompts import PromptSource, load_rows
+from driver.data.tiny_model import resolve_model_path
+from driver.data.toy_tasks import digit_fraction
+from driver.rewards.functions import RewardError, RewardFunctions
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +121,8 @@ def test_reward_errors_name_the_function(name, message):
 
 
 def scored_group(group_id: int, table: list[list[float]], texts: list[str]):
-    from driver.data import Prompt
-    from driver.rollout.records import Group
+    from driver.data.prompts import Prompt
+    from driver.data.records import Group
 
     prompt = Prompt(index=group_id, text=f"prompt {group_id}", token_ids=[1, 2], columns={"answer": str(group_id)})
     return Group(group_id=group_id, prompt=prompt, samples=[], rewards=torch.tensor(table), texts=texts)
@@ -131,19 +131,19 @@ def scored_group(group_id: int, table: list[list[float]], texts: list[str]):
 def test_warn_unscorable_names_the_first_completion_once(caplog):
     """TRL warns (logger.warning, "All reward functions returned None for the following kwargs") with the
     first such row's prompt, completion and columns; once for the step, however many rows."""
-    from driver.rewards import warn_unscorable
+    from driver.rewards.functions import warn_unscorable
 
     nan = math.nan
     groups = [scored_group(0, [[1.0, nan], [nan, 0.5]], ["a", "b"]),
               scored_group(1, [[nan, nan], [0.0, nan], [nan, nan]], ["c", "d", "e"]),
               scored_group(2, [[nan, nan]], ["f"])]
-    with caplog.at_level("WARNING", logger="driver.rewards"):
+    with caplog.at_level("WARNING", logger="driver.rewards.functions"):
         assert warn_unscorable(groups) == 3
     assert len(caplog.records) == 1
     message = caplog.records[0].getMessage()
     assert "All reward functions returned None" in message
     assert "'prompt': 'prompt 1'" in message and "'completion': 'c'" in message and "'answer': '1'" in message
     caplog.clear()
-    with caplog.at_level("WARNING", logger="driver.rewards"):
+    with caplog.at_level("WARNING", logger="driver.rewards.functions"):
         assert warn_unscorable(groups[:1]) == 0
     assert not caplog.records

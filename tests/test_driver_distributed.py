@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from driver.cli import ConfigError
 from driver.config import Config
-from driver.distributed import World
+from driver.distributed.world import World
 from driver.train import check_world
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,7 +24,7 @@ import pytest
 import requests
 import torch
 
-from driver.tiny_model import resolve_model_path
+from driver.data.tiny_model import resolve_model_path
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,14 +12,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-import driver.update
-from driver.batch import RolloutBatch
+import driver.update.step
 from driver.config import Config
-from driver.filtering import StepCounts, extend_batch, filter_zero_advantage, merge, step_counts
-from driver.model import load_policy
-from driver.optim import build_optimizer, build_scheduler
-from driver.scoring import completion_logprobs, pack
-from driver.update import optimize
+from driver.policy.logprobs import completion_logprobs, pack
+from driver.policy.model import load_policy
+from driver.rollouts.batch import RolloutBatch
+from driver.rollouts.filtering import StepCounts, extend_batch, filter_zero_advantage, merge, step_counts
+from driver.update.optim import build_optimizer, build_scheduler
+from driver.update.step import optimize
 
 LENGTHS = [3, 5, 2, 4, 1, 6, 3, 2]
 # Groups of 2: rows 0-1 and 4-5 are zero-signal groups, row 7 an exact zero in a mixed group (e.g. a
@@ -131,13 +131,13 @@ def test_filtered_rollout_batches_merge_into_the_unfiltered_step(base_policy, lo
 
 def count_forward_passes(monkeypatch) -> list[int]:
     calls = []
-    original = driver.update.completion_logprobs
+    original = driver.update.step.completion_logprobs
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(driver.update, "completion_logprobs", counting)
+    monkeypatch.setattr(driver.update.step, "completion_logprobs", counting)
     return calls
 
 

@@ -1,4 +1,4 @@
-"""driver.group_scorer: groups submitted from a generation thread are scored by the workers while
+"""driver.rewards.group_scorer: groups submitted from a generation thread are scored by the workers while
 the trainer's thread does something else (the pump keeps the pool fed), and wait() hands each
 result to its group."""
 
@@ -8,9 +8,9 @@ import time
 import pytest
 
 from driver.config import Config
-from driver.data import Prompt
-from driver.group_scorer import GroupScorer
-from driver.rollout.records import Group, Sample
+from driver.data.prompts import Prompt
+from driver.rewards.group_scorer import GroupScorer
+from driver.data.records import Group, Sample
 
 
 def group(group_id: int, texts: list[str]) -> Group:

@@ -1,4 +1,4 @@
-"""driver.losses against float64 oracles written as explicit loops over sequences and tokens.
+"""driver.update.losses against float64 oracles written as explicit loops over sequences and tokens.
 
 The policy-loss oracle runs its loop on 0-d float64 tensors with Python branches for min and clamp,
 so autograd gives an independent gradient to compare with.
@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from driver.losses import (StepNormalizers, all_zero, connected_zero, importance_weights, off_policy_sequence_mask,
-                           policy_loss)
+from driver.update.losses import (StepNormalizers, all_zero, connected_zero, importance_weights,
+                                  off_policy_sequence_mask, policy_loss)
 
 T = 7
 LENGTHS = (7, 3, 5, 1, 6, 0, 4, 2)  # unequal, one empty completion

@@ -4,7 +4,7 @@ import mmap
 
 import torch
 
-from driver import memory
+from driver.metrics import memory
 
 
 def test_peak_covers_a_freed_temporary():

@@ -1,4 +1,4 @@
-"""driver.metrics: the jsonl record, resume truncation, TensorBoard scalars and console output."""
+"""driver.metrics.logger: the jsonl record, resume truncation, TensorBoard scalars and console output."""
 
 import io
 import json
@@ -10,7 +10,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from driver.metrics import MetricsLogger, step_summary
+from driver.metrics.logger import MetricsLogger, step_summary
 
 TAGS = ("reward", "kl", "rewards/digit_fraction/mean", "sampling/importance_sampling_ratio/max")
 
@@ -199,7 +199,7 @@ PART_LENGTHS = (7, 2, 5, 0, 1, 6, 3, 4, 2, 7)
 
 
 def part_metrics(rows: slice, lengths=PART_LENGTHS, seed=0):
-    from driver.losses import StepNormalizers, importance_weights, policy_loss
+    from driver.update.losses import StepNormalizers, importance_weights, policy_loss
 
     logps, old, sampling, advantages, mask = (tensor[rows] for tensor in split_batch(lengths, seed))
     normalizers = StepNormalizers(num_sequences=len(lengths), num_tokens=sum(lengths), num_micro_batches=1,
@@ -225,7 +225,7 @@ def test_combined_micro_batches_equal_the_whole_step():
     """Token means weighted by tokens, min of */min and *_min, max of */max and *_max: the combined
     micro-batches give the metrics of one pass over the whole step (a plain mean of micro-batch means
     would not: 3 + 1 + 4 + 2 sequences of 14, 0, 14 and 11 tokens)."""
-    from driver.losses import combine_metrics
+    from driver.metrics.combine import combine_metrics
 
     whole = part_metrics(slice(0, len(PART_LENGTHS)))
     combined = combine_metrics(part_metrics(rows) for rows in part_slices())
@@ -236,7 +236,7 @@ def test_combined_micro_batches_equal_the_whole_step():
 
 
 def test_combine_metrics_rules():
-    from driver.losses import Metrics, combine_metrics
+    from driver.metrics.combine import Metrics, combine_metrics
 
     parts = [Metrics({"loss": 0.5, "grad_norm": 2.0, "x/min": 0.3, "y_max": math.nan, "entropy": 1.0},
                      {"entropy": 3.0}),
@@ -255,8 +255,8 @@ def test_combine_metrics_rules():
 def test_reduce_metrics_over_ranks_equals_one_process(monkeypatch):
     """Under torchrun each rank holds some micro-batches; reduce_metrics (its all_gather_object faked
     here) must give the metrics of one process holding them all, and sum the `summed` keys."""
-    from driver import distributed
-    from driver.losses import Metrics, combine_metrics
+    from driver.distributed import world as distributed
+    from driver.metrics.combine import Metrics, combine_metrics
 
     ranks = [combine_metrics(part_metrics(rows) for rows in slices)
              for slices in (part_slices()[:2], part_slices()[2:3], part_slices()[3:])]
@@ -275,7 +275,7 @@ def test_reduce_metrics_over_ranks_equals_one_process(monkeypatch):
 
 
 def test_reduce_metrics_without_torchrun_returns_the_values():
-    from driver.distributed import reduce_metrics
-    from driver.losses import Metrics
+    from driver.distributed.world import reduce_metrics
+    from driver.metrics.combine import Metrics
 
     assert reduce_metrics(Metrics({"loss": 1.0, "entropy": 2.0}, {"entropy": 5.0})) == {"loss": 1.0, "entropy": 2.0}

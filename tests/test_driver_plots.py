@@ -1,4 +1,4 @@
-"""driver.plots: which PNGs are written, their names, and tolerance of gaps and broken files."""
+"""driver.metrics.plots: which PNGs are written, their names, and tolerance of gaps and broken files."""
 
 import json
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 from PIL import Image
 
-from driver.plots import MAIN_CURVES, exponential_moving_average, plot_metrics
+from driver.metrics.plots import MAIN_CURVES, exponential_moving_average, plot_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 STEPS = 7  # odd, so the overview grid and the EMA see a non-round count

@@ -1,4 +1,4 @@
-"""driver.replay: which groups the buffer keeps and serves, and that replayed groups make correct
+"""driver.rollouts.replay: which groups the buffer keeps and serves, and that replayed groups make correct
 rows in a batch of another width."""
 
 import io
@@ -8,12 +8,12 @@ import statistics
 import pytest
 import torch
 
-from driver.advantages import combine_rewards
-from driver.batch import batch_from_groups
-from driver.data import Prompt
-from driver.replay import ReplayBuffer, replay_score
-from driver.rollout.records import Group, Sample, Span
-from driver.scoring import pack
+from driver.data.prompts import Prompt
+from driver.policy.logprobs import pack
+from driver.rewards.advantages import combine_rewards
+from driver.rollouts.batch import batch_from_groups
+from driver.data.records import Group, Sample, Span
+from driver.rollouts.replay import ReplayBuffer, replay_score
 
 PAD_ID = 151643  # Qwen2's pad token: prompts hold it (and token 0) as real tokens
 SIGNAL = [1.0, 0.0, 0.0, 1.0]  # a group with signal: score = sum |r - mean| = 2 (the std cancels)

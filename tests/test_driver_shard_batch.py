@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from driver.config import Config
-from driver.filtering import check_counts, filter_zero_advantage, step_counts
-from driver.optim import build_optimizer, build_scheduler
-from driver.shard_batch import shard_batch
-from driver.update import optimize
+from driver.rollouts.shard_batch import shard_batch
+from driver.rollouts.filtering import check_counts, filter_zero_advantage, step_counts
+from driver.update.optim import build_optimizer, build_scheduler
+from driver.update.step import optimize
 from tests.test_driver_filtering import LOSS_TYPES, make_base_policy, make_batch
 
 ADVANTAGES = [0.0, 0.0, 0.9, -0.9, 0.0, 0.0, 1.3, 0.0, 0.4, -0.2, 0.0]  # 11 rows: uneven shards

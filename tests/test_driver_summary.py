@@ -2,7 +2,7 @@
 
 import json
 
-from driver.summary import run_summary
+from driver.metrics.summary import run_summary
 
 
 def write_rows(path, rewards, key="reward"):

@@ -9,8 +9,8 @@ the adapter grows), plus an occasional router flip (one token off by ~1.5); QLoR
 import pytest
 import torch
 
-from driver.rollout.base import SyncError
-from driver.rollout.sync_check import SyncVerifier
+from driver.engine.base import SyncError
+from driver.engine.sync_check import SyncVerifier
 
 TOKENS = 50
 PROBE = list(range(TOKENS + 1))

@@ -10,8 +10,8 @@ from pydantic import ValidationError
 
 from driver.cli import ConfigError, config_from_argv
 from driver.config import Config
-from driver.model import check_output_head, load_policy
-from driver.tiny_model import resolve_model_path
+from driver.data.tiny_model import resolve_model_path
+from driver.policy.model import check_output_head, load_policy
 
 TINY = dict(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=1)

@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from driver.batch import RolloutBatch
 from driver.config import Config
-from driver.model import load_policy
-from driver.optim import build_optimizer, build_scheduler
-from driver.scoring import completion_logprobs, pack
-from driver.update import optimize
+from driver.policy.logprobs import completion_logprobs, pack
+from driver.policy.model import load_policy
+from driver.rollouts.batch import RolloutBatch
+from driver.update.optim import build_optimizer, build_scheduler
+from driver.update.step import optimize
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +180,7 @@ def test_off_policy_mask_matches_trl(base_policy, loss_type):
     """Rows 1 and 3 are dropped or kept differently depending on the policy the drift is measured
     against: the sampling logprobs against the current policy (TRL) drop row 1 and keep row 3; against
     the old policy the reverse. A dropped row keeps its KL term and its tokens in every normalizer."""
-    from driver.update import micro_batch_loss, micro_batch_plan
+    from driver.update.step import micro_batch_loss, micro_batch_plan
 
     policy = with_adapter_noise(base_policy, seed=3)
     batch = make_batch(policy, ADVANTAGES, seed=4)

@@ -1,4 +1,4 @@
-"""Full-weight sync (driver/rollout/weight_sync.py): an in-process vLLM engine serves base + LoRA merged.
+"""Full-weight sync (driver/engine/weight_sync.py): an in-process vLLM engine serves base + LoRA merged.
 
 The oracle is transformers + PEFT running the adapter unmerged, in fp32: after every push the
 engine's prompt logprobs must equal theirs to fp32 noise. The MoE model adapts attention and the
@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from driver.tiny_model import resolve_model_path
+from driver.data.tiny_model import resolve_model_path
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("vllm")
@@ -70,11 +70,11 @@ def max_gap(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.fixture(scope="module", params=list(LORA_TARGETS))
 def served(request):
     """(kind, PEFT model with non-zero LoRA, probe ids, in-process engine on the base model)."""
+    import vllm.envs
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    import vllm.envs
 
-    from driver.rollout.weight_sync import create_inprocess_engine, shutdown_engine
+    from driver.engine.weight_sync import create_inprocess_engine, shutdown_engine
 
     kind = request.param
     model_dir = resolve_model_path(f"tiny://{kind}")
@@ -100,7 +100,7 @@ def served(request):
 
 def test_merged_weights_equal_peft_merge_and_unload(served):
     kind, peft_model, _, _ = served
-    from driver.rollout.weight_sync import merged_weights
+    from driver.engine.weight_sync import merged_weights
 
     expected = copy.deepcopy(peft_model).merge_and_unload().state_dict()
     merged = dict(merged_weights(peft_model))
@@ -113,7 +113,7 @@ def test_merged_weights_equal_peft_merge_and_unload(served):
 
 def test_engine_serves_the_merged_adapter(served):
     _, peft_model, probe, llm = served
-    from driver.rollout.weight_sync import push_merged
+    from driver.engine.weight_sync import push_merged
 
     base_weights = {name: p.detach().clone() for name, p in peft_model.named_parameters() if "lora_" not in name}
     with peft_model.disable_adapter():
@@ -134,7 +134,7 @@ def test_engine_serves_the_merged_adapter(served):
 
 def test_a_second_push_is_served_and_the_prefix_cache_is_dropped(served):
     _, peft_model, probe, llm = served
-    from driver.rollout.weight_sync import push_merged
+    from driver.engine.weight_sync import push_merged
 
     long_prompt = (probe * (LONG_PROMPT_TOKENS // len(probe) + 1))[:LONG_PROMPT_TOKENS]
     randomize_lora_B(peft_model, seed=1)

@@ -113,7 +113,7 @@ def test_spans_outside_the_row_or_out_of_order_are_rejected(span):
 @pytest.fixture(scope="module")
 def policy():
     from driver.config import Config
-    from driver.model import load_policy
+    from driver.policy.model import load_policy
 
     policy = load_policy(Config.model_validate({"lora": {"r": 4}}))
     policy.model.eval()

@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from driver.config import Config
-from driver.data import Prompt
+from driver.data.prompts import Prompt
 from driver.ebft.rewards import group_rewards
 from driver.ebft.strided import StridedSource, pool_blocks
 from driver.ebft.strided_attention import full_row_attention, uses_flex
 from driver.ebft.strided_update import chunk_loss
-from driver.losses import StepNormalizers
-from driver.rollout import RolloutError
+from driver.engine import RolloutError
+from driver.update.losses import StepNormalizers
 from tests.ebft_fixtures import policy_with_random_adapter, separate_base_model
 
 GROUND_TRUTHS = [" 12345 678 90 1234", " 98765 4321 0"]

@@ -121,7 +121,7 @@ def test_the_generation_order_mask_and_rows_are_the_rule_applied_to_every_descri
 @pytest.fixture(scope="module")
 def policy():
     from driver.config import Config
-    from driver.model import load_policy
+    from driver.policy.model import load_policy
 
     return load_policy(Config.model_validate({"lora": {"r": 4}}))
 

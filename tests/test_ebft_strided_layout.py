@@ -4,8 +4,7 @@ against plain causal forwards of the tiny model, one block at a time."""
 import pytest
 import torch
 
-from driver.ebft.strided_layout import (
-    additive_mask, dense_mask, mask_mod, pack_layouts, strided_layout)
+from driver.ebft.strided_layout import additive_mask, dense_mask, mask_mod, pack_layouts, strided_layout
 
 # (doc_length P, stride S, context_length C, generate_length G, first_anchor_min) -> anchors
 ANCHOR_CASES = [
@@ -166,7 +165,7 @@ MODEL_LAYOUT = (29, 4, 5, 4)  # P, S, C, G -> anchors 5, 9, 13, 17, 21, 25 (the 
 @pytest.fixture(scope="module")
 def causal_lm():
     from driver.config import Config
-    from driver.model import load_policy
+    from driver.policy.model import load_policy
 
     model = load_policy(Config.model_validate({"lora": {"r": 4}})).causal_lm
     return model.eval()

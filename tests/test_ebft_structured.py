@@ -9,12 +9,12 @@ import torch
 from pydantic import ValidationError
 
 from driver.config import Config
-from driver.data import Prompt, PromptSource
+from driver.data.prompts import Prompt, PromptSource
 from driver.ebft.advantages import ebft_advantages
 from driver.ebft.rewards import RewardParts, group_rewards
 from driver.ebft.structured import FeatureScorer, adaptive_max_tokens, advantages_from_tables, completion_ids
-from driver.producer import Producer
-from driver.rollout.records import Group, Sample, Span
+from driver.rollouts.producer import Producer
+from driver.data.records import Group, Sample, Span
 from tests.async_fakes import FakeGenerator, FakeTokenizer
 from tests.ebft_fixtures import policy_with_random_adapter, separate_base_model
 
@@ -33,7 +33,7 @@ def ebft_config(**sections) -> Config:
 @pytest.mark.parametrize("sections, message", [
     ({"algo": {"num_generations": 1}}, "advantage_estimator = rloo needs algo.num_generations >= 2"),
     ({"algo": {"num_generations": 1}, "ebft": {"advantage_estimator": "group_norm"}}, "group_norm needs"),
-    ({"rewards": {"functions": [{"path": "driver.toy_tasks.digit_fraction"}]}}, "rewards.functions are not used"),
+    ({"rewards": {"functions": [{"path": "driver.data.toy_tasks.digit_fraction"}]}}, "rewards.functions are not used"),
     ({"rewards": {"reward_num_workers": 2}}, "reward_num_workers must be 0"),
     ({"algo": {"reroll_failed": True}}, "reroll_failed does not apply"),
     ({"ebft": {"mode": "strided"}, "rollout": {"async_prefetch": True}}, "rollout.async_prefetch: not supported"),

@@ -8,9 +8,9 @@ import pytest
 
 from driver.cli import ConfigError
 from driver.config import DataConfig
-from driver.data import PromptSource, load_rows
+from driver.data.prompts import PromptSource, load_rows
+from driver.data.tiny_model import resolve_model_path
 from driver.ebft.transforms import all_turns, first_turn, last_turn, last_turn_answer_only, strip_thinking
-from driver.tiny_model import resolve_model_path
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 USER_1 = {"role": "user", "content": "Name a river."}

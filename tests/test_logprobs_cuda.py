@@ -6,10 +6,10 @@ logprobs, entropy and both gradients; CUDA and CPU agree within the sum of their
 
 import pytest
 import torch
+from test_logprobs import fp64_oracle, make, max_err, torch_lowprec
 
 from conftest import requires_cuda
 from pykernels.logprobs import IGNORE_INDEX, token_logprobs
-from test_logprobs import fp64_oracle, make, max_err, torch_lowprec
 
 pytestmark = [requires_cuda, pytest.mark.cuda]
 

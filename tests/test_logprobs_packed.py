@@ -4,7 +4,7 @@ scoring a right-padded batch with transformers' own forward, on tiny random Qwen
 import pytest
 import torch
 
-from driver.tiny_model import resolve_model_path
+from driver.data.tiny_model import resolve_model_path
 from pykernels.integrations.transformers import packed_hidden_states, packed_position_ids
 from pykernels.logprobs import IGNORE_INDEX, packed_targets, token_logprobs
 

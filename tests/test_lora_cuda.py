@@ -11,11 +11,11 @@ The CPU ops must agree with the CUDA ops within the sum of two budgets.
 
 import pytest
 import torch
+from cuda_oracle import check_outputs, error_budget
 
 import pykernels.lora as lora
 import pykernels.nf4 as nf4
 from conftest import requires_cuda
-from cuda_oracle import check_outputs, error_budget
 from pykernels._extension import ops
 
 pytestmark = [requires_cuda, pytest.mark.cuda]

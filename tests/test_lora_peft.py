@@ -6,8 +6,8 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from driver.model import quantize_linears
-from driver.tiny_model import resolve_model_path
+from driver.data.tiny_model import resolve_model_path
+from driver.policy.model import quantize_linears
 from pykernels.integrations.peft import apply_fused_lora, unpatch
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -11,13 +11,13 @@ the CPU's bf16 path does). The CPU ops must agree with the CUDA ops within twice
 
 import pytest
 import torch
+from cuda_oracle import check_outputs
+from test_moe_ops import FLAGS, make_routing
 
 from conftest import requires_cuda
-from cuda_oracle import check_outputs
 from pykernels import moe
 from pykernels._extension import ops
 from pykernels.reference import moe as reference
-from test_moe_ops import FLAGS, make_routing
 
 pytestmark = [requires_cuda, pytest.mark.cuda]
 

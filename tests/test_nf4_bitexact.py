@@ -2,10 +2,10 @@
 
 import random
 
+import bnb_oracle
 import pytest
 import torch
 
-import bnb_oracle
 import pykernels.nf4 as nf4
 from pykernels.reference import nf4 as reference
 

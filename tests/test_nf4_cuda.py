@@ -4,13 +4,13 @@ import random
 
 import pytest
 import torch
+from test_nf4_bitexact import BLOCKSIZES, DTYPES, SHAPES, assert_bits_equal, special_values
 
 import pykernels.nf4 as nf4
 from conftest import requires_cuda
 from pykernels._extension import ops
 from pykernels.nn import NF4Linear
 from pykernels.reference import nf4 as reference
-from test_nf4_bitexact import BLOCKSIZES, DTYPES, SHAPES, assert_bits_equal, special_values
 
 pytestmark = [requires_cuda, pytest.mark.cuda]
 

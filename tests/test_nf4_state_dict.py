@@ -3,11 +3,11 @@ checkpoints written by bitsandbytes, and clear errors for state dicts we cannot 
 
 import bitsandbytes as bnb
 import bitsandbytes.functional as F
+import bnb_oracle
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import bnb_oracle
 import pykernels.nf4 as nf4
 from pykernels.nf4_weight import QUANT_STATE_SUFFIX, NF4Weight
 from pykernels.nn import NF4Linear

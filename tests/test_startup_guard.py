@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pykernels.startup_guard import DISABLE_VARIABLE, hide_unloadable_companions, installed_versions, \
-    unloadable_companions
+from pykernels.startup_guard import (DISABLE_VARIABLE, hide_unloadable_companions, installed_versions,
+                                     unloadable_companions)
 from pykernels.startup_hook import PTH_NAME, install_pth
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from driver.advantages import standardize_groups
 from driver.ebft.rewards import RewardParts
+from driver.rewards.advantages import standardize_groups
 
 ESTIMATORS = ("rloo", "group_norm", "reinforce")
 
@@ -32,7 +32,7 @@ def ebft_advantages(
     estimator: str,
     eps: float = 1e-4,
 ) -> torch.Tensor:  # [P, n]
-    """"rloo" (above), "group_norm" = (r - mean) / (unbiased std + eps) as GRPO's (driver/advantages.py:
+    """"rloo" (above), "group_norm" = (r - mean) / (unbiased std + eps) as GRPO's (driver/rewards/advantages.py:
     eps 1e-4, exactly 0 for a group of equal rewards and when n = 1), "reinforce" = r.
 
     axolotl's group_norm uses eps = 1e-8: a group of samples with (nearly) equal rewards, apart from

@@ -8,7 +8,7 @@ features of that same row under the same mask (adapter disabled; driver/ebft/str
 block b's ground-truth features are those of x[a_b : a_b + G), computed causally with the same
 context as its generations. The samples of one (document, block) form a group: rewards and
 advantages as in structured mode, one advantage per generated block. StridedSource has the surface
-train.run uses of driver/rollouts.py.
+train.run uses of driver/rollouts/feed.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from driver.config import Config
-from driver.data import Prompt, PromptSource
+from driver.data.prompts import Prompt, PromptSource
 from driver.ebft.advantages import ebft_advantages
 from driver.ebft.features import hidden_layer_states, layer_indices, token_features
 from driver.ebft.rewards import group_rewards, reward_metrics
@@ -27,8 +27,8 @@ from driver.ebft.strided_attention import attention_mask_dtype, full_row_attenti
 from driver.ebft.strided_generate import StridedRollout, sample_strided
 from driver.ebft.strided_layout import StridedLayout, strided_layout
 from driver.ebft.structured import GroundTruths
-from driver.model import Policy, evaluating
-from driver.rollout import RolloutError
+from driver.engine import RolloutError
+from driver.policy.model import Policy, evaluating
 
 SHOWN_CONTEXT_TOKENS = 12  # tokens of context before a block shown with its sample in the logs
 

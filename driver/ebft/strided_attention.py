@@ -14,8 +14,8 @@ import torch
 
 from driver.ebft.strided_generate import StridedRollout, row_inputs
 from driver.ebft.strided_layout import mask_mod
-from driver.model import Policy
-from driver.rollout import RolloutError
+from driver.engine import RolloutError
+from driver.policy.model import Policy
 
 FLEX_IMPLEMENTATION = "flex_attention"
 

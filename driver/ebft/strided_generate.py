@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from driver.ebft.strided_layout import StridedLayout, TokenMeta, additive_mask, attends, dense_mask
-from driver.model import evaluating
+from driver.policy.model import evaluating
 
 if TYPE_CHECKING:
     from transformers import DynamicCache

@@ -4,7 +4,7 @@ each micro-batch's generation-order row (the sampling mask, adapter on).
 Policy gradient: every generated token is scored from its predictor row (the row whose logits
 sampled it: the context's last token for step 0, the block's previous token after; the row just
 before it in the row belongs to another block), at the sampling temperature, with its block's
-advantage, in driver/losses.py's clipped loss (one sequence per (sample, block); the old logprobs
+advantage, in driver/update/losses.py's clipped loss (one sequence per (sample, block); the old logprobs
 are the sampling logprobs, computed by these very weights, so the first update's ratio is 1). Those
 are of the full tempered distribution p (sample_tokens), not of the top-k/top-p truncated q the
 blocks were drawn from: with rollout.sampling.top_p < 1 or top_k set, no importance weight p / q (the
@@ -24,8 +24,9 @@ import torch
 from driver.config import Config
 from driver.ebft.strided import StridedBatch, StridedChunk
 from driver.ebft.strided_attention import full_row_attention, uses_flex
-from driver.losses import Metrics, StepNormalizers, combine_metrics, policy_loss
-from driver.model import Policy
+from driver.policy.model import Policy
+from driver.metrics.combine import Metrics, combine_metrics
+from driver.update.losses import StepNormalizers, policy_loss
 from pykernels.logprobs import token_logprobs
 
 

@@ -1,7 +1,7 @@
 """EBFT structured mode: vLLM samples whole completions, as for GRPO; the reward of each is feature
 matching against its prompt's ground truth, read from the frozen base (adapter disabled).
 
-FeatureScorer stands where driver/group_scorer.py's GroupScorer stands in the rollout pipeline
+FeatureScorer stands where driver/rewards/group_scorer.py's GroupScorer stands in the rollout pipeline
 (submit_group / wait / discard / metrics): groups are queued as they finish and scored when the
 trainer assembles the step, in the trainer's thread, because the features come from the trainer's
 own model (under async prefetch the prefetch thread only drives vLLM). The sequences are the token
@@ -22,14 +22,14 @@ import torch
 
 from driver.cli import ConfigError
 from driver.config import Config, EbftConfig
-from driver.data import PromptSource
+from driver.data.prompts import PromptSource
 from driver.ebft.advantages import ebft_advantages
 from driver.ebft.features import hidden_layer_states, layer_indices, pool, token_features
 from driver.ebft.rewards import RewardParts, group_rewards, reward_metrics
-from driver.model import Policy, evaluating
-from driver.reward_pool import RewardResult
-from driver.rollout.records import Group
-from driver.scoring import pack
+from driver.policy.logprobs import pack
+from driver.policy.model import Policy, evaluating
+from driver.rewards.pool import RewardResult
+from driver.data.records import Group
 from pykernels.integrations.transformers import packed_attention_kwargs
 
 TABLE_COLUMNS = ["alignment", "diversity", "cfm"]
@@ -93,6 +93,9 @@ class FeatureScorer:
         self.weights = torch.tensor([2 * self.ebft.alignment_coef, -2 * self.ebft.diversity_coef, 0.0])
         self._queued: dict[int, Group] = {}
         self._seconds = 0.0
+
+    def advantages(self, groups: list[Group]) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        return advantages_from_tables(self.ebft, groups)
 
     def submit_group(self, group: Group) -> None:
         self._queued[group.group_id] = group

@@ -5,7 +5,7 @@ verification must catch it: `STALE_FROM=4 python tests/e2e/plant_stale_sync.py c
 import os
 import sys
 
-from driver.rollout.colocate import ColocatedGenerator
+from driver.engine.colocate import ColocatedGenerator
 
 STALE_FROM = int(os.environ.get("STALE_FROM", "1"))
 _real_sync = ColocatedGenerator.sync

@@ -1,0 +1,123 @@
+"""Prompts: a local dataset file (via `datasets`) or a built-in toy set, tokenized once, served in a
+seeded order whose position is part of every checkpoint (resume continues with the next prompt).
+
+A prompt is text, or a conversation (a list of {"role", "content"} chat messages, e.g. from
+driver.ebft.transforms) that is always rendered with the tokenizer's chat template."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from driver.cli import ConfigError, import_dotted
+from driver.config import DataConfig
+from driver.data.toy_tasks import toy_dataset
+
+FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+@dataclass
+class Prompt:
+    index: int  # row in the dataset (after the transform)
+    text: str  # the prompt text, or a conversation rendered with the chat template
+    token_ids: list[int]
+    columns: dict = field(default_factory=dict)  # every column, passed to the reward functions
+
+
+def load_rows(config: DataConfig) -> list[dict]:
+    if config.source.startswith("toy:"):
+        rows = toy_dataset(config.source[len("toy:"):])
+    else:
+        path = Path(config.source)
+        if path.suffix not in FILE_FORMATS:
+            raise ConfigError(f"data.source: {path} must end with one of {', '.join(FILE_FORMATS)}")
+        import datasets
+
+        rows = list(datasets.load_dataset(FILE_FORMATS[path.suffix], data_files=str(path), split="train"))
+    if config.transform:
+        rows = apply_transform(rows, config.transform)
+    if not rows:
+        raise ConfigError(f"data.source: {config.source} has no rows")
+    missing = [i for i, row in enumerate(rows) if not is_prompt(row.get(config.prompt_field))]
+    if missing:
+        raise ConfigError(f"data.prompt_field: {len(missing)} rows (first: row {missing[0]}) have no text column "
+                          f"'{config.prompt_field}' (it must hold text or a list of chat messages "
+                          f"{{'role': str, 'content': str}}); columns are {sorted(rows[missing[0]])}")
+    return rows
+
+
+def apply_transform(rows: list[dict], dotted_path: str) -> list[dict]:
+    """A transform returns a dict, or a list of dicts that replace the row in order (e.g. one row per
+    assistant turn of a conversation; an empty list drops the row)."""
+    transform = import_dotted(dotted_path, "data.transform")
+    transformed = []
+    for index, row in enumerate(rows):
+        try:
+            result = transform(dict(row))
+        except ValueError as error:  # a bad row: say which, the transform cannot know its index
+            raise ConfigError(f"data.transform: {dotted_path} rejected row {index}: {error}") from error
+        results = result if isinstance(result, list) else [result]
+        if not all(isinstance(r, dict) for r in results):
+            raise ConfigError(f"data.transform: {dotted_path} must return a dict or a list of dicts, got "
+                              f"{type(result).__name__} for row {index}")
+        transformed.extend(results)
+    return transformed
+
+
+def is_prompt(value) -> bool:
+    """Text, or a non-empty conversation of {"role": str, "content": str} messages."""
+    if isinstance(value, str):
+        return True
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+
+
+def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
+    # return_dict=True said explicitly: transformers 5 returns a BatchEncoding by default, 4.x a list.
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
+
+
+class PromptSource:
+    """Endless, epoch-shuffled prompts. state_dict()/load_state_dict() make the order resumable."""
+
+    def __init__(self, config: DataConfig, tokenizer, seed: int) -> None:
+        self.config, self.seed = config, seed
+        self.prompts = [self._tokenize(i, row, tokenizer) for i, row in enumerate(load_rows(config))]
+        self.epoch, self.position = 0, 0
+        self._order = self._epoch_order()
+
+    def _tokenize(self, index: int, row: dict, tokenizer) -> Prompt:
+        prompt = row[self.config.prompt_field]
+        if isinstance(prompt, list):  # a conversation has no meaning without the chat template
+            text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+            ids = chat_token_ids(tokenizer, prompt)
+        elif self.config.chat_template:
+            text, ids = prompt, chat_token_ids(tokenizer, [{"role": "user", "content": prompt}])
+        else:
+            text, ids = prompt, tokenizer(prompt, add_special_tokens=False).input_ids
+        ids = ids[-self.config.max_prompt_length:]  # keep the end: it holds the question
+        return Prompt(index=index, text=text, token_ids=list(ids), columns=dict(row))
+
+    def _epoch_order(self) -> list[int]:
+        order = list(range(len(self.prompts)))
+        if self.config.shuffle:
+            random.Random(f"{self.seed}:{self.epoch}").shuffle(order)
+        return order
+
+    def next_batch(self, size: int) -> list[Prompt]:
+        batch = []
+        while len(batch) < size:
+            if self.position == len(self._order):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._epoch_order()
+            batch.append(self.prompts[self._order[self.position]])
+            self.position += 1
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._order = self._epoch_order()

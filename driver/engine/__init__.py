@@ -1,0 +1,47 @@
+"""The inference engine: vLLM in the training process (`colocate`, or `colocate_weights` for merged
+full-weight sync) or as an OpenAI-compatible server (`server`), behind one interface, and the
+adapter sync that makes it serve the trainer's current adapter (`adapter_sync`, verified by a probe
+in `sync_check`).
+
+Interface: `base.Generator` (generate / stream / sync / prompt_logprobs / close) with `Completion`
+and `Request`; `make_generator(config, policy)` picks the backend. Depends on config and policy.
+"""
+
+from __future__ import annotations
+
+from driver.config import Config
+from driver.engine.base import Completion, Generator, RolloutError, SyncError
+
+
+def sync_method(config: Config, model_config) -> str:
+    """'lora' (the engine loads each adapter version) or 'weights' (merged weights pushed in place).
+
+    auto picks 'weights' for MoE models on CPU, where vLLM's LoRA path for expert layers does not
+    run (it is Triton-only), and 'lora' everywhere else."""
+    if config.rollout.sync != "auto":
+        return config.rollout.sync
+    import torch
+
+    is_moe = any(getattr(model_config, key, None) for key in ("num_local_experts", "num_experts", "n_routed_experts"))
+    return "weights" if is_moe and not torch.cuda.is_available() else "lora"
+
+
+def make_generator(config: Config, policy) -> Generator:
+    method = sync_method(config, policy.causal_lm.config)
+    if method == "weights":
+        if config.rollout.backend != "colocate" or config.model.qlora:
+            raise SyncError("rollout.sync = weights (used for MoE models on CPU) needs rollout.backend = colocate "
+                            "and a dense base (model.qlora = false)")
+        from driver.engine.colocate_weights import WeightSyncGenerator
+
+        return WeightSyncGenerator(config, policy.model_dir, policy.model)
+    if config.rollout.backend == "colocate":
+        from driver.engine.colocate import ColocatedGenerator
+
+        return ColocatedGenerator(config, policy.model_dir)
+    from driver.engine.server import ServerGenerator
+
+    return ServerGenerator(config, policy.model_dir)
+
+
+__all__ = ["Completion", "Generator", "RolloutError", "SyncError", "make_generator"]

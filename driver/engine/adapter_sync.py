@@ -1,0 +1,54 @@
+"""Adapter sync: save the trainer's adapter as a new version, make the engine serve it, and verify
+with a probe that it does (driver/engine/sync_check.py)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import torch
+
+from driver.config import Config
+from driver.engine.base import Generator
+from driver.engine.sync_check import PROBE_TEXT, SyncVerifier
+from driver.policy.logprobs import completion_logprobs, pack
+from driver.policy.model import Policy, evaluating
+
+ADAPTERS_KEPT = 2  # the synchronous loop's: the version being served and the one before it
+
+
+def make_verifier(config: Config, policy: Policy) -> SyncVerifier | None:
+    if not config.rollout.verify_sync:
+        return None
+    probe = policy.tokenizer(PROBE_TEXT, add_special_tokens=False).input_ids
+    return SyncVerifier(probe, dtype=getattr(torch, config.model.dtype), same_base=not config.model.qlora,
+                        tolerance=config.rollout.sync_tolerance)
+
+
+@torch.no_grad()
+def trainer_probe(policy: Policy, token_ids: list[int]) -> torch.Tensor:
+    with evaluating(policy.model):
+        packed = pack([token_ids[:1]], [token_ids[1:]], device=policy.device)
+        logps, _, _ = completion_logprobs(policy.model, packed, temperature=1.0)
+    return logps[0]
+
+
+def push_adapter(config: Config, policy: Policy, generator: Generator, verifier: SyncVerifier | None,
+                 version: int, keep: int = ADAPTERS_KEPT) -> dict[str, float]:
+    """Save version `version` of the adapter, serve it, verify; keep the newest `keep` directories
+    (an engine loads an adapter from disk lazily, when a request first names its version)."""
+    started = time.perf_counter()
+    adapters = config.output_dir / "adapters"
+    # Under torchrun the gather and the probe forward are collectives of every rank
+    # (driver/rollouts/distributed_feed.py): both run before the engine is called, so an engine failure
+    # cannot leave the other ranks waiting in one.
+    directory = policy.save_adapter(adapters / f"v{version:06d}")
+    trainer = trainer_probe(policy, verifier.probe_ids) if verifier is not None else None
+    generator.sync(directory, version)
+    metrics = {}
+    if verifier is not None:
+        metrics = verifier.check(generator.prompt_logprobs(verifier.probe_ids), trainer, version)
+    for old in sorted(adapters.glob("v*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    metrics["time/sync"] = time.perf_counter() - started
+    return metrics

@@ -1,0 +1,133 @@
+"""vLLM in the training process: the engine loads the base model once; every sync saves the
+adapter to a new versioned directory and generation uses a new LoRARequest for it."""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from driver.config import Config
+from driver.engine.base import Completion, Request, RolloutError, SyncError, generate_by_stream
+
+# vLLM accepts only these LoRA ranks as the engine's maximum.
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def engine_lora_rank(r: int) -> int:
+    for rank in VLLM_LORA_RANKS:
+        if rank >= r:
+            return rank
+    raise SyncError(f"lora.r = {r} exceeds vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}")
+
+
+def engine_kwargs(config: Config, model_dir: str) -> dict:
+    """Arguments shared by the colocated engine and a launched server."""
+    return dict(
+        model=model_dir, dtype=config.model.dtype, seed=config.train.seed,
+        max_model_len=config.rollout.max_model_len,
+        gpu_memory_utilization=config.rollout.gpu_memory_utilization,
+        # Engine calls are serialized and each names one version, so one engine batch holds one
+        # adapter; the second slot keeps the previous version loaded for the job prefetched with it.
+        enable_lora=True, max_lora_rank=engine_lora_rank(config.lora.r), max_loras=2,
+        # Logprobs of the distribution actually sampled from (after temperature / top-k / top-p):
+        # what importance sampling must compare the trainer's logprobs with.
+        logprobs_mode="processed_logprobs",
+    )
+
+
+def set_cpu_defaults() -> None:
+    """KV cache size on CPU (GiB): vLLM's default takes a large share of memory. vLLM's INFO logs
+    would bury the progress bar; VLLM_LOGGING_LEVEL=INFO brings them back."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+class ColocatedGenerator:
+    def __init__(self, config: Config, model_dir: str) -> None:
+        set_cpu_defaults()  # before vllm is imported: it reads these at import
+        from vllm import LLM
+
+        self.config = config
+        self.adapter_version = 0
+        self.keep_versions = 2
+        self._lora = None
+        self._loras: dict[int, object] = {}  # version -> LoRARequest, the newest keep_versions
+        self.llm = LLM(**engine_kwargs(config, model_dir))
+
+    def _sampling_params(self, n: int, seed: int, max_tokens: int | None = None):
+        from vllm import SamplingParams
+
+        sampling = self.config.rollout.sampling
+        return SamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                              max_tokens=max_tokens or sampling.max_tokens, logprobs=0, seed=seed,
+                              detokenize=False)  # the driver decodes what it needs itself
+
+    def generate(self, prompts: list[list[int]], n: int, seed: int) -> list[list[Completion]]:
+        return generate_by_stream(self, prompts, n, seed, self.config.rollout.sampling.max_tokens)
+
+    def stream(self, requests: list[Request], version: int) -> Iterator[tuple[int, list[Completion]]]:
+        """Requests finish in any order; each is yielded as soon as all its n samples are done, so
+        their rewards can be computed while the engine (its own process) generates the rest."""
+        from vllm.inputs import TokensPrompt
+
+        lora = self._lora_of(version)
+        params = [self._sampling_params(r.n, r.seed, r.max_tokens) for r in requests]
+        ids = self.llm.enqueue([TokensPrompt(prompt_token_ids=r.token_ids) for r in requests], params,
+                               lora_request=lora, use_tqdm=False)
+        # Outputs carry the id given to the engine, before it appends a random suffix.
+        index_of = {request_id.split("-", 1)[0]: index for index, request_id in enumerate(ids)}
+        engine = self.llm.llm_engine
+        while index_of and engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished and output.request_id in index_of:
+                    yield index_of.pop(output.request_id), [_completion(s) for s in output.outputs]
+        if index_of:
+            raise RolloutError(f"vLLM finished without answering {len(index_of)} of {len(requests)} requests")
+
+    def _lora_of(self, version: int):
+        if not self._loras and version == 0:
+            return None  # nothing synced yet: the base model
+        if version not in self._loras:
+            raise RolloutError(f"adapter version {version} is not servable (kept: {sorted(self._loras)})")
+        return self._loras[version]
+
+    def sync(self, adapter_dir: Path, version: int) -> None:
+        from vllm.lora.request import LoRARequest
+
+        # A new name and id per version: vLLM caches adapters by id, so reusing one would keep
+        # serving the old weights (the field's most common silent failure).
+        self._lora = LoRARequest(f"adapter-v{version}", version + 1, str(adapter_dir))
+        self._loras[version] = self._lora
+        for old in sorted(self._loras)[:-self.keep_versions]:
+            del self._loras[old]
+        self.adapter_version = version
+
+    def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+        output = self.llm.generate([TokensPrompt(prompt_token_ids=token_ids)], params, lora_request=self._lora,
+                                   use_tqdm=False)[0]
+        return [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], token_ids[1:])]
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is None:
+            return
+        engine = getattr(llm, "llm_engine", None)
+        try:
+            if engine is not None and hasattr(engine, "engine_core"):
+                engine.engine_core.shutdown()
+        except Exception:  # the engine may already be gone (e.g. it received the Ctrl-C too)
+            pass
+        del llm
+        gc.collect()
+
+
+def _completion(sample) -> Completion:
+    token_ids = list(sample.token_ids)
+    logprobs = [entry[token].logprob for entry, token in zip(sample.logprobs, token_ids)]
+    return Completion(token_ids=token_ids, logprobs=logprobs, finish_reason=sample.finish_reason or "length")

@@ -1,0 +1,46 @@
+"""Colocated vLLM without LoRA: every sync merges the adapter into full weights and loads them into
+the running engine in place (driver/engine/weight_sync.py). Used for MoE policies on CPU, where
+vLLM's LoRA path for expert layers is Triton-only and does not run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from driver.config import Config
+from driver.engine.base import RolloutError
+from driver.engine.colocate import ColocatedGenerator, engine_kwargs
+from driver.engine.weight_sync import create_inprocess_engine, push_merged, shutdown_engine
+
+LORA_ENGINE_KEYS = ("enable_lora", "max_lora_rank", "max_loras")
+
+
+class WeightSyncGenerator(ColocatedGenerator):
+    serves_one_version = True  # in-place weights: a job of an older version cannot run after a push
+
+    # Does not call super().__init__(): that builds a LoRA engine.
+    def __init__(self, config: Config, model_dir: str, policy_model: nn.Module) -> None:
+        self.config, self.adapter_version, self._lora, self.keep_versions = config, 0, None, 1
+        self._policy_model = policy_model
+        kwargs = {k: v for k, v in engine_kwargs(config, model_dir).items() if k not in LORA_ENGINE_KEYS}
+        self.llm = create_inprocess_engine(**kwargs)
+
+    def sync(self, adapter_dir: Path, version: int) -> None:
+        push_merged(self.llm, self._policy_model)  # the saved adapter_dir is not needed: weights go by reference
+        self.adapter_version = version
+
+    def _lora_of(self, version: int):
+        # One set of weights at a time: the prefetcher pushes version v only after every job
+        # sampled with an older one has finished (driver/rollouts/prefetch.py).
+        if version != self.adapter_version:
+            raise RolloutError(f"the engine serves weights of version {self.adapter_version}, not {version}")
+        return None
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            try:
+                shutdown_engine(llm)
+            except Exception:  # already gone (e.g. after Ctrl-C)
+                pass

@@ -1,0 +1,69 @@
+"""What a finished (or interrupted) run prints last: how it went, where its outputs are, and the
+command that resumes or extends it."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from driver.metrics.console import LOG_FILE
+from driver.metrics.logger import METRICS_FILE, TENSORBOARD_DIR
+
+REWARD_KEYS = ("reward", "ebft/reward")  # GRPO's, then EBFT's
+WINDOW = 10  # steps averaged at each end of the run
+
+
+def read_rows(metrics_path: Path) -> list[dict]:
+    if not metrics_path.exists():
+        return []
+    rows = []
+    for line in metrics_path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut short by a crash
+            continue
+    return rows
+
+
+def reward_trend(rows: list[dict]) -> str | None:
+    key = next((key for key in REWARD_KEYS if any(row.get(key) is not None for row in rows)), None)
+    if key is None:
+        return None
+    values = [row[key] for row in rows if row.get(key) is not None]
+    window = min(WINDOW, max(1, len(values) // 2))
+    first, last = sum(values[:window]) / window, sum(values[-window:]) / window
+    return f"{key}: first {window} steps {first:.3f} -> last {window} steps {last:.3f}"
+
+
+def interpreter() -> str:
+    """How the user runs Python here: `.venv/bin/python` inside the project, else `python`."""
+    relative = os.path.relpath(sys.executable)
+    return relative if not relative.startswith("..") else "python"
+
+
+def run_summary(output_dir: Path, *, steps_done: int, steps_planned: int, wall_seconds: float,
+                quiet: bool, plots: bool, tensorboard: bool) -> str:
+    rows = read_rows(output_dir / METRICS_FILE)
+    minutes, seconds = divmod(int(round(wall_seconds)), 60)
+    lines = [f"{'finished' if steps_done >= steps_planned else 'stopped at'} step {steps_done} of {steps_planned} "
+             f"in {minutes}m{seconds:02d}s"]
+    if (trend := reward_trend(rows)) is not None:
+        lines.append(f"  {trend}")
+    outputs = [("adapter", output_dir / "adapter", "PEFT format: PeftModel.from_pretrained, vLLM LoRARequest"),
+               ("metrics", output_dir / METRICS_FILE, "one JSON line per step")]
+    if plots:
+        outputs.append(("plots", output_dir / "plots", "PNG curves"))
+    if tensorboard:
+        events = output_dir / TENSORBOARD_DIR
+        outputs.append(("tensorboard", events, f"tensorboard --logdir {events}"))
+    if quiet:
+        outputs.append(("log", output_dir / LOG_FILE, "vLLM's and the libraries' output"))
+    lines += [f"  {name:<11} {path}  ({what})" for name, path, what in outputs]
+    command = f"{interpreter()} -m driver.train {output_dir / 'config.yaml'} --checkpoint.resume=latest"
+    if steps_done < steps_planned:
+        lines.append(f"  resume:   {command}")
+    else:
+        lines.append(f"  continue: {command} --train.steps={2 * steps_planned}")
+    return "\n".join(lines)

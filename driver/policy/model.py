@@ -1,0 +1,194 @@
+"""The policy: a transformers causal LM with a PEFT LoRA adapter, optionally on an NF4 base (QLoRA).
+
+The reference model for the KL term is the same network with the adapter disabled, so no second
+copy of the weights exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from driver.config import Config
+from driver.data.tiny_model import resolve_model_path
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Layers never quantized for QLoRA: the output head and MoE routers stay in full precision, as in
+# bitsandbytes' defaults (a 4-bit router changes which experts tokens go to).
+UNQUANTIZED_SUFFIXES = ("lm_head", ".gate", ".router")
+
+
+@dataclass
+class Policy:
+    model: nn.Module  # peft.PeftModel
+    tokenizer: object
+    model_dir: str  # local directory of the base model (what vLLM loads)
+    kernels: str = "pure torch (train.kernels: reference)"  # what runs on pykernels' kernels, for the log
+
+    @property
+    def causal_lm(self) -> nn.Module:
+        return self.model.get_base_model()
+
+    @property
+    def device(self) -> torch.device:
+        return self.causal_lm.get_output_embeddings().weight.device
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def reference(self):
+        """Context in which the model is the frozen base (adapter disabled)."""
+        return self.model.disable_adapter()
+
+    def save_adapter(self, directory: Path) -> Path:
+        """PEFT format (adapter_config.json + adapter_model.safetensors), loadable by PEFT and vLLM.
+        Under torchrun every rank calls it (the sharded adapter is gathered) and rank 0 writes it."""
+        from driver.distributed.world import world
+
+        if not world().distributed:
+            self.model.save_pretrained(directory, safe_serialization=True)
+            return directory
+        from driver.distributed.fsdp import full_adapter_state
+
+        state = full_adapter_state(self.model)
+        if world().is_main:
+            self.model.save_pretrained(directory, safe_serialization=True, state_dict=state)
+        return directory
+
+
+def kernel_modes(config: Config) -> dict[str, str]:
+    """op -> auto | ours | torch: train.kernels and train.kernel_ops, then PYKERNELS_KERNELS on top
+    (the environment is the quick switch for one run, e.g. to rule a kernel out)."""
+    import pykernels.backend
+
+    return config.train.kernel_modes() | pykernels.backend.environment_modes()
+
+
+def load_policy(config: Config) -> Policy:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = resolve_model_path(config.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    with seeded(config.train.seed):
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=DTYPES[config.model.dtype], attn_implementation=config.model.attention)
+        check_output_head(model, config.model.path)
+        model.config.use_cache = False
+        if config.model.qlora:
+            quantize_linears(model, config.model.qlora_blocksize)
+        lora = LoraConfig(
+            r=config.lora.r, lora_alpha=config.lora.alpha, lora_dropout=config.lora.dropout,
+            target_modules=list(config.lora.targets) or None,
+            target_parameters=list(config.lora.expert_targets) or None,
+            use_rslora=config.lora.rslora, bias="none", task_type="CAUSAL_LM")
+        model = get_peft_model(model, lora)
+        if config.model.qlora:
+            from pykernels.integrations.transformers import quantize_moe_experts
+
+            # After get_peft_model: PEFT reads the expert parameters' shapes when it wraps them.
+            quantize_moe_experts(model, config.model.qlora_blocksize)
+    kernels = Policy.kernels
+    modes = kernel_modes(config)
+    if modes["lora"] != "torch" or modes["moe"] != "torch":  # torch: PEFT's and transformers' own modules
+        from pykernels.integrations.peft import apply_fused_lora
+        from pykernels.integrations.transformers import apply_moe_kernels
+
+        fused = apply_fused_lora(model) if modes["lora"] != "torch" else 0  # fused LoRA (dense and NF4 bases)
+        grouped = apply_moe_kernels(model) if modes["moe"] != "torch" else 0  # grouped experts; 0 if dense
+        kernels = f"fused LoRA on {fused} layers" + (f", grouped MoE kernels on {grouped} experts modules"
+                                                      if grouped else "")
+    # Loaded (and NF4-quantized) on the CPU, then moved: a large model never has to fit on the GPU
+    # in 16-bit before quantization.
+    model.to(resolve_device(config.model.device))
+    return Policy(model=model, tokenizer=tokenizer, model_dir=model_dir, kernels=kernels)
+
+
+# transformers config attributes by which a model changes its logits around the output head, with the
+# value that changes nothing: the fused logprobs op (pykernels.logprobs.token_logprobs) computes
+# log_softmax(final hidden state @ lm_head.weight^T / temperature) and applies none of them.
+LOGIT_TRANSFORMS = {
+    "final_logit_softcapping": None,  # Gemma 2/3/4: cap * tanh(logits / cap)
+    "logit_scale": 1.0,  # Cohere: logits * scale
+    "logits_scaling": 1.0,  # Granite: logits / scaling
+    "lm_head_multiplier": 1.0,  # Falcon-H1: logits * multiplier
+    "output_multiplier": 1.0,  # logits * multiplier before the softcap
+    "logits_mup_width_multiplier": 1.0,  # hidden / multiplier before the head
+}
+
+
+def check_output_head(causal_lm: nn.Module, model_path: str) -> None:
+    """ConfigError for a model whose logits are not hidden @ lm_head.weight^T (a bias on the head, a
+    logit soft-cap or scale): the trainer would score another distribution than the model's (and
+    vLLM's), and the importance weights would silently absorb the difference."""
+    from driver.cli import ConfigError
+
+    configs = [causal_lm.config]
+    text_config = causal_lm.config.get_text_config(decoder=True)
+    if text_config is not causal_lm.config:
+        configs.append(text_config)
+    found = [f"{name} = {getattr(config, name)}" for config in configs for name, neutral in LOGIT_TRANSFORMS.items()
+             if getattr(config, name, None) is not None and getattr(config, name) != neutral]
+    head = causal_lm.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        found.append(f"a bias on the output head ({type(head).__name__} with bias of shape {tuple(head.bias.shape)})")
+    if found:
+        raise ConfigError(f"model.path = {model_path}: {'; '.join(found)}. The trainer scores tokens with "
+                          "log_softmax(hidden @ lm_head.weight^T / temperature) (pykernels' fused logprobs), which "
+                          "ignores this, so it would train on other logprobs than the model's: such models are not "
+                          "supported")
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto: cuda if available, else cpu. Under torchrun, "auto" and "cuda" mean this rank's GPU."""
+    from driver.distributed.world import world
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and world().distributed:
+        return torch.device("cuda", world().local_rank)
+    return torch.device(name)
+
+
+def quantize_linears(model: nn.Module, blocksize: int) -> int:
+    """Replace every nn.Linear except the head and routers by an NF4Linear (double-quantized). MoE
+    experts (3-D parameters, not nn.Linear) are quantized in load_policy once PEFT has wrapped them."""
+    from pykernels.nn import NF4Linear
+
+    replaced = 0
+    for name, module in list(model.named_modules()):
+        if type(module) is not nn.Linear or name.endswith(UNQUANTIZED_SUFFIXES):
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, NF4Linear.from_linear(module, blocksize=blocksize, double_quant=True))
+        replaced += 1
+    return replaced
+
+
+@contextlib.contextmanager
+def evaluating(model: nn.Module):
+    """Eval mode (dropout off) inside the block; the model's training mode restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+@contextlib.contextmanager
+def seeded(seed: int):
+    """Seed torch's global generator inside the block (LoRA init), restoring it after."""
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(state)

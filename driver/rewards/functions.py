@@ -1,0 +1,105 @@
+"""Reward functions named in the config, called once per rollout batch (TRL's signature:
+fn(prompts, completions, completion_ids, **columns) -> list[float | None]); None becomes NaN and is
+left out of the statistics downstream. A completion for which every function returned None has no
+reward (NaN) and advantage 0 (driver/rewards/advantages.py); warn_unscorable says so once per step, as TRL.
+
+The keyword arguments of a call (`reward_kwargs`, `group_call`) and the checks on what a function
+returns (`reward_table`) are shared with the reward worker pool (driver/rewards/pool.py), so a reward
+sees the same arguments and fails with the same message in a worker as in this process."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+from driver.cli import import_dotted
+from driver.config import RewardsConfig
+
+if TYPE_CHECKING:
+    from driver.data.records import Group
+
+
+logger = logging.getLogger(__name__)
+
+
+class RewardError(RuntimeError):
+    pass
+
+
+def reward_kwargs(prompts: list[str], completions: list[str], columns: list[dict],
+                  completion_ids: list[list[int]]) -> dict:
+    """The keyword arguments of one call: every dataset column as a list, one entry per completion
+    ("prompt" is left out: `prompts` already carries the prompt text)."""
+    keyword_columns = {key: [row.get(key) for row in columns] for key in columns[0]} if columns else {}
+    keyword_columns.pop("prompt", None)
+    return {"prompts": prompts, "completions": completions, "completion_ids": completion_ids, **keyword_columns}
+
+
+def group_call(group: Group, texts: list[str]) -> dict:
+    """The keyword arguments scoring one group: its G completions (decoded `texts`) under one prompt."""
+    if len(texts) != len(group.samples):
+        raise ValueError(f"group {group.group_id}: {len(texts)} texts for {len(group.samples)} samples")
+    size = len(texts)
+    return reward_kwargs([group.prompt.text] * size, list(texts), [group.prompt.columns] * size,
+                         [list(sample.token_ids) for sample in group.samples])
+
+
+def reward_column(name: str, values, completions: list[str]) -> list[float]:
+    """One function's return value as N floats (NaN for None); RewardError naming the function otherwise."""
+    if not isinstance(values, (list, tuple)) or len(values) != len(completions):
+        raise RewardError(f"reward '{name}' returned {type(values).__name__} of length "
+                          f"{len(values) if hasattr(values, '__len__') else '?'} for {len(completions)} completions")
+    column = []
+    for row, value in enumerate(values):
+        if value is None:
+            column.append(math.nan)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) or hasattr(value, "item"):
+            column.append(float(value))
+        else:
+            raise RewardError(f"reward '{name}' returned {value!r} for completion {row} "
+                              f"({completions[row][:80]!r}); expected a number or None")
+    return column
+
+
+def reward_table(names: list[str], values_per_function: Iterable, completions: list[str]) -> torch.Tensor:
+    """[N, F] float32 from each function's return value, checked in function order (a lazy iterable
+    is checked before the next function runs)."""
+    table = torch.empty(len(completions), len(names), dtype=torch.float32)
+    for column, (name, values) in enumerate(zip(names, values_per_function)):
+        table[:, column] = torch.tensor(reward_column(name, values, completions), dtype=torch.float32)
+    return table
+
+
+class RewardFunctions:
+    def __init__(self, config: RewardsConfig) -> None:
+        self.paths = [f.path for f in config.functions]
+        self.functions = [import_dotted(f.path, f"rewards.functions[{i}].path")
+                          for i, f in enumerate(config.functions)]
+        self.names = [f.name or fn.__name__ for f, fn in zip(config.functions, self.functions)]
+        self.weights = torch.tensor([f.weight for f in config.functions], dtype=torch.float32)
+
+    def __call__(self, prompts: list[str], completions: list[str], columns: list[dict],
+                 completion_ids: list[list[int]]) -> torch.Tensor:
+        """[N, F] float32 rewards, NaN where a function returned None."""
+        kwargs = reward_kwargs(prompts, completions, columns, completion_ids)
+        return reward_table(self.names, (function(**kwargs) for function in self.functions), completions)
+
+
+def warn_unscorable(groups: list[Group]) -> int:
+    """TRL's warning when every reward function returned None for a completion, once per call: the first
+    such completion with its prompt and columns. Call it once per step, on the step's scored groups
+    (batch assembly). Returns how many such completions the groups hold (0: no warning)."""
+    unscorable = [(group, row) for group in groups for row in
+                  group.rewards.isnan().all(dim=1).nonzero().flatten().tolist()]
+    if unscorable:
+        group, row = unscorable[0]
+        row_kwargs = {**group.prompt.columns, "prompt": group.prompt.text,
+                      "completion": group.texts[row] if group.texts is not None else None}
+        logger.warning("All reward functions returned None for the following kwargs:\n%s\n"
+                       "Please ensure that at least one reward function returns a valid reward. (%d such "
+                       "completion(s) this step: their advantage is 0.)", row_kwargs, len(unscorable))
+    return len(unscorable)

@@ -1,0 +1,13 @@
+"""Rollouts: what feeds the trainer one `batch.RolloutBatch` per step.
+
+Generation jobs (`producer`: one per optimizer step, groups of samples tagged with the adapter
+version that sampled them), run ahead by a background thread (`prefetch`) as far as the staleness
+schedule allows (`schedule`), with partial rollouts, re-rolls of failed prompts (`reroll`) and a
+replay buffer of high-signal groups (`replay`); `assemble` turns a job's scored groups into the
+step's batch, zero-advantage rows filtered out (`filtering`). Under torchrun rank 0 runs all of it
+and every rank trains its share (`distributed_feed`, `shard_batch`).
+
+Interface: `feed.Rollouts` (and `distributed_feed.LeaderFeed` / `FollowerFeed`, the same per rank):
+`next_batch(step)`, `push(step)` (the engine serves the new adapter), `state_dict()`, `close()`.
+Depends on data, engine, rewards, policy and distributed.world.
+"""

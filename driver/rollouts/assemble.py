@@ -1,0 +1,110 @@
+"""A generation job's scored groups -> the step's RolloutBatch, in the trainer's thread.
+
+In order: rewards (already computed while the job generated when scoring streams), groups whose
+scoring failed after its retry (re-rolled later, or a RewardError naming the reward and input),
+advantages over the step's groups (the scorer's: batch scaling needs all of them; GRPO:
+driver/rewards/group_scorer.py, EBFT: driver/ebft/structured.py), groups
+that failed entirely re-queued for a later re-roll, high-signal groups kept for replay, then the
+batch: zero-advantage rows filtered out before any logprob pass (the loss keeps the unfiltered
+normalization: driver/rollouts/filtering.py) and the filtered groups' places refilled from the replay buffer.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from driver.config import Config
+from driver.rewards.functions import RewardError
+from driver.rewards.scorer import Scorer
+from driver.rollouts.batch import RolloutBatch, batch_from_groups
+from driver.rollouts.producer import Job
+from driver.data.records import Group
+from driver.rollouts.replay import ReplayBuffer
+from driver.rollouts.reroll import RerollQueue, failed_entirely
+from driver.rollouts.filtering import extend_batch, filter_zero_advantage
+
+
+def score_groups(scorer: Scorer, groups: list[Group], submit: bool) -> float:
+    """Rewards of every group (submitting them first unless scoring streamed); returns the seconds waited."""
+    started = time.perf_counter()
+    if submit:
+        for group in groups:
+            scorer.submit_group(group)
+    results = scorer.wait([group.group_id for group in groups])
+    for group in groups:
+        result = results[group.group_id]
+        group.rewards, group.failure = result.table, result.failure
+    return time.perf_counter() - started
+
+
+def assemble(config: Config, job: Job, step: int, scorer: Scorer, submit: bool,
+             replay: ReplayBuffer | None, reroll: RerollQueue | None) -> RolloutBatch:
+    """submit: the job's groups still need scoring (rewards in this process, under prefetch: they
+    must run here, in the main thread); otherwise they were submitted as they finished."""
+    if not submit:
+        scorer.discard(job.dropped)  # scored as they finished, then found too old to train on
+    reward_wait = score_groups(scorer, job.groups, submit)
+    failed = [group for group in job.groups if group.failure is not None]
+    if failed and reroll is None:
+        raise RewardError(f"{len(failed)} group(s) could not be scored (set algo.reroll_failed to re-roll them "
+                          f"later instead); first: {failed[0].failure}")
+    groups = [group for group in job.groups if group.failure is None]
+    metrics = dict(job.metrics)
+    if groups:
+        total, advantages, stats = scorer.advantages(groups)
+        metrics.update(stats)
+        for index, group in enumerate(groups):
+            rows = slice(index * config.algo.num_generations, (index + 1) * config.algo.num_generations)
+            group.total, group.advantages = total[rows], advantages[rows]
+    if reroll is not None:
+        for group in failed + groups:
+            if failed_entirely(group, config.algo.reroll_threshold):
+                reroll.push(group, step)
+        metrics.update(reroll.metrics())
+    batch = batch_from_groups(groups, [group.texts for group in groups])
+    metrics.update(completion_stats(groups))
+    micro_batch_size = config.train.micro_batch_size
+    filtering = config.algo.filter_zero_advantage and config.algo.beta == 0  # KL acts on every row
+    if filtering:
+        batch, filter_metrics = filter_zero_advantage(batch, micro_batch_size, beta=config.algo.beta)
+        metrics.update(filter_metrics)
+    if replay is not None:
+        filtered_groups = sum(not bool(group.advantages.any()) for group in groups) if filtering else 0
+        replayed = replay.take(filtered_groups, step) if filtered_groups else []
+        replay.add(groups, step)  # after taking: a group is never trained twice in one step
+        if replayed:
+            batch = extend_batch(batch, batch_from_groups(replayed, [group.texts for group in replayed]),
+                                 micro_batch_size)
+        metrics.update(replay.metrics())
+        metrics["replay/replayed_groups"] = float(len(replayed))
+    metrics.update(staleness_stats(batch, step))
+    metrics.update({"rewards/failed_groups": float(len(failed)), "time/reward_wait": reward_wait,
+                    **scorer.metrics()})
+    batch.metrics = metrics
+    return batch
+
+
+def staleness_stats(batch: RolloutBatch, step: int) -> dict[str, float]:
+    ages = [step - version for version in batch.versions]
+    if not ages:
+        return {}
+    return {"rollout/staleness_mean": sum(ages) / len(ages), "rollout/staleness_max": float(max(ages))}
+
+
+def completion_stats(groups: list[Group]) -> dict[str, float]:
+    samples = [sample for group in groups for sample in group.samples]
+    if not samples:
+        return {}
+    lengths = torch.tensor([len(s.token_ids) for s in samples], dtype=torch.float32)
+    terminated = torch.tensor([len(s.token_ids) for s in samples if s.finish_reason == "stop"], dtype=torch.float32)
+    continued = sum(len(s.spans) > 1 for s in samples)
+    return {
+        "completions/mean_length": float(lengths.mean()),
+        "completions/min_length": float(lengths.min()),
+        "completions/max_length": float(lengths.max()),
+        "completions/clipped_ratio": float(sum(s.finish_reason == "length" for s in samples) / len(samples)),
+        "completions/mean_terminated_length": float(terminated.mean()) if len(terminated) else 0.0,
+        "completions/continued_fraction": continued / len(samples),
+    }

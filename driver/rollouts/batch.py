@@ -1,0 +1,65 @@
+"""The rollout batch the update trains on, and how groups of samples become one.
+
+Tokens stay lists (the update packs them into one row, no padding in the model); only the
+per-token sampling logprobs and the completion mask are [N, T] tensors, right-padded to the
+longest completion of the batch, whatever batch their group was generated in (replayed groups
+are re-padded to the width of the batch they join).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from driver.data.records import Group
+
+
+@dataclass
+class RolloutBatch:
+    prompt_ids: list[list[int]]  # one entry per completion (each prompt repeated num_generations times)
+    completion_ids: list[list[int]]
+    sampling_logprobs: torch.Tensor  # [N, T] the engine's logprobs of the sampled tokens, 0 on padding
+    mask: torch.Tensor  # [N, T] 1.0 on completion tokens
+    advantages: torch.Tensor  # [N]
+    metrics: dict[str, float] = field(default_factory=dict)
+    samples: list[tuple[str, str, float]] = field(default_factory=list)  # (prompt, completion, reward)
+    versions: list[int] = field(default_factory=list)  # [N] oldest adapter version of each row's tokens
+    counts: Any = None  # driver.rollouts.filtering.StepCounts of the batch before zero-advantage filtering
+
+    def __len__(self) -> int:
+        return len(self.completion_ids)
+
+    def to(self, device: torch.device) -> RolloutBatch:
+        return replace(self, sampling_logprobs=self.sampling_logprobs.to(device), mask=self.mask.to(device),
+                       advantages=self.advantages.to(device))
+
+
+def padded_rows(rows: list[list[float]], width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values [N, width] fp32 right-padded with 0, mask [N, width]) from ragged rows."""
+    width = max((len(row) for row in rows), default=0) if width is None else width
+    values = torch.zeros(len(rows), width)
+    mask = torch.zeros(len(rows), width)
+    for index, row in enumerate(rows):
+        values[index, : len(row)] = torch.tensor(row, dtype=torch.float32)
+        mask[index, : len(row)] = 1.0
+    return values, mask
+
+
+def batch_from_groups(groups: list[Group], texts: list[list[str]] | None = None) -> RolloutBatch:
+    """Rows group after group, sample after sample; every group needs its advantages set.
+
+    texts: the decoded completions per group, for the samples shown in the logs."""
+    samples = [sample for group in groups for sample in group.samples]
+    sampling, mask = padded_rows([sample.logprobs for sample in samples])
+    shown = []
+    if texts is not None:
+        shown = [(group.prompt.text, text, float(reward)) for group, group_texts in zip(groups, texts)
+                 for text, reward in zip(group_texts, group.total)]
+    advantages = torch.cat([group.advantages for group in groups]) if groups else torch.zeros(0)
+    return RolloutBatch(
+        prompt_ids=[group.prompt.token_ids for group in groups for _ in group.samples],
+        completion_ids=[list(sample.token_ids) for sample in samples],
+        sampling_logprobs=sampling, mask=mask, advantages=advantages.float(), samples=shown,
+        versions=[sample.version for sample in samples])

@@ -1,0 +1,176 @@
+"""What feeds the trainer one RolloutBatch per step and keeps vLLM on the right adapter.
+
+Synchronous (default): job `step` is generated when the trainer asks for it, with the adapter of
+the last sync. With rollout.async_prefetch a thread (driver/rollouts/prefetch.py) generates up to
+prefetch_depth jobs ahead while the trainer updates; job j is sampled by version
+driver.rollouts.schedule.job_version(j) and starts only once that version is served and the trainer has
+assembled job j - depth - 1 (whose failed groups it may re-roll), so a run is reproducible.
+
+No race between a sync and an in-flight generation: every call into the engine holds
+`engine_lock`, a job samples with the adapter of the version it names (LoRA engines keep the newest
+few servable; the server keeps them loaded), and an engine that can hold only one set of weights
+(rollout.sync = weights) gets version v only after every job sampled with an older one finished.
+Rewards stream: a group is handed to the reward workers the moment its last sample finishes, so
+scoring overlaps the rest of the generation (and, asynchronously, the update).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+from driver.config import Config
+from driver.data.prompts import PromptSource
+from driver.engine import adapter_sync as sync
+from driver.engine.base import Generator
+from driver.policy.model import Policy
+from driver.rewards.group_scorer import reward_function_scorer
+from driver.rollouts.assemble import assemble
+from driver.rollouts.batch import RolloutBatch
+from driver.rollouts.prefetch import Prefetcher
+from driver.rollouts.producer import Job, Producer
+from driver.rollouts.replay import ReplayBuffer
+from driver.rollouts.reroll import RerollQueue, delay_steps
+from driver.rollouts.schedule import job_version, sync_due, versions_kept
+
+
+class Rollouts:
+    def __init__(self, config: Config, policy: Policy, generator: Generator, prompts: PromptSource,
+                 verifier, start_step: int, state: dict | None = None, before_first_push=None,
+                 make_scorer=None) -> None:
+        """make_scorer(config, policy) -> (Scorer, max_tokens(prompt) or None): the algorithm's
+        (driver/algorithms.py; default: the reward functions). before_first_push(): called just
+        before the start version is pushed (under torchrun the push is a collective;
+        driver/rollouts/distributed_feed.py tells the other ranks it is coming)."""
+        self.config, self.policy, self.generator, self.verifier = config, policy, generator, verifier
+        self.depth, self.interval = config.prefetch_depth, config.rollout.vllm_sync_interval
+        if not getattr(generator, "serves_one_version", False):
+            generator.keep_versions = max(generator.keep_versions, versions_kept(self.depth, self.interval))
+        self.engine_lock = threading.Lock()
+        self.scorer, max_tokens = (make_scorer or reward_function_scorer)(config, policy)
+        self.replay = (ReplayBuffer(config.algo.replay_buffer_size, config.algo.replay_max_age)
+                       if config.algo.replay_buffer_size else None)
+        self.reroll = (RerollQueue(max(delay_steps(config.algo.reroll_after, config.train.steps), self.depth + 1),
+                                   config.algo.reroll_max_attempts, config.algo.reroll_queue_size)
+                       if config.algo.reroll_failed else None)
+        self._reroll_lock = threading.Lock()
+        # Rewards in worker processes can start the moment a group finishes, in any thread; rewards in
+        # this process must run in the main thread (signal.alarm), so only the synchronous loop streams them.
+        self.stream_rewards = self.scorer.in_workers or self.depth == 0
+        self.producer = Producer(config, generator, prompts, policy.tokenizer,
+                                 on_finished=self.scorer.submit_group if self.stream_rewards else None,
+                                 max_tokens=max_tokens)
+        # Checkpoints under prefetch: the producer's state before each job not assembled yet, and the
+        # re-rolled prompts each took from the queue (both under _state_lock).
+        self._state_lock = threading.Lock()
+        self._snapshots: dict[int, dict] = {}
+        self._taken: dict[int, list] = {}
+        if state is not None:
+            self._load_state_dict(state)
+        self.start_step = start_step
+        self.served = -1  # newest version pushed to the engine
+        self.assembled = start_step  # jobs 0 .. assembled - 1 are assembled (or belong to the resumed past)
+        self.prefetcher = None
+        if before_first_push is not None:
+            before_first_push()
+        self.push(start_step, force=True)
+        if self.depth:
+            self.prefetcher = Prefetcher(self._produce, start_step, self._may_start)
+
+    # -- generation side (the prefetch thread, or the trainer's thread when synchronous) --
+
+    def _version(self, job: int) -> int:
+        # After a resume at step s only version s exists: jobs that would have used an older one use it.
+        return max(job_version(job, self.depth, self.interval), self.start_step)
+
+    def _may_start(self, job: int) -> bool:  # read under the prefetcher's condition
+        return self.served >= self._version(job) and self.assembled >= job - self.depth
+
+    def _produce(self, job: int) -> Job:
+        with self._state_lock:
+            taken = []
+            if self.reroll is not None:
+                with self._reroll_lock:
+                    taken = self.reroll.due(job, self.producer.quota)
+            self.producer.front[:0] = taken
+            self._taken[job], self._snapshots[job] = taken, self.producer.state_dict()
+        with self.engine_lock:
+            return self.producer.produce(job, self._version(job))
+
+    # -- the trainer's side --
+
+    def next_batch(self, step: int, abandon=lambda: False) -> RolloutBatch | None:
+        """The batch of optimizer step step + 1; None when `abandon()` turned true while waiting."""
+        started = time.perf_counter()
+        if self.prefetcher is None:
+            job = self._produce(step)
+        else:
+            job = self.prefetcher.get(step, abandon)
+            if job is None:
+                return None
+        waited = time.perf_counter() - started
+        with self._reroll_lock:
+            batch = assemble(self.config, job, step, self.scorer, not self.stream_rewards, self.replay, self.reroll)
+        batch.metrics["time/queue_wait"] = waited
+        self._publish(assembled=step + 1)
+        with self._state_lock:
+            for old in [j for j in self._snapshots if j <= step]:
+                del self._snapshots[old], self._taken[old]
+        return batch
+
+    def push(self, step: int, force: bool = False) -> dict[str, float]:
+        """After `step` optimizer steps: save the adapter and make the engine serve it, when due."""
+        if not (force or sync_due(step, self.interval)):
+            return {}
+        if self.prefetcher is not None and getattr(self.generator, "serves_one_version", False):
+            # One set of weights: every job sampled with an older version must be done first.
+            self.prefetcher.wait_produced(step + self.depth)
+        with self.engine_lock:
+            metrics = sync.push_adapter(self.config, self.policy, self.generator, self.verifier, version=step,
+                                        keep=self.generator.keep_versions)
+        self._publish(served=step)
+        return metrics
+
+    def _publish(self, served: int | None = None, assembled: int | None = None) -> None:
+        """Advance what the prefetch thread's start condition reads, and wake it."""
+        with self.prefetcher.condition if self.prefetcher is not None else contextlib.nullcontext():
+            if served is not None:
+                self.served = served
+            if assembled is not None:
+                self.assembled = assembled
+        if self.prefetcher is not None:
+            self.prefetcher.notify()
+
+    def state_dict(self) -> dict:
+        """What a checkpoint after the last assembled step needs to continue without losing a prompt:
+        the generation state before the oldest job not trained on yet (with the re-rolled prompts that
+        later jobs already took), and the re-roll and replay queues."""
+        with self._state_lock:
+            oldest = self.assembled
+            if oldest in self._snapshots:
+                snapshot = self._snapshots[oldest]
+                taken_later = [item for job in sorted(self._taken) if job > oldest for item in self._taken[job]]
+                producer = {**snapshot, "front": snapshot["front"] + taken_later}
+            else:  # no job started beyond the trainer: the producer is idle
+                producer = self.producer.state_dict()
+        state = {"producer": producer}
+        if self.reroll is not None:
+            with self._reroll_lock:
+                state["reroll"] = self.reroll.state_dict()
+        if self.replay is not None:
+            state["replay"] = self.replay.state_dict()
+        return state
+
+    def _load_state_dict(self, state: dict) -> None:
+        self.producer.load_state_dict(state["producer"])
+        if self.reroll is not None and "reroll" in state:
+            self.reroll.load_state_dict(state["reroll"])
+        if self.replay is not None and "replay" in state:
+            self.replay.load_state_dict(state["replay"])
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.stop()
+            self.prefetcher = None
+        self.scorer.close()

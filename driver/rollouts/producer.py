@@ -1,0 +1,189 @@
+"""Generation jobs: one per optimizer step, each a fixed number of finished groups sampled by one
+adapter version (driver/rollouts/schedule.py says which).
+
+Partial rollouts (rollout.partial_rollout_tokens): every round generates at most that many tokens
+per sample. Groups whose samples all finished leave with the job; the others stay in flight and are
+continued in later jobs from their token ids (prompt + completion so far as the prompt: nothing is
+detokenized and retokenized), by the newer adapter of that job, so the long tail of one batch no
+longer holds up the next. Each continuation appends a Span with its version; the behaviour logprobs
+stay per token, so importance sampling corrects every span against the policy that sampled it. A
+group whose oldest span would be older than max_staleness when trained on is dropped (and its prompt
+generated afresh under stale_policy = regenerate), and so is a finished group that waited too long.
+
+Everything here is a pure function of (job index, version, seeds, the engine): a prefetch thread and
+the synchronous loop produce the same jobs.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from driver.config import Config
+from driver.data.prompts import Prompt, PromptSource
+from driver.engine.base import Completion, Generator, Request
+from driver.data.records import Group, Sample, Span
+
+IN_FLIGHT_FACTOR = 2  # partial rollouts: groups in flight at most, per group of a job's quota
+
+
+@dataclass
+class Job:
+    index: int
+    version: int
+    groups: list[Group]  # finished, in group-id order
+    metrics: dict[str, float] = field(default_factory=dict)
+    dropped: list[int] = field(default_factory=list)  # finished groups dropped as stale (scored for nothing)
+
+
+def group_seed(seed: int, group_id: int) -> int:
+    """vLLM seed of a group's first round (sample j draws with seed + j)."""
+    return zlib.crc32(f"{seed}:group:{group_id}".encode()) & 0x7FFFFFFF
+
+
+def continuation_seed(seed: int, group_id: int, sample_index: int, length: int) -> int:
+    return zlib.crc32(f"{seed}:continue:{group_id}:{sample_index}:{length}".encode()) & 0x7FFFFFFF
+
+
+class Producer:
+    """Owns what generation carries from job to job: the prompt order, groups in flight (partial
+    rollouts), finished groups beyond a job's quota, and prompts to generate again.
+
+    on_finished(group) is called as soon as a group's last sample finishes (streaming scoring);
+    max_tokens(prompt) is a group's completion budget (default rollout.sampling.max_tokens; EBFT
+    scales it with the length of the prompt's ground truth)."""
+
+    def __init__(self, config: Config, generator: Generator, prompts: PromptSource, tokenizer,
+                 on_finished: Callable[[Group], None] | None = None,
+                 max_tokens: Callable[[Prompt], int] | None = None) -> None:
+        self.config, self.generator, self.prompts, self.tokenizer = config, generator, prompts, tokenizer
+        self.on_finished = on_finished
+        self.max_tokens = max_tokens or (lambda prompt: config.rollout.sampling.max_tokens)
+        self.quota = config.train.prompts_per_step * config.train.gradient_accumulation_steps
+        self.budget = config.rollout.partial_rollout_tokens or config.rollout.sampling.max_tokens
+        self.next_group_id = 0
+        self.in_flight: list[Group] = []  # unfinished groups (partial rollouts)
+        self.ready: list[Group] = []  # finished groups beyond an earlier job's quota
+        self.front: list[tuple[Prompt, int]] = []  # prompts to generate before new ones (re-rolls, stale)
+
+    def produce(self, job: int, version: int) -> Job:
+        """The groups trained on at step `job` (the trainer will have taken `job` optimizer steps)."""
+        started = time.perf_counter()
+        metrics = {"rollout/version": float(version), "rollout/dropped_stale": 0.0,
+                   "rollout/regenerated_stale": 0.0}
+        finished = [g for g in self.ready if not self._stale(g, job, metrics)]
+        kept = {g.group_id for g in finished}
+        dropped = [g.group_id for g in self.ready if g.group_id not in kept]
+        self.in_flight = [g for g in self.in_flight if not self._stale(g, job, metrics)]
+        self.ready = []
+        rounds = continued = truncated = sampled = 0
+        while len(finished) < self.quota:
+            # Unfinished groups keep going, but new ones start beside them (up to IN_FLIGHT_FACTOR x
+            # the quota): a long group then finishes in a later job instead of holding this one.
+            room = IN_FLIGHT_FACTOR * self.quota - len(self.in_flight)
+            for _ in range(min(self.quota - len(finished), room)):
+                self.in_flight.append(self._new_group())
+            done, round_continued, round_truncated, round_sampled = self._round(version)
+            finished += done
+            rounds, continued = rounds + 1, continued + round_continued
+            truncated, sampled = truncated + round_truncated, sampled + round_sampled
+        finished.sort(key=lambda group: group.group_id)
+        finished, self.ready = finished[: self.quota], finished[self.quota:]
+        metrics.update({"time/generation": time.perf_counter() - started, "rollout/rounds": float(rounds)})
+        if self.config.rollout.partial_rollout_tokens is not None:
+            metrics.update({"partial/continued_samples": float(continued),
+                            "partial/truncation_rate": truncated / max(sampled, 1),
+                            "partial/in_flight_groups": float(len(self.in_flight)),
+                            "partial/carried_finished_groups": float(len(self.ready))})
+        return Job(job, version, finished, metrics, dropped=dropped)
+
+    def _stale(self, group: Group, job: int, metrics: dict[str, float]) -> bool:
+        """Would the group be too old when trained on at step `job`? Then drop it (maybe regenerate)."""
+        if not group.samples or job - group.version <= self.config.max_staleness:
+            return False
+        metrics["rollout/dropped_stale"] += 1
+        if self.config.rollout.stale_policy == "regenerate":
+            self.front.append((group.prompt, group.attempts))
+            metrics["rollout/regenerated_stale"] += 1
+        return True
+
+    def _new_group(self) -> Group:
+        if self.front:
+            prompt, attempts = self.front.pop(0)
+        else:
+            prompt, attempts = self.prompts.next_batch(1)[0], 1
+        group = Group(group_id=self.next_group_id, prompt=prompt, samples=[], attempts=attempts)
+        self.next_group_id += 1
+        return group
+
+    def _round(self, version: int) -> tuple[list[Group], int, int, int]:
+        """One round over every group in flight; returns (groups finished, continuations, samples
+        stopped by the budget, samples generated)."""
+        seed, group_size = self.config.train.seed, self.config.algo.num_generations
+        requests, targets = [], []  # targets[i]: (group, sample index or None for a whole new group)
+        for group in self.in_flight:
+            max_tokens = self.max_tokens(group.prompt)
+            if not group.samples:
+                requests.append(Request(group.prompt.token_ids, group_size, group_seed(seed, group.group_id),
+                                        min(self.budget, max_tokens)))
+                targets.append((group, None))
+                continue
+            for index, sample in enumerate(group.samples):
+                if not sample.finished:
+                    length = len(sample.token_ids)
+                    requests.append(Request(group.prompt.token_ids + sample.token_ids, 1,
+                                            continuation_seed(seed, group.group_id, index, length),
+                                            min(self.budget, max_tokens - length)))
+                    targets.append((group, index))
+        continued = sum(index is not None for _, index in targets)
+        truncated = sampled = 0
+        done, finished_ids = [], set()
+        for request_index, completions in self.generator.stream(requests, version):
+            group, index = targets[request_index]
+            max_tokens = self.max_tokens(group.prompt)
+            if index is None:
+                group.samples = [self._sample(c, version, max_tokens) for c in completions]
+            else:
+                self._extend(group.samples[index], completions[0], version, max_tokens)
+            changed = group.samples if index is None else [group.samples[index]]
+            sampled += len(changed)
+            truncated += sum(sample.finish_reason == "partial" for sample in changed)
+            if group.finished and group.group_id not in finished_ids:
+                finished_ids.add(group.group_id)
+                group.texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in group.samples]
+                done.append(group)
+                if self.on_finished is not None:
+                    self.on_finished(group)
+        self.in_flight = [group for group in self.in_flight if group.group_id not in finished_ids]
+        return done, continued, truncated, sampled
+
+    def _sample(self, completion: Completion, version: int, max_tokens: int) -> Sample:
+        sample = Sample([], [], "partial", [])
+        self._extend(sample, completion, version, max_tokens)
+        return sample
+
+    def _extend(self, sample: Sample, completion: Completion, version: int, max_tokens: int) -> None:
+        start = len(sample.token_ids)
+        sample.token_ids = sample.token_ids + list(completion.token_ids)
+        sample.logprobs = sample.logprobs + list(completion.logprobs)
+        if len(sample.token_ids) > start or not sample.spans:  # an empty sample still has a version
+            sample.spans = sample.spans + [Span(start, len(sample.token_ids), version)]
+        if completion.finish_reason == "stop":
+            sample.finish_reason = "stop"
+        elif len(sample.token_ids) >= max_tokens:
+            sample.finish_reason = "length"
+        else:
+            sample.finish_reason = "partial"  # stopped by the round's budget: continued later
+
+    def state_dict(self) -> dict:
+        return copy.deepcopy({"next_group_id": self.next_group_id, "in_flight": self.in_flight, "ready": self.ready,
+                              "front": self.front, "data": self.prompts.state_dict()})
+
+    def load_state_dict(self, state: dict) -> None:
+        state = copy.deepcopy(state)
+        self.next_group_id, self.in_flight, self.ready = state["next_group_id"], state["in_flight"], state["ready"]
+        self.front = state["front"]
+        self.prompts.load_state_dict(state["data"])

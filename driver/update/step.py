@@ -1,0 +1,185 @@
+"""The policy update of one step: score the rollout batch on packed sequences and take
+num_iterations optimizer updates of the clipped, importance-corrected GRPO loss.
+
+A zero-advantage filtered batch (driver/rollouts/filtering.py) is trained with the normalizers of the
+unfiltered step, which makes its update equal to the unfiltered one when beta = 0. Under torchrun
+each rank trains its shard the same way (driver/rollouts/shard_batch.py); every rank runs as many passes as
+the busiest one (FSDP's collectives must pair up), and its loss is scaled by the world size because
+FSDP averages the gradients of ranks whose losses are already shares of the whole step."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import torch
+
+from driver.config import Config
+from driver.distributed import world as distributed
+from driver.metrics.combine import Metrics, combine_metrics
+from driver.policy.logprobs import completion_logprobs, pack
+from driver.policy.model import Policy, evaluating
+from driver.rollouts.batch import RolloutBatch
+# merge is re-exported: callers merge a step's rollout batches with the update's module
+from driver.rollouts.filtering import check_counts, merge, micro_batches  # noqa: F401
+from driver.update.losses import (StepNormalizers, all_zero, connected_zero, importance_weights,
+                                  off_policy_sequence_mask, policy_loss)
+
+
+@torch.no_grad()
+def frozen_logprobs(policy: Policy, batch: RolloutBatch, parts: list[slice], temperature: float,
+                    reference: bool) -> torch.Tensor:
+    """Logprobs of the current policy (or of the base, adapter disabled) with dropout off, [N, T]."""
+    out = torch.zeros_like(batch.mask)
+    padding = distributed.max_int(len(parts)) - len(parts)  # agreed before any pass: FSDP's collectives pair up
+    with evaluating(policy.model):
+        for part in parts:
+            packed = pack(batch.prompt_ids[part], batch.completion_ids[part], device=policy.device)
+            if reference:
+                with policy.reference():
+                    logps, _, _ = completion_logprobs(policy.model, packed, temperature)
+            else:
+                logps, _, _ = completion_logprobs(policy.model, packed, temperature)
+            out[part, : logps.shape[1]] = logps
+        for _ in range(padding):
+            padding_pass(policy, temperature, backward=False)
+    return out
+
+
+def optimize(config: Config, policy: Policy, batch: RolloutBatch, optimizer, scheduler) -> dict[str, float]:
+    algo, temperature = config.algo, config.rollout.sampling.temperature
+    _check_filtered_batch(batch, algo.beta)
+    batch = batch.to(policy.device)
+    parts = micro_batch_plan(batch, config.train.micro_batch_size, algo.loss_type,
+                             config.rollout.sampling.max_tokens)
+    rows = [part for part, _ in parts]
+    # The reference is the base with the adapter disabled; the old policy is needed as a separate
+    # pass only when one batch feeds several updates (with one update it equals the current one).
+    ref_logps = frozen_logprobs(policy, batch, rows, temperature, reference=True) if algo.beta > 0 else None
+    old_logps = frozen_logprobs(policy, batch, rows, temperature, reference=False) if algo.num_iterations > 1 else None
+    params = policy.trainable_parameters()
+    # Metrics of every micro-batch of every iteration, and of every iteration (loss, grad_norm), kept
+    # with their token counts: combine_metrics weighs token means by tokens, takes min of */min, ...
+    micro_batch_metrics: list[Metrics] = []
+    iteration_metrics: list[Metrics] = []
+    policy.model.train()
+    padding = distributed.max_int(len(parts)) - len(parts)
+    # A skipped micro-batch runs no FSDP forward, so ranks would fall out of step: only single-process.
+    skip_zero = algo.skip_zero_advantage and algo.beta == 0 and not distributed.world().distributed
+    for _ in range(algo.num_iterations):
+        optimizer.zero_grad(set_to_none=True)
+        skipped, step_loss = 0, 0.0
+        for part, normalizers in parts:
+            # Never after filtering (no zero rows are left); the unfiltered path with beta = 0 keeps it.
+            if skip_zero and all_zero(batch.advantages[part]):
+                connected_zero(params).backward()  # keeps the graph connected (DDP-style hooks fire)
+                skipped += 1
+                continue
+            metrics = micro_batch_loss(config, policy, batch, part, normalizers, old_logps, ref_logps)
+            step_loss += metrics.values.pop("loss")  # micro-batch losses are normalized to sum to the step's
+            micro_batch_metrics.append(metrics)
+        for _ in range(padding):
+            padding_pass(policy, config.rollout.sampling.temperature, backward=True)
+        if batch.counts is not None:
+            zero_missing_grads(params)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, config.train.max_grad_norm or math.inf)
+        iteration_metrics.append(Metrics(
+            {"loss": step_loss, "grad_norm": float(grad_norm),
+             "skipped_micro_batch_fraction": skipped / len(parts) if parts else 0.0},
+            {"skipped_micro_batch_fraction": float(len(parts))}))
+        optimizer.step()
+        scheduler.step()
+    metrics = combine_metrics(micro_batch_metrics).update(combine_metrics(iteration_metrics))
+    values = distributed.reduce_metrics(metrics, summed=("loss",))  # each rank's loss is a share of the step's
+    values["learning_rate"] = scheduler.get_last_lr()[0]
+    return values
+
+
+def padding_pass(policy: Policy, temperature: float, backward: bool) -> None:
+    """A one-token forward (and backward of 0 x its loss) that changes nothing but runs the FSDP
+    collectives a real pass runs, for a rank with fewer micro-batches than the busiest one."""
+    packed = pack([[0]], [[0]], device=policy.device)
+    with torch.set_grad_enabled(backward):
+        logps, _, _ = completion_logprobs(policy.model, packed, temperature)
+        if backward:
+            (logps.sum() * 0.0).backward()
+
+
+def micro_batch_plan(batch: RolloutBatch, micro_batch_size: int, loss_type: str,
+                     max_completion_length: int) -> list[tuple[slice, StepNormalizers]]:
+    """The micro-batches of the step, each with the normalizers its loss divides by.
+
+    Unfiltered: rows split every micro_batch_size. Filtered (batch.counts set): the normalizers count
+    the unfiltered step; bnpo trains the kept rows of each original micro-batch together (skipping
+    those left empty), adding their filtered tokens to the micro-batch's token count; the other loss
+    types re-pack the kept rows into full micro-batches (fewer forward passes, the point of filtering).
+    """
+    counts = batch.counts
+    if counts is None:
+        parts = micro_batches(micro_batch_size, len(batch))
+        normalizers = StepNormalizers(num_sequences=len(batch), num_tokens=int(batch.mask.sum()),
+                                      num_micro_batches=len(parts), max_completion_length=max_completion_length)
+        return [(part, normalizers) for part in parts]
+    normalizers = StepNormalizers(num_sequences=counts.num_sequences, num_tokens=counts.num_tokens,
+                                  num_micro_batches=len(counts.micro_batch_tokens),
+                                  max_completion_length=max_completion_length)
+    if loss_type != "bnpo":
+        return [(part, normalizers) for part in micro_batches(micro_batch_size, len(batch))]
+    plan, start = [], 0
+    for rows, tokens in zip(counts.micro_batch_rows, counts.micro_batch_tokens):
+        if rows:
+            part = slice(start, start + rows)
+            filtered_tokens = tokens - int(batch.mask[part].sum())
+            plan.append((part, replace(normalizers, micro_batch_filtered_tokens=filtered_tokens)))
+        start += rows
+    return plan
+
+
+def zero_missing_grads(params: list[torch.nn.Parameter]) -> None:
+    """Gives a zero gradient to every parameter no kept row reached (all of them for an empty batch):
+    the unfiltered update reached every one, and AdamW skips a parameter whose grad is None, while a
+    zero gradient still decays its moments, moves it by the momentum and counts its step."""
+    for param in params:
+        if param.requires_grad and param.grad is None:
+            param.grad = torch.zeros_like(param)
+
+
+def _check_filtered_batch(batch: RolloutBatch, beta: float) -> None:
+    check_counts(batch)
+    counts = batch.counts
+    if beta > 0 and counts is not None and counts.num_sequences != len(batch):
+        raise ValueError(f"the batch was zero-advantage filtered ({len(batch)} of {counts.num_sequences} rows kept) "
+                         f"but beta = {beta} > 0: the KL term acts on every row, so filtering changes the update "
+                         f"(filter_zero_advantage(..., beta=beta) keeps every row)")
+
+
+def micro_batch_loss(config: Config, policy: Policy, batch: RolloutBatch, part: slice, normalizers: StepNormalizers,
+                     old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None) -> Metrics:
+    """Backward of this micro-batch's share of the step loss; its metrics, "loss" (the share) among them."""
+    algo = config.algo
+    packed = pack(batch.prompt_ids[part], batch.completion_ids[part], device=policy.device)
+    logps, entropy, mask = completion_logprobs(policy.model, packed, config.rollout.sampling.temperature,
+                                               return_entropy=True, entropy_grad=False)  # entropy: a metric
+    width = logps.shape[1]
+    old = old_logps[part, :width] if old_logps is not None else logps.detach()
+    sampling = batch.sampling_logprobs[part, :width]
+    advantages = batch.advantages[part]
+    sampling_correction = algo.importance_sampling
+    weights, metrics = importance_weights(old, sampling, mask, level=sampling_correction.level,
+                                          mode=sampling_correction.mode, cap=sampling_correction.cap)
+    # Against the current policy, as TRL: the drift since sampling includes this step's earlier updates.
+    keep, mask_metrics = off_policy_sequence_mask(advantages, sampling, logps.detach(), mask,
+                                                  algo.off_policy_mask_threshold)
+    loss, loss_metrics = policy_loss(
+        logps, old, advantages, mask, loss_type=algo.loss_type,
+        epsilon_low=algo.epsilon, epsilon_high=algo.epsilon_high if algo.epsilon_high is not None else algo.epsilon,
+        beta=algo.beta, normalizers=normalizers,
+        ref_logps=ref_logps[part, :width] if ref_logps is not None else None,
+        is_weights=weights if sampling_correction.level != "none" else None,
+        keep_sequences=keep if algo.off_policy_mask_threshold is not None else None)
+    (loss * distributed.world().size).backward()  # FSDP divides by the world size; the loss is a share already
+    num_tokens = mask.sum()
+    entropy_mean = float((entropy.detach() * mask).sum() / num_tokens.clamp(min=1))
+    metrics.update(mask_metrics).update(loss_metrics)
+    return metrics.update(Metrics({"loss": float(loss.detach()), "entropy": entropy_mean},
+                                  {"entropy": float(num_tokens)}))
