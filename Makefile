@@ -104,13 +104,17 @@ bench: $(BUILT)
 	$(PY) -m pytest --benchmark --benchmark-json=$(BENCH_JSON) -q
 
 # Every .cu compiled by nvcc for sm_80 and sm_90a (the *_sm90.cu files for sm_90a alone, keeping
-# their PTX for tests/test_ptx.py's Hopper checks) and the CUDA bindings against torch's headers,
-# without a GPU and with a CPU-only torch.
+# their PTX for tests/kernels/test_ptx.py's Hopper checks) and the CUDA bindings against torch's headers,
+# without a GPU and with a CPU-only torch. Ninja runs CUDA_CHECK_JOBS compilers of its own rather
+# than sharing make's job slots: under make test the recipes themselves (this one, the install, the
+# tests) hold those, which left ninja one slot and compiled the files one after another (CI, 2
+# cores: 8 minutes of nvcc in a row).
+CUDA_CHECK_JOBS ?= $(shell nproc)
 cuda-check: $(TOOLS)
 	$(VENV)/bin/cmake -S . -B $(CUDA_CHECK_DIR) -G Ninja -DPYKERNELS_CUDA_COMPILE_CHECK=ON \
 		-DPython_EXECUTABLE=$(abspath $(PY)) -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV)/bin/ninja) > /dev/null
-	+$(VENV)/bin/cmake --build $(CUDA_CHECK_DIR)  # "+": ninja shares make's job slots under make test
-	PYKERNELS_PTX_DIR=$(CUDA_CHECK_DIR)/sm90-ptx $(PY) -m pytest tests/test_ptx.py -q -m hopper_ptx --noconftest \
+	env -u MAKEFLAGS -u MFLAGS $(VENV)/bin/cmake --build $(CUDA_CHECK_DIR) --parallel $(CUDA_CHECK_JOBS)
+	PYKERNELS_PTX_DIR=$(CUDA_CHECK_DIR)/sm90-ptx $(PY) -m pytest tests/kernels/test_ptx.py -q -m hopper_ptx --noconftest \
 		-p no:cacheprovider
 
 # GPU machines are leased briefly and offline (README "On a GPU machine"). Here, with a package index:

@@ -27,7 +27,7 @@ import torch
 from driver.data.tiny_model import resolve_model_path
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-grpo.yaml"
 MOE_EXAMPLE = ROOT / "examples" / "tiny-moe-grpo.yaml"
 ASYNC_EXAMPLE = ROOT / "examples" / "tiny-grpo-async.yaml"  # every sample-efficiency feature on

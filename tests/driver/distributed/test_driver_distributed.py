@@ -22,7 +22,7 @@ from driver.config import Config
 from driver.distributed.world import World
 from driver.train import check_world
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "tiny-grpo.yaml"
 RUN = ["--rollout.backend=server", "--train.steps=3", "--train.micro_batch_size=24", "--algo.num_iterations=2",
        "--logging.progress=false", "--logging.plots=false", "--logging.tensorboard=false",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-DRIVER = Path(__file__).resolve().parents[1] / "driver"
+DRIVER = Path(__file__).resolve().parents[2] / "driver"
 
 # What each unit (a package, or a module at the top) may import, lowest layer first. A new edge
 # belongs here only if it keeps the graph layered: docs/architecture.md draws the same picture.

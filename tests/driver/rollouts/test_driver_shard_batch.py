@@ -13,14 +13,14 @@ from driver.rollouts.shard_batch import shard_batch
 from driver.rollouts.filtering import check_counts, filter_zero_advantage, step_counts
 from driver.update.optim import build_optimizer, build_scheduler
 from driver.update.step import optimize
-from tests.test_driver_filtering import LOSS_TYPES, make_base_policy, make_batch
+from tests.driver.rollouts.test_driver_filtering import LOSS_TYPES, make_base_policy, make_batch
 
 ADVANTAGES = [0.0, 0.0, 0.9, -0.9, 0.0, 0.0, 1.3, 0.0, 0.4, -0.2, 0.0]  # 11 rows: uneven shards
 
 
 @pytest.fixture(name="base_policy", scope="module")
 def fixture_base_policy():
-    """The policy of tests/test_driver_filtering.py's base_policy fixture."""
+    """The policy of tests/driver/rollouts/test_driver_filtering.py's base_policy fixture."""
     return make_base_policy()
 
 

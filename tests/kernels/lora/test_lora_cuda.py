@@ -5,7 +5,7 @@ Tolerance (STYLE.md #6, flash-attention's rule on the max abs error), for every 
 torch_lowprec is the same math by plain torch matmuls in x's dtype on CUDA (PEFT's arithmetic).
 eps is half an ulp of x's dtype at the output's largest magnitude: the fused pipeline rounds the
 LoRA term before it enters the base GEMM, so it may round once more than torch does (an NF4 grad_x
-sums its weight chunks in fp32 and is rounded once: tests/test_lora.py checks that at K = 14336).
+sums its weight chunks in fp32 and is rounded once: tests/kernels/lora/test_lora.py checks that at K = 14336).
 The CPU ops must agree with the CUDA ops within the sum of two budgets.
 """
 

@@ -33,7 +33,8 @@ LR = 1e-4
 
 
 def make_base_policy():
-    """The tiny policy with a rank-4 adapter; also the base_policy of tests/test_driver_shard_batch.py."""
+    """The tiny policy with a rank-4 adapter; also the base_policy of
+    tests/driver/rollouts/test_driver_shard_batch.py."""
     policy = load_policy(Config.model_validate({"lora": {"r": 4}}))
     torch.manual_seed(0)
     for name, param in policy.model.named_parameters():

@@ -13,7 +13,7 @@ from pykernels.startup_guard import (DISABLE_VARIABLE, hide_unloadable_companion
                                      unloadable_companions)
 from pykernels.startup_hook import PTH_NAME, install_pth
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def fake_site(directory: Path, *distributions: str) -> Path:

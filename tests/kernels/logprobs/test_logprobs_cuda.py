@@ -1,6 +1,6 @@
 """CUDA token_logprobs against the fp64 oracle, torch's own low-precision error, and the CPU op.
 
-Same rule as tests/test_logprobs.py: max|ours - fp64| <= max|torch_lowprec - fp64| + tol, for
+Same rule as tests/kernels/logprobs/test_logprobs.py: max|ours - fp64| <= max|torch_lowprec - fp64| + tol, for
 logprobs, entropy and both gradients; CUDA and CPU agree within the sum of their budgets.
 """
 

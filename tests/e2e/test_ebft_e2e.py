@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STRUCTURED = ROOT / "examples" / "tiny-ebft.yaml"
 STRIDED = ROOT / "examples" / "tiny-ebft-strided.yaml"
 QUIET = ["--logging.progress=false", "--logging.log_completions=0", "--logging.plots=false",

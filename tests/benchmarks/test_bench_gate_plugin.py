@@ -14,7 +14,7 @@ from benchmarks.self_test import PLANT_ENV, is_planted
 
 pytest_plugins = ["pytester"]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 TOY_BENCH = '''
 import os

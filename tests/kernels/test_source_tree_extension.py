@@ -12,7 +12,7 @@ import pytest
 
 from pykernels.source_tree import installed_extension_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BUILT = sorted((ROOT / "pykernels").glob("_C*.so"))
 
 

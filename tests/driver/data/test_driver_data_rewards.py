@@ -13,6 +13,8 @@ from driver.data.tiny_model import resolve_model_path
 from driver.data.toy_tasks import digit_fraction
 from driver.rewards.functions import RewardError, RewardFunctions
 
+HERE = "tests.driver.data.test_driver_data_rewards"  # this module, as the config names functions in it
+
 
 @pytest.fixture(scope="module")
 def tokenizer():
@@ -48,7 +50,7 @@ def build_prompt(example: dict) -> dict:
 
 def test_transform_and_missing_prompt_field(tmp_path):
     path = write_rows(tmp_path / "d.jsonl", [{"question": "2+2", "answer": "4"}])
-    rows = load_rows(DataConfig(source=str(path), transform="tests.test_driver_data_rewards.build_prompt"))
+    rows = load_rows(DataConfig(source=str(path), transform=f"{HERE}.build_prompt"))
     assert rows[0]["prompt"] == "Q: 2+2 A:"
     with pytest.raises(ConfigError, match="data.prompt_field: 1 rows .* have no text column 'prompt'"):
         load_rows(DataConfig(source=str(path)))
@@ -102,9 +104,8 @@ def not_a_number(prompts, completions, **columns):
 
 
 def test_reward_table_nan_for_none_and_columns_passed():
-    config = RewardsConfig(functions=[RewardFunction(path="tests.test_driver_data_rewards.constant_rewards"),
-                                      RewardFunction(path="tests.test_driver_data_rewards.uses_columns", weight=2.0,
-                                                     name="exact")])
+    config = RewardsConfig(functions=[RewardFunction(path=f"{HERE}.constant_rewards"),
+                                      RewardFunction(path=f"{HERE}.uses_columns", weight=2.0, name="exact")])
     rewards = RewardFunctions(config)
     table = rewards(prompts=["a", "b"], completions=["xy", ""], columns=[{"answer": "xy"}, {"answer": "z"}],
                     completion_ids=[[1, 2], []])
@@ -115,7 +116,7 @@ def test_reward_table_nan_for_none_and_columns_passed():
 @pytest.mark.parametrize("name,message", [("wrong_length", "returned list of length 1 for 2 completions"),
                                           ("not_a_number", "returned 'yes' for completion 0")])
 def test_reward_errors_name_the_function(name, message):
-    rewards = RewardFunctions(RewardsConfig(functions=[RewardFunction(path=f"tests.test_driver_data_rewards.{name}")]))
+    rewards = RewardFunctions(RewardsConfig(functions=[RewardFunction(path=f"{HERE}.{name}")]))
     with pytest.raises(RewardError, match=message):
         rewards(prompts=["a", "b"], completions=["x", "y"], columns=[{}, {}], completion_ids=[[1], [2]])
 

@@ -151,14 +151,14 @@ def returns_text(row: dict) -> str:
 
 def test_a_transform_returning_an_empty_list_drops_the_row(tmp_path):
     source = write_jsonl(tmp_path / "d.jsonl", [{"id": i} for i in range(5)])
-    rows = load_rows(DataConfig(source=source, transform="tests.test_ebft_transforms.drop_odd_ids"))
+    rows = load_rows(DataConfig(source=source, transform="tests.driver.ebft.test_ebft_transforms.drop_odd_ids"))
     assert rows == [{"id": 0, "prompt": "q0"}, {"id": 2, "prompt": "q2"}, {"id": 4, "prompt": "q4"}]
 
 
 def test_a_transform_returning_no_rows_is_an_error(tmp_path):
     source = write_jsonl(tmp_path / "d.jsonl", [{"id": 1}])
     with pytest.raises(ConfigError, match="must return a dict or a list of dicts, got str for row 0"):
-        load_rows(DataConfig(source=source, transform="tests.test_ebft_transforms.returns_text"))
+        load_rows(DataConfig(source=source, transform="tests.driver.ebft.test_ebft_transforms.returns_text"))
 
 
 def test_a_bad_row_is_named_by_load_rows(tmp_path):
