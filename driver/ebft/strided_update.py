@@ -24,8 +24,8 @@ import torch
 from driver.config import Config
 from driver.ebft.strided import StridedBatch, StridedChunk
 from driver.ebft.strided_attention import full_row_attention, uses_flex
-from driver.policy.model import Policy
 from driver.metrics.combine import Metrics, combine_metrics
+from driver.policy.model import Policy
 from driver.update.losses import StepNormalizers, policy_loss
 from pykernels.logprobs import token_logprobs
 

@@ -23,13 +23,13 @@ import torch
 from driver.cli import ConfigError
 from driver.config import Config, EbftConfig
 from driver.data.prompts import PromptSource
+from driver.data.records import Group
 from driver.ebft.advantages import ebft_advantages
 from driver.ebft.features import hidden_layer_states, layer_indices, pool, token_features
 from driver.ebft.rewards import RewardParts, group_rewards, reward_metrics
 from driver.policy.logprobs import pack
 from driver.policy.model import Policy, evaluating
 from driver.rewards.pool import RewardResult
-from driver.data.records import Group
 from pykernels.integrations.transformers import packed_attention_kwargs
 
 TABLE_COLUMNS = ["alignment", "diversity", "cfm"]

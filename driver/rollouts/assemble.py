@@ -16,14 +16,14 @@ import time
 import torch
 
 from driver.config import Config
+from driver.data.records import Group
 from driver.rewards.functions import RewardError
 from driver.rewards.scorer import Scorer
 from driver.rollouts.batch import RolloutBatch, batch_from_groups
+from driver.rollouts.filtering import extend_batch, filter_zero_advantage
 from driver.rollouts.producer import Job
-from driver.data.records import Group
 from driver.rollouts.replay import ReplayBuffer
 from driver.rollouts.reroll import RerollQueue, failed_entirely
-from driver.rollouts.filtering import extend_batch, filter_zero_advantage
 
 
 def score_groups(scorer: Scorer, groups: list[Group], submit: bool) -> float:

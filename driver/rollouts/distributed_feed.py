@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from driver.config import Config
 from driver.distributed import world as distributed
-from driver.rollouts.shard_batch import shard_batch
 from driver.engine import RolloutError
 from driver.engine import adapter_sync as sync
 from driver.policy.model import Policy
 from driver.rollouts.schedule import sync_due
+from driver.rollouts.shard_batch import shard_batch
 
 
 def on_rank0(action, what: str):

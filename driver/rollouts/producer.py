@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 from driver.config import Config
 from driver.data.prompts import Prompt, PromptSource
-from driver.engine.base import Completion, Generator, Request
 from driver.data.records import Group, Sample, Span
+from driver.engine.base import Completion, Generator, Request
 
 IN_FLIGHT_FACTOR = 2  # partial rollouts: groups in flight at most, per group of a job's quota
 

@@ -28,8 +28,8 @@ import copy
 import dataclasses
 
 from driver.data.prompts import Prompt
-from driver.rewards.advantages import _nanstd  # the same unbiased, NaN-ignoring std as the advantages
 from driver.data.records import Group, Sample, Span
+from driver.rewards.advantages import _nanstd  # the same unbiased, NaN-ignoring std as the advantages
 from driver.rollouts.schedule import staleness
 
 

@@ -20,6 +20,7 @@ from driver.metrics.combine import Metrics, combine_metrics
 from driver.policy.logprobs import completion_logprobs, pack
 from driver.policy.model import Policy, evaluating
 from driver.rollouts.batch import RolloutBatch
+
 # merge is re-exported: callers merge a step's rollout batches with the update's module
 from driver.rollouts.filtering import check_counts, merge, micro_batches  # noqa: F401
 from driver.update.losses import (StepNormalizers, all_zero, connected_zero, importance_weights,

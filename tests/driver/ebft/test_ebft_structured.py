@@ -10,11 +10,11 @@ from pydantic import ValidationError
 
 from driver.config import Config
 from driver.data.prompts import Prompt, PromptSource
+from driver.data.records import Group, Sample, Span
 from driver.ebft.advantages import ebft_advantages
 from driver.ebft.rewards import RewardParts, group_rewards
 from driver.ebft.structured import FeatureScorer, adaptive_max_tokens, advantages_from_tables, completion_ids
 from driver.rollouts.producer import Producer
-from driver.data.records import Group, Sample, Span
 from tests.async_fakes import FakeGenerator, FakeTokenizer
 from tests.ebft_fixtures import policy_with_random_adapter, separate_base_model
 

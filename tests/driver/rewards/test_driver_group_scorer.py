@@ -9,8 +9,8 @@ import pytest
 
 from driver.config import Config
 from driver.data.prompts import Prompt
-from driver.rewards.group_scorer import GroupScorer
 from driver.data.records import Group, Sample
+from driver.rewards.group_scorer import GroupScorer
 
 
 def group(group_id: int, texts: list[str]) -> Group:

@@ -17,9 +17,9 @@ import torch
 from driver.cli import ConfigError
 from driver.config import RewardFunction, RewardsConfig
 from driver.data.prompts import Prompt
+from driver.data.records import Group, Sample
 from driver.rewards.functions import RewardError, RewardFunctions, group_call
 from driver.rewards.pool import InlineRewards, RewardPool, make_reward_scorer
-from driver.data.records import Group, Sample
 from tests.reward_fixtures import LATE_ANSWER, SLOW_SECONDS
 
 TIMEOUT = 2.0  # seconds per call: fixture calls take milliseconds; the hang tests pay it once or twice

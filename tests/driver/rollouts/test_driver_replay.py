@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from driver.data.prompts import Prompt
+from driver.data.records import Group, Sample, Span
 from driver.policy.logprobs import pack
 from driver.rewards.advantages import combine_rewards
 from driver.rollouts.batch import batch_from_groups
-from driver.data.records import Group, Sample, Span
 from driver.rollouts.replay import ReplayBuffer, replay_score
 
 PAD_ID = 151643  # Qwen2's pad token: prompts hold it (and token 0) as real tokens

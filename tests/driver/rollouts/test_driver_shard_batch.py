@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from driver.config import Config
-from driver.rollouts.shard_batch import shard_batch
 from driver.rollouts.filtering import check_counts, filter_zero_advantage, step_counts
+from driver.rollouts.shard_batch import shard_batch
 from driver.update.optim import build_optimizer, build_scheduler
 from driver.update.step import optimize
 from tests.driver.rollouts.test_driver_filtering import LOSS_TYPES, make_base_policy, make_batch
