@@ -107,8 +107,8 @@ bench: $(BUILT)
 # their PTX for tests/kernels/test_ptx.py's Hopper checks) and the CUDA bindings against torch's headers,
 # without a GPU and with a CPU-only torch. Ninja runs CUDA_CHECK_JOBS compilers of its own rather
 # than sharing make's job slots: under make test the recipes themselves (this one, the install, the
-# tests) hold those, which left ninja one slot and compiled the files one after another (CI, 2
-# cores: 8 minutes of nvcc in a row).
+# tests) hold those and left ninja one slot, so it compiled file after file. On CI's 2 cores that
+# changes little (the cores were busy with the install and the tests anyway); with more it does.
 CUDA_CHECK_JOBS ?= $(shell nproc)
 cuda-check: $(TOOLS)
 	$(VENV)/bin/cmake -S . -B $(CUDA_CHECK_DIR) -G Ninja -DPYKERNELS_CUDA_COMPILE_CHECK=ON \
