@@ -30,9 +30,13 @@ inline bool sm90_enabled_by_env() {
 // The sm_90a kernels are built, enabled and run on this device.
 inline bool sm90_usable(int device) { return sm90_enabled_by_env() && grouped_gemm_sm90_available(device); }
 
+// A workspace for an sm_90a kernel, from torch's caching allocator.
+inline at::Tensor sm90_workspace(int64_t bytes, int device) {
+  return at::empty({bytes}, at::TensorOptions().device(at::kCUDA, device).dtype(at::kByte));
+}
+
 inline void run_grouped_gemm_sm90(const GroupedGemmSm90Params& g, int device, cudaStream_t stream) {
-  const at::Tensor workspace = at::empty({grouped_gemm_sm90_workspace_bytes(g, device)},
-                                         at::TensorOptions().device(at::kCUDA, device).dtype(at::kByte));
+  const at::Tensor workspace = sm90_workspace(grouped_gemm_sm90_workspace_bytes(g, device), device);
   const char* error = launch_grouped_gemm_sm90(g, workspace.data_ptr(), device, stream);
   TORCH_CHECK(error == nullptr, error);
 }

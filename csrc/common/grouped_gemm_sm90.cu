@@ -34,6 +34,7 @@
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "common/cutlass_sm90.cuh"
 #endif
 
 namespace pykernels::gemm {
@@ -91,19 +92,6 @@ struct GroupedGemm {
 
 using RowMajor = cutlass::layout::RowMajor;
 using ColumnMajor = cutlass::layout::ColumnMajor;
-
-// A stride whose one dynamic mode (the leading dimension) is ld; the others are CUTLASS's static
-// unit stride and batch stride 0.
-template <class Stride>
-__host__ __device__ Stride leading_stride(int64_t ld) {
-  Stride stride{};
-  if constexpr (cute::is_static<cute::remove_cvref_t<decltype(get<0>(stride))>>::value) {
-    get<1>(stride) = ld;
-  } else {
-    get<0>(stride) = ld;
-  }
-  return stride;
-}
 
 // The per-group arrays CUTLASS reads, carved from the front of the workspace.
 template <class G>
@@ -196,10 +184,6 @@ int64_t workspace_bytes(const GroupedGemmSm90Params& p, int device) {
   return arrays_bytes + aligned(int64_t(G::Gemm::get_workspace_size(arguments<G>(p, arrays, device))));
 }
 
-const char* status_error(const char* what, cutlass::Status status) {
-  return fail_sm90(std::string(what) + ": " + cutlassGetStatusString(status));
-}
-
 template <class G>
 const char* run(const GroupedGemmSm90Params& p, void* workspace, int device, cudaStream_t stream) {
   const GroupArrays<G> arrays = carve<G>(workspace, p.experts);
@@ -207,17 +191,9 @@ const char* run(const GroupedGemmSm90Params& p, void* workspace, int device, cud
   group_setup_kernel<G><<<blocks, kSetupThreads, 0, stream>>>(p, arrays);
   if (const cudaError_t error = cudaGetLastError(); error != cudaSuccess)
     return fail_sm90(std::string("group setup launch failed: ") + cudaGetErrorString(error));
-  const typename G::Gemm::Arguments args = arguments<G>(p, arrays, device);
-  typename G::Gemm gemm;
-  if (const cutlass::Status s = gemm.can_implement(args); s != cutlass::Status::kSuccess)
-    return status_error("CUTLASS cannot run this problem", s);
-  if (const cutlass::Status s = gemm.initialize(args, arrays.cutlass_workspace, stream); s != cutlass::Status::kSuccess)
-    return status_error("CUTLASS initialize failed", s);
-  if (const cutlass::Status s = gemm.run(stream); s != cutlass::Status::kSuccess)
-    return status_error("CUTLASS launch failed", s);
-  if (const cudaError_t error = cudaGetLastError(); error != cudaSuccess)
-    return fail_sm90(std::string("kernel launch failed: ") + cudaGetErrorString(error));
-  return nullptr;
+  const std::string error =
+      run_cutlass_gemm<typename G::Gemm>(arguments<G>(p, arrays, device), arrays.cutlass_workspace, stream);
+  return error.empty() ? nullptr : fail_sm90(error);
 }
 
 template <class Epilogue, class F>

@@ -114,10 +114,6 @@ bool use_sm90(const at::Tensor& hidden, const at::Tensor& weight) {
          is_aligned(weight.data_ptr(), 16) && logprobs_sm90_built() && gemm::sm90_usable(hidden.get_device());
 }
 
-at::Tensor workspace(int64_t bytes, const at::Tensor& like) {
-  return at::empty({bytes}, like.options().dtype(at::kByte));
-}
-
 // z_target [N]: the logit of each token's target (0 where it is no vocabulary entry).
 at::Tensor target_logits(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, float scale,
                          cudaStream_t stream) {
@@ -164,7 +160,7 @@ at::Tensor fold_stats_sm90(const at::Tensor& hidden, const at::Tensor& weight, c
                                          static_cast<const char*>(weight.data_ptr()) + v0 * s.h * elem, tokens, rows,
                                          s.h, scale},
                                         max_z, max_z + plane, max_z + 2 * plane};
-      const at::Tensor space = workspace(softmax_partials_sm90_workspace_bytes(p, device), hidden);
+      const at::Tensor space = gemm::sm90_workspace(softmax_partials_sm90_workspace_bytes(p, device), device);
       check_launch(launch_softmax_partials_sm90(p, space.data_ptr(), device, stream));
       check_launch(launch_fold_partials({p.max_z, p.sum_exp, p.sum_exp_z, tokens, vocab_tiles(rows),
                                          partial_rows(tokens), t0, stats_of(stats)}, stream));
@@ -241,7 +237,7 @@ std::tuple<at::Tensor, at::Tensor> token_logprobs_backward_cuda(
                                     g_ent.data_ptr<float>() + t0,
                                     dz.data_ptr(),
                                     ld};
-        const at::Tensor space = workspace(logit_grad_sm90_workspace_bytes(p, device), hidden);
+        const at::Tensor space = gemm::sm90_workspace(logit_grad_sm90_workspace_bytes(p, device), device);
         check_launch(launch_logit_grad_sm90(p, space.data_ptr(), device, stream));
         check_launch(launch_fix_target_grads({tokens, rows, t0, v0, targets.data_ptr<int64_t>(),
                                               z_target.data_ptr<float>(), lse_c.data_ptr<float>(),

@@ -22,6 +22,7 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "common/cutlass_sm90.cuh"
 #include "logprobs/softmax_partials_visitor_sm90.cuh"
 #endif
 
@@ -106,14 +107,6 @@ struct LogitsGemm {
 using PartialsGemm = LogitsGemm<PartialsEpilogue>;
 using LogitGradGemm = LogitsGemm<LogitGradEpilogue>;
 
-// A row-major [*, ld] operand's stride in CUTLASS's (M or N, K, L) form: (ld, 1, 0).
-template <class Stride>
-Stride row_stride(int64_t ld) {
-  Stride stride{};
-  get<0>(stride) = ld;
-  return stride;
-}
-
 template <class G>
 typename G::Gemm::Arguments base_arguments(const LogitsGemmSm90& g, int device) {
   const int k = static_cast<int>(g.h);
@@ -121,9 +114,9 @@ typename G::Gemm::Arguments base_arguments(const LogitsGemmSm90& g, int device) 
   args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
   args.problem_shape = {static_cast<int>(g.tokens), static_cast<int>(g.rows), k, 1};
   args.mainloop.ptr_A = static_cast<const Element*>(g.hidden);
-  args.mainloop.dA = row_stride<typename G::StrideA>(k);
+  args.mainloop.dA = gemm::leading_stride<typename G::StrideA>(k);
   args.mainloop.ptr_B = static_cast<const Element*>(g.weight);
-  args.mainloop.dB = row_stride<typename G::StrideB>(k);
+  args.mainloop.dB = gemm::leading_stride<typename G::StrideB>(k);
   args.hw_info.device_id = device;
   args.hw_info.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
   return args;
@@ -144,7 +137,7 @@ typename LogitGradGemm::Gemm::Arguments arguments(const LogitGradSm90Params& p, 
   get<4>(tree) = {p.grad_entropy};
   get<5>(tree) = LogitGradArguments{p.gemm.scale};
   args.epilogue.ptr_D = static_cast<Element*>(p.dz);
-  args.epilogue.dD = row_stride<typename LogitGradGemm::StrideD>(p.ld);
+  args.epilogue.dD = gemm::leading_stride<typename LogitGradGemm::StrideD>(p.ld);
   return args;
 }
 
@@ -155,17 +148,8 @@ int64_t workspace_bytes(const P& p, int device) {
 
 template <class G, class P>
 const char* run(const P& p, void* workspace, int device, cudaStream_t stream) {
-  const typename G::Gemm::Arguments args = arguments(p, device);
-  typename G::Gemm gemm;
-  if (const cutlass::Status s = gemm.can_implement(args); s != cutlass::Status::kSuccess)
-    return fail(std::string("CUTLASS cannot run this problem: ") + cutlassGetStatusString(s));
-  if (const cutlass::Status s = gemm.initialize(args, workspace, stream); s != cutlass::Status::kSuccess)
-    return fail(std::string("CUTLASS initialize failed: ") + cutlassGetStatusString(s));
-  if (const cutlass::Status s = gemm.run(stream); s != cutlass::Status::kSuccess)
-    return fail(std::string("CUTLASS launch failed: ") + cutlassGetStatusString(s));
-  if (const cudaError_t error = cudaGetLastError(); error != cudaSuccess)
-    return fail(std::string("kernel launch failed: ") + cudaGetErrorString(error));
-  return nullptr;
+  const std::string error = gemm::run_cutlass_gemm<typename G::Gemm>(arguments(p, device), workspace, stream);
+  return error.empty() ? nullptr : fail(error);
 }
 
 }  // namespace
