@@ -49,8 +49,9 @@ def run_lora(device: str) -> None:
 
 
 def run_logprobs(device: str) -> None:
-    # hidden 64 on Hopper: the fused-epilogue GEMMs (769 ends in a partial vocab tile); 60: the sm80 path
-    for vocab, hidden_size in ((769, 64), (768, 60)):
+    # hidden 64 on Hopper: both fused-epilogue GEMMs (776 ends in a partial vocab tile); 769, no multiple
+    # of 8: the Hopper forward, the sm80 grad kernel; hidden 60: the sm80 path throughout
+    for vocab, hidden_size in ((776, 64), (769, 64), (768, 60)):
         hidden = randn(9, hidden_size, device=device, grad=True)
         weight = randn(vocab, hidden_size, device=device, grad=True)
         ids = torch.randint(0, vocab, (9,), generator=GENERATOR).to(device)

@@ -215,7 +215,9 @@ std::tuple<at::Tensor, at::Tensor> token_logprobs_backward_cuda(
   }
   const float scale = static_cast<float>(1.0 / temperature);
   const int64_t ld = padded_row_length(std::min(kVocabChunk, s.v)), chunk = std::min(kTokenChunk, s.n);
-  const bool sm90 = use_sm90(hidden, weight);
+  // CUTLASS's TMA store of dz needs each chunk's vocabulary width in 16-byte units: a vocabulary that
+  // is no multiple of 8 (GPT-2's 50257) takes the sm80 grad kernel (the forward has no such store).
+  const bool sm90 = use_sm90(hidden, weight) && s.v % 8 == 0;
   const int device = hidden.get_device();
   at::Tensor z = sm90 ? at::Tensor() : at::empty({chunk, ld}, f32);
   at::Tensor dz = at::empty({chunk, ld}, hidden.options());

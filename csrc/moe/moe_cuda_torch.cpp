@@ -181,8 +181,11 @@ at::Tensor lora_b_by_expert(const Problem& p) {
 // ------------------------------------------------------------------ sm_90a path
 // Whether the grouped GEMMs of this problem run on the sm_90a kernels: bf16, row strides that TMA
 // accepts (multiples of 8 elements) and 16-byte aligned operands, on a compute capability 9.0 device.
+// No slots (T = 0) stays on the sm80 kernels, which write the empty outputs and zero gradients: the
+// Hopper GEMMs would get null operands (an empty tensor's data), which TMA descriptors refuse.
 bool use_sm90(const Problem& p, std::initializer_list<at::Tensor> operands) {
-  if (p.x.scalar_type() != at::kBFloat16 || p.size.in % 8 != 0 || p.size.out % 8 != 0) return false;
+  if (p.x.scalar_type() != at::kBFloat16 || p.size.in % 8 != 0 || p.size.out % 8 != 0 || p.size.slots == 0)
+    return false;
   for (const at::Tensor& t : operands)
     if (t.defined() && !is_aligned(t.data_ptr(), 16)) return false;
   return gemm::sm90_usable(static_cast<int>(p.x.get_device()));

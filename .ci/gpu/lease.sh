@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# One lent-GPU session in one call: `make gpu-install`, the CUDA tests, the sanitizer, then the
+# benchmarks one file at a time (each file's JSON is kept even if a later one runs out of time).
+# Leases are minutes long, so every stage has its own limit and the tests a per-test limit: a hung
+# kernel costs a minute, not the lease. Full logs and JSONs go to $OUT (the device tool brings that
+# folder back; elsewhere build/lease), a summary with each log's tail is printed last.
+#
+#   bash .ci/gpu/lease.sh                      # needs wheelhouse/ from `make gpu-wheels`
+#   BENCH_FILES="moe" STAGES="build test" bash .ci/gpu/lease.sh
+#   STAGES="build sanitize test breakdown" TEST_ARGS="tests/kernels/moe/test_moe_cuda.py" bash .ci/gpu/lease.sh
+set -u
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-build/lease}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+STAGES=${STAGES:-"build test sanitize bench"}
+BENCH_FILES=${BENCH_FILES:-"moe logprobs lora"}
+TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-60}
+TEST_ARGS=${TEST_ARGS:-}  # test files / node ids to run instead of every CUDA test (.ci/gpu/test.py)
+summary=()
+
+step() {  # step NAME LOG LIMIT_S COMMAND...: runs COMMAND under LIMIT_S, appending to $OUT/LOG.log
+    local name=$1 log=$2 limit=$3 start rc
+    shift 3
+    start=$(date +%s)
+    echo "== $name (limit $limit s): $*" | tee -a "$OUT/$log.log"
+    timeout -k 10 "$limit" "$@" >>"$OUT/$log.log" 2>&1
+    rc=$?
+    summary+=("$name: exit $rc, $(($(date +%s) - start)) s")
+    return $rc
+}
+
+# at most 8 files come back from a lease: 5 logs and one JSON per benchmark file
+device=$(nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,memory.used \
+    --format=csv,noheader 2>&1)
+per_test=(--timeout="$TEST_TIMEOUT_S" --timeout-method=thread)  # thread: a hung CUDA call ends the run
+python3 -c "import pytest_timeout" 2>/dev/null || { per_test=(); echo "no pytest-timeout: tests run without a per-test limit"; }
+for stage in $STAGES; do
+    case $stage in
+    build) step build build 300 make gpu-install GPU_PYTHON=python3 || break ;;
+    test)
+        if [ -n "$TEST_ARGS" ]; then  # word-split on purpose: a list of files / node ids
+            step test test 240 python3 -m pytest $TEST_ARGS -m "cuda and not slow" -q -p no:cacheprovider \
+                "${per_test[@]}" -rfE
+        else
+            step test test 240 python3 .ci/gpu/test.py -- "${per_test[@]}" -rfE
+        fi ;;
+    sanitize) step sanitize sanitize 150 python3 .ci/gpu/sanitize.py ;;
+    bench)
+        for family in $BENCH_FILES; do
+            step "bench-$family" bench 200 python3 -m pytest --benchmark "benchmarks/test_bench_$family.py" -q \
+                -p no:cacheprovider --benchmark-json="$OUT/bench-$family.json"
+        done ;;
+    breakdown) step breakdown breakdown 150 python3 -m benchmarks.kernel_breakdown --top 8 ;;
+    *) echo "unknown stage $stage (build, test, sanitize, bench, breakdown)"; exit 2 ;;
+    esac
+done
+
+echo
+echo "device: $device"
+for log in "$OUT"/*.log; do
+    echo "---- $(basename "$log") (last lines)"
+    grep -E "FAILED|ERROR|Error|error:|passed|failed|wall time|========= (ERROR|RACECHECK|LEAK)" "$log" | tail -25
+done
+[ -f "$OUT/breakdown.log" ] && { echo "---- breakdown.log"; grep -v "^==" "$OUT/breakdown.log" | tail -60; }
+echo "---- stages"
+printf '%s\n' "${summary[@]}"
