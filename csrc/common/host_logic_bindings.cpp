@@ -1,7 +1,7 @@
 // pykernels._C.host_logic: the __host__ __device__ index/tile arithmetic of the CUDA kernels
 // (common/tails.h, common/online_softmax.h, nf4/nf4_layout.h, moe/moe_schedule.h,
 // common/gemm_groups.h, common/gemm_sm90_dense.h, logprobs/vocab_chunks.h, logprobs/logit_grad.h,
-// logprobs/logprobs_sm90.h), compiled for the host and exposed with plain ints, floats and lists so
+// logprobs/logprobs_sm90.h, lora/lora.h's split-k plan), compiled for the host and exposed with plain ints, floats and lists so
 // that tests/test_device_logic_host.py checks it against direct Python / fp64 computations on a
 // machine without a GPU. Test-only: no op, no torch tensor; where a kernel composes the helpers
 // (the row-tile schedule, the routing maps, a dequantize pass) the function here composes them in
@@ -22,6 +22,7 @@
 #include "common/online_softmax.h"
 #include "common/tails.h"
 #include "logprobs/logit_grad.h"
+#include "lora/lora.h"
 #include "logprobs/logprobs_sm90.h"
 #include "logprobs/vocab_chunks.h"
 #include "moe/moe_schedule.h"
@@ -322,9 +323,21 @@ const char* logprobs_sm90_error(int64_t tokens, int64_t rows, int64_t h, uintptr
   return ld == 0 ? logprobs::logits_gemm_sm90_error(p.gemm) : logprobs::logit_grad_sm90_error(p);
 }
 
+// lora/lora.h: the rank GEMM's tile and split-k plan, and the workspace the binding allocates.
+std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t> lora_rank_gemm_plan(int64_t m, int64_t n, int64_t k,
+                                                                           int sms) {
+  const lora::RankTile tile = lora::rank_tile(m, n);
+  const lora::RankSplit split = lora::rank_gemm_split(m, n, k, sms);
+  lora::RankGemmParams p{};
+  p.m = m, p.n = n, p.k = k, p.sms = sms;
+  return {tile.m, tile.n, split.splits, split.k_per_split, lora::rank_gemm_workspace_floats(p)};
+}
+
 }  // namespace
 
 void define_host_logic(py::module_& m) {
+  // lora/lora.h: (tile_m, tile_n, splits, k_per_split, workspace_floats)
+  m.def("lora_rank_gemm_plan", &lora_rank_gemm_plan, py::arg("m"), py::arg("n"), py::arg("k"), py::arg("sms"));
   // common/tails.h
   m.def("elements_in_range", &elements_in_range, py::arg("first"), py::arg("width"), py::arg("numel"));
   m.def("whole_vector_in_range", &whole_vector_in_range, py::arg("first"), py::arg("width"), py::arg("numel"));

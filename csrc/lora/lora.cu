@@ -269,13 +269,14 @@ __global__ void __launch_bounds__(kThreads) low_rank_term_kernel(const float* __
 
 // ------------------------------------------------------------------ rank-r GEMM, mixed dtypes
 // D = alpha op_a op_b (+ D) with per-operand dtypes read as fp32 (see RankGemmParams). Each CTA
-// owns a kTileM x kTileN tile of D, staged through shared memory in slices of 16 along k; thread
-// (tx, ty) of a 16 x 16 grid accumulates rows ty + 16 i and columns tx + 16 j in fp32. Three tile
-// shapes, picked by which side is the rank: 128 x 16 (n = r: xa, dxa, dB), 16 x 128 (m = r: dA),
-// 64 x 64 (the rest: dxa A, r > 16). Dtypes are runtime values: the switch is uniform per CTA and
-// costs a few instructions per load on a kernel bound by its loads, against 27x the instantiations.
+// owns a kTileM x kTileN tile of D (rank_tile) and one range of k (blockIdx.z of the split-k plan,
+// rank_gemm_split), staged through shared memory in slices of 16 along k; thread (tx, ty) of a
+// 16 x 16 grid accumulates rows ty + 16 i and columns tx + 16 j in fp32. Unsplit, the CTA writes
+// D; split, its plane of the workspace, and rank_gemm_reduce_kernel writes D. Dtypes are runtime
+// values: the switch is uniform per CTA and costs a few instructions per load on a kernel bound by
+// its loads, against 27x the instantiations.
 template <int kTileM, int kTileN>
-struct RankTile {
+struct RankTileShape {
   static constexpr int kSlice = 16;                // k per shared-memory stage
   static constexpr int kRowsPerThread = kTileM / 16;
   static constexpr int kColsPerThread = kTileN / 16;
@@ -314,17 +315,19 @@ __device__ __forceinline__ void load_rank_tile(float (*tile)[kExtent + 1], const
 }
 
 template <int kTileM, int kTileN>
-__global__ void __launch_bounds__(kThreads) rank_gemm_kernel(RankGemmParams p) {
-  using Tile = RankTile<kTileM, kTileN>;
+__global__ void __launch_bounds__(kThreads) rank_gemm_kernel(RankGemmParams p, int64_t k_per_split) {
+  using Tile = RankTileShape<kTileM, kTileN>;
   __shared__ float a_tile[Tile::kSlice][kTileM + 1];  // [kk][row of D]
   __shared__ float b_tile[Tile::kSlice][kTileN + 1];  // [kk][column of D]
   const int64_t row0 = int64_t(blockIdx.x) * kTileM;
   const int64_t col0 = int64_t(blockIdx.y) * kTileN;
+  const int64_t k_begin = int64_t(blockIdx.z) * k_per_split;
+  const int64_t k_end = min_i64(p.k, k_begin + k_per_split);
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
   float acc[Tile::kRowsPerThread][Tile::kColsPerThread] = {};
-  for (int64_t k0 = 0; k0 < p.k; k0 += Tile::kSlice) {
-    load_rank_tile<kTileM, Tile::kSlice>(a_tile, p.a, p.a_dtype, row0, p.m, p.a_stride_m, k0, p.k, p.a_stride_k);
-    load_rank_tile<kTileN, Tile::kSlice>(b_tile, p.b, p.b_dtype, col0, p.n, p.b_stride_n, k0, p.k, p.b_stride_k);
+  for (int64_t k0 = k_begin; k0 < k_end; k0 += Tile::kSlice) {
+    load_rank_tile<kTileM, Tile::kSlice>(a_tile, p.a, p.a_dtype, row0, p.m, p.a_stride_m, k0, k_end, p.a_stride_k);
+    load_rank_tile<kTileN, Tile::kSlice>(b_tile, p.b, p.b_dtype, col0, p.n, p.b_stride_n, k0, k_end, p.b_stride_k);
     __syncthreads();
 #pragma unroll
     for (int kk = 0; kk < Tile::kSlice; ++kk) {
@@ -348,10 +351,26 @@ __global__ void __launch_bounds__(kThreads) rank_gemm_kernel(RankGemmParams p) {
     for (int j = 0; j < Tile::kColsPerThread; ++j) {
       const int64_t col = col0 + tx + 16 * j;
       if (col >= p.n) continue;
+      if (gridDim.z > 1) {  // this split's plane: [splits, m, n]
+        p.workspace[(int64_t(blockIdx.z) * p.m + row) * p.n + col] = acc[i][j];
+        continue;
+      }
       const int64_t index = row * p.ldd + col;
       const float prior = p.accumulate ? load_as_float(p.d, p.d_dtype, index) : 0.0f;
       store_from_float(p.d, p.d_dtype, index, p.alpha * acc[i][j] + prior);  // one rounding
     }
+  }
+}
+
+// D = alpha (sum of the split planes, in split order) (+ D): one rounding, as unsplit.
+__global__ void __launch_bounds__(kThreads) rank_gemm_reduce_kernel(RankGemmParams p, int64_t splits) {
+  const int64_t plane = p.m * p.n;
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < plane; e += int64_t(gridDim.x) * blockDim.x) {
+    float sum = 0.0f;
+    for (int64_t z = 0; z < splits; ++z) sum += p.workspace[z * plane + e];
+    const int64_t index = (e / p.n) * p.ldd + e % p.n;
+    const float prior = p.accumulate ? load_as_float(p.d, p.d_dtype, index) : 0.0f;
+    store_from_float(p.d, p.d_dtype, index, p.alpha * sum + prior);
   }
 }
 
@@ -360,9 +379,16 @@ const char* launch_rank_tiles(const RankGemmParams& p, cudaStream_t stream) {
   const int64_t row_tiles = (p.m + kTileM - 1) / kTileM;
   const int64_t col_tiles = (p.n + kTileN - 1) / kTileN;
   if (row_tiles > INT32_MAX || col_tiles > 65535) return "lora rank gemm: output too large for one launch";
-  const dim3 grid(static_cast<unsigned>(row_tiles), static_cast<unsigned>(col_tiles));
-  rank_gemm_kernel<kTileM, kTileN><<<grid, kThreads, 0, stream>>>(p);
-  return launch_status("lora rank gemm: kernel launch failed");
+  const RankSplit split = rank_gemm_split(p.m, p.n, p.k, p.sms);
+  if (split.splits > 1 && p.workspace == nullptr)
+    return "lora rank gemm: a split-k plan needs rank_gemm_workspace_floats(p) floats of workspace";
+  const dim3 grid(static_cast<unsigned>(row_tiles), static_cast<unsigned>(col_tiles),
+                  static_cast<unsigned>(split.splits));
+  rank_gemm_kernel<kTileM, kTileN><<<grid, kThreads, 0, stream>>>(p, split.k_per_split);
+  if (split.splits == 1) return launch_status("lora rank gemm: kernel launch failed");
+  if (const char* error = launch_status("lora rank gemm: kernel launch failed")) return error;
+  rank_gemm_reduce_kernel<<<grid_for(p.m * p.n), kThreads, 0, stream>>>(p, split.splits);
+  return launch_status("lora rank gemm: reduce kernel launch failed");
 }
 
 // ------------------------------------------------------------------ casts
@@ -428,9 +454,15 @@ const char* launch_rank_gemm(const RankGemmParams& p, cudaStream_t stream) {
   if (p.m == 0 || p.n == 0) return nullptr;
   if (p.d == nullptr || p.ldd < p.n) return "lora rank gemm: d must be non-null with ldd >= n";
   if (p.k > 0 && (p.a == nullptr || p.b == nullptr)) return "lora rank gemm: a and b must be non-null";
-  if (p.n <= 16) return launch_rank_tiles<128, 16>(p, stream);
-  if (p.m <= 16) return launch_rank_tiles<16, 128>(p, stream);
+  const RankTile tile = rank_tile(p.m, p.n);
+  if (tile.n == 16) return launch_rank_tiles<128, 16>(p, stream);
+  if (tile.m == 16) return launch_rank_tiles<16, 128>(p, stream);
   return launch_rank_tiles<64, 64>(p, stream);
+}
+
+int device_multiprocessors(int device) {
+  int sms = 0;
+  return cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess ? sms : 0;
 }
 
 const char* launch_cast(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t numel,

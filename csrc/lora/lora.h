@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "common/dtype.h"
+#include "common/host_device.h"
 
 typedef struct CUstream_st* cudaStream_t;
 
@@ -80,8 +81,49 @@ struct RankGemmParams {
   int64_t ldd;
   float alpha;
   bool accumulate;
+  int sms = 0;                 // the device's multiprocessors (device_multiprocessors); 0: no split
+  float* workspace = nullptr;  // rank_gemm_workspace_floats(*this) floats when that is not 0
 };
 const char* launch_rank_gemm(const RankGemmParams& params, cudaStream_t stream);
+int device_multiprocessors(int device);
+
+// The output tile of one CTA of the rank GEMM, by which side is the rank: 128 x 16 (n = r: xa, dxa,
+// dB), 16 x 128 (m = r: dA), 64 x 64 (the rest: dxa A, r > 16).
+struct RankTile {
+  int64_t m, n;
+};
+inline RankTile rank_tile(int64_t m, int64_t n) {
+  if (n <= 16) return {128, 16};
+  if (m <= 16) return {16, 128};
+  return {64, 64};
+}
+
+// Split-k of the rank GEMM: these products have few output tiles (dy B at T 8192: 64) and long k
+// (the base's 14336 features): one CTA per tile walking all of k kept 64 of an H100's 132 SMs
+// busy, latency-bound, at 1.5 TFLOP/s (2.4 ms for a product that reads 235 MB). `splits` CTAs
+// share each tile, each summing k_per_split of k (a multiple of the kernel's 16-deep slices, at
+// least kRankMinSplitK) into its own [m, n] fp32 plane of the workspace; a second pass adds the
+// planes in split order, so results do not depend on scheduling.
+inline constexpr int64_t kRankCtasPerSm = 4;     // CTAs in flight per SM to hide load latency
+inline constexpr int64_t kRankMinSplitK = 512;   // k per split at least: the partials stay small
+inline constexpr int64_t kRankMaxSplits = 64;
+struct RankSplit {
+  int64_t splits, k_per_split;
+};
+inline RankSplit rank_gemm_split(int64_t m, int64_t n, int64_t k, int sms) {
+  const RankTile tile = rank_tile(m, n);
+  const int64_t tiles = ceil_div(m, tile.m) * ceil_div(n, tile.n);
+  int64_t splits = tiles > 0 ? ceil_div(kRankCtasPerSm * sms, tiles) : 1;
+  splits = splits < k / kRankMinSplitK ? splits : k / kRankMinSplitK;
+  splits = splits < kRankMaxSplits ? splits : kRankMaxSplits;
+  if (splits <= 1) return {1, k};
+  const int64_t k_per_split = ceil_div(ceil_div(k, splits), 16) * 16;
+  return {ceil_div(k, k_per_split), k_per_split};  // every split gets a non-empty range of k
+}
+inline int64_t rank_gemm_workspace_floats(const RankGemmParams& p) {
+  const RankSplit split = rank_gemm_split(p.m, p.n, p.k, p.sms);
+  return split.splits > 1 ? split.splits * p.m * p.n : 0;
+}
 
 // dst[i] = (dst_dtype) src[i] for i < numel (fp32 <-> 16-bit casts of the small LoRA tensors).
 const char* launch_cast(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t numel,

@@ -15,8 +15,10 @@
 // nothing on the LoRA path is rounded to 16 bits before its output (as on the CPU and in PEFT,
 // whose fp32 adapters see an fp32 copy of x). With an NF4 weight, chunks of rows of W (up to
 // 16 MiB) are dequantized into one buffer and multiplied one after the other; grad_x sums the
-// chunks in an fp32 buffer and is rounded once. On Hopper, the GEMMs with bf16 operands run on
-// the sm_90a core (TMA + wgmma, common/gemm_sm90_torch.h), the rest on launch_gemm's sm80 kernels.
+// chunks in an fp32 buffer and is rounded once. The base weight's GEMMs with an output in x's dtype
+// (x W^T, dy W) run on cuBLAS through ATen, which measured twice as fast as our kernels at the sizes
+// users train at (base_gemm); the tensor-core products with an fp32 output (xa, dxa, NF4's dy W)
+// run on the sm_90a core on Hopper (bf16, common/gemm_sm90_torch.h), else on launch_gemm's kernels.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -88,6 +90,18 @@ void gemm(int64_t m, int64_t n, int64_t k, Operand a, Operand b, DType ab_dtype,
   gemm::run_gemm(p, stream);  // the sm_90a core on Hopper (bf16), else launch_gemm
 }
 
+// out (+)= a @ b for the base weight's GEMMs (x W^T forward, dy W backward), all in x's dtype: on
+// cuBLAS through ATen. Measured on an H100 (benchmarks/results/h100.md, kernel breakdown) at T 8192
+// on a 4096 x 14336 weight: 1.19 ms for x W^T against 2.23 ms on our sm_90a core and 2.24 ms on
+// the sm80 kernel. beta = 1 accumulates in fp32 before the one rounding, as our kernels do.
+void base_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
+  if (accumulate) {
+    out.addmm_(a, b);
+  } else {
+    at::mm_out(out, a, b);
+  }
+}
+
 // The rows of an NF4 weight [n, k], dequantized a chunk at a time into one buffer of x's dtype.
 // The dequantize launcher starts at a block boundary (and, with double quantization, at a nested
 // block boundary), so a chunk is decoded from the boundary at or before its first row; the slack
@@ -95,11 +109,11 @@ void gemm(int64_t m, int64_t n, int64_t k, Operand a, Operand b, DType ab_dtype,
 class Nf4RowChunks {
  public:
   Nf4RowChunks(const nf4::DequantizeParams& weight, int64_t n, int64_t k, const at::Tensor& x)
-      : weight_(weight), k_(k), element_bytes_(x.element_size()) {
+      : weight_(weight), k_(k) {
     const bool nested = weight.scales.absmax == nullptr;
     group_ = weight.blocksize * (nested ? weight.scales.nested_blocksize : 1);
     // Multiples of 8 rows keep each chunk's columns of y 16-byte aligned (tensor-core path).
-    const int64_t fit = kWeightChunkBytes / (k * element_bytes_) / 8 * 8;
+    const int64_t fit = kWeightChunkBytes / (k * x.element_size()) / 8 * 8;
     rows_per_chunk_ = std::min(n, std::max<int64_t>(8, fit));
     buffer_ = at::empty({rows_per_chunk_ * k + group_}, x.options());
     weight_.out_dtype = dtype_of(x);
@@ -107,8 +121,8 @@ class Nf4RowChunks {
 
   int64_t rows_per_chunk() const { return rows_per_chunk_; }
 
-  // Dequantizes rows [row, row + rows) and returns row `row` of them (leading dimension k).
-  const void* dequantize(int64_t row, int64_t rows, cudaStream_t stream) {
+  // Dequantizes rows [row, row + rows) and returns them as a [rows, k] view of the buffer.
+  at::Tensor dequantize(int64_t row, int64_t rows, cudaStream_t stream) {
     const int64_t first = row * k_;
     const int64_t start = first - first % group_;  // a multiple of blocksize (and nested block)
     const int64_t block = start / weight_.blocksize;
@@ -123,13 +137,12 @@ class Nf4RowChunks {
     part.numel = first + rows * k_ - start;
     part.out = buffer_.data_ptr();
     check_launch(nf4::launch_dequantize(part, stream));
-    return static_cast<const char*>(buffer_.data_ptr()) + (first - start) * element_bytes_;
+    return buffer_.narrow(0, first - start, rows * k_).view({rows, k_});
   }
 
  private:
   nf4::DequantizeParams weight_;
   int64_t k_;
-  int64_t element_bytes_;
   int64_t group_;
   int64_t rows_per_chunk_;
   at::Tensor buffer_;
@@ -153,6 +166,12 @@ void rank_gemm(int64_t m, int64_t n, int64_t k, RankOperand a, RankOperand b, at
   p.b = b.data, p.b_dtype = b.dtype, p.b_stride_k = b.stride_row, p.b_stride_n = b.stride_col;
   p.d = out.data_ptr(), p.d_dtype = dtype_of(out), p.ldd = out.size(1);
   p.alpha = alpha, p.accumulate = accumulate;
+  p.sms = device_multiprocessors(out.get_device());
+  at::Tensor workspace;  // the split-k planes (lora.h, rank_gemm_split), freed when the launch is queued
+  if (const int64_t floats = rank_gemm_workspace_floats(p); floats > 0) {
+    workspace = at::empty({floats}, out.options().dtype(at::kFloat));
+    p.workspace = workspace.data_ptr<float>();
+  }
   check_launch(launch_rank_gemm(p, stream));
 }
 
@@ -205,7 +224,7 @@ std::tuple<at::Tensor, at::Tensor> lora_linear_cuda(const at::Tensor& x, const a
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream(x);
   auto [y, xa] = start_forward(x, x_lora.value_or(x), lora_A, lora_B, scaling, bias, s, stream);
-  gemm(s.m, s.n, s.k, plain(x), transposed(weight), dtype_of(x), output(y), 1.0f, true, stream);
+  base_gemm(y, x, weight.t(), /*accumulate=*/true);
   return {y, xa};
 }
 
@@ -222,13 +241,11 @@ std::tuple<at::Tensor, at::Tensor> lora_linear_nf4_cuda(
   const cudaStream_t stream = current_stream(x);
   auto [y, xa] = start_forward(x, x_lora.value_or(x), lora_A, lora_B, scaling, bias, s, stream);
   if (s.m == 0) return {y, xa};
-  // y[:, rows] += x W[rows]^T, written through ldd = N.
+  // y[:, rows] += x W[rows]^T, into a column slice of y (row stride n).
   Nf4RowChunks chunks(weight, s.n, s.k, x);
   for (int64_t row = 0; row < s.n; row += chunks.rows_per_chunk()) {
     const int64_t rows = std::min(chunks.rows_per_chunk(), s.n - row);
-    const Operand w_rows{chunks.dequantize(row, rows, stream), s.k, true};
-    const Output y_columns{static_cast<char*>(y.data_ptr()) + row * y.element_size(), s.n, dtype_of(y)};
-    gemm(s.m, rows, s.k, plain(x), w_rows, dtype_of(x), y_columns, 1.0f, true, stream);
+    base_gemm(y.narrow(1, row, rows), x, chunks.dequantize(row, rows, stream).t(), /*accumulate=*/true);
   }
   return {y, xa};
 }
@@ -283,8 +300,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_linear_backward_
       low_rank_backward(grad_y, x, lora_A, lora_B, xa, scaling, x_lora, compute_grad_x, x.scalar_type(), s, stream);
   if (compute_grad_x) {
     // grad_x = dy W (+ dxa A already in grad_x when x_lora is absent).
-    gemm(s.m, s.k, s.n, plain(grad_y), plain(weight), dtype_of(x), output(g.grad_x), 1.0f, !x_lora.has_value(),
-         stream);
+    base_gemm(g.grad_x, grad_y, weight, /*accumulate=*/!x_lora.has_value());
   }
   return {g.grad_x, g.grad_x_lora, g.grad_A, g.grad_B};
 }
@@ -314,7 +330,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_linear_nf4_backw
     Nf4RowChunks chunks(*weight, s.n, s.k, x);
     for (int64_t row = 0; row < s.n; row += chunks.rows_per_chunk()) {
       const int64_t rows = std::min(chunks.rows_per_chunk(), s.n - row);
-      const Operand w_rows{chunks.dequantize(row, rows, stream), s.k, false};
+      const Operand w_rows = plain(chunks.dequantize(row, rows, stream));
       const Operand dy_columns{static_cast<const char*>(grad_y.data_ptr()) + row * grad_y.element_size(), s.n, false};
       const bool accumulate = row > 0 || !x_lora.has_value();
       gemm(s.m, s.k, rows, dy_columns, w_rows, dtype_of(x), output(g.grad_x), 1.0f, accumulate, stream);

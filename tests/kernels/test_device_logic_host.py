@@ -603,6 +603,48 @@ def test_sm90_logprobs_accept_the_shapes_the_op_makes():
         assert H.logprobs_sm90_error(tokens, rows, h, hidden=256, weight=512, ld=ld, dz=1024) == ""
 
 
+# ------------------------------------------------------------------ LoRA: the rank GEMM's split-k plan
+def rank_tile_oracle(m: int, n: int) -> tuple[int, int]:
+    return (128, 16) if n <= 16 else (16, 128) if m <= 16 else (64, 64)
+
+
+@given(m=st.integers(1, 70000), n=st.integers(1, 20000), k=st.integers(0, 70000),
+       sms=st.sampled_from([0, 1, 8, 108, 132]))
+@FAST
+def test_rank_gemm_splits_cover_k_once(m, n, k, sms):
+    """The kernel's CTA z sums k in [z k_per_split, min(k, (z + 1) k_per_split)): the ranges must
+    tile [0, k) without overlap or an empty one (the reduce adds every plane), in 16-deep slices."""
+    tile_m, tile_n, splits, k_per_split, floats = H.lora_rank_gemm_plan(m, n, k, sms)
+    assert (tile_m, tile_n) == rank_tile_oracle(m, n)
+    assert 1 <= splits <= 64
+    if splits == 1:
+        assert (k_per_split, floats) == (k, 0)
+        return
+    assert k_per_split % 16 == 0 and k_per_split >= 512
+    ranges = [(z * k_per_split, min(k, (z + 1) * k_per_split)) for z in range(splits)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == k
+    assert all(begin < end for begin, end in ranges)
+    assert all(ranges[z][1] == ranges[z + 1][0] for z in range(splits - 1))
+    assert floats == splits * m * n
+
+
+@pytest.mark.parametrize("m, n, k, name", [
+    (8192, 16, 14336, "dxa = dy B"), (8192, 16, 4096, "xa = x A^T"), (14336, 16, 8192, "dB = dy^T xa"),
+    (16, 4096, 8192, "dA = dxa^T x")])
+def test_rank_gemm_fills_an_h100(m, n, k, name):
+    """The LoRA products at T 8192 on a 4096 x 14336 weight, r 16 (the kernel breakdown on an H100
+    measured 64 CTAs for dy B at 1.5 TFLOP/s): at least 4 CTAs per SM of 132 once k allows."""
+    tile_m, tile_n, splits, _, _ = H.lora_rank_gemm_plan(m, n, k, 132)
+    tiles = math.ceil(m / tile_m) * math.ceil(n / tile_n)
+    assert tiles * splits >= 4 * 132 or splits == k // 512, name
+
+
+def test_rank_gemm_small_k_or_no_device_count_is_unsplit():
+    assert H.lora_rank_gemm_plan(8192, 16, 1023, 132)[2] == 1  # k < 2 x 512: one range
+    assert H.lora_rank_gemm_plan(8192, 16, 14336, 0)[2:] == (1, 14336, 0)  # SM count unknown
+    assert H.lora_rank_gemm_plan(64 * 1024, 4096, 16, 132)[2] == 1  # dxa A: k = r
+
+
 # ------------------------------------------------------------------ tails and alignment
 @pytest.mark.parametrize("width", [1, 4, 8, 16])
 def test_elements_in_range(width):
