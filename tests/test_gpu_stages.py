@@ -157,3 +157,29 @@ def test_build_stage_fails_an_sm90a_build_without_the_hopper_gemm_core():
     assert [p for p in build.check_families(info) if "Hopper" in p]
     info["build_info"]["cuda_archs"] = ["80"]
     assert not [p for p in build.check_families(info) if "Hopper" in p]
+
+
+def run_lease(tmp_path, stages: str) -> subprocess.CompletedProcess:
+    """lease.sh with a python that does not exist: nothing is installed or built here."""
+    env = {**os.environ, "OUT": str(tmp_path), "STAGES": stages, "GPU_PYTHON": str(tmp_path / "no-python")}
+    return subprocess.run(["bash", str(GPU_DIR / "lease.sh")], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_lease_script_refuses_an_unknown_stage(tmp_path):
+    result = run_lease(tmp_path, "tests build")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "unknown stage tests (build, test, sanitize, bench, breakdown)" in result.stdout
+
+
+def test_lease_script_with_no_stage_prints_only_the_summary(tmp_path):
+    result = run_lease(tmp_path, "")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "---- stages" in result.stdout and "== " not in result.stdout
+
+
+def test_lease_script_fails_when_a_stage_fails(tmp_path):
+    """The build stage's python does not exist: it fails, and the script says so."""
+    result = run_lease(tmp_path, "build")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "build: exit 2" in result.stdout and (tmp_path / "build.log").exists()

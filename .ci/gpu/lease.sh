@@ -13,11 +13,13 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-build/lease}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-STAGES=${STAGES:-"build test sanitize bench"}
+STAGES=${STAGES-"build test sanitize bench"}  # set and empty: no stage
 BENCH_FILES=${BENCH_FILES:-"moe logprobs lora"}
+PY=${GPU_PYTHON:-python3}  # the image's python, with its CUDA torch
 TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-60}
 TEST_ARGS=${TEST_ARGS:-}  # test files / node ids to run instead of every CUDA test (.ci/gpu/test.py)
 summary=()
+failed=0
 
 step() {  # step NAME LOG LIMIT_S COMMAND...: runs COMMAND under LIMIT_S, appending to $OUT/LOG.log
     local name=$1 log=$2 limit=$3 start rc
@@ -27,6 +29,7 @@ step() {  # step NAME LOG LIMIT_S COMMAND...: runs COMMAND under LIMIT_S, append
     timeout -k 10 "$limit" "$@" >>"$OUT/$log.log" 2>&1
     rc=$?
     summary+=("$name: exit $rc, $(($(date +%s) - start)) s")
+    [ $rc -eq 0 ] || failed=1
     return $rc
 }
 
@@ -34,24 +37,24 @@ step() {  # step NAME LOG LIMIT_S COMMAND...: runs COMMAND under LIMIT_S, append
 device=$(nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,memory.used \
     --format=csv,noheader 2>&1)
 per_test=(--timeout="$TEST_TIMEOUT_S" --timeout-method=thread)  # thread: a hung CUDA call ends the run
-python3 -c "import pytest_timeout" 2>/dev/null || { per_test=(); echo "no pytest-timeout: tests run without a per-test limit"; }
+"$PY" -c "import pytest_timeout" 2>/dev/null || { per_test=(); echo "no pytest-timeout: tests run without a per-test limit"; }
 for stage in $STAGES; do
     case $stage in
-    build) step build build 300 make gpu-install GPU_PYTHON=python3 || break ;;
+    build) step build build 300 make gpu-install GPU_PYTHON="$PY" || break ;;
     test)
         if [ -n "$TEST_ARGS" ]; then  # word-split on purpose: a list of files / node ids
-            step test test 240 python3 -m pytest $TEST_ARGS -m "cuda and not slow" -q -p no:cacheprovider \
+            step test test 240 "$PY" -m pytest $TEST_ARGS -m "cuda and not slow" -q -p no:cacheprovider \
                 "${per_test[@]}" -rfE
         else
-            step test test 240 python3 .ci/gpu/test.py -- "${per_test[@]}" -rfE
+            step test test 240 "$PY" .ci/gpu/test.py -- "${per_test[@]}" -rfE
         fi ;;
-    sanitize) step sanitize sanitize 150 python3 .ci/gpu/sanitize.py ;;
+    sanitize) step sanitize sanitize 150 "$PY" .ci/gpu/sanitize.py ;;
     bench)
         for family in $BENCH_FILES; do
-            step "bench-$family" bench 200 python3 -m pytest --benchmark "benchmarks/test_bench_$family.py" -q \
+            step "bench-$family" bench 200 "$PY" -m pytest --benchmark "benchmarks/test_bench_$family.py" -q \
                 -p no:cacheprovider --benchmark-json="$OUT/bench-$family.json"
         done ;;
-    breakdown) step breakdown breakdown 150 python3 -m benchmarks.kernel_breakdown --top 8 ;;
+    breakdown) step breakdown breakdown 150 "$PY" -m benchmarks.kernel_breakdown --top 8 ;;
     *) echo "unknown stage $stage (build, test, sanitize, bench, breakdown)"; exit 2 ;;
     esac
 done
@@ -65,3 +68,4 @@ done
 [ -f "$OUT/breakdown.log" ] && { echo "---- breakdown.log"; grep -v "^==" "$OUT/breakdown.log" | tail -60; }
 echo "---- stages"
 printf '%s\n' "${summary[@]}"
+exit $failed
