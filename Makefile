@@ -63,8 +63,11 @@ E2E_WORKERS ?= 2
 test-e2e: $(BUILT)
 	$(PY) -m pytest tests -q -m slow --durations=15 -n $(E2E_WORKERS) --dist loadscope
 
+# ruff (pyproject [tool.ruff]) and dead code: vulture (pyproject [tool.vulture], whitelist with reasons
+# in .ci/dead_code_whitelist.py).
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/vulture
 
 install: $(INSTALLED)
 

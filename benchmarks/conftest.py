@@ -228,7 +228,7 @@ def measure(benchmark, device):
         benchmark.group = f"{labels['family']}.{labels['op']}.{labels['case']}"
         benchmark.extra_info.update(labels, device_class=device.device_class, repeats=repeats,
                                     bytes_per_call=bytes_moved, peak_bandwidth=device.peak_bandwidth,
-                                    peak_source=device.peak_source)
+                                    peak_source=device.peak_source, peak_flops_source=device.flops_source)
         if peak_extra_bytes is not None:
             benchmark.extra_info["peak_extra_bytes"] = peak_extra_bytes
         if planted:

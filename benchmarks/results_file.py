@@ -36,10 +36,6 @@ class Result:
     def key(self) -> tuple[str, str, str, str]:
         return self.family, self.op, self.case, self.impl
 
-    @property
-    def rule_key(self) -> str:
-        return f"{self.family}.{self.op}"
-
 
 def load_results(path: str | Path) -> list[Result]:
     return parse_benchmarks(json.loads(Path(path).read_text()).get("benchmarks", []), str(path))

@@ -11,6 +11,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
+def schedule_staleness(depth: int, interval: int) -> int:
+    """The largest staleness, in adapter versions, that generation with prefetch depth d and a sync
+    every k steps produces by itself: d + k - 1 (driver/rollouts/schedule.py). Here, at the bottom
+    of the layering, because it is also max_staleness's default."""
+    return depth + interval - 1
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -309,10 +316,11 @@ class Config(Section):
         if self.algo.epsilon_high is not None and self.algo.epsilon_high < self.algo.epsilon:
             raise ValueError("algo.epsilon_high must be >= algo.epsilon")
         rollout = self.rollout
-        if rollout.max_staleness is not None and rollout.max_staleness < self.schedule_staleness:
+        staleness = schedule_staleness(self.prefetch_depth, rollout.vllm_sync_interval)
+        if rollout.max_staleness is not None and rollout.max_staleness < staleness:
             raise ValueError(f"rollout.max_staleness = {rollout.max_staleness} would drop every batch: with "
                              f"prefetch_depth = {self.prefetch_depth} and vllm_sync_interval = "
-                             f"{rollout.vllm_sync_interval} samples are {self.schedule_staleness} versions old "
+                             f"{rollout.vllm_sync_interval} samples are {staleness} versions old "
                              "when trained on; raise it or lower those")
         if rollout.partial_rollout_tokens is not None and rollout.partial_rollout_tokens >= rollout.sampling.max_tokens:
             raise ValueError(f"rollout.partial_rollout_tokens = {rollout.partial_rollout_tokens} must be below "
@@ -357,15 +365,12 @@ class Config(Section):
         return self.rollout.prefetch_depth if self.rollout.async_prefetch else 0
 
     @property
-    def schedule_staleness(self) -> int:
-        return self.prefetch_depth + self.rollout.vllm_sync_interval - 1
-
-    @property
     def max_staleness(self) -> int:
         if self.rollout.max_staleness is not None:
             return self.rollout.max_staleness
         # Partial rollouts: a group may be continued once, in the next batch, by a newer version.
-        return self.schedule_staleness + (self.rollout.partial_rollout_tokens is not None)
+        return (schedule_staleness(self.prefetch_depth, self.rollout.vllm_sync_interval)
+                + (self.rollout.partial_rollout_tokens is not None))
 
     @property
     def output_dir(self) -> Path:

@@ -14,7 +14,7 @@ class GracefulInterrupt:
         self._previous = None
         self._out = out  # the terminal (driver/metrics/console.py); sys.stdout when None
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, _signum, _frame) -> None:
         if self.requested:
             raise KeyboardInterrupt
         self.requested = True
@@ -25,5 +25,5 @@ class GracefulInterrupt:
         self._previous = signal.signal(signal.SIGINT, self._handle)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *_exc) -> None:
         signal.signal(signal.SIGINT, self._previous)

@@ -61,13 +61,6 @@ def init_world() -> World:
     return _world
 
 
-def close_world() -> None:
-    global _world
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    _world = World()
-
-
 def broadcast(value=None):
     """Rank 0's value on every rank (any picklable object)."""
     if not _world.distributed:

@@ -1,5 +1,7 @@
-"""Strided-mode row layout of EBFT (energy-based fine-tuning, arXiv 2603.12248): anchors, per-token
-metadata, the block-parallel attention mask, position ids and the row that predicts each token.
+"""Strided-mode row layout of EBFT (energy-based fine-tuning, arXiv 2603.12248): anchors, the per-token
+metadata (TokenMeta) and the block-parallel attention mask over it. The rows themselves, with their
+position ids and the row that predicts each token, are built by driver/ebft/strided_generate.py
+(generation_order), for many documents and samples at once.
 
 One document x[0:P) is cut into NB blocks at anchors a_b = C + b*S (C = context_length = the first
 anchor, S = stride). Block b regenerates the ground-truth span x[a_b : a_b + G) (G = generate_length)
@@ -58,56 +60,6 @@ class StridedLayout:
     def num_blocks(self) -> int:
         return len(self.anchors)
 
-    def _steps(self, steps: int | None) -> int:
-        steps = self.generate_length if steps is None else steps
-        if not 0 <= steps <= self.generate_length:
-            raise ValueError(f"steps must be in [0, generate_length = {self.generate_length}], got {steps}")
-        return steps
-
-    def row_length(self, steps: int | None = None) -> int:
-        """P + steps * NB: the row after `steps` generation steps (all G by default)."""
-        return self.doc_length + self._steps(steps) * self.num_blocks()
-
-    def token_meta(self, steps: int | None = None, segment: int = 0) -> TokenMeta:
-        """Metadata of the row after `steps` generation steps (all G by default)."""
-        steps, num_blocks, doc_length = self._steps(steps), self.num_blocks(), self.doc_length
-        anchors = torch.tensor(self.anchors, dtype=torch.long)                  # [NB]
-        step = torch.arange(steps).repeat_interleave(num_blocks)                 # [steps*NB] step-major
-        block = torch.arange(num_blocks).repeat(steps)                           # [steps*NB]
-        minus_one = torch.full((doc_length,), -1, dtype=torch.long)
-        gen_anchor = anchors[block]
-        return TokenMeta(
-            segment=torch.full((doc_length + steps * num_blocks,), segment, dtype=torch.long),
-            is_gen=torch.cat([torch.zeros(doc_length, dtype=torch.long), torch.ones_like(step)]),
-            pos=torch.cat([torch.arange(doc_length), gen_anchor + step]),
-            block=torch.cat([minus_one, block]),
-            step=torch.cat([minus_one, step]),
-            anchor=torch.cat([minus_one, gen_anchor]))
-
-    def position_ids(self, steps: int | None = None) -> Tensor:
-        """[L] position ids of the row."""
-        return self.token_meta(steps).pos
-
-    def generated_positions(self) -> Tensor:
-        """[NB, G] row positions of block b's generated tokens, in step order."""
-        num_blocks = self.num_blocks()
-        steps = torch.arange(self.generate_length)
-        return self.doc_length + steps[None, :] * num_blocks + torch.arange(num_blocks)[:, None]
-
-    def predictor_positions(self) -> Tensor:
-        """[NB*G] for each generated token in row order (step-major), the row whose logits predict it:
-        a_b - 1 (the last context token) for step 0, the block's own previous token otherwise. The
-        row just before a generated token belongs to another block, so the plain causal shift scores
-        it with the wrong prediction (axolotl's strided logprob bug)."""
-        rows = self.generated_positions()                                        # [NB, G]
-        anchors = torch.tensor(self.anchors, dtype=torch.long)
-        predictors = torch.cat([anchors[:, None] - 1, rows[:, :-1]], dim=1)      # [NB, G]
-        return predictors.t().reshape(-1)                                        # step-major
-
-    def ground_truth_spans(self) -> list[tuple[int, int]]:
-        """(a_b, a_b + G) per block: the document span block b regenerates."""
-        return [(anchor, anchor + self.generate_length) for anchor in self.anchors]
-
 
 def strided_layout(doc_length: int, stride: int, context_length: int, generate_length: int,
                    first_anchor_min: int = 0) -> StridedLayout:
@@ -127,18 +79,6 @@ def strided_layout(doc_length: int, stride: int, context_length: int, generate_l
     room = doc_length - generate_length - first_anchor
     num_blocks = room // stride + 1 if room >= 0 else 0
     return StridedLayout(doc_length, [first_anchor + b * stride for b in range(num_blocks)], generate_length)
-
-
-def pack_layouts(layouts: list[StridedLayout], steps: int | None = None) -> tuple[TokenMeta, list[int]]:
-    """One row holding every layout (segment i = layouts[i]) and the row offset of each; a layout's
-    row positions (predictor_positions, generated_positions) shift by its offset in the packed row.
-    The n samples of a document are packed as n copies of its layout."""
-    metas = [layout.token_meta(steps, segment=i) for i, layout in enumerate(layouts)]
-    offsets = [0]
-    for meta in metas[:-1]:
-        offsets.append(offsets[-1] + len(meta))
-    packed = TokenMeta(**{f.name: torch.cat([getattr(meta, f.name) for meta in metas]) for f in fields(TokenMeta)})
-    return packed, offsets
 
 
 def attends(meta: TokenMeta, q: Tensor, kv: Tensor) -> Tensor:

@@ -153,5 +153,5 @@ class MetricsLogger:
     def __enter__(self) -> MetricsLogger:
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, *_exc_info) -> None:
         self.close()

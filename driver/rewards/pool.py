@@ -131,7 +131,7 @@ class _KeyedResults:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *_exc) -> None:
         self.close()
 
 

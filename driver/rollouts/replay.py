@@ -68,7 +68,7 @@ class ReplayBuffer:
         Zero-signal groups and groups that were themselves replayed are not kept (a group trains
         at most twice: when generated and once replayed). A group already older than max_age
         counts as a stale eviction: if every group does, max_age is below the schedule's own
-        staleness (driver/rollouts/schedule.py: steady_staleness) and replay can never serve anything."""
+        staleness (driver/config.py: schedule_staleness) and replay can never serve anything."""
         self._evict_stale(step)
         offered = set()
         for group in groups:

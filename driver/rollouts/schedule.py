@@ -13,6 +13,8 @@ pure functions of j, so an asynchronous run is as reproducible as a synchronous 
 
 from __future__ import annotations
 
+from driver.config import schedule_staleness
+
 
 def job_version(job: int, depth: int, interval: int) -> int:
     if job < 0 or depth < 0 or interval < 1:
@@ -25,11 +27,6 @@ def sync_due(step: int, interval: int) -> bool:
     return step % interval == 0
 
 
-def steady_staleness(depth: int, interval: int) -> int:
-    """The largest staleness the schedule itself produces (d + k - 1 versions)."""
-    return depth + interval - 1
-
-
 def staleness(step: int, version: int) -> int:
     """Versions between the trainer (after `step` optimizer steps) and the policy that sampled."""
     return step - version
@@ -39,4 +36,4 @@ def versions_kept(depth: int, interval: int) -> int:
     """Adapter versions to keep servable: after the push of version v, unconsumed jobs (j >= v) still
     use versions down to v - d - k + 1, i.e. the (d + k - 1) // k newest multiples of k below v, plus
     v itself and one spare (the synchronous loop's 2: the version served and the one before)."""
-    return (depth + interval - 1) // interval + 2
+    return schedule_staleness(depth, interval) // interval + 2

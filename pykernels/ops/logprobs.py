@@ -46,7 +46,7 @@ def _setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused output's gradient stays None, not a tensor of zeros
 
 
-def _backward(ctx, grad_logprobs, grad_entropy, grad_lse, grad_grad_terms):
+def _backward(ctx, grad_logprobs, grad_entropy, _grad_lse, _grad_grad_terms):  # lse, terms: no grad
     hidden, weight, targets, lse, entropy, grad_terms = ctx.saved_tensors
     need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if need_hidden and not need_weight and grad_terms.dim() == 3:

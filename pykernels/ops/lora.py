@@ -71,7 +71,7 @@ def _setup_dense(ctx, inputs, output):
     ctx.scaling, ctx.has_bias, ctx.has_x_lora, ctx.a_index = scaling, bias is not None, x_lora is not None, 2
 
 
-def _backward_dense(ctx, grad_y, grad_xa):
+def _backward_dense(ctx, grad_y, _grad_xa):  # xa: saved for backward only
     x, weight, lora_A, lora_B, xa, x_lora = ctx.saved_tensors
     grads = ops.lora_linear_backward(grad_y.contiguous(), x, weight, lora_A, lora_B, xa, ctx.scaling, x_lora,
                                      ctx.needs_input_grad[0])
@@ -87,7 +87,7 @@ def _setup_nf4(ctx, inputs, output):
     ctx.has_bias, ctx.has_x_lora, ctx.a_index = bias is not None, x_lora is not None, 5
 
 
-def _backward_nf4(ctx, grad_y, grad_xa):
+def _backward_nf4(ctx, grad_y, _grad_xa):
     x, packed, absmax, lora_A, lora_B, xa, x_lora, nested_absmax, nested_code, nested_offset = ctx.saved_tensors
     grads = ops.lora_linear_nf4_backward(grad_y.contiguous(), x, packed, absmax, ctx.blocksize, lora_A, lora_B, xa,
                                          ctx.scaling, x_lora, ctx.needs_input_grad[0], nested_absmax, nested_code,

@@ -62,11 +62,6 @@ def compact_lora(lora: LoRAFactors | None, routing: CompactRouting) -> LoRAFacto
     return LoRAFactors(a, b, lora.scaling)
 
 
-def check_expert_weight(weight: NF4Weight, name: str) -> None:
-    if len(weight.shape) != 3:
-        raise ValueError(f"{name} as an NF4Weight must have shape [E, out, in], got {tuple(weight.shape)}")
-
-
 def dequantize_experts(weight: NF4Weight, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[len(experts), out, in] in dtype: the listed experts of an NF4 [E, out, in] weight, bit-equal
     to weight.dequantize(dtype)[experts]. Dequantizes everything when an expert does not start on a

@@ -1,10 +1,13 @@
 """driver.ebft.strided_layout against oracles written as explicit loops over the layout's definition, and
 against plain causal forwards of the tiny model, one block at a time."""
 
+from dataclasses import fields
+
 import pytest
 import torch
 
-from driver.ebft.strided_layout import additive_mask, dense_mask, mask_mod, pack_layouts, strided_layout
+from driver.ebft.strided_generate import generation_order
+from driver.ebft.strided_layout import TokenMeta, additive_mask, dense_mask, mask_mod, strided_layout
 
 # (doc_length P, stride S, context_length C, generate_length G, first_anchor_min) -> anchors
 ANCHOR_CASES = [
@@ -18,6 +21,75 @@ ANCHOR_CASES = [
 ]
 # (P, S, C, G) of the mask oracles, odd sizes included
 MASK_CASES = [(13, 2, 3, 3), (9, 4, 1, 1), (23, 3, 5, 4), (6, 1, 2, 5)]
+
+
+# One layout's row, written out by the module docstring's definition: the driver builds the shared
+# row of many documents and samples instead (driver/ebft/strided_generate.py: generation_order).
+def checked_steps(layout, steps):
+    steps = layout.generate_length if steps is None else steps
+    if not 0 <= steps <= layout.generate_length:
+        raise ValueError(f"steps must be in [0, generate_length = {layout.generate_length}], got {steps}")
+    return steps
+
+
+def token_meta(layout, steps=None, segment=0):
+    """Metadata of the row after `steps` generation steps (all G by default)."""
+    steps, num_blocks, doc_length = checked_steps(layout, steps), layout.num_blocks(), layout.doc_length
+    anchors = torch.tensor(layout.anchors, dtype=torch.long)                # [NB]
+    step = torch.arange(steps).repeat_interleave(num_blocks)                 # [steps*NB] step-major
+    block = torch.arange(num_blocks).repeat(steps)                           # [steps*NB]
+    minus_one = torch.full((doc_length,), -1, dtype=torch.long)
+    gen_anchor = anchors[block]
+    return TokenMeta(
+        segment=torch.full((doc_length + steps * num_blocks,), segment, dtype=torch.long),
+        is_gen=torch.cat([torch.zeros(doc_length, dtype=torch.long), torch.ones_like(step)]),
+        pos=torch.cat([torch.arange(doc_length), gen_anchor + step]),
+        block=torch.cat([minus_one, block]),
+        step=torch.cat([minus_one, step]),
+        anchor=torch.cat([minus_one, gen_anchor]))
+
+
+def position_ids(layout, steps=None):
+    return token_meta(layout, steps).pos
+
+
+def generated_positions(layout):
+    """[NB, G] row positions of block b's generated tokens, in step order."""
+    num_blocks = layout.num_blocks()
+    steps = torch.arange(layout.generate_length)
+    return layout.doc_length + steps[None, :] * num_blocks + torch.arange(num_blocks)[:, None]
+
+
+def row_length(layout, steps=None):
+    """P + steps * NB: the row after `steps` generation steps (all G by default)."""
+    return layout.doc_length + checked_steps(layout, steps) * layout.num_blocks()
+
+
+def predictor_positions(layout):
+    """[NB*G] for each generated token in row order (step-major), the row whose logits predict it:
+    a_b - 1 (the last context token) for step 0, the block's own previous token otherwise. The row
+    just before a generated token belongs to another block, so the plain causal shift scores it
+    with the wrong prediction (axolotl's strided logprob bug)."""
+    rows = generated_positions(layout)                                        # [NB, G]
+    anchors = torch.tensor(layout.anchors, dtype=torch.long)
+    predictors = torch.cat([anchors[:, None] - 1, rows[:, :-1]], dim=1)        # [NB, G]
+    return predictors.t().reshape(-1)                                          # step-major
+
+
+def ground_truth_spans(layout):
+    """(a_b, a_b + G) per block: the document span block b regenerates."""
+    return [(anchor, anchor + layout.generate_length) for anchor in layout.anchors]
+
+
+def pack_layouts(layouts, steps=None):
+    """One row holding every layout (segment i = layouts[i]) and the row offset of each: the n
+    samples of a document packed as n copies of its layout."""
+    metas = [token_meta(layout, steps, segment=i) for i, layout in enumerate(layouts)]
+    offsets = [0]
+    for meta in metas[:-1]:
+        offsets.append(offsets[-1] + len(meta))
+    packed = TokenMeta(**{f.name: torch.cat([getattr(meta, f.name) for meta in metas]) for f in fields(TokenMeta)})
+    return packed, offsets
 
 
 def oracle_rows(P, anchors, G):
@@ -54,15 +126,15 @@ def test_anchors_start_at_the_first_anchor_and_fit_every_span_in_the_document(ar
     layout = strided_layout(P, S, C, G, first_anchor_min=first_anchor_min)
     assert layout.anchors == anchors
     assert layout.num_blocks() == len(anchors)
-    assert layout.ground_truth_spans() == [(a, a + G) for a in anchors]
-    assert layout.row_length() == P + G * len(anchors)
+    assert ground_truth_spans(layout) == [(a, a + G) for a in anchors]
+    assert row_length(layout) == P + G * len(anchors)
 
 
 def test_a_document_too_short_for_one_block_is_the_document_alone():
     layout = strided_layout(5, stride=2, context_length=3, generate_length=3)
     assert layout.num_blocks() == 0
-    assert layout.predictor_positions().numel() == 0
-    assert torch.equal(dense_mask(layout.token_meta())[0, 0], torch.ones(5, 5, dtype=torch.bool).tril())
+    assert predictor_positions(layout).numel() == 0
+    assert torch.equal(dense_mask(token_meta(layout))[0, 0], torch.ones(5, 5, dtype=torch.bool).tril())
 
 
 @pytest.mark.parametrize("bad", [dict(stride=0), dict(context_length=0), dict(generate_length=0)])
@@ -83,10 +155,10 @@ def test_rows_positions_and_predictors_match_a_hand_written_loop():
             rows[b][s] = P + s * NB + b
             positions.append(anchors[b] + s)
             predictors.append(anchors[b] - 1 if s == 0 else P + (s - 1) * NB + b)
-    assert layout.generated_positions().tolist() == rows
-    assert layout.position_ids().tolist() == positions
-    assert layout.predictor_positions().tolist() == predictors
-    meta = layout.token_meta()
+    assert generated_positions(layout).tolist() == rows
+    assert position_ids(layout).tolist() == positions
+    assert predictor_positions(layout).tolist() == predictors
+    meta = token_meta(layout)
     assert meta.is_gen.tolist() == [0] * P + [1] * (G * NB)
     assert meta.step.tolist() == [-1] * P + [s for s in range(G) for _ in range(NB)]
     assert meta.block.tolist() == [-1] * P + [b for _ in range(G) for b in range(NB)]
@@ -95,31 +167,31 @@ def test_rows_positions_and_predictors_match_a_hand_written_loop():
 
 def test_the_row_after_some_steps_is_a_prefix_of_the_full_row():
     layout = layout_of(13, 2, 3, 3)
-    full = layout.token_meta()
+    full = token_meta(layout)
     for steps in range(4):
-        partial = layout.token_meta(steps)
-        assert len(partial) == layout.row_length(steps) == 13 + 4 * steps
+        partial = token_meta(layout, steps)
+        assert len(partial) == row_length(layout, steps) == 13 + 4 * steps
         assert torch.equal(partial.pos, full.pos[:len(partial)])
         assert torch.equal(dense_mask(partial), dense_mask(full)[..., :len(partial), :len(partial)])
-    with pytest.raises(ValueError, match="steps"):
-        layout.token_meta(4)
+    with pytest.raises(ValueError, match="steps must be in"):  # the driver's row builder checks too
+        generation_order([layout], num_samples=1, steps=4)
 
 
 @pytest.mark.parametrize("P, S, C, G", MASK_CASES)
 def test_dense_mask_is_the_rule_applied_to_every_pair(P, S, C, G):
     layout = layout_of(P, S, C, G)
     expected = oracle_mask(P, layout.anchors, G)
-    mask = dense_mask(layout.token_meta())
+    mask = dense_mask(token_meta(layout))
     assert mask.shape == (1, 1, *expected.shape) and mask.dtype == torch.bool
     assert torch.equal(mask[0, 0], expected)
-    assert torch.equal(dense_mask(layout.token_meta(), slice(P, None))[0, 0], expected[P:])
+    assert torch.equal(dense_mask(token_meta(layout), slice(P, None))[0, 0], expected[P:])
 
 
 @pytest.mark.parametrize("P, S, C, G", MASK_CASES)
 def test_a_block_sees_only_its_prefix_and_its_own_earlier_tokens(P, S, C, G):
     layout = layout_of(P, S, C, G)
-    mask = dense_mask(layout.token_meta())[0, 0]
-    rows = layout.generated_positions()                                     # [NB, G]
+    mask = dense_mask(token_meta(layout))[0, 0]
+    rows = generated_positions(layout)                                     # [NB, G]
     for b, anchor in enumerate(layout.anchors):
         for s in range(G):
             row = mask[rows[b, s]]
@@ -137,8 +209,8 @@ def test_packed_layouts_never_attend_across_segments():
                                   for layout in layouts])
     assert torch.equal(mask, expected)
     assert offsets == [0, 25, 36, 41]  # rows 13 + 3*4, 9 + 1*2, 5 (no block)
-    assert meta.segment.tolist() == [i for i, layout in enumerate(layouts) for _ in range(layout.row_length())]
-    assert torch.equal(meta.pos, torch.cat([layout.position_ids() for layout in layouts]))
+    assert meta.segment.tolist() == [i for i, layout in enumerate(layouts) for _ in range(row_length(layout))]
+    assert torch.equal(meta.pos, torch.cat([position_ids(layout) for layout in layouts]))
 
 
 @pytest.mark.parametrize("P, S, C, G", MASK_CASES)
@@ -150,7 +222,7 @@ def test_flex_mask_mod_gives_the_dense_mask(P, S, C, G):
 
 
 def test_additive_mask_is_zero_where_attended_and_the_dtype_minimum_elsewhere():
-    mask = dense_mask(layout_of(13, 2, 3, 3).token_meta())
+    mask = dense_mask(token_meta(layout_of(13, 2, 3, 3)))
     additive = additive_mask(mask, torch.bfloat16)
     assert additive.dtype == torch.bfloat16
     assert torch.equal(additive == 0, mask)
@@ -182,7 +254,7 @@ def strided_row(layout, document, generated):
 
 @torch.no_grad()
 def strided_logits(model, layout, tokens, mask=None):
-    meta = layout.token_meta()
+    meta = token_meta(layout)
     mask = dense_mask(meta) if mask is None else mask
     return model(input_ids=tokens[None], attention_mask=mask, position_ids=meta.pos[None]).logits[0]
 
@@ -197,7 +269,7 @@ def test_each_block_computes_what_a_causal_forward_of_its_prefix_and_its_tokens_
     layout = layout_of(*MODEL_LAYOUT)
     document, generated = random_tokens(layout.doc_length, 0), random_tokens(layout.num_blocks() * 4, 1).view(-1, 4)
     logits = strided_logits(causal_lm, layout, strided_row(layout, document, generated))
-    rows = layout.generated_positions()
+    rows = generated_positions(layout)
     for b, anchor in enumerate(layout.anchors):
         alone = block_logits(causal_lm, document, anchor, generated[b])
         torch.testing.assert_close(logits[rows[b]], alone[anchor:], atol=1e-4, rtol=1e-4)
@@ -212,7 +284,7 @@ def test_changing_another_blocks_tokens_leaves_a_block_unchanged(causal_lm):
     changed = generated.clone()
     changed[1:] = random_tokens(changed[1:].numel(), 2).view_as(changed[1:])
     after = strided_logits(causal_lm, layout, strided_row(layout, document, changed))
-    rows = layout.generated_positions()
+    rows = generated_positions(layout)
     assert torch.equal(before[rows[0]], after[rows[0]])
     assert torch.equal(before[:layout.doc_length], after[:layout.doc_length])
     assert not torch.allclose(before[rows[1]], after[rows[1]])
@@ -223,8 +295,8 @@ def test_predictor_rows_give_each_generated_token_its_own_blocks_next_token_dist
     G = layout.generate_length
     document, generated = random_tokens(layout.doc_length, 3), random_tokens(layout.num_blocks() * G, 4).view(-1, G)
     logits = strided_logits(causal_lm, layout, strided_row(layout, document, generated))
-    gathered = logits[layout.predictor_positions()].view(G, layout.num_blocks(), -1)     # [G, NB, V] step-major
-    shifted = logits[layout.generated_positions().t().reshape(-1) - 1].view_as(gathered)  # the plain causal shift
+    gathered = logits[predictor_positions(layout)].view(G, layout.num_blocks(), -1)     # [G, NB, V] step-major
+    shifted = logits[generated_positions(layout).t().reshape(-1) - 1].view_as(gathered)  # the plain causal shift
     for b, anchor in enumerate(layout.anchors):
         alone = block_logits(causal_lm, document, anchor, generated[b])[anchor - 1:anchor - 1 + G]
         torch.testing.assert_close(gathered[:, b].log_softmax(-1), alone.log_softmax(-1), atol=1e-4, rtol=1e-4)
@@ -254,7 +326,7 @@ def test_eager_attention_with_the_additive_mask_matches_sdpa_with_the_bool_mask(
     sdpa = strided_logits(causal_lm, layout, tokens)
     causal_lm.set_attn_implementation("eager")
     try:
-        eager = strided_logits(causal_lm, layout, tokens, additive_mask(dense_mask(layout.token_meta()), torch.float32))
+        eager = strided_logits(causal_lm, layout, tokens, additive_mask(dense_mask(token_meta(layout)), torch.float32))
     finally:
         causal_lm.set_attn_implementation("sdpa")
     torch.testing.assert_close(eager, sdpa, atol=1e-4, rtol=1e-4)

@@ -13,7 +13,8 @@ from driver.config import Config
 from driver.data.prompts import PromptSource
 from driver.rollouts.feed import Rollouts
 from driver.rollouts.producer import Producer
-from driver.rollouts.schedule import job_version, staleness, steady_staleness, versions_kept
+from driver.config import schedule_staleness
+from driver.rollouts.schedule import job_version, staleness, versions_kept
 from tests.async_fakes import COMPLETION_BASE, FakeGenerator, FakePolicy, FakeTokenizer
 
 PROMPTS = ["alpha", "bravo", "flat charlie", "delta", "echo", "flat foxtrot", "golf", "hotel"]
@@ -61,7 +62,7 @@ def test_job_version_follows_depth_and_sync_interval(depth, interval, expected):
     versions = [job_version(j, depth, interval) for j in range(7)]
     assert versions == expected
     for job in range(depth, 40):  # steady state: staleness within [d, d + k - 1]
-        assert depth <= staleness(job, job_version(job, depth, interval)) <= steady_staleness(depth, interval)
+        assert depth <= staleness(job, job_version(job, depth, interval)) <= schedule_staleness(depth, interval)
 
 
 def test_versions_kept_cover_every_job_not_yet_consumed():
