@@ -98,8 +98,8 @@ def filtering() -> None:
     batch = RolloutBatch(prompts, completions, logps.clone(), mask, advantages)
     filtered, _ = filter_zero_advantage(batch, config.train.micro_batch_size, beta=0.0)
     cases = {
-        "unfiltered, no micro-batch skip": (batch, {"skip_zero_advantage": False}),
-        "unfiltered, micro-batch skip": (batch, {"skip_zero_advantage": True}),
+        "unfiltered, no micro-batch skip": (batch, {"zero_advantage": "keep"}),
+        "unfiltered, micro-batch skip": (batch, {"zero_advantage": "skip"}),
         "filtered before the update": (filtered, {}),
     }
     print(f"one update of tiny://qwen2 on {len(batch)} completions, 75% of groups zero-signal, "

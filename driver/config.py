@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Literal
 
@@ -153,6 +154,25 @@ class ImportanceSamplingConfig(Section):
         return value
 
 
+def merged_zero_advantage_keys(data: dict) -> dict:
+    """algo.filter_zero_advantage and algo.skip_zero_advantage (until 2026-11) were two keys for one idea,
+    now algo.zero_advantage: the old keys keep working, with one warning giving the new spelling."""
+    old = {"filter_zero_advantage", "skip_zero_advantage"} & data.keys()
+    if not old:
+        return data
+    if "zero_advantage" in data:
+        raise ValueError(f"zero_advantage replaces {' and '.join(sorted(old))}: give it alone")
+    data = dict(data)
+    flags = {key: data.pop(key, True) for key in ("filter_zero_advantage", "skip_zero_advantage")}
+    if not all(isinstance(flag, bool) for flag in flags.values()):
+        raise ValueError(f"{' and '.join(sorted(old))} must be true or false (now: zero_advantage)")
+    data["zero_advantage"] = ("filter" if flags["filter_zero_advantage"]
+                              else "skip" if flags["skip_zero_advantage"] else "keep")
+    warnings.warn(f"algo.{' / algo.'.join(sorted(old))} is now algo.zero_advantage: {data['zero_advantage']} "
+                  "(the old keys will go away)", FutureWarning, stacklevel=2)
+    return data
+
+
 class AlgoConfig(Section):
     name: Literal["grpo", "ebft"] = Field("grpo", description="grpo: verifiable rewards (rewards section); ebft: "
                                           "energy-based fine-tuning, feature matching against each prompt's "
@@ -175,11 +195,12 @@ class AlgoConfig(Section):
     off_policy_mask_threshold: float | None = Field(
         None, description="drop the policy term of sequences with negative advantage whose mean KL(sampling || "
         "current policy) exceeds this (DeepSeek-V3.2 off-policy sequence masking; their KL term stays)")
-    skip_zero_advantage: bool = Field(True, description="skip the policy loss of micro-batches whose advantages "
-                                      "are all zero (kept connected to the graph; not skipped when beta > 0)")
-    filter_zero_advantage: bool = Field(True, description="remove completions with zero advantage (groups of equal "
-                                        "rewards) before the update; the loss keeps the unfiltered step's "
-                                        "normalization, so the update is unchanged (only applied when beta = 0)")
+    zero_advantage: Literal["filter", "skip", "keep"] = Field(
+        "filter", description="completions with exactly zero advantage (groups of equal rewards) carry no policy "
+        "gradient: filter removes them before the update (the loss keeps the unfiltered step's normalization, so "
+        "the update is unchanged, only cheaper); skip keeps them but skips micro-batches whose advantages are all "
+        "zero (single process only); keep trains on every completion. With beta > 0 the KL term acts on every "
+        "completion: keep")
     replay_buffer_size: int = Field(0, ge=0, description="keep up to this many high-signal groups (sum |A| x reward "
                                     "std) and use them to refill the groups filtered for zero advantage (0: off)")
     replay_max_age: int = Field(4, ge=0, description="replayed groups are at most this many versions old")
@@ -190,6 +211,11 @@ class AlgoConfig(Section):
                                 "train.steps (at least prefetch_depth + 1 steps)")
     reroll_max_attempts: int = Field(2, ge=1, description="times one prompt is rolled at most")
     reroll_queue_size: int = Field(256, ge=1, description="failed prompts waiting at most")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_zero_advantage_keys(cls, data):
+        return merged_zero_advantage_keys(data) if isinstance(data, dict) else data
 
 
 class EbftConfig(Section):

@@ -66,7 +66,7 @@ def assemble(config: Config, job: Job, step: int, scorer: Scorer, submit: bool,
     batch = batch_from_groups(groups, [group.texts for group in groups])
     metrics.update(completion_stats(groups))
     micro_batch_size = config.train.micro_batch_size
-    filtering = config.algo.filter_zero_advantage and config.algo.beta == 0  # KL acts on every row
+    filtering = config.algo.zero_advantage == "filter" and config.algo.beta == 0  # KL acts on every row
     if filtering:
         batch, filter_metrics = filter_zero_advantage(batch, micro_batch_size, beta=config.algo.beta)
         metrics.update(filter_metrics)

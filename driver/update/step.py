@@ -66,7 +66,8 @@ def optimize(config: Config, policy: Policy, batch: RolloutBatch, optimizer, sch
     policy.model.train()
     padding = distributed.max_int(len(parts)) - len(parts)
     # A skipped micro-batch runs no FSDP forward, so ranks would fall out of step: only single-process.
-    skip_zero = algo.skip_zero_advantage and algo.beta == 0 and not distributed.world().distributed
+    # filter: no zero rows reach here from assembly, and an unfiltered batch is skipped the same way.
+    skip_zero = algo.zero_advantage != "keep" and algo.beta == 0 and not distributed.world().distributed
     for _ in range(algo.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         skipped, step_loss = 0, 0.0

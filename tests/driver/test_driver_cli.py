@@ -183,3 +183,30 @@ def test_moved_reward_modules_still_resolve_with_a_warning(old, new):
 
     with pytest.warns(FutureWarning, match=new.replace(".", r"\.")):
         assert import_dotted(old, "rewards.functions[0].path") is import_dotted(new, "x")
+
+
+@pytest.mark.parametrize("old, new", [
+    ({}, "filter"),
+    ({"algo.filter_zero_advantage": "true"}, "filter"),
+    ({"algo.skip_zero_advantage": "false"}, "filter"),  # filtered batches have no zero micro-batch to skip
+    ({"algo.filter_zero_advantage": "false"}, "skip"),
+    ({"algo.filter_zero_advantage": "false", "algo.skip_zero_advantage": "false"}, "keep"),
+])
+def test_the_two_old_zero_advantage_keys_become_one_with_a_warning(old, new, recwarn):
+    """filter_zero_advantage / skip_zero_advantage were two keys for one idea: old configs keep their
+    behaviour under algo.zero_advantage and are told the new spelling."""
+    assert load_config(None, old).algo.zero_advantage == new
+    warned = [w for w in recwarn if issubclass(w.category, FutureWarning) and "algo.zero_advantage" in str(w.message)]
+    assert len(warned) == (1 if old else 0)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"algo.zero_advantage": "skip", "algo.filter_zero_advantage": "true"},
+     "algo: Value error, zero_advantage replaces filter_zero_advantage: give it alone"),
+    ({"algo.skip_zero_advantage": "sometimes"}, "skip_zero_advantage must be true or false"),
+    ({"algo.zero_advantage": "drop"}, "algo.zero_advantage: Input should be 'filter', 'skip' or 'keep'"),
+])
+def test_zero_advantage_mistakes_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match="invalid config") as error:
+        load_config(None, overrides)
+    assert message in str(error.value)

@@ -149,7 +149,7 @@ def test_a_partial_group_that_waited_too_long_is_dropped_and_its_prompt_generate
 
 def test_continued_tokens_count_as_completion_tokens_of_the_batch(tmp_path):
     config = make_config(tmp_path, rollout={"partial_rollout_tokens": 3, "max_staleness": 5},
-                         algo={"filter_zero_advantage": False})
+                         algo={"zero_advantage": "skip"})
     rollouts = make_rollouts(config, FakeGenerator(lengths=(7, 2, 8, 3)))
     try:
         batch = run_steps(rollouts, 2)[1]
@@ -182,8 +182,8 @@ def test_prefetched_jobs_arrive_in_order_each_sampled_by_its_scheduled_version(t
 def test_async_and_sync_runs_produce_the_same_groups_when_versions_agree(tmp_path):
     """Versions and seeds are pure functions of the job: with a fake whose samples do not depend on
     the version, the async pipeline yields exactly the synchronous batches."""
-    sync_config = make_config(tmp_path, algo={"filter_zero_advantage": False})
-    async_config = make_config(tmp_path, rollout={"async_prefetch": True}, algo={"filter_zero_advantage": False})
+    sync_config = make_config(tmp_path, algo={"zero_advantage": "skip"})
+    async_config = make_config(tmp_path, rollout={"async_prefetch": True}, algo={"zero_advantage": "skip"})
     results = []
     for config in (sync_config, async_config):
         rollouts = make_rollouts(config, FakeGenerator())
@@ -230,7 +230,7 @@ def test_single_version_engines_get_a_new_version_only_after_every_older_job(tmp
 
 
 def test_rewards_of_prefetched_groups_arrive_keyed_whatever_the_order(tmp_path):
-    config = make_config(tmp_path, rollout={"async_prefetch": True}, algo={"filter_zero_advantage": False})
+    config = make_config(tmp_path, rollout={"async_prefetch": True}, algo={"zero_advantage": "skip"})
     rollouts = make_rollouts(config, FakeGenerator())
     try:
         batch = run_steps(rollouts, 2)[1]
@@ -275,7 +275,7 @@ def test_groups_that_failed_entirely_come_back_later(tmp_path):
 
 def test_a_checkpoint_under_prefetch_loses_no_prompt(tmp_path):
     config = make_config(tmp_path, rollout={"async_prefetch": True, "prefetch_depth": 2},
-                         algo={"filter_zero_advantage": False})
+                         algo={"zero_advantage": "skip"})
     whole = make_rollouts(config, FakeGenerator())
     try:
         expected = [b.prompt_ids for b in run_steps(whole, 6)]

@@ -149,9 +149,9 @@ def test_filtering_saves_forward_passes(base_policy, monkeypatch):
     assert len(calls) == 1 + 2  # old logprobs, then one micro-batch per iteration (3 rows re-packed)
 
 
-@pytest.mark.parametrize("skip_zero_advantage", [True, False])
+@pytest.mark.parametrize("zero_advantage", ["skip", "keep"])
 def test_all_zero_batch_makes_no_forward_pass_and_steps_the_optimizer_the_same(base_policy, monkeypatch,
-                                                                               skip_zero_advantage):
+                                                                               zero_advantage):
     # A first step with signal gives AdamW moments, so the zero-gradient step still moves the weights.
     signal, zero = make_batch(base_policy, seed=3), make_batch(base_policy, [0.0] * 8, seed=4)
     filtered, metrics = filter_zero_advantage(zero, 3, beta=0.0)
@@ -159,7 +159,7 @@ def test_all_zero_batch_makes_no_forward_pass_and_steps_the_optimizer_the_same(b
     assert filtered.counts == StepCounts(8, 26, [10, 11, 5], [0, 0, 0])
     assert metrics["filter/kept_fraction"] == 0.0 and metrics["filter/filtered_sequences"] == 8
     overrides = dict(train={"micro_batch_size": 3},
-                     algo={"num_iterations": 2, "skip_zero_advantage": skip_zero_advantage})
+                     algo={"num_iterations": 2, "zero_advantage": zero_advantage})
     unfiltered_run = run_update(base_policy, [signal, zero], **overrides)
     calls = count_forward_passes(monkeypatch)
     after_signal, *_ = run_update(base_policy, [signal], **overrides)

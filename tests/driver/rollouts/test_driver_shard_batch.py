@@ -55,7 +55,7 @@ def gradients(policy, batch, config):
 @pytest.mark.parametrize("world_size, micro_batch_size, filtered", [(2, 2, False), (3, 2, True), (2, 3, True)])
 def test_the_ranks_gradients_sum_to_the_single_process_gradient(base_policy, loss_type, world_size,
                                                                 micro_batch_size, filtered):
-    config = Config.model_validate({"lora": {"r": 4}, "algo": {"loss_type": loss_type, "skip_zero_advantage": False},
+    config = Config.model_validate({"lora": {"r": 4}, "algo": {"loss_type": loss_type, "zero_advantage": "keep"},
                                     "train": {"micro_batch_size": micro_batch_size, "max_grad_norm": None}})
     batch = make_batch(base_policy, ADVANTAGES, rows=11)
     if filtered:
