@@ -35,6 +35,22 @@ class RolloutBatch:
         return replace(self, sampling_logprobs=self.sampling_logprobs.to(device), mask=self.mask.to(device),
                        advantages=self.advantages.to(device))
 
+    def select(self, rows: list[int], counts: Any) -> RolloutBatch:
+        """The batch of the given rows, in that order, with its padding cut to the longest kept
+        completion, carrying `counts` (the one row selection: zero-advantage filtering, sharding)."""
+        index = torch.tensor(rows, dtype=torch.long)
+        width = max((len(self.completion_ids[row]) for row in rows), default=0)
+        return replace(
+            self,
+            prompt_ids=[self.prompt_ids[row] for row in rows],
+            completion_ids=[self.completion_ids[row] for row in rows],
+            sampling_logprobs=self.sampling_logprobs[index.to(self.sampling_logprobs.device), :width],
+            mask=self.mask[index.to(self.mask.device), :width],
+            advantages=self.advantages[index.to(self.advantages.device)],
+            samples=[self.samples[row] for row in rows] if self.samples else [],
+            versions=[self.versions[row] for row in rows] if self.versions else [],
+            counts=counts)
+
 
 def padded_rows(rows: list[list[float]], width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(values [N, width] fp32 right-padded with 0, mask [N, width]) from ragged rows."""

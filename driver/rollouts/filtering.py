@@ -69,18 +69,7 @@ def filter_zero_advantage(batch: RolloutBatch, micro_batch_size: int, *,
     # The original micro-batch of every row; kept rows stay in order, so each one's rows stay contiguous.
     owner = torch.repeat_interleave(torch.arange(len(counts.micro_batch_rows)), torch.tensor(counts.micro_batch_rows))
     kept_rows = torch.bincount(owner[keep], minlength=len(counts.micro_batch_rows)).tolist()
-    width = max((len(batch.completion_ids[row]) for row in rows), default=0)  # the new longest row
-    index = keep.to(batch.advantages.device)
-    filtered = replace(
-        batch,
-        prompt_ids=[batch.prompt_ids[row] for row in rows],
-        completion_ids=[batch.completion_ids[row] for row in rows],
-        sampling_logprobs=batch.sampling_logprobs[index, :width],
-        mask=batch.mask[index, :width],
-        advantages=batch.advantages[index],
-        samples=[batch.samples[row] for row in rows] if batch.samples else [],
-        versions=[batch.versions[row] for row in rows] if batch.versions else [],
-        counts=replace(counts, micro_batch_rows=kept_rows))
+    filtered = batch.select(rows, replace(counts, micro_batch_rows=kept_rows))
     kept_tokens, tokens = float(filtered.mask.sum()), float(batch.mask.sum())
     return filtered, {
         "filter/kept_sequences": float(len(rows)),

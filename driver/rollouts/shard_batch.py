@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
 
 from driver.rollouts.batch import RolloutBatch
 from driver.rollouts.filtering import step_counts
@@ -31,15 +30,6 @@ def shard_batch(batch: RolloutBatch, rank: int, world_size: int, micro_batch_siz
         starts.append(starts[-1] + rows)
     mine = [k for k in range(len(counts.micro_batch_rows)) if k % world_size == rank]
     rows = [row for k in mine for row in range(starts[k], starts[k + 1])]
-    index = torch.tensor(rows, dtype=torch.long)
-    width = max((len(batch.completion_ids[row]) for row in rows), default=0)
-    return replace(
-        batch,
-        prompt_ids=[batch.prompt_ids[row] for row in rows],
-        completion_ids=[batch.completion_ids[row] for row in rows],
-        sampling_logprobs=batch.sampling_logprobs[index, :width],
-        mask=batch.mask[index, :width],
-        advantages=batch.advantages[index.to(batch.advantages.device)],
-        samples=[], versions=[batch.versions[row] for row in rows] if batch.versions else [],
-        counts=replace(counts, micro_batch_rows=[rows_k if k % world_size == rank else 0
-                                                 for k, rows_k in enumerate(counts.micro_batch_rows)]))
+    shard = batch.select(rows, replace(counts, micro_batch_rows=[rows_k if k % world_size == rank else 0
+                                                                 for k, rows_k in enumerate(counts.micro_batch_rows)]))
+    return replace(shard, samples=[])  # the samples shown are rank 0's whole batch's
