@@ -17,7 +17,6 @@ causal, so the CE costs no second forward.
 
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -27,22 +26,21 @@ from driver.ebft.strided_attention import full_row_attention, uses_flex
 from driver.metrics.combine import Metrics, combine_metrics
 from driver.policy.model import Policy
 from driver.update.losses import StepNormalizers, policy_loss
+from driver.update.optim import optimizer_steps
 from pykernels.logprobs import token_logprobs
 
 
 def optimize_strided(config: Config, policy: Policy, batch: StridedBatch, optimizer, scheduler) -> dict[str, float]:
-    algo, ebft = config.algo, config.ebft
+    ebft = config.ebft
     normalizers = StepNormalizers(
         num_sequences=sum(int(a.numel()) for chunk in batch.chunks for a in chunk.advantages),
         num_tokens=sum(int(t.numel()) for chunk in batch.chunks for t in chunk.rollout.tokens),
         num_micro_batches=len(batch.chunks), max_completion_length=ebft.generate_max_len)
     num_documents = sum(len(chunk.documents) for chunk in batch.chunks)
-    params = policy.trainable_parameters()
     chunk_metrics: list[Metrics] = []  # with their token counts: combine_metrics weighs them exactly
-    iteration_metrics: list[Metrics] = []
     policy.model.train()
-    for _ in range(algo.num_iterations):
-        optimizer.zero_grad(set_to_none=True)
+
+    def backward_pass() -> Metrics:
         # Each chunk's losses are its share of the step's: the step's are their sums.
         step_losses = dict.fromkeys(("loss", "ebft/rl_loss", "ebft/ce_loss"), 0.0)
         for chunk in batch.chunks:
@@ -50,11 +48,10 @@ def optimize_strided(config: Config, policy: Policy, batch: StridedBatch, optimi
             for key in step_losses:
                 step_losses[key] += metrics.values.pop(key)
             chunk_metrics.append(metrics)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, config.train.max_grad_norm or math.inf)
-        iteration_metrics.append(Metrics({**step_losses, "grad_norm": float(grad_norm)}))
-        optimizer.step()
-        scheduler.step()
-    values = combine_metrics(chunk_metrics).update(combine_metrics(iteration_metrics)).values
+        return Metrics(step_losses)
+
+    iterations = optimizer_steps(config, policy.trainable_parameters(), optimizer, scheduler, backward_pass)
+    values = combine_metrics(chunk_metrics).update(iterations).values
     values["learning_rate"] = scheduler.get_last_lr()[0]
     return values
 

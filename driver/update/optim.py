@@ -1,12 +1,15 @@
-"""AdamW over the adapter and the learning-rate schedule (per optimizer update)."""
+"""AdamW over the adapter, the learning-rate schedule (per optimizer update), and the optimizer loop
+every algorithm's update runs (GRPO: driver/update/step.py, strided EBFT: driver/ebft/strided_update.py)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
-from driver.config import TrainConfig
+from driver.config import Config, TrainConfig
+from driver.metrics.combine import Metrics, combine_metrics
 
 
 def build_optimizer(parameters: list[torch.nn.Parameter], config: TrainConfig) -> torch.optim.Optimizer:
@@ -29,3 +32,20 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total
         return 1.0
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def optimizer_steps(config: Config, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, scheduler,
+                    backward_pass: Callable[[], Metrics]) -> Metrics:
+    """algo.num_iterations optimizer updates of one batch: zero the gradients, backward_pass() (the
+    backward of every micro-batch; returns that iteration's metrics), clip to train.max_grad_norm,
+    step the optimizer and the schedule. Returns the iterations' metrics combined, with grad_norm."""
+    iterations = []
+    for _ in range(config.algo.num_iterations):
+        optimizer.zero_grad(set_to_none=True)
+        metrics = backward_pass()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, config.train.max_grad_norm or math.inf)
+        metrics.values["grad_norm"] = float(grad_norm)
+        iterations.append(metrics)
+        optimizer.step()
+        scheduler.step()
+    return combine_metrics(iterations)

@@ -9,7 +9,6 @@ FSDP averages the gradients of ranks whose losses are already shares of the whol
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import torch
@@ -23,6 +22,7 @@ from driver.rollouts.batch import RolloutBatch
 
 # merge is re-exported: callers merge a step's rollout batches with the update's module
 from driver.rollouts.filtering import check_counts, merge, micro_batches  # noqa: F401
+from driver.update.optim import optimizer_steps
 from driver.update.losses import (StepNormalizers, all_zero, connected_zero, importance_weights,
                                   off_policy_sequence_mask, policy_loss)
 
@@ -62,14 +62,13 @@ def optimize(config: Config, policy: Policy, batch: RolloutBatch, optimizer, sch
     # Metrics of every micro-batch of every iteration, and of every iteration (loss, grad_norm), kept
     # with their token counts: combine_metrics weighs token means by tokens, takes min of */min, ...
     micro_batch_metrics: list[Metrics] = []
-    iteration_metrics: list[Metrics] = []
     policy.model.train()
     padding = distributed.max_int(len(parts)) - len(parts)
     # A skipped micro-batch runs no FSDP forward, so ranks would fall out of step: only single-process.
     # filter: no zero rows reach here from assembly, and an unfiltered batch is skipped the same way.
     skip_zero = algo.zero_advantage != "keep" and algo.beta == 0 and not distributed.world().distributed
-    for _ in range(algo.num_iterations):
-        optimizer.zero_grad(set_to_none=True)
+
+    def backward_pass() -> Metrics:
         skipped, step_loss = 0, 0.0
         for part, normalizers in parts:
             # Never after filtering (no zero rows are left); the unfiltered path with beta = 0 keeps it.
@@ -84,14 +83,11 @@ def optimize(config: Config, policy: Policy, batch: RolloutBatch, optimizer, sch
             padding_pass(policy, config.rollout.sampling.temperature, backward=True)
         if batch.counts is not None:
             zero_missing_grads(params)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, config.train.max_grad_norm or math.inf)
-        iteration_metrics.append(Metrics(
-            {"loss": step_loss, "grad_norm": float(grad_norm),
-             "skipped_micro_batch_fraction": skipped / len(parts) if parts else 0.0},
-            {"skipped_micro_batch_fraction": float(len(parts))}))
-        optimizer.step()
-        scheduler.step()
-    metrics = combine_metrics(micro_batch_metrics).update(combine_metrics(iteration_metrics))
+        return Metrics({"loss": step_loss, "skipped_micro_batch_fraction": skipped / len(parts) if parts else 0.0},
+                       {"skipped_micro_batch_fraction": float(len(parts))})
+
+    iterations = optimizer_steps(config, params, optimizer, scheduler, backward_pass)
+    metrics = combine_metrics(micro_batch_metrics).update(iterations)
     values = distributed.reduce_metrics(metrics, summed=("loss",))  # each rank's loss is a share of the step's
     values["learning_rate"] = scheduler.get_last_lr()[0]
     return values
