@@ -6,9 +6,9 @@ the run's `algorithm(config)`, never the name:
                                    turns their rewards into advantages (driver/rewards/scorer.py), and
                                    each group's completion budget when the algorithm sizes it
   check_prompts(config, prompts)   dataset checks made before the first step
-  trainer_samples(config)       -> the trainer samples its own rollouts, no inference engine (EBFT's
-                                   strided mode: driver/ebft/strided.py feeds it, strided_update.py
-                                   trains it)
+  trainer_sampling(config)      -> TrainerSampling (the batch source and the update of a mode in which
+                                   the trainer samples its own rollouts, no inference engine: EBFT's
+                                   strided mode), or None: vLLM generates, driver/update/step.py trains
   single_process                   why it does not run under torchrun yet, or None
 """
 
@@ -27,11 +27,20 @@ ScorerFactory = Callable[[Config, Policy], tuple[Scorer, Callable | None]]
 
 
 @dataclass(frozen=True)
+class TrainerSampling:
+    """A mode that samples in the trainer: make_source(config, policy, prompts, rollout_state) gives
+    the batch source (next_batch / push / state, as driver/rollouts/feed.py's Rollouts) and
+    update(config, policy, batch, optimizer, scheduler) -> metrics trains on its batches."""
+    make_source: Callable
+    update: Callable
+
+
+@dataclass(frozen=True)
 class Algorithm:
     name: str
     make_scorer: ScorerFactory
     check_prompts: Callable[[Config, PromptSource], None]
-    trainer_samples: Callable[[Config], bool]
+    trainer_sampling: Callable[[Config], TrainerSampling | None]
     single_process: str | None
 
 
@@ -49,10 +58,20 @@ def check_ebft_prompts(config: Config, prompts: PromptSource) -> None:
         check_ground_truths(prompts, config.ebft.ground_truth_field)
 
 
+def strided_sampling(config: Config) -> TrainerSampling | None:
+    """EBFT's strided mode: blocks sampled by the trainer's model (driver/ebft/strided.py feeds them,
+    strided_update.py trains on them)."""
+    if config.ebft.mode != "strided":
+        return None
+    from driver.ebft.strided import StridedSource
+    from driver.ebft.strided_update import optimize_strided
+
+    return TrainerSampling(StridedSource, optimize_strided)
+
+
 GRPO = Algorithm("grpo", reward_function_scorer, check_prompts=lambda config, prompts: None,
-                 trainer_samples=lambda config: False, single_process=None)
-EBFT = Algorithm("ebft", feature_scorer, check_prompts=check_ebft_prompts,
-                 trainer_samples=lambda config: config.ebft.mode == "strided",
+                 trainer_sampling=lambda config: None, single_process=None)
+EBFT = Algorithm("ebft", feature_scorer, check_prompts=check_ebft_prompts, trainer_sampling=strided_sampling,
                  single_process="its features are scored by the trainer's model on rank 0's groups")
 ALGORITHMS = {algorithm.name: algorithm for algorithm in (GRPO, EBFT)}
 

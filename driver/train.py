@@ -7,7 +7,7 @@ verified with a logprob probe. driver/rollouts/feed.py feeds the batches: synchr
 ahead in a thread (rollout.async_prefetch), with partial rollouts, reward workers, zero-advantage
 filtering, replay and re-rolls. EBFT (algo.name: ebft, https://arxiv.org/abs/2603.12248) replaces the
 rewards by feature matching against a ground truth (driver/ebft/); its strided mode samples blocks
-in the trainer instead of vLLM (driver/ebft/strided.py feeds the batches, strided_update.py trains).
+in the trainer instead of vLLM (driver/algorithms.py gives that mode's batch source and update).
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ from driver.config import Config
 from driver.data.prompts import PromptSource
 from driver.distributed import world as distributed
 from driver.distributed.fsdp import shard_policy
-from driver.ebft.strided import StridedSource
-from driver.ebft.strided_update import optimize_strided
 from driver.engine import RolloutError, make_generator
 from driver.engine import adapter_sync as sync
 from driver.interrupt import GracefulInterrupt
@@ -87,10 +85,10 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
                                               optimizer, scheduler, prompts)
         first_step = step
 
-    strided = algo.trainer_samples(config)  # no inference engine
-    generator = None if strided else on_rank0(lambda: make_generator(config, policy), "start vLLM")
-    verifier = None if strided else sync.make_verifier(config, policy)
-    update = optimize_strided if strided else optimize
+    sampling = algo.trainer_sampling(config)  # the trainer samples: no inference engine
+    generator = None if sampling else on_rank0(lambda: make_generator(config, policy), "start vLLM")
+    verifier = None if sampling else sync.make_verifier(config, policy)
+    update = sampling.update if sampling else optimize
     logger = (MetricsLogger(output_dir, total_steps=config.train.steps, start_step=step,
                             tensorboard=config.logging.tensorboard, progress=config.logging.progress,
                             console=Console(file=terminal.out))
@@ -100,8 +98,8 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
         logger.print(f"vLLM's and the libraries' output: {terminal.log_path}")
     rollouts = None
     try:
-        if strided:
-            rollouts = StridedSource(config, policy, prompts, rollout_state)
+        if sampling:
+            rollouts = sampling.make_source(config, policy, prompts, rollout_state)
         elif not world.distributed:
             rollouts = Rollouts(config, policy, generator, prompts, verifier, step, rollout_state,
                                 make_scorer=algo.make_scorer)

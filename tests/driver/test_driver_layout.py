@@ -28,8 +28,8 @@ ALLOWED = {
     "ebft": {"config", "cli", "data", "distributed", "engine", "metrics", "policy", "rewards", "rollouts", "update"},
     "algorithms": {"config", "cli", "data", "ebft", "policy", "rewards"},
     "checkpoint": {"config", "data", "distributed"},
-    "train": {"algorithms", "checkpoint", "cli", "config", "data", "distributed", "ebft", "engine", "interrupt",
-              "metrics", "policy", "rewards", "rollouts", "update"},
+    "train": {"algorithms", "checkpoint", "cli", "config", "data", "distributed", "engine", "interrupt",
+              "metrics", "policy", "rewards", "rollouts", "update"},  # EBFT only through algorithms
 }
 
 
