@@ -24,6 +24,7 @@ from driver.rollouts.filtering import extend_batch, filter_zero_advantage
 from driver.rollouts.producer import Job
 from driver.rollouts.replay import ReplayBuffer
 from driver.rollouts.reroll import RerollQueue, failed_entirely
+from driver.rollouts.schedule import staleness
 
 
 def score_groups(scorer: Scorer, groups: list[Group], submit: bool) -> float:
@@ -87,7 +88,7 @@ def assemble(config: Config, job: Job, step: int, scorer: Scorer, submit: bool,
 
 
 def staleness_stats(batch: RolloutBatch, step: int) -> dict[str, float]:
-    ages = [step - version for version in batch.versions]
+    ages = [staleness(step, version) for version in batch.versions]
     if not ages:
         return {}
     return {"rollout/staleness_mean": sum(ages) / len(ages), "rollout/staleness_max": float(max(ages))}

@@ -26,6 +26,7 @@ from driver.config import Config
 from driver.data.prompts import Prompt, PromptSource
 from driver.data.records import Group, Sample, Span
 from driver.engine.base import Completion, Generator, Request
+from driver.rollouts.schedule import staleness
 
 IN_FLIGHT_FACTOR = 2  # partial rollouts: groups in flight at most, per group of a job's quota
 
@@ -102,7 +103,7 @@ class Producer:
 
     def _stale(self, group: Group, job: int, metrics: dict[str, float]) -> bool:
         """Would the group be too old when trained on at step `job`? Then drop it (maybe regenerate)."""
-        if not group.samples or job - group.version <= self.config.max_staleness:
+        if not group.samples or staleness(job, group.version) <= self.config.max_staleness:
             return False
         metrics["rollout/dropped_stale"] += 1
         if self.config.rollout.stale_policy == "regenerate":
