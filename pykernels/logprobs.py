@@ -11,7 +11,7 @@ dispatched between the two (pykernels/dispatch.py, pykernels.backend.set_kernels
 from pykernels import dispatch
 from pykernels.ops import logprobs as _ops
 from pykernels.ops.logprobs import IGNORE_INDEX
-from pykernels.reference.logprobs import packed_targets
+from pykernels.packed_sequences import packed_targets
 
 
 def _bucket(hidden, weight, targets, temperature=1.0, ignore_index=IGNORE_INDEX, return_entropy=False,

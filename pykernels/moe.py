@@ -15,7 +15,7 @@ from pykernels.moe_route import route
 from pykernels.nf4_weight import NF4Weight
 from pykernels.ops import moe as _ops
 from pykernels.ops.moe import grouped_linear, sort_tokens
-from pykernels.reference.moe import LoRAFactors
+from pykernels.moe_types import LoRAFactors
 
 
 def _bucket(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act="silu", lora=None):

@@ -13,7 +13,7 @@ import torch
 
 from pykernels import backend
 from pykernels.nf4_weight import NF4Weight
-from pykernels.reference.moe import ACTIVATIONS
+from pykernels.moe_types import ACTIVATIONS
 
 _rejected: set[str] = set()  # devices whose torch._grouped_mm raised: the reference from then on
 

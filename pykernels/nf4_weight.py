@@ -15,7 +15,7 @@ from typing import Mapping
 
 import torch
 
-from pykernels.reference.nf4 import BLOCKSIZES, NESTED_BLOCKSIZE, nf4_code, num_blocks
+from pykernels.nf4_format import BLOCKSIZES, NESTED_BLOCKSIZE, nf4_code, num_blocks
 
 QUANT_STATE_SUFFIX = "quant_state.bitsandbytes__nf4"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

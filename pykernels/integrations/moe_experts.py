@@ -23,7 +23,7 @@ from torch.nn.utils import parametrize
 
 from pykernels.nf4_weight import NF4Weight
 from pykernels.nn.nf4_experts import NF4ExpertWeight
-from pykernels.reference.moe import LoRAFactors
+from pykernels.moe_types import LoRAFactors
 
 IMPLEMENTATION = "pykernels"
 # config.hidden_act -> pykernels.moe activation name

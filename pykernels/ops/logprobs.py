@@ -11,9 +11,9 @@ import torch
 from pykernels import backend
 from pykernels._dtensor import full
 from pykernels._extension import check_device, ops
+from pykernels.packed_sequences import IGNORE_INDEX
 from pykernels.reference import logprobs as reference
 
-IGNORE_INDEX = reference.IGNORE_INDEX
 _EMPTY_SHAPE = (0,)
 
 

@@ -10,7 +10,7 @@ from pykernels._extension import check_device, ops
 from pykernels.nf4_weight import NF4Weight
 from pykernels.ops import moe_nf4
 from pykernels.reference import moe as reference
-from pykernels.reference.moe import ACTIVATIONS, LoRAFactors
+from pykernels.moe_types import ACTIVATIONS, LoRAFactors
 
 _EMPTY_SHAPE = (0,)
 

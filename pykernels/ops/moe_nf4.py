@@ -16,7 +16,7 @@ import torch
 
 from pykernels._extension import ops
 from pykernels.nf4_weight import NF4Weight
-from pykernels.reference.moe import LoRAFactors
+from pykernels.moe_types import LoRAFactors
 
 
 @dataclass(frozen=True)

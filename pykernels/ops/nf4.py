@@ -12,8 +12,8 @@ import torch
 from pykernels import backend
 from pykernels._extension import check_device, ops
 from pykernels.nf4_weight import NF4Weight
+from pykernels.nf4_format import NESTED_BLOCKSIZE, dynamic_map
 from pykernels.reference import nf4 as reference
-from pykernels.reference.nf4 import NESTED_BLOCKSIZE, dynamic_map
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

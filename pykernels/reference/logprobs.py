@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-IGNORE_INDEX = -100
+from pykernels.packed_sequences import IGNORE_INDEX, packed_targets  # noqa: F401 (re-exported)
+
 CHUNK_TOKENS = 2048  # rows of logits alive at once: 2048 x 151936 fp32 is 1.2 GiB
 
 
@@ -49,14 +50,3 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         return logprobs
     entropy = torch.cat([c[1] for c in chunks]) if chunks else hidden.new_zeros(0, dtype=torch.float32)
     return logprobs, entropy
-
-
-def packed_targets(input_ids_flat: torch.Tensor, cu_seqlens: torch.Tensor,
-                   ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Next-token targets of packed sequences: the shift stays inside each sequence, and the last
-    token of every sequence gets ignore_index (it must not predict the next sequence's first)."""
-    targets = torch.full_like(input_ids_flat, ignore_index)
-    targets[:-1] = input_ids_flat[1:]
-    last_positions = cu_seqlens[1:] - 1
-    targets[last_positions[last_positions >= 0]] = ignore_index
-    return targets

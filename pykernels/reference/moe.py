@@ -14,25 +14,9 @@ expert-minor (B_e = lora_b[:, e::E]); weight[e] + scaling * B_e @ A_e is what PE
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 
-ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
-
-
-@dataclass(frozen=True)
-class LoRAFactors:
-    """LoRA on one expert weight [E, out, in], PEFT layout: a [r * E, in], b [out, r * E]."""
-
-    a: torch.Tensor
-    b: torch.Tensor
-    scaling: float
-
-    def expert(self, e: int, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-        r = self.a.shape[0] // num_experts
-        return self.a[e * r:(e + 1) * r], self.b[:, e::num_experts]
+from pykernels.moe_types import ACTIVATIONS, LoRAFactors  # noqa: F401 (re-exported: the ops' argument types)
 
 
 def sort_tokens(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
