@@ -44,7 +44,7 @@ void check_launch(const char* error) { TORCH_CHECK(error == nullptr, error); }
 
 cudaStream_t current_stream(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
 
-DType dtype_of(const at::Tensor& t) { return nf4::float_dtype(t.scalar_type(), "tensor"); }
+DType dtype_of(const at::Tensor& t) { return float_dtype(t.scalar_type(), "tensor"); }
 
 // Out-of-range targets, with no host sync on the default path (the op stays capturable in a CUDA
 // graph and never stalls the stream): the finalize kernel gives such a token a NaN logprob and

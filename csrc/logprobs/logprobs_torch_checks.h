@@ -7,7 +7,7 @@
 #include <cmath>
 #include <optional>
 
-#include "nf4/nf4_torch_checks.h"
+#include "common/torch_checks.h"
 
 namespace pykernels::logprobs {
 
@@ -18,18 +18,18 @@ struct Sizes {
 // hidden [N, H] and weight [V, H] in one float dtype, targets int64 [N], on one device, contiguous.
 inline Sizes check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
                           double temperature) {
-  nf4::float_dtype(hidden.scalar_type(), "hidden");
+  float_dtype(hidden.scalar_type(), "hidden");
   TORCH_CHECK_VALUE(hidden.dim() == 2, "hidden must be 2-D [tokens, hidden_size], got ",
-                    nf4::shape_string(hidden.sizes()));
+                    shape_string(hidden.sizes()));
   TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == hidden.size(1), "weight must have shape (vocab_size, ",
-                    hidden.size(1), ") to match hidden ", nf4::shape_string(hidden.sizes()), ", got ",
-                    nf4::shape_string(weight.sizes()));
+                    hidden.size(1), ") to match hidden ", shape_string(hidden.sizes()), ", got ",
+                    shape_string(weight.sizes()));
   TORCH_CHECK_VALUE(weight.size(0) >= 1, "weight must have at least one vocabulary row");
   TORCH_CHECK_VALUE(weight.scalar_type() == hidden.scalar_type(), "weight must have hidden's dtype ",
                     hidden.scalar_type(), ", got ", weight.scalar_type());
   TORCH_CHECK_VALUE(targets.scalar_type() == at::kLong, "targets must be int64, got ", targets.scalar_type());
   TORCH_CHECK_VALUE(targets.dim() == 1 && targets.size(0) == hidden.size(0), "targets must have shape (",
-                    hidden.size(0), ",) to match hidden, got ", nf4::shape_string(targets.sizes()));
+                    hidden.size(0), ",) to match hidden, got ", shape_string(targets.sizes()));
   for (const auto* t : {&weight, &targets}) {
     TORCH_CHECK_VALUE(t->device() == hidden.device(), (t == &weight ? "weight" : "targets"), " must be on ",
                       hidden.device(), " like hidden, got ", t->device());
@@ -50,7 +50,7 @@ inline void check_terms(int64_t hidden_grad_terms) {
 // Per-token gradient inputs of the backward (fp32 [N], contiguous); grad_entropy may be absent.
 inline void check_grad(const at::Tensor& g, const char* name, int64_t n, const at::Tensor& hidden) {
   TORCH_CHECK_VALUE(g.dim() == 1 && g.size(0) == n, name, " must have shape (", n, ",), got ",
-                    nf4::shape_string(g.sizes()));
+                    shape_string(g.sizes()));
   TORCH_CHECK_VALUE(g.device() == hidden.device(), name, " must be on ", hidden.device(), ", got ", g.device());
 }
 

@@ -38,7 +38,7 @@ constexpr int64_t kWeightChunkBytes = int64_t{8} << 20;  // dequantized NF4 rows
 
 at::Tensor to_float(const at::Tensor& t) { return t.scalar_type() == at::kFloat ? t : t.to(at::kFloat); }
 
-DType kernel_dtype(const at::Tensor& t) { return nf4::float_dtype(t.scalar_type(), "tensor"); }
+DType kernel_dtype(const at::Tensor& t) { return float_dtype(t.scalar_type(), "tensor"); }
 
 const char* row_bytes(const at::Tensor& t, int64_t row) {
   return static_cast<const char*>(t.data_ptr()) + row * t.size(1) * t.element_size();
@@ -166,7 +166,7 @@ void nf4_matmul_nt(const at::Tensor& x, nf4::DequantizeParams weight, int64_t ou
   const int64_t k = x.size(1);
   const int64_t rows_per_chunk = std::max<int64_t>(1, kWeightChunkBytes / (k * x.element_size()));
   at::Tensor buffer = at::empty({std::min(rows_per_chunk, out_features), k}, x.options());
-  weight.out_dtype = nf4::float_dtype(x.scalar_type(), "x");
+  weight.out_dtype = float_dtype(x.scalar_type(), "x");
   const at::Tensor left = fp32_operand_once(x, y.scalar_type());
   for (int64_t row = 0; row < out_features; row += rows_per_chunk) {
     const int64_t rows = std::min(rows_per_chunk, out_features - row);
@@ -201,7 +201,7 @@ void nf4_matmul_nn(const at::Tensor& dy, nf4::DequantizeParams weight, int64_t o
   const int64_t fitting = kWeightChunkBytes / (out_features * grad_x.element_size());
   const int64_t cols_per_chunk = std::min(k, std::max<int64_t>(64, fitting / 64 * 64));
   at::Tensor buffer = at::empty({out_features * cols_per_chunk}, grad_x.options());
-  weight.out_dtype = nf4::float_dtype(grad_x.scalar_type(), "grad_x");
+  weight.out_dtype = float_dtype(grad_x.scalar_type(), "grad_x");
   const at::Tensor left = fp32_operand_once(dy, grad_x.scalar_type());
   for (int64_t col = 0; col < k; col += cols_per_chunk) {
     const int64_t cols = std::min(cols_per_chunk, k - col);

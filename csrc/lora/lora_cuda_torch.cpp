@@ -40,7 +40,7 @@ void check_launch(const char* error) { TORCH_CHECK(error == nullptr, error); }
 
 cudaStream_t current_stream(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
 
-DType dtype_of(const at::Tensor& t) { return nf4::float_dtype(t.scalar_type(), "tensor"); }
+DType dtype_of(const at::Tensor& t) { return float_dtype(t.scalar_type(), "tensor"); }
 
 // t itself when it already has dtype, else a converted copy (the fp32 dA / dB to A's / B's dtype).
 at::Tensor cast_to(const at::Tensor& t, at::ScalarType dtype, cudaStream_t stream) {

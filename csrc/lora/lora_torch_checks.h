@@ -14,24 +14,10 @@ struct Shapes {
   int64_t m, k, n, r;
 };
 
-inline std::string shape2(int64_t a, int64_t b) {
-  std::string s = "(";  // appended piecewise: GCC 12 -Wrestrict false positive on "(" + std::string
-  s += std::to_string(a);
-  s += ", ";
-  s += std::to_string(b);
-  s += ")";
-  return s;
-}
-
-inline void check_float(const at::Tensor& t, const char* name) {
-  TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16,
-                    name, " must be float32, float16 or bfloat16, got ", t.scalar_type());
-}
-
 inline void check_matrix(const at::Tensor& t, const char* name, int64_t rows, int64_t cols, const char* meaning,
                          const at::Tensor& x) {
   TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, name, " must have shape ", meaning, " = ",
-                    shape2(rows, cols), ", got ", nf4::shape_string(t.sizes()));
+                    shape_string({rows, cols}), ", got ", shape_string(t.sizes()));
   TORCH_CHECK_VALUE(t.device() == x.device(), name, " must be on ", x.device(), " like x, got ", t.device());
   TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
 }
@@ -41,14 +27,14 @@ inline void check_matrix(const at::Tensor& t, const char* name, int64_t rows, in
 inline Shapes check_lora_inputs(const at::Tensor& x, int64_t out_features, const at::Tensor& lora_A,
                                 const at::Tensor& lora_B, const std::optional<at::Tensor>& bias,
                                 const std::optional<at::Tensor>& x_lora) {
-  check_float(x, "x");
+  float_dtype(x.scalar_type(), "x");
   TORCH_CHECK_VALUE(x.dim() == 2, "x must be 2-D [tokens, in_features] (pykernels.lora flattens), got ",
-                    nf4::shape_string(x.sizes()));
+                    shape_string(x.sizes()));
   TORCH_CHECK_VALUE(x.is_contiguous(), "x must be contiguous");
   const Shapes s{x.size(0), x.size(1), out_features, lora_A.dim() == 2 ? lora_A.size(0) : -1};
   TORCH_CHECK_VALUE(s.r >= 1, "lora_A must have shape (r, in_features) with r >= 1, got ",
-                    nf4::shape_string(lora_A.sizes()));
-  check_float(lora_A, "lora_A");
+                    shape_string(lora_A.sizes()));
+  float_dtype(lora_A.scalar_type(), "lora_A");
   check_matrix(lora_A, "lora_A", s.r, s.k, "(r, in_features)", x);
   check_matrix(lora_B, "lora_B", s.n, s.r, "(out_features, r)", x);
   TORCH_CHECK_VALUE(lora_B.scalar_type() == lora_A.scalar_type(), "lora_B must have lora_A's dtype ",
@@ -58,15 +44,15 @@ inline Shapes check_lora_inputs(const at::Tensor& x, int64_t out_features, const
                     lora_A.scalar_type());
   if (bias.has_value()) {
     TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == s.n, "bias must have shape (out_features,) = (", s.n,
-                      ",), got ", nf4::shape_string(bias->sizes()));
+                      ",), got ", shape_string(bias->sizes()));
     TORCH_CHECK_VALUE(bias->scalar_type() == x.scalar_type(), "bias must have x's dtype ", x.scalar_type(), ", got ",
                       bias->scalar_type());
     TORCH_CHECK_VALUE(bias->device() == x.device() && bias->is_contiguous(), "bias must be contiguous on ", x.device());
   }
   if (x_lora.has_value()) {
     TORCH_CHECK_VALUE(x_lora->sizes() == x.sizes() && x_lora->scalar_type() == x.scalar_type(),
-                      "x_lora must have x's shape and dtype ", nf4::shape_string(x.sizes()), " ", x.scalar_type(),
-                      ", got ", nf4::shape_string(x_lora->sizes()), " ", x_lora->scalar_type());
+                      "x_lora must have x's shape and dtype ", shape_string(x.sizes()), " ", x.scalar_type(),
+                      ", got ", shape_string(x_lora->sizes()), " ", x_lora->scalar_type());
     TORCH_CHECK_VALUE(x_lora->device() == x.device() && x_lora->is_contiguous(), "x_lora must be contiguous on ",
                       x.device());
   }
@@ -75,7 +61,7 @@ inline Shapes check_lora_inputs(const at::Tensor& x, int64_t out_features, const
 
 inline void check_dense_weight(const at::Tensor& weight, const at::Tensor& x) {
   TORCH_CHECK_VALUE(weight.dim() == 2, "weight must be 2-D (out_features, in_features), got ",
-                    nf4::shape_string(weight.sizes()));
+                    shape_string(weight.sizes()));
   check_matrix(weight, "weight", weight.size(0), x.size(1), "(out_features, in_features)", x);
   TORCH_CHECK_VALUE(weight.scalar_type() == x.scalar_type(), "weight must have x's dtype ", x.scalar_type(), ", got ",
                     weight.scalar_type());
@@ -83,12 +69,12 @@ inline void check_dense_weight(const at::Tensor& weight, const at::Tensor& x) {
 
 inline void check_backward(const at::Tensor& grad_y, const at::Tensor& xa, const Shapes& s) {
   TORCH_CHECK_VALUE(grad_y.dim() == 2 && grad_y.size(0) == s.m && grad_y.size(1) == s.n,
-                    "grad_y must have shape (tokens, out_features) = ", shape2(s.m, s.n), ", got ",
-                    nf4::shape_string(grad_y.sizes()));
+                    "grad_y must have shape (tokens, out_features) = ", shape_string({s.m, s.n}), ", got ",
+                    shape_string(grad_y.sizes()));
   TORCH_CHECK_VALUE(grad_y.is_contiguous(), "grad_y must be contiguous");
   TORCH_CHECK_VALUE(xa.dim() == 2 && xa.size(0) == s.m && xa.size(1) == s.r && xa.scalar_type() == at::kFloat,
-                    "xa must be float32 with shape (tokens, r) = ", shape2(s.m, s.r), ", got ", xa.scalar_type(), " ",
-                    nf4::shape_string(xa.sizes()));
+                    "xa must be float32 with shape (tokens, r) = ", shape_string({s.m, s.r}), ", got ", xa.scalar_type(), " ",
+                    shape_string(xa.sizes()));
   TORCH_CHECK_VALUE(xa.is_contiguous(), "xa must be contiguous");
 }
 

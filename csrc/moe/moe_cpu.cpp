@@ -538,7 +538,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> grouped_l
   const bool summed = gates.has_value() && !grouped_out;
   const int64_t grad_rows = summed ? p.size.tokens : p.size.slots;
   TORCH_CHECK_VALUE(grad_y.dim() == 2 && grad_y.size(0) == grad_rows && grad_y.size(1) == p.size.out,
-                    "grad_y must have shape (", grad_rows, ", ", p.size.out, "), got ", nf4::shape_string(grad_y.sizes()));
+                    "grad_y must have shape (", grad_rows, ", ", p.size.out, "), got ", shape_string(grad_y.sizes()));
   compute_grad_gates = compute_grad_gates && gates.has_value();
   compute_grad_lora = compute_grad_lora && lora_a.has_value();
   const at::Tensor g = grad_y.contiguous();

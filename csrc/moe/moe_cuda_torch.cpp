@@ -46,7 +46,7 @@ cudaStream_t current_stream(const at::Tensor& t) {
   return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
 }
 
-DType dtype_of(const at::Tensor& t) { return nf4::float_dtype(t.scalar_type(), "tensor"); }
+DType dtype_of(const at::Tensor& t) { return float_dtype(t.scalar_type(), "tensor"); }
 
 const int64_t* data_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr<int64_t>() : nullptr; }
 
@@ -387,7 +387,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> grouped_l
   const int64_t grad_rows = gates.has_value() && !grouped_out ? sizes.tokens : sizes.slots;
   TORCH_CHECK_VALUE(grad_y.dim() == 2 && grad_y.size(0) == grad_rows && grad_y.size(1) == sizes.out,
                     "grad_y must have shape (", grad_rows, ", ", sizes.out, "), got ",
-                    nf4::shape_string(grad_y.sizes()));
+                    shape_string(grad_y.sizes()));
   TORCH_CHECK_VALUE(grad_y.device() == x.device(), "grad_y must be on x's device ", x.device(), ", got ",
                     grad_y.device());
   const c10::cuda::CUDAGuard guard(x.device());

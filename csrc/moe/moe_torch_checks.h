@@ -6,13 +6,13 @@
 
 #include <optional>
 
-#include "nf4/nf4_torch_checks.h"
+#include "common/torch_checks.h"
 
 namespace pykernels::moe {
 
 inline void check_top_k_index(const at::Tensor& top_k_index, int64_t num_experts) {
   TORCH_CHECK_VALUE(top_k_index.dim() == 2, "top_k_index must be 2-D [tokens, top_k], got ",
-                    nf4::shape_string(top_k_index.sizes()));
+                    shape_string(top_k_index.sizes()));
   TORCH_CHECK_VALUE(top_k_index.scalar_type() == at::kLong || top_k_index.scalar_type() == at::kInt,
                     "top_k_index must be int64 or int32, got ", top_k_index.scalar_type());
   TORCH_CHECK_VALUE(num_experts >= 1, "num_experts must be at least 1, got ", num_experts);
@@ -27,21 +27,21 @@ inline Sizes check_grouped_linear(const at::Tensor& x, const at::Tensor& weight,
                                   const at::Tensor& sorted_token_idx, const at::Tensor& expert_offsets, int64_t top_k,
                                   bool grouped_in, const std::optional<at::Tensor>& gates,
                                   const std::optional<at::Tensor>& lora_a, const std::optional<at::Tensor>& lora_b) {
-  nf4::float_dtype(x.scalar_type(), "x");
-  TORCH_CHECK_VALUE(x.dim() == 2, "x must be 2-D [rows, in_features], got ", nf4::shape_string(x.sizes()));
+  float_dtype(x.scalar_type(), "x");
+  TORCH_CHECK_VALUE(x.dim() == 2, "x must be 2-D [rows, in_features], got ", shape_string(x.sizes()));
   TORCH_CHECK_VALUE(weight.dim() == 3, "weight must be 3-D [num_experts, out_features, in_features], got ",
-                    nf4::shape_string(weight.sizes()));
+                    shape_string(weight.sizes()));
   TORCH_CHECK_VALUE(weight.scalar_type() == x.scalar_type(), "weight must have x's dtype ", x.scalar_type(),
                     ", got ", weight.scalar_type());
   TORCH_CHECK_VALUE(weight.size(2) == x.size(1), "weight's in_features (dim 2) must match x's ", x.size(1),
-                    ", got weight ", nf4::shape_string(weight.sizes()));
+                    ", got weight ", shape_string(weight.sizes()));
   TORCH_CHECK_VALUE(top_k >= 1, "top_k must be at least 1, got ", top_k);
   const int64_t experts = weight.size(0), slots = sorted_token_idx.numel();
-  TORCH_CHECK_VALUE(experts >= 1, "weight must have at least one expert, got ", nf4::shape_string(weight.sizes()));
+  TORCH_CHECK_VALUE(experts >= 1, "weight must have at least one expert, got ", shape_string(weight.sizes()));
   for (const auto* t : {&sorted_expert_idx, &sorted_token_idx, &expert_offsets}) {
     TORCH_CHECK_VALUE(t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous(),
                       "sorted_expert_idx, sorted_token_idx and expert_offsets must be contiguous 1-D int64 "
-                      "(from moe_sort_tokens), got ", t->scalar_type(), " ", nf4::shape_string(t->sizes()));
+                      "(from moe_sort_tokens), got ", t->scalar_type(), " ", shape_string(t->sizes()));
   }
   TORCH_CHECK_VALUE(sorted_expert_idx.numel() == slots, "sorted_expert_idx and sorted_token_idx must have the same "
                     "length, got ", sorted_expert_idx.numel(), " and ", slots);
@@ -52,11 +52,11 @@ inline Sizes check_grouped_linear(const at::Tensor& x, const at::Tensor& weight,
   const int64_t tokens = slots / top_k;
   TORCH_CHECK_VALUE(x.size(0) == (grouped_in ? slots : tokens), "x must have ", grouped_in ? slots : tokens,
                     grouped_in ? " rows (one per assignment, grouped_in)" : " rows (one per token)", ", got ",
-                    nf4::shape_string(x.sizes()));
+                    shape_string(x.sizes()));
   if (gates) {
-    nf4::float_dtype(gates->scalar_type(), "gates");
+    float_dtype(gates->scalar_type(), "gates");
     TORCH_CHECK_VALUE(gates->numel() == slots && gates->dim() == 2 && gates->size(1) == top_k,
-                      "gates must have shape (", tokens, ", ", top_k, "), got ", nf4::shape_string(gates->sizes()));
+                      "gates must have shape (", tokens, ", ", top_k, "), got ", shape_string(gates->sizes()));
   }
   TORCH_CHECK_VALUE(lora_a.has_value() == lora_b.has_value(), "lora_a and lora_b must be given together");
   int64_t rank = 0;
@@ -64,11 +64,11 @@ inline Sizes check_grouped_linear(const at::Tensor& x, const at::Tensor& weight,
     TORCH_CHECK_VALUE(lora_a->dim() == 2 && lora_a->size(1) == weight.size(2) && lora_a->size(0) % experts == 0 &&
                           lora_a->size(0) > 0,
                       "lora_a must have shape (r * ", experts, ", ", weight.size(2), ") (PEFT's expert-major layout), got ",
-                      nf4::shape_string(lora_a->sizes()));
+                      shape_string(lora_a->sizes()));
     rank = lora_a->size(0) / experts;
     TORCH_CHECK_VALUE(lora_b->dim() == 2 && lora_b->size(0) == weight.size(1) && lora_b->size(1) == rank * experts,
                       "lora_b must have shape (", weight.size(1), ", ", rank * experts,
-                      ") (PEFT's expert-minor layout, r = ", rank, "), got ", nf4::shape_string(lora_b->sizes()));
+                      ") (PEFT's expert-minor layout, r = ", rank, "), got ", shape_string(lora_b->sizes()));
     TORCH_CHECK_VALUE(lora_a->scalar_type() == x.scalar_type() && lora_b->scalar_type() == x.scalar_type(),
                       "lora_a and lora_b must have x's dtype ", x.scalar_type(), ", got ", lora_a->scalar_type(),
                       " and ", lora_b->scalar_type());

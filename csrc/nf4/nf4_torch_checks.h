@@ -6,31 +6,15 @@
 
 #include <string>
 
+#include "common/torch_checks.h"
 #include "nf4/nf4.h"
 
 namespace pykernels::nf4 {
-
-inline std::string shape_string(at::IntArrayRef sizes) {
-  std::string s = "(";
-  for (size_t i = 0; i < sizes.size(); ++i) s += (i ? ", " : "") + std::to_string(sizes[i]);
-  return s + (sizes.size() == 1 ? ",)" : ")");
-}
 
 inline void check_blocksize(int64_t blocksize, const char* name) {
   const bool power_of_two = blocksize > 0 && (blocksize & (blocksize - 1)) == 0;
   TORCH_CHECK_VALUE(power_of_two && blocksize >= 32 && blocksize <= 4096, name,
                     " must be a power of two in [32, 4096], got ", blocksize);
-}
-
-inline DType float_dtype(at::ScalarType type, const char* name) {
-  switch (type) {
-    case at::kFloat: return DType::kFloat32;
-    case at::kHalf: return DType::kFloat16;
-    case at::kBFloat16: return DType::kBFloat16;
-    default:
-      TORCH_CHECK_VALUE(false, name, " must be float32, float16 or bfloat16, got ", type);
-  }
-  return DType::kFloat32;  // unreachable
 }
 
 inline void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype,
