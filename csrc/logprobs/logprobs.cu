@@ -7,6 +7,7 @@
 #include <string>
 
 #include "common/cuda_convert.cuh"
+#include "common/cuda_launch.cuh"
 #include "common/online_softmax.h"
 #include "logprobs/logit_grad.h"
 #include "logprobs/logprobs.h"
@@ -16,14 +17,6 @@ namespace pykernels::logprobs {
 namespace {
 
 constexpr int kThreads = 256;
-
-const char* launch_status(const char* what) {
-  thread_local std::string last;
-  const cudaError_t status = cudaGetLastError();
-  if (status == cudaSuccess) return nullptr;
-  last = std::string(what) + ": " + cudaGetErrorString(status);
-  return last.c_str();
-}
 
 // Block-wide reduction of one float per thread with op; every thread gets the result.
 template <typename Op>

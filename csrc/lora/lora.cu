@@ -27,6 +27,7 @@
 #include "cutlass/numeric_types.h"
 
 #include "common/cuda_convert.cuh"
+#include "common/cuda_launch.cuh"
 #include "common/tails.h"
 #include "lora/lora.h"
 
@@ -98,12 +99,6 @@ using DeviceGemm = cutlass::gemm::device::GemmUniversal<
     Swizzle, Config::kStages, Config::kAlignmentAB, Config::kAlignmentAB>;
 
 // ------------------------------------------------------------------ GEMM launch
-// The message of the last failure on this thread (valid until the next call that fails).
-const char* fail(std::string message) {
-  thread_local std::string last;
-  last = std::move(message);
-  return last.c_str();
-}
 
 std::string describe(const GemmParams& p) {
   return " (m, n, k) = (" + std::to_string(p.m) + ", " + std::to_string(p.n) + ", " + std::to_string(p.k) +
@@ -185,15 +180,6 @@ const char* dispatch_output(const GemmParams& p, cudaStream_t stream) {
 
 constexpr int kThreads = 256;
 
-const char* launch_status(const char* what) {
-  const cudaError_t status = cudaGetLastError();
-  return status == cudaSuccess ? nullptr : fail(std::string(what) + ": " + cudaGetErrorString(status));
-}
-
-int grid_for(int64_t work_items) {
-  const int64_t blocks = (work_items + kThreads - 1) / kThreads;
-  return static_cast<int>(blocks < (int64_t{1} << 20) ? (blocks > 0 ? blocks : 1) : (int64_t{1} << 20));
-}
 
 // ------------------------------------------------------------------ k == 0: D = beta * C
 // No __restrict__: c may alias d.
@@ -387,7 +373,7 @@ const char* launch_rank_tiles(const RankGemmParams& p, cudaStream_t stream) {
   rank_gemm_kernel<kTileM, kTileN><<<grid, kThreads, 0, stream>>>(p, split.k_per_split);
   if (split.splits == 1) return launch_status("lora rank gemm: kernel launch failed");
   if (const char* error = launch_status("lora rank gemm: kernel launch failed")) return error;
-  rank_gemm_reduce_kernel<<<grid_for(p.m * p.n), kThreads, 0, stream>>>(p, split.splits);
+  rank_gemm_reduce_kernel<<<grid_for(p.m * p.n, kThreads), kThreads, 0, stream>>>(p, split.splits);
   return launch_status("lora rank gemm: reduce kernel launch failed");
 }
 
@@ -413,7 +399,7 @@ const char* launch_gemm(const GemmParams& p, cudaStream_t stream) {
   if (p.k == 0) {  // an empty product: D = beta * C (CUTLASS's k == 0 path is not relied on)
     return with_element(p.d_dtype, [&](auto element) {
       using T = decltype(element);
-      scale_kernel<T><<<grid_for(p.m * p.n), kThreads, 0, stream>>>(static_cast<const T*>(p.c), p.ldc, p.beta, p.m,
+      scale_kernel<T><<<grid_for(p.m * p.n, kThreads), kThreads, 0, stream>>>(static_cast<const T*>(p.c), p.ldc, p.beta, p.m,
                                                                      p.n, static_cast<T*>(p.d), p.ldd);
       return launch_status("lora gemm: k == 0 scale kernel launch failed");
     });
@@ -473,7 +459,7 @@ const char* launch_cast(const void* src, DType src_dtype, void* dst, DType dst_d
     using TSrc = decltype(src_element);
     return with_element(dst_dtype, [&](auto dst_element) {
       using TDst = decltype(dst_element);
-      cast_kernel<TSrc, TDst><<<grid_for(numel), kThreads, 0, stream>>>(static_cast<const TSrc*>(src),
+      cast_kernel<TSrc, TDst><<<grid_for(numel, kThreads), kThreads, 0, stream>>>(static_cast<const TSrc*>(src),
                                                                          static_cast<TDst*>(dst), numel);
       return launch_status("lora cast: kernel launch failed");
     });

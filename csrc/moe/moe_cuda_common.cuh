@@ -18,22 +18,12 @@
 #include <string>
 
 #include "common/cuda_convert.cuh"
+#include "common/cuda_launch.cuh"
 #include "moe/moe.h"
 #include "moe/moe_schedule.h"
 
 namespace pykernels::moe::detail {
 
-// Keeps the message alive until this thread's next failure (launchers return it as const char*).
-inline const char* fail(std::string message) {
-  thread_local std::string last;
-  last = std::move(message);
-  return last.c_str();
-}
-
-inline const char* launch_status(const char* what) {
-  const cudaError_t status = cudaGetLastError();
-  return status == cudaSuccess ? nullptr : fail(std::string(what) + ": " + cudaGetErrorString(status));
-}
 
 // Row of slot s in a SlotRows operand, null when the row lies outside the matrix.
 template <typename E>

@@ -15,6 +15,7 @@
 #include <string>
 
 #include "common/cuda_convert.cuh"
+#include "common/cuda_launch.cuh"
 #include "common/tails.h"
 #include "moe/moe.h"
 #include "moe/moe_cuda_common.cuh"
@@ -27,10 +28,6 @@ namespace {
 
 constexpr int kThreads = 256;  // element-wise kernels
 
-int grid_for(int64_t work_items) {
-  const int64_t blocks = (work_items + kThreads - 1) / kThreads;
-  return static_cast<int>(blocks < (int64_t{1} << 20) ? (blocks > 0 ? blocks : 1) : (int64_t{1} << 20));
-}
 
 // ------------------------------------------------------------------ sort
 // counts[b * chunks + c] is chunk c's count of bucket b (an expert, or E for dropped ids). Scanned
@@ -258,7 +255,7 @@ const char* launch_routing_maps(const RoutingMapsParams& p, cudaStream_t stream)
   if (p.slots == 0) return nullptr;
   if (p.top_k < 1) return "moe routing maps: top_k must be >= 1";
   return with_element(p.gates_dtype, [&](auto gate) {
-    routing_maps_kernel<decltype(gate)><<<grid_for(p.slots), kThreads, 0, stream>>>(p);
+    routing_maps_kernel<decltype(gate)><<<grid_for(p.slots, kThreads), kThreads, 0, stream>>>(p);
     return launch_status("moe routing maps: kernel launch failed");
   });
 }
@@ -275,9 +272,9 @@ const char* launch_sum_per_token(const SumPerTokenParams& p, cudaStream_t stream
     using T = decltype(element);
     constexpr int kV = 16 / sizeof(T);
     if (packs_of_16_bytes<T>(p.rows, p.cols, p.cols) && packs_of_16_bytes<T>(p.out, p.cols, p.cols))
-      sum_per_token_kernel<T, kV><<<grid_for(p.tokens * p.cols / kV), kThreads, 0, stream>>>(p);
+      sum_per_token_kernel<T, kV><<<grid_for(p.tokens * p.cols / kV, kThreads), kThreads, 0, stream>>>(p);
     else
-      sum_per_token_kernel<T, 1><<<grid_for(p.tokens * p.cols), kThreads, 0, stream>>>(p);
+      sum_per_token_kernel<T, 1><<<grid_for(p.tokens * p.cols, kThreads), kThreads, 0, stream>>>(p);
     return launch_status("moe sum per token: kernel launch failed");
   });
 }
@@ -288,9 +285,9 @@ const char* launch_scale_rows(const ScaleRowsParams& p, cudaStream_t stream) {
     using T = decltype(element);
     constexpr int kV = 16 / sizeof(T);
     if (packs_of_16_bytes<T>(p.src.data, p.src.ld, p.src.cols) && packs_of_16_bytes<T>(p.out, p.ld_out, p.src.cols))
-      scale_rows_kernel<T, kV><<<grid_for(p.slots * p.src.cols / kV), kThreads, 0, stream>>>(p);
+      scale_rows_kernel<T, kV><<<grid_for(p.slots * p.src.cols / kV, kThreads), kThreads, 0, stream>>>(p);
     else
-      scale_rows_kernel<T, 1><<<grid_for(p.slots * p.src.cols), kThreads, 0, stream>>>(p);
+      scale_rows_kernel<T, 1><<<grid_for(p.slots * p.src.cols, kThreads), kThreads, 0, stream>>>(p);
     return launch_status("moe scale rows: kernel launch failed");
   });
 }
@@ -318,7 +315,7 @@ const char* launch_row_dots(const RowDotsParams& p, cudaStream_t stream) {
 const char* launch_gate_grad(const GateGradParams& p, cudaStream_t stream) {
   if (p.slots == 0) return nullptr;
   return with_element(p.gates_dtype, [&](auto gate) {
-    gate_grad_kernel<decltype(gate)><<<grid_for(p.slots), kThreads, 0, stream>>>(p);
+    gate_grad_kernel<decltype(gate)><<<grid_for(p.slots, kThreads), kThreads, 0, stream>>>(p);
     return launch_status("moe gate grad: kernel launch failed");
   });
 }

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "common/cuda_convert.cuh"
+#include "common/cuda_launch.cuh"
 #include "common/tails.h"
 #include "nf4/nf4.h"
 #include "nf4/nf4_layout.h"
@@ -258,24 +259,6 @@ __global__ void dynamic8_dequantize_kernel(const uint8_t* __restrict__ q, const 
                                            float* __restrict__ out) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < numel; i += int64_t(gridDim.x) * blockDim.x)
     out[i] = __fmul_rn(code[q[i]], absmax[i / blocksize]);
-}
-
-// nullptr when the launch went through, else `what` with CUDA's own reason. cudaGetLastError also
-// returns an error left by an earlier asynchronous failure, so the message says it may not be this
-// launch's (a bare "kernel launch failed" sent people looking at the wrong kernel). The message of
-// the last failure on this thread stays valid until the next failure.
-const char* launch_status(const char* what) {
-  const cudaError_t status = cudaGetLastError();
-  if (status == cudaSuccess) return nullptr;
-  thread_local std::string last;
-  last = std::string(what) + ": " + cudaGetErrorName(status) + " (" + cudaGetErrorString(status) +
-         "; an error from an earlier asynchronous CUDA call also surfaces here)";
-  return last.c_str();
-}
-
-int grid_for(int64_t work_items, int threads) {
-  const int64_t blocks = (work_items + threads - 1) / threads;
-  return static_cast<int>(blocks < (int64_t{1} << 20) ? (blocks > 0 ? blocks : 1) : (int64_t{1} << 20));
 }
 
 }  // namespace
