@@ -11,8 +11,9 @@ set(CMAKE_CUDA_ARCHITECTURES ${PYKERNELS_CUDA_ARCHS})
 
 # The Ampere-design files (everything but *_sm90.cu) go through the whole compiler for every arch
 # but sm_90a, where they stop at PTX: ptxas for sm_90a of the same mma.sync code that ptxas has just
-# compiled for sm_80 checks little and cost CI a minute (lora.cu: 76 s with it, 52 s without). The
-# Hopper files get sm_90a SASS below, where ptxas's warnings (wgmma serialized) are the check.
+# compiled for sm_80 checks little and cost CI a minute (the sm80 GEMM, then in lora.cu: 76 s with
+# it, 52 s without). The Hopper files get sm_90a SASS below, where ptxas's warnings (wgmma
+# serialized) are the check.
 set(check_archs "")
 foreach(arch IN LISTS PYKERNELS_CUDA_ARCHS)
   if(arch STREQUAL "90a")

@@ -1,4 +1,4 @@
-// A dense GEMM (lora.h's GemmParams: the LoRA and logprobs ops) as the one-group problem of the
+// A dense GEMM (gemm_sm80.h's GemmParams: the LoRA and logprobs ops) as the one-group problem of the
 // Hopper GEMM core (common/grouped_gemm_sm90.h). Torch- and CUDA-free: host-tested through
 // pykernels._C.host_logic.
 #pragma once
@@ -7,7 +7,7 @@
 
 #include "common/grouped_gemm_sm90.h"
 #include "common/tails.h"
-#include "lora/lora.h"
+#include "common/gemm_sm80.h"
 
 namespace pykernels::gemm {
 
@@ -15,7 +15,7 @@ namespace pykernels::gemm {
 // fp32 D, op_a and op_b not both transposed, C absent or laid out like D, sizes >= 1, 16-byte
 // strides, pointers and contiguous extents (as CUTLASS's own alignment check asks of TMA
 // operands). Whether the device can run it is the caller's question.
-inline bool dense_gemm_as_group(const lora::GemmParams& p, GroupedGemmSm90Params& g) {
+inline bool dense_gemm_as_group(const gemm::GemmParams& p, GroupedGemmSm90Params& g) {
   if (p.ab_dtype != DType::kBFloat16 || (p.d_dtype != DType::kBFloat16 && p.d_dtype != DType::kFloat32)) return false;
   if (p.a_transposed && p.b_transposed) return false;
   if (p.m < 1 || p.n < 1 || p.k < 1 || (p.c != nullptr && p.ldc != p.ldd)) return false;

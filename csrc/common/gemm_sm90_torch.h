@@ -1,5 +1,5 @@
 // The torch side of the Hopper GEMM core (common/grouped_gemm_sm90.h): whether a call may use it,
-// and the dense GEMMs of the LoRA and logprobs ops (lora::GemmParams) run on it as one group, with
+// and the dense GEMMs of the LoRA and logprobs ops (gemm::GemmParams) run on it as one group, with
 // the workspace from torch's caching allocator. Included by *_cuda_torch.cpp files only.
 //
 // PYKERNELS_SM90=0 in the environment keeps every op on its sm80 kernels (to compare the two on one
@@ -16,7 +16,7 @@
 
 #include "common/gemm_sm90_dense.h"
 #include "common/grouped_gemm_sm90.h"
-#include "lora/lora.h"
+#include "common/gemm_sm80.h"
 
 namespace pykernels::gemm {
 
@@ -43,7 +43,7 @@ inline void run_grouped_gemm_sm90(const GroupedGemmSm90Params& g, int device, cu
 
 // Runs p on the sm_90a core and returns true when the core takes it (dense_gemm_as_group) and runs
 // on this device; else false: nothing ran.
-inline bool try_gemm_sm90(const lora::GemmParams& p, int device, cudaStream_t stream) {
+inline bool try_gemm_sm90(const gemm::GemmParams& p, int device, cudaStream_t stream) {
   GroupedGemmSm90Params g{};
   if (!dense_gemm_as_group(p, g) || !sm90_usable(device)) return false;
   run_grouped_gemm_sm90(g, device, stream);
@@ -51,9 +51,9 @@ inline bool try_gemm_sm90(const lora::GemmParams& p, int device, cudaStream_t st
 }
 
 // A dense GEMM on the current device: the sm_90a core when it takes p, else lora.cu's sm80 GEMM.
-inline void run_gemm(const lora::GemmParams& p, cudaStream_t stream) {
+inline void run_gemm(const gemm::GemmParams& p, cudaStream_t stream) {
   if (try_gemm_sm90(p, c10::cuda::current_device(), stream)) return;
-  const char* error = lora::launch_gemm(p, stream);
+  const char* error = gemm::launch_gemm(p, stream);
   TORCH_CHECK(error == nullptr, error);
 }
 

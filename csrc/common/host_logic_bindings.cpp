@@ -1,9 +1,9 @@
 // pykernels._C.host_logic: the __host__ __device__ index/tile arithmetic of the CUDA kernels
 // (common/tails.h, common/online_softmax.h, nf4/nf4_layout.h, moe/moe_schedule.h,
 // common/gemm_groups.h, common/gemm_sm90_dense.h, logprobs/vocab_chunks.h, logprobs/logit_grad.h,
-// logprobs/logprobs_sm90.h, lora/lora.h's split-k plan), compiled for the host and exposed with plain ints, floats and lists so
-// that tests/test_device_logic_host.py checks it against direct Python / fp64 computations on a
-// machine without a GPU. Test-only: no op, no torch tensor; where a kernel composes the helpers
+// logprobs/logprobs_sm90.h, lora/lora.h's split-k plan), compiled for the host and exposed with
+// plain ints, floats and lists so that tests/kernels/test_device_logic_host.py checks it against
+// direct Python / fp64 computations on a machine without a GPU. Test-only: no op, no torch tensor; where a kernel composes the helpers
 // (the row-tile schedule, the routing maps, a dequantize pass) the function here composes them in
 // the same way, serially.
 #include <pybind11/pybind11.h>
@@ -62,13 +62,13 @@ const char* kind_name(gemm::Sm90GemmKind kind) {
   }
 }
 
-// A lora::GemmParams as the LoRA and logprobs ops fill it (C aliases D when accumulate), through
+// A gemm::GemmParams as the LoRA and logprobs ops fill it (C aliases D when accumulate), through
 // dense_gemm_as_group: None when the core does not take it, else (kind, slots, m, n, k, the
 // launcher's parameter check: None or its message).
 py::object gemm_sm90_dense(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldd,
                            bool a_transposed, bool b_transposed, const std::string& ab_dtype,
                            const std::string& d_dtype, bool accumulate, bool misaligned) {
-  lora::GemmParams p{};
+  gemm::GemmParams p{};
   p.m = m, p.n = n, p.k = k;
   p.a = fake_address(0, misaligned), p.lda = lda, p.a_transposed = a_transposed;
   p.b = fake_address(1, false), p.ldb = ldb, p.b_transposed = b_transposed;

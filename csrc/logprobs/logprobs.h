@@ -3,7 +3,7 @@
 //
 // logprobs_cuda_torch.cpp walks the vocabulary in chunks of rows of W and the tokens in chunks; each
 // (token chunk, vocab chunk) logits tile z = h W_c^T / T comes from the CUTLASS GEMM of the LoRA
-// family (lora::launch_gemm, fp32 output, 1/T folded into alpha) and is reduced by the kernels
+// family (gemm::launch_gemm, fp32 output, 1/T folded into alpha) and is reduced by the kernels
 // below while later tiles reuse its buffer, so the [N, V] logits never exist.
 #pragma once
 

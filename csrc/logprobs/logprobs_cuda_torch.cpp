@@ -1,6 +1,6 @@
 // CUDA implementation of the fused token-logprob ops (schemas in csrc/torch_bindings.cpp; the same
 // results as logprobs_cpu.cpp up to rounding): checks, chunking and the composition of the CUTLASS
-// GEMM (gemm::run_gemm: the sm_90a core on Hopper for bf16, else lora::launch_gemm) with the
+// GEMM (gemm::run_gemm: the sm_90a core on Hopper for bf16, else gemm::launch_gemm) with the
 // reduction kernels of logprobs.cu on torch's current stream.
 //
 //   forward   for each vocab chunk W_c, token chunk h_t:  z = h_t W_c^T / T   (fp32 tile)
@@ -35,7 +35,6 @@
 #include "logprobs/logprobs_sm90.h"
 #include "logprobs/logprobs_torch_checks.h"
 #include "logprobs/vocab_chunks.h"
-#include "lora/lora.h"
 
 namespace pykernels::logprobs {
 namespace {
@@ -95,7 +94,7 @@ void logits_tile(const at::Tensor& hidden, const at::Tensor& weight, int64_t t0,
                  int64_t rows, float scale, at::Tensor& z, int64_t ld, cudaStream_t stream) {
   const int64_t h = hidden.size(1);
   const int64_t elem = hidden.element_size();
-  lora::GemmParams g{};
+  gemm::GemmParams g{};
   g.m = tokens, g.n = rows, g.k = h;
   g.a = static_cast<const char*>(hidden.data_ptr()) + t0 * h * elem, g.lda = h, g.a_transposed = false;
   g.b = static_cast<const char*>(weight.data_ptr()) + v0 * h * elem, g.ldb = h, g.b_transposed = true;
@@ -251,7 +250,7 @@ std::tuple<at::Tensor, at::Tensor> token_logprobs_backward_cuda(
                                   lse_c.data_ptr<float>(), ent_c.data_ptr<float>(), g_lp.data_ptr<float>(),
                                   g_ent.data_ptr<float>(), scale, dz.data_ptr(), ld, dtype_of(hidden)}, stream));
       }
-      lora::GemmParams g{};
+      gemm::GemmParams g{};
       g.ab_dtype = dtype_of(hidden), g.d_dtype = DType::kFloat32, g.alpha = 1.0f;
       if (compute_grad_hidden) {  // dh[t0:] += dz W_c
         float* d = dh.data_ptr<float>() + t0 * s.h;

@@ -8,8 +8,9 @@
 //             dA  = dxa^T x_lora                (fp32 accumulation, stored in A's dtype)
 //             dx  = dy W (+ dxa A when x_lora is x itself: fused into the same GEMM as its C operand)
 // x [M, K], W [N, K], A [r, K], B [N, r]; x_lora defaults to x (it differs only under LoRA dropout).
-// The CUDA side composes them from one GEMM wrapper (CUTLASS, below) and small kernels (the LoRA
-// term, rank-r GEMMs of mixed dtypes that keep fp32 LoRA weights and intermediates fp32, casts).
+// The CUDA side composes them from GEMMs (cuBLAS through ATen for the base weight; the GEMM core of
+// csrc/common/ for the tensor-core products with an fp32 output) and the small kernels below (the
+// LoRA term, rank-r GEMMs of mixed dtypes that keep fp32 LoRA weights and intermediates fp32, casts).
 #pragma once
 
 #include <cstdint>
@@ -20,34 +21,6 @@
 typedef struct CUstream_st* cudaStream_t;
 
 namespace pykernels::lora {
-
-// D = alpha * op_a(A) @ op_b(B) + beta * C, all row-major. op_a(A) is [m, k]: A stored [m, k]
-// (lda >= k), or with a_transposed stored [k, m] (lda >= m). op_b(B) is [k, n]: B stored [k, n]
-// (ldb >= n), or with b_transposed stored [n, k] (ldb >= k). A and B share ab_dtype; C and D have
-// d_dtype, which is ab_dtype or kFloat32 (fp32 output of a 16-bit GEMM). Accumulation is fp32;
-// fp32 inputs use full fp32 arithmetic (no TF32), like torch's default. C may be null iff beta == 0;
-// C may alias D (in-place accumulate).
-struct GemmParams {
-  int64_t m, n, k;
-  const void* a;
-  int64_t lda;
-  bool a_transposed;
-  const void* b;
-  int64_t ldb;
-  bool b_transposed;
-  const void* c;
-  int64_t ldc;
-  void* d;
-  int64_t ldd;
-  DType ab_dtype;
-  DType d_dtype;
-  float alpha;
-  float beta;
-};
-
-// Returns nullptr on success, else a message saying what failed (can_implement / workspace /
-// initialize / run), e.g. "lora gemm: alignment of operand A not supported".
-const char* launch_gemm(const GemmParams& params, cudaStream_t stream);
 
 // out[m, n] = scaling * sum_j xa[m, j] * b[n, j] + (bias ? bias[n] : 0), computed in fp32 and
 // stored as out_dtype: the LoRA term (plus bias), used as the C operand of the base GEMM.

@@ -10,7 +10,7 @@
 //             dA  = dxa^T x_lora               GEMM, fp32 out, cast to A's dtype
 //             grad_x = dxa A, then += dy W     two GEMMs, the second with C = D = grad_x
 //                                              (separate grad_x = dy W, grad_x_lora = dxa A with x_lora)
-// launch_gemm takes one input dtype; products that meet an fp32 LoRA weight or the fp32 xa / dxa
+// The GEMMs take one input dtype; products that meet an fp32 LoRA weight or the fp32 xa / dxa
 // go to launch_rank_gemm instead, which reads each operand in its own dtype and sums in fp32, so
 // nothing on the LoRA path is rounded to 16 bits before its output (as on the CPU and in PEFT,
 // whose fp32 adapters see an fp32 copy of x). With an NF4 weight, chunks of rows of W (up to
@@ -18,7 +18,7 @@
 // chunks in an fp32 buffer and is rounded once. The base weight's GEMMs with an output in x's dtype
 // (x W^T, dy W) run on cuBLAS through ATen, which measured twice as fast as our kernels at the sizes
 // users train at (base_gemm); the tensor-core products with an fp32 output (xa, dxa, NF4's dy W)
-// run on the sm_90a core on Hopper (bf16, common/gemm_sm90_torch.h), else on launch_gemm's kernels.
+// run on the sm_90a core on Hopper (bf16, common/gemm_sm90_torch.h), else on the sm80 GEMM (common/gemm_sm80.h).
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -69,7 +69,7 @@ Output output(const at::Tensor& t) { return {t.data_ptr(), t.size(1), dtype_of(t
 // out = alpha * op(a) @ op(b) (+ out when accumulate), op(a) [m, k], op(b) [k, n].
 void gemm(int64_t m, int64_t n, int64_t k, Operand a, Operand b, DType ab_dtype, Output out, float alpha,
           bool accumulate, cudaStream_t stream) {
-  GemmParams p{};
+  gemm::GemmParams p{};
   p.m = m;
   p.n = n;
   p.k = k;
@@ -87,7 +87,7 @@ void gemm(int64_t m, int64_t n, int64_t k, Operand a, Operand b, DType ab_dtype,
   p.d_dtype = out.dtype;
   p.alpha = alpha;
   p.beta = accumulate ? 1.0f : 0.0f;
-  gemm::run_gemm(p, stream);  // the sm_90a core on Hopper (bf16), else launch_gemm
+  gemm::run_gemm(p, stream);  // the sm_90a core on Hopper (bf16), else gemm::launch_gemm (sm80)
 }
 
 // out (+)= a @ b for the base weight's GEMMs (x W^T forward, dy W backward), all in x's dtype: on
