@@ -11,8 +11,8 @@
 //             the running stats; the target logits come from one dot per token. No z tile.
 //   backward  for each vocab chunk W_c:  dW_c = 0 (fp32)
 //               for each token chunk:   z = h_t W_c^T / T, dz = scale dL/dz (input dtype)
-//                                       dh_t += dz W_c          (fp32, C = D)
-//                                       dW_c += dz^T h_t        (fp32, C = D)
+//                                       dh_t += dz W_c          (fp32, C = D; cuBLAS)
+//                                       dW_c += dz^T h_t        (fp32, C = D; cuBLAS)
 //               grad_weight[c] = dW_c   (rounded once: fp32 sums across token chunks)
 //             Hopper: the GEMM's epilogue writes dz (bf16) straight from the accumulators (z never
 //             leaves registers); a small pass adds the target column's term.
@@ -25,6 +25,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -111,6 +112,35 @@ Stats stats_of(at::Tensor& stats) {
 bool use_sm90(const at::Tensor& hidden, const at::Tensor& weight) {
   return hidden.scalar_type() == at::kBFloat16 && hidden.size(1) % 8 == 0 && is_aligned(hidden.data_ptr(), 16) &&
          is_aligned(weight.data_ptr(), 16) && logprobs_sm90_built() && gemm::sm90_usable(hidden.get_device());
+}
+
+// out (+)= a @ b with fp32 out and accumulator, a and b in the input dtype (the backward's dh and dW):
+// on cuBLAS through ATen's out_dtype overload of addmm. On an H100 our sm_90a core ran these at
+// ~540-600 TFLOP/s (41 + 34 ms at N 16384, H 4096, V 151936) where cuBLAS runs such GEMMs at 720-810
+// (benchmarks/results/h100.md). Should that overload refuse (a torch without it for these dtypes),
+// our GEMM does it, with one warning.
+void accumulate_fp32(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool accumulate,
+                     cudaStream_t stream) {
+  static std::atomic<bool> use_cublas{true};
+  if (use_cublas.load()) {
+    try {
+      at::addmm_out(out, out, a, b, at::kFloat, /*beta=*/accumulate ? 1 : 0, /*alpha=*/1);
+      return;
+    } catch (const c10::Error& error) {
+      use_cublas.store(false);
+      TORCH_WARN("token_logprobs backward: cuBLAS (aten addmm with out_dtype) refused the fp32-output GEMM (",
+                 error.what_without_backtrace(), "); pykernels' GEMM runs it from now on");
+    }
+  }
+  gemm::GemmParams g{};
+  g.m = a.size(0), g.n = b.size(1), g.k = a.size(1);
+  g.a_transposed = a.stride(0) == 1 && a.size(1) > 1;  // a^T view of a row-major tensor
+  g.a = a.data_ptr(), g.lda = g.a_transposed ? a.stride(1) : a.stride(0);
+  g.b = b.data_ptr(), g.ldb = b.stride(0), g.b_transposed = false;
+  g.c = accumulate ? out.data_ptr() : nullptr, g.ldc = out.stride(0);
+  g.d = out.data_ptr(), g.ldd = out.stride(0);
+  g.ab_dtype = dtype_of(a), g.d_dtype = DType::kFloat32, g.alpha = 1.0f, g.beta = accumulate ? 1.0f : 0.0f;
+  gemm::run_gemm(g, stream);
 }
 
 // z_target [N]: the logit of each token's target (0 where it is no vocabulary entry).
@@ -250,22 +280,14 @@ std::tuple<at::Tensor, at::Tensor> token_logprobs_backward_cuda(
                                   lse_c.data_ptr<float>(), ent_c.data_ptr<float>(), g_lp.data_ptr<float>(),
                                   g_ent.data_ptr<float>(), scale, dz.data_ptr(), ld, dtype_of(hidden)}, stream));
       }
-      gemm::GemmParams g{};
-      g.ab_dtype = dtype_of(hidden), g.d_dtype = DType::kFloat32, g.alpha = 1.0f;
+      const at::Tensor dz_t = dz.narrow(0, 0, tokens).narrow(1, 0, rows);
       if (compute_grad_hidden) {  // dh[t0:] += dz W_c
-        float* d = dh.data_ptr<float>() + t0 * s.h;
-        g.m = tokens, g.n = s.h, g.k = rows;
-        g.a = dz.data_ptr(), g.lda = ld, g.a_transposed = false;
-        g.b = w_chunk, g.ldb = s.h, g.b_transposed = false;
-        g.c = d, g.ldc = s.h, g.d = d, g.ldd = s.h, g.beta = 1.0f;
-        gemm::run_gemm(g, stream);
+        at::Tensor dh_t = dh.narrow(0, t0, tokens);
+        accumulate_fp32(dh_t, dz_t, weight.narrow(0, v0, rows), /*accumulate=*/true, stream);
       }
       if (compute_grad_weight) {  // dW_c (+)= dz^T h_t
-        g.m = rows, g.n = s.h, g.k = tokens;
-        g.a = dz.data_ptr(), g.lda = ld, g.a_transposed = true;
-        g.b = h_chunk, g.ldb = s.h, g.b_transposed = false;
-        g.c = dw.data_ptr(), g.ldc = s.h, g.d = dw.data_ptr(), g.ldd = s.h, g.beta = t0 == 0 ? 0.0f : 1.0f;
-        gemm::run_gemm(g, stream);
+        at::Tensor dw_c = dw.narrow(0, 0, rows);
+        accumulate_fp32(dw_c, dz_t.t(), hidden.narrow(0, t0, tokens), /*accumulate=*/t0 > 0, stream);
       }
     }
     if (compute_grad_weight) grad_weight.narrow(0, v0, rows).copy_(dw.narrow(0, 0, rows));
