@@ -29,8 +29,8 @@ ScorerFactory = Callable[[Config, Policy], tuple[Scorer, Callable | None]]
 @dataclass(frozen=True)
 class TrainerSampling:
     """A mode that samples in the trainer: make_source(config, policy, prompts, rollout_state) gives
-    the batch source (next_batch / push / state, as driver/rollouts/feed.py's Rollouts) and
-    update(config, policy, batch, optimizer, scheduler) -> metrics trains on its batches."""
+    its driver.rollouts.source.BatchSource and update(config, policy, batch, optimizer, scheduler)
+    -> metrics trains on its batches."""
     make_source: Callable
     update: Callable
 

@@ -40,6 +40,7 @@ from driver.policy.model import kernel_modes, load_policy
 from driver.rewards.functions import RewardError
 from driver.rollouts.distributed_feed import FollowerFeed, LeaderFeed, on_rank0
 from driver.rollouts.feed import Rollouts
+from driver.rollouts.source import BatchSource
 from driver.update.optim import build_optimizer, build_scheduler
 from driver.update.step import optimize
 
@@ -96,7 +97,7 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
     logger.print(f"pykernels: {policy.kernels}" + (f"; {world.size} ranks (FSDP2)" if world.distributed else ""))
     if terminal.log_path is not None:
         logger.print(f"vLLM's and the libraries' output: {terminal.log_path}")
-    rollouts = None
+    rollouts: BatchSource | None = None
     try:
         if sampling:
             rollouts = sampling.make_source(config, policy, prompts, rollout_state)

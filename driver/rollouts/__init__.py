@@ -7,7 +7,8 @@ replay buffer of high-signal groups (`replay`); `assemble` turns a job's scored 
 step's batch, zero-advantage rows filtered out (`filtering`). Under torchrun rank 0 runs all of it
 and every rank trains its share (`distributed_feed`, `shard_batch`).
 
-Interface: `feed.Rollouts` (and `distributed_feed.LeaderFeed` / `FollowerFeed`, the same per rank):
-`next_batch(step)`, `push(step)` (the engine serves the new adapter), `state_dict()`, `close()`.
+Interface: `source.BatchSource` (typed Protocol): `next_batch(step)`, `push(step)` (the engine serves
+the new adapter), `state_dict()`, `close()`; implemented by `feed.Rollouts` and
+`distributed_feed.LeaderFeed` / `FollowerFeed` (the same per rank), and by EBFT's strided source.
 Depends on data, engine, rewards, policy and distributed.world.
 """
