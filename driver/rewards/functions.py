@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -28,6 +28,14 @@ logger = logging.getLogger(__name__)
 
 class RewardError(RuntimeError):
     pass
+
+
+class RewardFunction(Protocol):
+    """What `rewards.functions[i].path` names: TRL's reward-function signature. Every dataset column
+    but the prompt comes as a keyword list, one entry per completion; None means "cannot score"."""
+
+    def __call__(self, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
+                 **columns: list) -> list[float | None]: ...
 
 
 def reward_kwargs(prompts: list[str], completions: list[str], columns: list[dict],
@@ -77,8 +85,8 @@ def reward_table(names: list[str], values_per_function: Iterable, completions: l
 class RewardFunctions:
     def __init__(self, config: RewardsConfig) -> None:
         self.paths = [f.path for f in config.functions]
-        self.functions = [import_dotted(f.path, f"rewards.functions[{i}].path")
-                          for i, f in enumerate(config.functions)]
+        self.functions: list[RewardFunction] = [import_dotted(f.path, f"rewards.functions[{i}].path")
+                                                for i, f in enumerate(config.functions)]
         self.names = [f.name or fn.__name__ for f, fn in zip(config.functions, self.functions)]
         self.weights = torch.tensor([f.weight for f in config.functions], dtype=torch.float32)
 
