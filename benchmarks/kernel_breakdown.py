@@ -1,9 +1,10 @@
 """Where an op's GPU time goes: torch.profiler's per-kernel CUDA time for one forward+backward of the
-LoRA and logprobs ops at a size users train at, on the default path and with the Hopper GEMM core
-switched off (PYKERNELS_SM90=0), beside the torch baseline the gate compares with. For choosing
-what to tune during a short GPU lease; the timings that count are the benchmarks' (pytest --benchmark).
+LoRA, logprobs and MoE ops at a size users train at, on the default path and with the Hopper GEMM
+core switched off (PYKERNELS_SM90=0), beside the torch baseline the gate compares with. For choosing
+what to tune during a short GPU lease (e.g. the core's tile, README "On a GPU machine"); the timings
+that count are the benchmarks' (pytest --benchmark).
 
-    python -m benchmarks.kernel_breakdown [--top 12] [--ops lora,logprobs]
+    python -m benchmarks.kernel_breakdown [--top 12] [--ops lora,logprobs,moe]
 """
 
 from __future__ import annotations
@@ -38,7 +39,26 @@ def logprobs_case():
             "torch_materialized": lambda: torch_materialized(hidden, weight, targets).sum().backward()}
 
 
-CASES = {"lora": lora_case, "logprobs": logprobs_case}
+def moe_case():
+    from benchmarks.test_bench_moe import SHAPES, make_block
+
+    block, config = make_block("qwen3-30b-a3b", lora=False, device=torch.device("cuda"))
+    hidden, _, num_experts, top_k = SHAPES["qwen3-30b-a3b"]
+    tokens = 16384
+    x = torch.randn(tokens, hidden, device="cuda").bfloat16().requires_grad_(True)
+    weights, index = torch.randn(tokens, num_experts, device="cuda").softmax(-1).topk(top_k, dim=-1)
+    weights = weights.bfloat16().requires_grad_(True)
+
+    def run(implementation: str):
+        def call():
+            config._experts_implementation = implementation
+            block.experts(x, index, weights).float().square().mean().backward()
+        return call
+
+    return {"ours": run("pykernels"), "grouped_mm": run("grouped_mm")}
+
+
+CASES = {"lora": lora_case, "logprobs": logprobs_case, "moe": moe_case}
 
 
 def breakdown(fn, top: int) -> str:

@@ -53,8 +53,19 @@ namespace {
 using namespace cute;
 
 using ElementAB = cutlass::bfloat16_t;
-using TileShape = Shape<_128, _128, _64>;
-using ClusterShape = Shape<_1, _1, _1>;
+// Tile and cluster: 128x128x64 on 1x1 unless the build asks for others (PYKERNELS_SM90_TILE and
+// PYKERNELS_SM90_CLUSTER, setup.py). On an H100 this tile ran at 470-600 TFLOP/s where cuBLAS, with
+// 192x192 to 320x128 tiles on 2-CTA clusters, reaches 720-810 (benchmarks/results/h100.md): the
+// knob lets a lent GPU time the alternatives without editing code.
+#ifndef PYKERNELS_SM90_TILE_M
+#define PYKERNELS_SM90_TILE_M 128
+#define PYKERNELS_SM90_TILE_N 128
+#define PYKERNELS_SM90_TILE_K 64
+#define PYKERNELS_SM90_CLUSTER_M 1
+#define PYKERNELS_SM90_CLUSTER_N 1
+#endif
+using TileShape = Shape<Int<PYKERNELS_SM90_TILE_M>, Int<PYKERNELS_SM90_TILE_N>, Int<PYKERNELS_SM90_TILE_K>>;
+using ClusterShape = Shape<Int<PYKERNELS_SM90_CLUSTER_M>, Int<PYKERNELS_SM90_CLUSTER_N>, _1>;
 
 // The epilogues, D = alpha acc + beta C with 16-byte TMA stores, for bf16 and fp32 D (and C).
 // Spelled out rather than an alias template: g++ 12 fails to parse CUTLASS's epilogue builder in
