@@ -220,7 +220,7 @@ def test_sm90_dense_gemms_are_one_group(m, n, k):
     np.testing.assert_allclose(d.reshape(m, n), at[:, :m].T @ b, rtol=1e-12, atol=1e-12)
 
 
-# The dense GEMMs of the LoRA and logprobs ops as the CUDA bindings fill lora::GemmParams
+# The dense GEMMs of the LoRA and logprobs ops as the CUDA bindings fill gemm::GemmParams
 # (lora_cuda_torch.cpp, logprobs_cuda_torch.cpp): (m, n, k, lda, ldb, ldd, a_t, b_t, D, accumulate)
 # -> the core's kind and its slots (the dimension its one group walks).
 DENSE_CALLS = {
