@@ -37,7 +37,10 @@ step() {  # step NAME LOG LIMIT_S COMMAND...: runs COMMAND under LIMIT_S, append
 device=$(nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,memory.used \
     --format=csv,noheader 2>&1)
 per_test=(--timeout="$TEST_TIMEOUT_S" --timeout-method=thread)  # thread: a hung CUDA call ends the run
-"$PY" -c "import pytest_timeout" 2>/dev/null || { per_test=(); echo "no pytest-timeout: tests run without a per-test limit"; }
+if ! "$PY" -c "import pytest_timeout" 2>/dev/null; then
+    per_test=()
+    echo "no pytest-timeout: tests run without a per-test limit"
+fi
 for stage in $STAGES; do
     case $stage in
     build) step build build 300 make gpu-install GPU_PYTHON="$PY" || break ;;

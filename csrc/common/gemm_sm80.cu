@@ -178,7 +178,6 @@ const char* dispatch_output(const GemmParams& p, cudaStream_t stream) {
 
 constexpr int kThreads = 256;  // the k == 0 kernel
 
-
 // ------------------------------------------------------------------ k == 0: D = beta * C
 // No __restrict__: c may alias d.
 template <typename T>
@@ -206,8 +205,8 @@ const char* launch_gemm(const GemmParams& p, cudaStream_t stream) {
   if (p.k == 0) {  // an empty product: D = beta * C (CUTLASS's k == 0 path is not relied on)
     return with_element(p.d_dtype, [&](auto element) {
       using T = decltype(element);
-      scale_kernel<T><<<grid_for(p.m * p.n, kThreads), kThreads, 0, stream>>>(static_cast<const T*>(p.c), p.ldc, p.beta, p.m,
-                                                                     p.n, static_cast<T*>(p.d), p.ldd);
+      scale_kernel<T><<<grid_for(p.m * p.n, kThreads), kThreads, 0, stream>>>(
+          static_cast<const T*>(p.c), p.ldc, p.beta, p.m, p.n, static_cast<T*>(p.d), p.ldd);
       return launch_status("gemm: k == 0 scale kernel launch failed");
     });
   }

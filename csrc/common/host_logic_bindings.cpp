@@ -3,9 +3,9 @@
 // common/gemm_groups.h, common/gemm_sm90_dense.h, logprobs/vocab_chunks.h, logprobs/logit_grad.h,
 // logprobs/logprobs_sm90.h, lora/lora.h's split-k plan), compiled for the host and exposed with
 // plain ints, floats and lists so that tests/kernels/test_device_logic_host.py checks it against
-// direct Python / fp64 computations on a machine without a GPU. Test-only: no op, no torch tensor; where a kernel composes the helpers
-// (the row-tile schedule, the routing maps, a dequantize pass) the function here composes them in
-// the same way, serially.
+// direct Python / fp64 computations on a machine without a GPU. Test-only: no op, no torch tensor;
+// where a kernel composes the helpers (the row-tile schedule, the routing maps, a dequantize pass)
+// the function here composes them in the same way, serially.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 

@@ -73,8 +73,8 @@ inline void check_backward(const at::Tensor& grad_y, const at::Tensor& xa, const
                     shape_string(grad_y.sizes()));
   TORCH_CHECK_VALUE(grad_y.is_contiguous(), "grad_y must be contiguous");
   TORCH_CHECK_VALUE(xa.dim() == 2 && xa.size(0) == s.m && xa.size(1) == s.r && xa.scalar_type() == at::kFloat,
-                    "xa must be float32 with shape (tokens, r) = ", shape_string({s.m, s.r}), ", got ", xa.scalar_type(), " ",
-                    shape_string(xa.sizes()));
+                    "xa must be float32 with shape (tokens, r) = ", shape_string({s.m, s.r}), ", got ",
+                    xa.scalar_type(), " ", shape_string(xa.sizes()));
   TORCH_CHECK_VALUE(xa.is_contiguous(), "xa must be contiguous");
 }
 

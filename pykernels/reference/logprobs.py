@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from pykernels.packed_sequences import IGNORE_INDEX, packed_targets  # noqa: F401 (re-exported)
+from pykernels.packed_sequences import IGNORE_INDEX
 
 CHUNK_TOKENS = 2048  # rows of logits alive at once: 2048 x 151936 fp32 is 1.2 GiB
 

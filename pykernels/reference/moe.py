@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from pykernels.moe_types import ACTIVATIONS, LoRAFactors  # noqa: F401 (re-exported: the ops' argument types)
+from pykernels.moe_types import ACTIVATIONS, LoRAFactors
 
 
 def sort_tokens(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
