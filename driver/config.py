@@ -19,6 +19,9 @@ def schedule_staleness(depth: int, interval: int) -> int:
     return depth + interval - 1
 
 
+CISPO_DEFAULT_EPSILON_MAX = 5.0  # ScaleRL's recommended cap for cispo (arXiv 2510.13786), TRL's docs' advice
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -143,6 +146,15 @@ class ImportanceSamplingConfig(Section):
     mode: Literal["truncate", "mask"] = Field("truncate", description="ratios above cap are truncated to cap, or "
                                                "masked (weight 0)")
     cap: float = Field(2.0, gt=0, description="the cap C on importance ratios")
+    cap_min: float | None = Field(None, ge=0, description="two-sided: ratios below this are raised to it "
+                                  "(truncate) or masked (mask; IcePop) as well (TRL's "
+                                  "vllm_importance_sampling_clip_min; null: one-sided)")
+
+    @model_validator(mode="after")
+    def _check_range(self) -> ImportanceSamplingConfig:
+        if self.cap_min is not None and self.cap_min >= self.cap:
+            raise ValueError(f"cap_min = {self.cap_min} must be below cap = {self.cap}")
+        return self
 
     @field_validator("level", mode="before")
     @classmethod
@@ -179,12 +191,43 @@ class AlgoConfig(Section):
                                           "ground truth (ebft section; arXiv 2603.12248)")
     num_generations: int = Field(8, ge=1, description="completions per prompt (the group; grpo needs >= 2, "
                                  "ebft allows 1 with advantage_estimator reinforce)")
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field(
-        "dapo", description="loss normalization: per sequence (grpo), per token in the micro-batch (bnpo), by "
-        "batch x max length (dr_grpo), per token in the whole step (dapo)")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = Field(
+        "dapo", description="the clipped surrogate normalized per sequence (grpo), per token in the micro-batch "
+        "(bnpo), by batch x max length (dr_grpo), per token in the whole step (dapo), or per sequence times its "
+        "length (luspo, with importance_sampling_level sequence); cispo: REINFORCE weighted by the ratio capped at "
+        "epsilon_high (MiniMax-M1); sapo: a sigmoid gate instead of the clip; vespo: a gamma weight of the "
+        "sequence ratio (as TRL)")
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token", description="the policy ratio per token, or per sequence as the geometric mean of its token ratios "
+        "(GSPO, arXiv 2507.18071); not the engine-vs-trainer correction (algo.importance_sampling)")
     epsilon: float = Field(0.2, ge=0, description="lower clip range of the policy ratio")
-    epsilon_high: float | None = Field(None, description="upper clip range (default: epsilon; DAPO uses 0.28)")
-    beta: float = Field(0.0, ge=0, description="KL (k3) coefficient against the base model (adapter disabled)")
+    epsilon_high: float | None = Field(None, description="upper clip range (default: epsilon; DAPO uses 0.28); "
+                                       "cispo: the cap on the ratio itself (default 5.0, ScaleRL's)")
+    delta: float | None = Field(None, gt=1, description="two-sided clipping: the unclipped ratio is also capped "
+                                "at delta, so negative-advantage tokens cannot push it without bound (INTELLECT-2; "
+                                "use > 1 + epsilon_high; null: off)")
+    sapo_temperature_pos: float = Field(1.0, gt=0, description="sapo: gate temperature of positive advantages")
+    sapo_temperature_neg: float = Field(1.05, gt=0, description="sapo: gate temperature of other advantages")
+    vespo_k_pos: float = Field(2.0, description="vespo: power k of the gamma weight, non-negative advantages")
+    vespo_lambda_pos: float = Field(3.0, gt=0, description="vespo: decay lambda, non-negative advantages")
+    vespo_k_neg: float = Field(3.0, description="vespo: power k of the gamma weight, negative advantages")
+    vespo_lambda_neg: float = Field(2.0, gt=0, description="vespo: decay lambda, negative advantages")
+    beta: float = Field(0.0, ge=0, description="KL coefficient against the base model (adapter disabled)")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="per-token KL(policy || base) estimator (Schulman 2020): k1 = log(p/ref), k2 = "
+        "log(p/ref)^2 / 2, k3 = ref/p - log(ref/p) - 1 (TRL's)")
+    mask_truncated_completions: bool = Field(
+        False, description="completions cut at max_tokens (no end of sequence) carry no loss (DAPO); their rewards "
+        "still count in their group's advantages")
+    top_entropy_quantile: float = Field(
+        1.0, ge=0, le=1, description="train the policy term only on the tokens whose entropy is in this top "
+        "quantile of the micro-batch's (every rank's) tokens (Beyond the 80/20 rule recommends 0.2; 1: all)")
+    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus: the loss minus entropy_coef x the mean "
+                                "token entropy (the kept tokens' with top_entropy_quantile)")
+    advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = Field(
+        "grpo", description="grpo: the group mean subtracted, scaled by scale_rewards; rloo: r minus the mean of the "
+        "group's other rewards; reinforce_plus_plus: rewards whitened over the batch's tokens, no group baseline; "
+        "reinforce_plus_plus_baseline: the group mean subtracted, then whitened over the batch's tokens (as verl)")
     num_iterations: int = Field(1, ge=1, description="optimizer passes over each rollout batch (mu)")
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="divide advantages by the reward std of the group, of the batch, or not (Dr. GRPO); "
@@ -216,6 +259,32 @@ class AlgoConfig(Section):
     @classmethod
     def _old_zero_advantage_keys(cls, data):
         return merged_zero_advantage_keys(data) if isinstance(data, dict) else data
+
+    @model_validator(mode="after")
+    def _check_loss(self) -> AlgoConfig:
+        if self.loss_type == "luspo" and self.importance_sampling_level != "sequence":
+            raise ValueError("loss_type luspo scales GSPO's sequence term by the sequence's length: set "
+                             "importance_sampling_level: sequence")
+        if self.loss_type == "vespo" and self.importance_sampling_level != "token":
+            raise ValueError("loss_type vespo builds its own sequence weight from the token ratios: set "
+                             "importance_sampling_level: token")
+        if self.advantage_estimator != "grpo" and "scale_rewards" in self.model_fields_set:
+            raise ValueError(f"scale_rewards applies to advantage_estimator grpo only ({self.advantage_estimator} "
+                             "has its own scaling); remove it")
+        return self
+
+    @property
+    def clip_high(self) -> float:
+        """epsilon_high as the loss uses it: its default is epsilon, and cispo's is ScaleRL's cap 5.0."""
+        if self.epsilon_high is not None:
+            return self.epsilon_high
+        return CISPO_DEFAULT_EPSILON_MAX if self.loss_type == "cispo" else self.epsilon
+
+    @property
+    def acts_on_every_completion(self) -> bool:
+        """A loss term reaches completions of zero advantage (the KL, the entropy bonus): filtering or
+        skipping them would change the update."""
+        return self.beta > 0 or self.entropy_coef > 0
 
 
 class EbftConfig(Section):
@@ -339,7 +408,8 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Config:
-        if self.algo.epsilon_high is not None and self.algo.epsilon_high < self.algo.epsilon:
+        if (self.algo.epsilon_high is not None and self.algo.loss_type != "cispo"
+                and self.algo.epsilon_high < self.algo.epsilon):
             raise ValueError("algo.epsilon_high must be >= algo.epsilon")
         rollout = self.rollout
         staleness = schedule_staleness(self.prefetch_depth, rollout.vllm_sync_interval)
@@ -351,6 +421,9 @@ class Config(Section):
         if rollout.partial_rollout_tokens is not None and rollout.partial_rollout_tokens >= rollout.sampling.max_tokens:
             raise ValueError(f"rollout.partial_rollout_tokens = {rollout.partial_rollout_tokens} must be below "
                              f"rollout.sampling.max_tokens = {rollout.sampling.max_tokens} (or null for off)")
+        if self.algo.advantage_estimator != "grpo" and self.rewards.aggregation != "sum_then_normalize":
+            raise ValueError(f"algo.advantage_estimator = {self.algo.advantage_estimator} needs rewards.aggregation = "
+                             "sum_then_normalize (normalize_then_sum is GDPO, an estimator of its own)")
         if self.algo.name == "grpo" and self.algo.num_generations < 2:
             raise ValueError(f"algo.num_generations = {self.algo.num_generations}: grpo compares completions within "
                              "a group and needs at least 2")
@@ -372,15 +445,22 @@ class Config(Section):
         if algo.reroll_failed:
             raise ValueError("algo.reroll_failed does not apply to ebft: feature-matching rewards have no failure "
                              "threshold")
+        if algo.advantage_estimator != "grpo":
+            raise ValueError("algo.advantage_estimator does not apply to ebft: set ebft.advantage_estimator")
         if ebft.mode == "strided":
             unsupported = [key for key, on in (("rollout.async_prefetch", self.rollout.async_prefetch),
                                                ("rollout.partial_rollout_tokens",
                                                 self.rollout.partial_rollout_tokens is not None),
                                                ("algo.replay_buffer_size", algo.replay_buffer_size > 0),
-                                               ("algo.beta", algo.beta > 0)) if on]
+                                               ("algo.beta", algo.beta > 0),
+                                               ("algo.entropy_coef", algo.entropy_coef > 0),
+                                               ("algo.top_entropy_quantile", algo.top_entropy_quantile < 1),
+                                               ("algo.mask_truncated_completions",
+                                                algo.mask_truncated_completions)) if on]
             if unsupported:
                 raise ValueError(f"{', '.join(unsupported)}: not supported by ebft.mode = strided (the trainer "
-                                 "generates its own blocks, no vLLM, no KL term); turn them off")
+                                 "generates its own fixed-length blocks, no vLLM, no KL or entropy term); turn "
+                                 "them off")
             if self.model.attention == "flash_attention_2":
                 raise ValueError("model.attention = flash_attention_2 cannot take the block-parallel mask of "
                                  "ebft.mode = strided; use sdpa or eager")

@@ -25,6 +25,7 @@ from driver.ebft.strided import StridedBatch, StridedChunk
 from driver.ebft.strided_attention import full_row_attention, uses_flex
 from driver.metrics.combine import Metrics, combine_metrics
 from driver.policy.model import Policy
+from driver.update.loss_terms import loss_options
 from driver.update.losses import StepNormalizers, policy_loss
 from driver.update.optim import optimizer_steps
 from pykernels.logprobs import token_logprobs
@@ -72,9 +73,9 @@ def chunk_loss(config: Config, policy: Policy, chunk: StridedChunk, normalizers:
     logps = logps.view(-1, generate_length)  # [(document, sample, block), G]
     old = torch.cat([lp.reshape(-1, generate_length) for lp in rollout.sampling_logprobs]).to(device)
     advantages = torch.cat([a.reshape(-1) for a in chunk.advantages]).to(device)
-    epsilon_high = algo.epsilon_high if algo.epsilon_high is not None else algo.epsilon
     rl, metrics = policy_loss(logps, old, advantages, torch.ones_like(old), loss_type=algo.loss_type,
-                              epsilon_low=algo.epsilon, epsilon_high=epsilon_high, beta=0.0, normalizers=normalizers)
+                              epsilon_low=algo.epsilon, epsilon_high=algo.clip_high, beta=0.0, normalizers=normalizers,
+                              options=loss_options(algo))
     loss = ebft.rl_coef * rl
     ce = ground_truth_cross_entropy(chunk, hidden, weight, device) / num_documents
     if ebft.ce_coef > 0:

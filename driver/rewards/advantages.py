@@ -19,6 +19,9 @@ every mean and std and counts as 0 in weighted sums. A completion for which EVER
 None has no reward at all: its total reward stays NaN (left out of its group's statistics, as in TRL;
 a nansum would make it a reward of 0) and its advantage is 0, so advantages are never NaN.
 Every std is unbiased (TRL's nanstd); eps = 1e-4 as in TRL.
+
+algo.advantage_estimator picks verl's RLOO or REINFORCE++ (outcome_advantages) instead of the group
+standardization; scale_rewards is then unused.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import math
 import torch
 
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 REWARD_SCALINGS = ("group", "batch", "none")
 
 
@@ -39,19 +43,71 @@ def combine_rewards(
     scale_rewards: str,
     eps: float = 1e-4,
     names: list[str] | None = None,  # [F] names for the per-function stats; default "0", "1", ...
+    estimator: str = "grpo",
+    lengths: torch.Tensor | None = None,  # [N] completion tokens: the reinforce_plus_plus* token weights
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """Returns (rewards [N], NaN where unscorable; advantages [N], never NaN; stats) with TRL's metric names."""
+    """Returns (rewards [N], NaN where unscorable; advantages [N], never NaN; stats) with TRL's metric names.
+
+    estimator (sum_then_normalize only) replaces the group standardization by verl's RLOO or REINFORCE++
+    estimators (outcome_advantages)."""
     _check_arguments(rewards_per_func, weights, group_size, aggregation, scale_rewards, eps, names)
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ADVANTAGE_ESTIMATORS}, got {estimator!r}")
+    if estimator != "grpo" and aggregation != "sum_then_normalize":
+        raise ValueError(f"estimator {estimator!r} needs aggregation 'sum_then_normalize' (GDPO's normalize_then_sum "
+                         "is its own estimator)")
     weights = weights.to(rewards_per_func)
     unscorable = rewards_per_func.isnan().all(dim=1)
     rewards = (rewards_per_func * weights).nansum(dim=1).masked_fill(unscorable, math.nan)
-    if aggregation == "sum_then_normalize":
+    if estimator != "grpo":
+        advantages = outcome_advantages(rewards, group_size, estimator, lengths)
+    elif aggregation == "sum_then_normalize":
         advantages = _center_and_scale(rewards.unsqueeze(1), group_size, scale_rewards, eps).squeeze(1)
     else:
         advantages = _decoupled_advantages(rewards_per_func, weights, unscorable, group_size, eps)
     advantages = advantages.nan_to_num(nan=0.0)  # unscorable rows: no learning signal
     names = names if names is not None else [str(index) for index in range(rewards_per_func.shape[1])]
     return rewards, advantages, _reward_stats(rewards, rewards_per_func, group_size, names)
+
+
+def outcome_advantages(rewards: torch.Tensor,  # [N], NaN where unscorable
+                       group_size: int, estimator: str, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """verl's outcome-reward estimators (verl/trainer/ppo/core_algos.py), [N], NaN on unscorable rows.
+
+    rloo (arXiv 2402.14740): r_i minus the mean of the group's other scored rewards, i.e.
+    n / (n - 1) x (r_i - group mean); 0 in a group with fewer than two scored rewards (no baseline left;
+    verl gives such a lone completion its raw reward).
+    reinforce_plus_plus (arXiv 2501.03262): no baseline; the rewards whitened over the batch's tokens, each
+    completion's reward counted once per completion token (verl's masked_whiten: mean and unbiased variance
+    over tokens, (r - mean) / sqrt(var + 1e-8)). With outcome rewards and gamma 1 every token of a
+    completion carries its reward, so the per-token advantage is one value per completion.
+    reinforce_plus_plus_baseline: the group mean subtracted first, then the same whitening (which moves
+    groups of equal rewards off exact 0: zero-advantage filtering finds no rows to drop there)."""
+    num_rows = rewards.shape[0]
+    grouped = rewards.view(num_rows // group_size, group_size)
+    if estimator == "rloo":
+        scored = (~grouped.isnan()).sum(dim=1, keepdim=True)
+        leave_one_out = _center(grouped, dim=1) * scored / (scored - 1).clamp(min=1)
+        return torch.where(scored >= 2, leave_one_out, torch.where(grouped.isnan(), math.nan, 0.0)).reshape(num_rows)
+    if lengths is None or tuple(lengths.shape) != (num_rows,):
+        raise ValueError(f"{estimator} whitens over tokens: lengths must be [N] = ({num_rows},) completion token "
+                         f"counts, got {None if lengths is None else tuple(lengths.shape)}")
+    values = _center(grouped, dim=1).reshape(num_rows) if estimator == "reinforce_plus_plus_baseline" else rewards
+    return _token_whiten(values, lengths.to(values))
+
+
+def _token_whiten(values: torch.Tensor,  # [N], NaN on unscorable rows
+                  lengths: torch.Tensor) -> torch.Tensor:
+    """verl's masked_whiten of values repeated lengths[i] times: (v - mean) / sqrt(unbiased var + 1e-8);
+    0 for a batch of fewer than two scored tokens."""
+    weights = torch.where(values.isnan(), 0.0, lengths)
+    total = weights.sum()
+    if total < 2:  # no variance to divide by (verl raises); such a batch carries no signal
+        return torch.where(values.isnan(), math.nan, 0.0)
+    filled = values.nan_to_num(nan=0.0)
+    mean = (filled * weights).sum() / total
+    variance = ((filled - mean) ** 2 * weights).sum() / total * total / (total - 1)
+    return (values - mean) * torch.rsqrt(variance + 1e-8)
 
 
 def standardize_groups(grouped: torch.Tensor,  # [P, G, ...], may hold NaN

@@ -43,13 +43,16 @@ class GroupScorer:
             self._pump.start()
 
     def advantages(self, groups: list[Group]) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-        """The weighted reward per completion and its group-normalized advantage (combine_rewards)."""
+        """The weighted reward per completion and its advantage (combine_rewards: algo.advantage_estimator)."""
         unscorable = float(warn_unscorable(groups))  # all None: advantage 0
         table = torch.cat([group.rewards for group in groups])
         algo = self.config.algo
+        lengths = torch.tensor([len(sample.token_ids) for group in groups for sample in group.samples],
+                               dtype=torch.float32)
         total, advantages, stats = combine_rewards(table, self.weights, algo.num_generations,
                                                    self.config.rewards.aggregation, algo.scale_rewards,
-                                                   names=self.names)
+                                                   names=self.names, estimator=algo.advantage_estimator,
+                                                   lengths=lengths)
         return total, advantages, {"rewards/unscorable_completions": unscorable, **stats}
 
     def submit_group(self, group: Group) -> None:

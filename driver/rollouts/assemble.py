@@ -64,20 +64,23 @@ def assemble(config: Config, job: Job, step: int, scorer: Scorer, submit: bool,
             if failed_entirely(group, config.algo.reroll_threshold):
                 reroll.push(group, step)
         metrics.update(reroll.metrics())
-    batch = batch_from_groups(groups, [group.texts for group in groups])
+    batch = batch_from_groups(groups, [group.texts for group in groups],
+                              mask_truncated=config.algo.mask_truncated_completions)
     metrics.update(completion_stats(groups))
     micro_batch_size = config.train.micro_batch_size
-    filtering = config.algo.zero_advantage == "filter" and config.algo.beta == 0  # KL acts on every row
-    if filtering:
-        batch, filter_metrics = filter_zero_advantage(batch, micro_batch_size, beta=config.algo.beta)
+    every_row = config.algo.acts_on_every_completion
+    if config.algo.zero_advantage == "filter":
+        batch, filter_metrics = filter_zero_advantage(batch, micro_batch_size, every_row=every_row)
         metrics.update(filter_metrics)
     if replay is not None:
-        filtered_groups = sum(not bool(group.advantages.any()) for group in groups) if filtering else 0
+        filtered_groups = (sum(not bool(group.advantages.any()) for group in groups)
+                           if config.algo.zero_advantage == "filter" and not every_row else 0)
         replayed = replay.take(filtered_groups, step) if filtered_groups else []
         replay.add(groups, step)  # after taking: a group is never trained twice in one step
         if replayed:
-            batch = extend_batch(batch, batch_from_groups(replayed, [group.texts for group in replayed]),
-                                 micro_batch_size)
+            replayed_batch = batch_from_groups(replayed, [group.texts for group in replayed],
+                                               mask_truncated=config.algo.mask_truncated_completions)
+            batch = extend_batch(batch, replayed_batch, micro_batch_size)
         metrics.update(replay.metrics())
         metrics["replay/replayed_groups"] = float(len(replayed))
     metrics.update(staleness_stats(batch, step))

@@ -63,12 +63,18 @@ def padded_rows(rows: list[list[float]], width: int | None = None) -> tuple[torc
     return values, mask
 
 
-def batch_from_groups(groups: list[Group], texts: list[list[str]] | None = None) -> RolloutBatch:
+def batch_from_groups(groups: list[Group], texts: list[list[str]] | None = None,
+                      mask_truncated: bool = False) -> RolloutBatch:
     """Rows group after group, sample after sample; every group needs its advantages set.
 
-    texts: the decoded completions per group, for the samples shown in the logs."""
+    texts: the decoded completions per group, for the samples shown in the logs. mask_truncated (DAPO's
+    mask_truncated_completions): completions cut at max_tokens keep their rows, with an all-zero mask, so
+    no loss term and no normalizer counts their tokens (TRL zeroes their completion mask the same way)."""
     samples = [sample for group in groups for sample in group.samples]
     sampling, mask = padded_rows([sample.logprobs for sample in samples])
+    if mask_truncated:
+        truncated = torch.tensor([sample.finish_reason == "length" for sample in samples], dtype=torch.bool)
+        mask[truncated] = 0.0
     shown = []
     if texts is not None:
         shown = [(group.prompt.text, text, float(reward)) for group, group_texts in zip(groups, texts)

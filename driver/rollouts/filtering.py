@@ -2,7 +2,7 @@
 
 A row whose advantage is exactly 0 (a group of equal rewards, advantages.py makes those exact zeros)
 has a per-token loss -min(r * 0, clip(r) * 0) * w = 0 and a zero gradient, for every loss type, as
-long as no term acts on every row (beta = 0: no KL, and the loss has no entropy term). Removing those
+long as no term acts on every row (beta = 0: no KL, and entropy_coef = 0: no entropy bonus). Removing those
 rows before the old/reference logprob passes and the update saves their forward and backward passes
 (verl measured update_actor -41%) and leaves the update unchanged, PROVIDED the loss keeps dividing by
 the counts of the unfiltered step: StepCounts carries them on the filtered batch.
@@ -55,16 +55,19 @@ def step_counts(batch: RolloutBatch, micro_batch_size: int) -> StepCounts:
 
 
 def filter_zero_advantage(batch: RolloutBatch, micro_batch_size: int, *,
-                          beta: float) -> tuple[RolloutBatch, dict[str, float]]:
-    """(batch without its rows of advantage exactly 0, metrics); counts are those of the input batch
-    before filtering (kept as they are when it already has counts, e.g. merged filtered batches).
+                          every_row: bool) -> tuple[RolloutBatch, dict[str, float]]:
+    """(batch without its rows of advantage exactly 0 and its rows without loss tokens, metrics); counts
+    are those of the input batch before filtering (kept as they are when it already has counts, e.g.
+    merged filtered batches).
 
-    beta > 0 filters nothing: the KL term acts on every row, so removing rows would change the update.
+    every_row (the loss has a KL or entropy term, which acts on every row): only the rows without loss
+    tokens go (mask_truncated_completions), removing the others would change the update.
     """
     _check_micro_batch_size(micro_batch_size)
     _check_rows(batch)
     counts = batch.counts if batch.counts is not None else step_counts(batch, micro_batch_size)
-    keep = batch.advantages.cpu() != 0 if beta == 0 else torch.ones(len(batch), dtype=torch.bool)
+    has_tokens = batch.mask.cpu().sum(dim=1) > 0  # an empty or masked completion adds nothing to the loss
+    keep = has_tokens & (batch.advantages.cpu() != 0) if not every_row else has_tokens
     rows = keep.nonzero().flatten().tolist()
     # The original micro-batch of every row; kept rows stay in order, so each one's rows stay contiguous.
     owner = torch.repeat_interleave(torch.arange(len(counts.micro_batch_rows)), torch.tensor(counts.micro_batch_rows))

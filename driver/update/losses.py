@@ -7,6 +7,9 @@ epsilon_low != epsilon_high is DAPO's "clip-higher", https://arxiv.org/abs/2503.
     loss  = -min(ratio * A, clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * A) * is_weight
             + beta * k3,   k3 = exp(ref - logp) - (ref - logp) - 1   (Schulman's estimator of KL(policy || ref))
 
+cispo, sapo and vespo replace the clipped surrogate, GSPO's sequence-level ratio replaces the token ratio,
+k1 / k2 may replace k3 and an entropy bonus may be subtracted: driver/update/loss_terms.py, TRL's formulas.
+
 The training loop sums the losses of a step's micro-batches before one optimizer step, so every
 normalizer counts the WHOLE step (StepNormalizers) and the sum over micro-batches is the step's loss,
 whatever the split. The exception is "bnpo", by its definition in TRL: the mean over micro-batches of
@@ -35,8 +38,9 @@ from dataclasses import dataclass
 import torch
 
 from driver.metrics.combine import Metrics
+from driver.update.loss_terms import (CLIPPED_LOSS_TYPES, LOSS_TYPES, LossOptions, kl_estimate, policy_log_ratio,
+                                      surrogate, vespo_weights)
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 IMPORTANCE_LEVELS = ("token", "sequence_product", "none")
 IMPORTANCE_MODES = ("truncate", "mask")
 
@@ -76,40 +80,59 @@ def policy_loss(
     ref_logps: torch.Tensor | None = None,  # [n, T] base model; required when beta > 0
     is_weights: torch.Tensor | None = None,  # [n, T] detached importance weights (importance_weights())
     keep_sequences: torch.Tensor | None = None,  # [n] bool, off_policy_sequence_mask(); None keeps all
+    options: LossOptions = LossOptions(),
+    entropy: torch.Tensor | None = None,  # [n, T] token entropies; with grad when options.entropy_coef > 0
+    keep_tokens: torch.Tensor | None = None,  # [n, T] bool, high_entropy_mask(); None keeps all
 ) -> tuple[torch.Tensor, Metrics]:
     """Returns (this micro-batch's share of the step loss, its metrics: token means and per-sequence
     extremes of the clipped fractions, the KL when ref_logps is given).
 
-    keep_sequences zeroes the clipped policy term of the dropped sequences and nothing else, as TRL's
-    off-policy mask does: their KL term stays, their tokens still count in every normalizer and metric."""
+    keep_sequences zeroes the policy term of the dropped sequences and nothing else, as TRL's off-policy
+    mask does: their KL term stays, their tokens still count in every normalizer and metric. keep_tokens
+    (top_entropy_quantile) zeroes the policy term and the entropy bonus of the other tokens, as TRL.
+    The entropy bonus subtracts entropy_coef x (the kept tokens' entropy summed / the step's tokens): TRL's
+    form for its token-normalized losses, used here for every loss type so that it does not depend on how
+    the step is split into micro-batches."""
     _check_policy_loss_arguments(logps, old_logps, advantages, mask, loss_type, epsilon_low, epsilon_high,
                                  beta, normalizers, ref_logps, is_weights, keep_sequences)
+    _check_same_shape("logps", logps, entropy=entropy, keep_tokens=keep_tokens)
+    if options.entropy_coef > 0 and entropy is None:
+        raise ValueError(f"entropy is required when entropy_coef = {options.entropy_coef} > 0")
     # Sums over thousands of tokens lose too much in half precision; the model's logps may be bf16.
     dtype = torch.promote_types(logps.dtype, torch.float32)
     real = mask > 0
-    logps = logps.to(dtype)
-    ratio = torch.where(real, logps - old_logps.to(dtype), 0.0).exp()
+    logps = torch.where(real, logps.to(dtype), 0.0)  # cispo and vespo use logp itself, not only the ratio
+    token_log_ratio = torch.where(real, logps - old_logps.to(dtype), 0.0)
+    ratio = policy_log_ratio(token_log_ratio, real, options.importance_sampling_level).exp()
     advantages = advantages.to(dtype).unsqueeze(1)
-    clipped_ratio = ratio.clamp(1 - epsilon_low, 1 + epsilon_high)
-    per_token = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
+    is_weights = torch.where(real, is_weights.detach().to(dtype), 0.0) if is_weights is not None else None
+    vespo_phi = (vespo_weights(token_log_ratio, real, advantages, is_weights, options)
+                 if loss_type == "vespo" else None)
+    per_token = surrogate(loss_type, ratio, logps, advantages, epsilon_low, epsilon_high, options, vespo_phi)
     if keep_sequences is not None:
         per_token = torch.where(keep_sequences.unsqueeze(1), per_token, 0.0)
-    if is_weights is not None:
-        per_token = per_token * is_weights.detach().to(dtype)
-    k3 = None
+    if keep_tokens is not None:
+        per_token = torch.where(keep_tokens, per_token, 0.0)
+    if is_weights is not None and loss_type != "vespo":  # vespo folded them into phi
+        per_token = per_token * is_weights
+    kl = None
     if ref_logps is not None:
-        ref_minus_policy = torch.where(real, ref_logps.to(dtype) - logps, 0.0)
-        k3 = ref_minus_policy.exp() - ref_minus_policy - 1
+        kl = kl_estimate(logps, ref_logps.to(dtype), real, options.kl_estimator)
         if beta > 0:
-            per_token = per_token + beta * k3
+            per_token = per_token + beta * kl
     per_token = torch.where(real, per_token, 0.0)
     loss = _normalize(per_token, real.to(dtype), loss_type, normalizers)
-    return loss, _policy_metrics(ratio, advantages, real, k3, epsilon_low, epsilon_high)
+    if options.entropy_coef > 0:
+        bonus_tokens = real if keep_tokens is None else real & keep_tokens
+        bonus = torch.where(bonus_tokens, entropy.to(dtype), 0.0).sum() / max(normalizers.num_tokens, 1)
+        loss = loss - options.entropy_coef * bonus
+    metrics = _policy_metrics(ratio, advantages, real, kl, epsilon_low, epsilon_high, loss_type, vespo_phi)
+    return loss, metrics
 
 
 def _normalize(per_token: torch.Tensor,  # [n, T], 0 on padding
                mask: torch.Tensor, loss_type: str, normalizers: StepNormalizers) -> torch.Tensor:
-    if loss_type == "grpo":  # each sequence's token mean, averaged over the step's sequences
+    if loss_type in ("grpo", "sapo"):  # each sequence's token mean, averaged over the step's sequences
         sequence_means = per_token.sum(dim=1) / mask.sum(dim=1).clamp(min=1)
         return sequence_means.sum() / normalizers.num_sequences
     if loss_type == "bnpo":  # this micro-batch's token mean, averaged over the step's micro-batches
@@ -117,33 +140,45 @@ def _normalize(per_token: torch.Tensor,  # [n, T], 0 on padding
         return per_token.sum() / num_tokens.clamp(min=1) / normalizers.num_micro_batches
     if loss_type == "dr_grpo":  # a constant normalizer: no length bias (Dr. GRPO)
         return per_token.sum() / (normalizers.num_sequences * normalizers.max_completion_length)
-    # dapo: the step's token mean, every token weighs the same whatever its sequence's length
+    if loss_type == "luspo":  # each sequence's term times its length, averaged over sequences (LUSPO)
+        return per_token.sum() / normalizers.num_sequences
+    # dapo, cispo, vespo: the step's token mean, every token weighs the same whatever its sequence's length
     return per_token.sum() / max(normalizers.num_tokens, 1)
 
 
 @torch.no_grad()
-def _policy_metrics(ratio, advantages, real, k3, epsilon_low, epsilon_high) -> Metrics:
+def _policy_metrics(ratio, advantages, real, kl, epsilon_low, epsilon_high, loss_type, vespo_phi) -> Metrics:
     # Clipped: the clip took the gradient away, i.e. the ratio left the trust region in the direction
     # the advantage pushes it (TRL's clip_ratio/* metrics: token means, and the smallest low / largest
-    # high fraction of one sequence's tokens).
+    # high fraction of one sequence's tokens). cispo and vespo log TRL's metrics of their own.
+    per_token: dict[str, torch.Tensor] = {}
+    clipped = loss_type in CLIPPED_LOSS_TYPES
     low = (ratio < 1 - epsilon_low) & (advantages < 0) & real
     high = (ratio > 1 + epsilon_high) & (advantages > 0) & real
-    per_token = {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high, "clip_ratio/region_mean": low | high}
-    if k3 is not None:
-        per_token["kl"] = k3
+    if clipped:
+        per_token.update({"clip_ratio/low_mean": low, "clip_ratio/high_mean": high,
+                          "clip_ratio/region_mean": low | high})
+    elif loss_type == "cispo":
+        per_token["cispo_clip_ratio"] = (ratio > epsilon_high) & (advantages > 0)
+    elif loss_type == "vespo":
+        per_token["vespo/phi_seq_mean"] = vespo_phi.expand_as(ratio)
+    if kl is not None:
+        per_token["kl"] = kl
     dtype = ratio.dtype
     num_tokens = real.sum()
     means = [torch.where(real, values.to(dtype), 0.0).sum() / num_tokens.clamp(min=1) for values in per_token.values()]
-    sequence_tokens = real.sum(dim=1)
-    non_empty = sequence_tokens > 0
-    low_fractions = (low.sum(dim=1).to(dtype) / sequence_tokens.clamp(min=1))[non_empty]
-    high_fractions = (high.sum(dim=1).to(dtype) / sequence_tokens.clamp(min=1))[non_empty]
-    nothing = torch.tensor(math.nan, dtype=dtype, device=ratio.device)
-    extremes = [low_fractions.min() if len(low_fractions) else nothing,
-                high_fractions.max() if len(high_fractions) else nothing]
+    extremes = []
+    if clipped:
+        sequence_tokens = real.sum(dim=1)
+        non_empty = sequence_tokens > 0
+        low_fractions = (low.sum(dim=1).to(dtype) / sequence_tokens.clamp(min=1))[non_empty]
+        high_fractions = (high.sum(dim=1).to(dtype) / sequence_tokens.clamp(min=1))[non_empty]
+        nothing = torch.tensor(math.nan, dtype=dtype, device=ratio.device)
+        extremes = [low_fractions.min() if len(low_fractions) else nothing,
+                    high_fractions.max() if len(high_fractions) else nothing]
     values = torch.stack([*means, *(value.to(dtype) for value in extremes), num_tokens.to(dtype)]).tolist()
     count = values.pop()  # one device sync for all metrics
-    names = [*per_token, "clip_ratio/low_min", "clip_ratio/high_max"]
+    names = [*per_token, *(["clip_ratio/low_min", "clip_ratio/high_max"] if clipped else [])]
     return Metrics(dict(zip(names, values)), {name: count for name in per_token})
 
 
@@ -155,6 +190,7 @@ def importance_weights(
     level: str,
     mode: str,
     cap: float,
+    cap_min: float | None = None,
 ) -> tuple[torch.Tensor, Metrics]:
     """Truncated importance sampling for the engine-vs-trainer mismatch (Yao et al. 2025, "Your efficient
     RL framework secretly brings you off-policy RL training"). Returns detached weights [n, T], 0 on
@@ -164,7 +200,9 @@ def importance_weights(
     sequence's token ratios on all its tokens (TRL's vllm_importance_sampling_mode sequence_*; not
     TRL's importance_sampling_level="sequence", GSPO's geometric mean of the policy ratio).
     "truncate" caps ratios at cap; "mask" zeroes them above cap, exactly, with no renormalization
-    that would give the dropped tokens their weight back. The ratio metrics are of the ratios before
+    that would give the dropped tokens their weight back. cap_min makes either two-sided (TRL's
+    vllm_importance_sampling_clip_min): ratios below it are raised to it, or masked (IcePop: a token the
+    engine found far likelier than the trainer does is as untrustworthy as the reverse). The ratio metrics are of the ratios before
     the cap (TRL logs them after it); sampling/masked_fraction says how many tokens the mask dropped.
     """
     _check_same_shape("old_logps", old_logps, sampling_logps=sampling_logps, mask=mask)
@@ -174,6 +212,8 @@ def importance_weights(
         raise ValueError(f"mode must be one of {IMPORTANCE_MODES}, got {mode!r}")
     if not cap > 0:
         raise ValueError(f"cap must be > 0, got {cap}")
+    if cap_min is not None and not 0 <= cap_min < cap:
+        raise ValueError(f"cap_min must be in [0, cap = {cap}), got {cap_min}")
     with torch.no_grad():
         dtype = torch.promote_types(old_logps.dtype, torch.float32)
         real = mask > 0
@@ -183,9 +223,10 @@ def importance_weights(
         if level == "none":  # no correction at all, whatever mode and cap say
             weights = ratio
         elif mode == "truncate":
-            weights = ratio.clamp(max=cap)
+            weights = ratio.clamp(min=cap_min, max=cap)
         else:
-            zeroed = (ratio > cap) & real
+            outside = (ratio > cap) | (ratio < cap_min) if cap_min is not None else ratio > cap
+            zeroed = outside & real
             weights = torch.where(zeroed, 0.0, ratio)
         weights = torch.where(real, weights, 0.0)
         num_tokens = real.sum()

@@ -23,6 +23,7 @@ from driver.rollouts.batch import RolloutBatch
 # merge is re-exported: callers merge a step's rollout batches with the update's module
 from driver.rollouts.filtering import check_counts, merge, micro_batches  # noqa: F401
 from driver.update.optim import optimizer_steps
+from driver.update.loss_terms import high_entropy_mask, loss_options
 from driver.update.losses import (StepNormalizers, all_zero, connected_zero, importance_weights,
                                   off_policy_sequence_mask, policy_loss)
 
@@ -49,7 +50,7 @@ def frozen_logprobs(policy: Policy, batch: RolloutBatch, parts: list[slice], tem
 
 def optimize(config: Config, policy: Policy, batch: RolloutBatch, optimizer, scheduler) -> dict[str, float]:
     algo, temperature = config.algo, config.rollout.sampling.temperature
-    _check_filtered_batch(batch, algo.beta)
+    _check_filtered_batch(batch, algo.acts_on_every_completion)
     batch = batch.to(policy.device)
     parts = micro_batch_plan(batch, config.train.micro_batch_size, algo.loss_type,
                              config.rollout.sampling.max_tokens)
@@ -66,12 +67,13 @@ def optimize(config: Config, policy: Policy, batch: RolloutBatch, optimizer, sch
     padding = distributed.max_int(len(parts)) - len(parts)
     # A skipped micro-batch runs no FSDP forward, so ranks would fall out of step: only single-process.
     # filter: no zero rows reach here from assembly, and an unfiltered batch is skipped the same way.
-    skip_zero = algo.zero_advantage != "keep" and algo.beta == 0 and not distributed.world().distributed
+    skip_zero = (algo.zero_advantage != "keep" and not algo.acts_on_every_completion
+                 and not distributed.world().distributed)
 
     def backward_pass() -> Metrics:
         skipped, step_loss = 0, 0.0
         for part, normalizers in parts:
-            # Never after filtering (no zero rows are left); the unfiltered path with beta = 0 keeps it.
+            # Never after filtering (no zero rows are left); the unfiltered path without KL or entropy keeps it.
             if skip_zero and all_zero(batch.advantages[part]):
                 connected_zero(params).backward()  # keeps the graph connected (DDP-style hooks fire)
                 skipped += 1
@@ -142,13 +144,14 @@ def zero_missing_grads(params: list[torch.nn.Parameter]) -> None:
             param.grad = torch.zeros_like(param)
 
 
-def _check_filtered_batch(batch: RolloutBatch, beta: float) -> None:
+def _check_filtered_batch(batch: RolloutBatch, every_row: bool) -> None:
     check_counts(batch)
     counts = batch.counts
-    if beta > 0 and counts is not None and counts.num_sequences != len(batch):
+    # Rows without loss tokens (mask_truncated_completions) may always go: nothing of the loss acts on them.
+    if every_row and counts is not None and counts.num_tokens != int(batch.mask.sum()):
         raise ValueError(f"the batch was zero-advantage filtered ({len(batch)} of {counts.num_sequences} rows kept) "
-                         f"but beta = {beta} > 0: the KL term acts on every row, so filtering changes the update "
-                         f"(filter_zero_advantage(..., beta=beta) keeps every row)")
+                         "but the loss has a KL or entropy term, which acts on every row, so filtering changes the "
+                         "update (filter_zero_advantage(..., every_row=True) keeps every row that has tokens)")
 
 
 def micro_batch_loss(config: Config, policy: Policy, batch: RolloutBatch, part: slice, normalizers: StepNormalizers,
@@ -156,28 +159,35 @@ def micro_batch_loss(config: Config, policy: Policy, batch: RolloutBatch, part: 
     """Backward of this micro-batch's share of the step loss; its metrics, "loss" (the share) among them."""
     algo = config.algo
     packed = pack(batch.prompt_ids[part], batch.completion_ids[part], device=policy.device)
+    # The entropy is a metric unless the loss has an entropy bonus: only then does it need a gradient.
     logps, entropy, mask = completion_logprobs(policy.model, packed, config.rollout.sampling.temperature,
-                                               return_entropy=True, entropy_grad=False)  # entropy: a metric
+                                               return_entropy=True, entropy_grad=algo.entropy_coef > 0)
     width = logps.shape[1]
+    # The batch's mask may exclude whole rows from the loss (mask_truncated_completions).
+    loss_mask = mask * batch.mask[part, :width]
     old = old_logps[part, :width] if old_logps is not None else logps.detach()
     sampling = batch.sampling_logprobs[part, :width]
     advantages = batch.advantages[part]
     sampling_correction = algo.importance_sampling
-    weights, metrics = importance_weights(old, sampling, mask, level=sampling_correction.level,
-                                          mode=sampling_correction.mode, cap=sampling_correction.cap)
+    weights, metrics = importance_weights(old, sampling, loss_mask, level=sampling_correction.level,
+                                          mode=sampling_correction.mode, cap=sampling_correction.cap,
+                                          cap_min=sampling_correction.cap_min)
     # Against the current policy, as TRL: the drift since sampling includes this step's earlier updates.
-    keep, mask_metrics = off_policy_sequence_mask(advantages, sampling, logps.detach(), mask,
+    keep, mask_metrics = off_policy_sequence_mask(advantages, sampling, logps.detach(), loss_mask,
                                                   algo.off_policy_mask_threshold)
+    keep_tokens = None
+    if algo.top_entropy_quantile < 1:  # the quantile of this rank's micro-batch (docs/trl-differences.md)
+        keep_tokens = high_entropy_mask(entropy.detach(), loss_mask > 0, algo.top_entropy_quantile)
     loss, loss_metrics = policy_loss(
-        logps, old, advantages, mask, loss_type=algo.loss_type,
-        epsilon_low=algo.epsilon, epsilon_high=algo.epsilon_high if algo.epsilon_high is not None else algo.epsilon,
-        beta=algo.beta, normalizers=normalizers,
+        logps, old, advantages, loss_mask, loss_type=algo.loss_type,
+        epsilon_low=algo.epsilon, epsilon_high=algo.clip_high, beta=algo.beta, normalizers=normalizers,
         ref_logps=ref_logps[part, :width] if ref_logps is not None else None,
         is_weights=weights if sampling_correction.level != "none" else None,
-        keep_sequences=keep if algo.off_policy_mask_threshold is not None else None)
+        keep_sequences=keep if algo.off_policy_mask_threshold is not None else None,
+        options=loss_options(algo), entropy=entropy, keep_tokens=keep_tokens)
     (loss * distributed.world().size).backward()  # FSDP divides by the world size; the loss is a share already
-    num_tokens = mask.sum()
-    entropy_mean = float((entropy.detach() * mask).sum() / num_tokens.clamp(min=1))
+    num_tokens = loss_mask.sum()
+    entropy_mean = float((entropy.detach() * loss_mask).sum() / num_tokens.clamp(min=1))
     metrics.update(mask_metrics).update(loss_metrics)
     return metrics.update(Metrics({"loss": float(loss.detach()), "entropy": entropy_mean},
                                   {"entropy": float(num_tokens)}))

@@ -54,7 +54,22 @@ def test_dotted_overrides_are_parsed_as_yaml(tmp_path):
 @pytest.mark.parametrize("overrides,message", [
     ({"train.lrr": "1"}, "train.lrr: unknown key"),
     ({"train.lr": "fast"}, "train.lr: Input should be a valid number"),
-    ({"algo.loss_type": "ppo"}, "algo.loss_type: Input should be 'grpo', 'bnpo', 'dr_grpo' or 'dapo'"),
+    ({"algo.loss_type": "ppo"},
+     "algo.loss_type: Input should be 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo', 'luspo' or 'vespo'"),
+    ({"algo.loss_type": "luspo"}, "luspo scales GSPO's sequence term by the sequence's length: set "
+     "importance_sampling_level: sequence"),
+    ({"algo.loss_type": "vespo", "algo.importance_sampling_level": "sequence"}, "set importance_sampling_level: token"),
+    ({"algo.advantage_estimator": "rloo", "algo.scale_rewards": "batch"},
+     "scale_rewards applies to advantage_estimator grpo only"),
+    ({"algo.advantage_estimator": "rloo", "rewards.aggregation": "normalize_then_sum"},
+     "algo.advantage_estimator = rloo needs rewards.aggregation = sum_then_normalize"),
+    ({"algo.importance_sampling.cap_min": "3"}, "cap_min = 3.0 must be below cap = 2.0"),
+    ({"algo.delta": "0.5"}, "algo.delta: Input should be greater than 1"),
+    ({"algo.top_entropy_quantile": "1.5"}, "algo.top_entropy_quantile: Input should be less than or equal to 1"),
+    ({"algo.name": "ebft", "ebft.mode": "strided", "algo.entropy_coef": "0.01", "algo.mask_truncated_completions":
+      "true"}, "algo.entropy_coef, algo.mask_truncated_completions: not supported by ebft.mode = strided"),
+    ({"algo.name": "ebft", "algo.advantage_estimator": "rloo"},
+     "algo.advantage_estimator does not apply to ebft: set ebft.advantage_estimator"),
     ({"model.qlora_blocksize": "48"}, "model.qlora_blocksize: Value error, must be a power of two"),
     ({"rewards.functions": "[{path: no_such_module.reward}]"}, "rewards.functions[0].path: cannot import module"),
     ({"rewards.functions": "[{path: driver.data.toy_tasks.nope}]"}, "module 'driver.data.toy_tasks' has no 'nope'"),
@@ -67,6 +82,13 @@ def test_config_mistakes_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as error:
         load_config(None, overrides)
     assert message in str(error.value)
+
+
+def test_cispo_caps_at_scalerls_epsilon_max_unless_epsilon_high_is_set():
+    assert load_config(None, {"algo.loss_type": "cispo"}).algo.clip_high == 5.0
+    assert load_config(None, {"algo.loss_type": "cispo", "algo.epsilon_high": "3"}).algo.clip_high == 3.0
+    assert load_config(None, {"algo.epsilon_high": "0.28"}).algo.clip_high == 0.28
+    assert load_config(None, {}).algo.clip_high == 0.2
 
 
 def test_override_into_a_value_is_rejected():

@@ -107,7 +107,7 @@ def assert_same_update(unfiltered, filtered, atol=ATOL, rtol=RTOL, weight_atol=L
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_filtered_update_equals_the_unfiltered_one(base_policy, loss_type, level, num_iterations, micro_batch_size):
     batch = make_batch(base_policy)
-    filtered, _ = filter_zero_advantage(batch, micro_batch_size, beta=0.0)
+    filtered, _ = filter_zero_advantage(batch, micro_batch_size, every_row=False)
     assert len(filtered) == len(KEPT_ROWS)
     # max_grad_norm low enough that clipping acts
     overrides = dict(train={"micro_batch_size": micro_batch_size, "lr": LR, "max_grad_norm": 0.05},
@@ -123,7 +123,7 @@ def test_filtered_update_equals_the_unfiltered_one(base_policy, loss_type, level
 def test_filtered_rollout_batches_merge_into_the_unfiltered_step(base_policy, loss_type):
     # Batches of 8 rows in micro-batches of 4: filtering each then merging keeps bnpo's partition.
     first, second = make_batch(base_policy, seed=1), make_batch(base_policy, ADVANTAGES[::-1], seed=2)
-    merged = merge([filter_zero_advantage(b, 4, beta=0.0)[0] for b in (first, second)])
+    merged = merge([filter_zero_advantage(b, 4, every_row=False)[0] for b in (first, second)])
     assert merged.counts == StepCounts(16, 2 * sum(LENGTHS), [14, 12, 14, 12], [2, 1, 1, 2])
     overrides = dict(train={"micro_batch_size": 4, "lr": LR}, algo={"loss_type": loss_type})
     assert_same_update(run_update(base_policy, [merge([first, second])], **overrides),
@@ -144,7 +144,7 @@ def count_forward_passes(monkeypatch) -> list[int]:
 
 def test_filtering_saves_forward_passes(base_policy, monkeypatch):
     calls = count_forward_passes(monkeypatch)
-    filtered, _ = filter_zero_advantage(make_batch(base_policy), 3, beta=0.0)
+    filtered, _ = filter_zero_advantage(make_batch(base_policy), 3, every_row=False)
     run_update(base_policy, [filtered], train={"micro_batch_size": 3}, algo={"num_iterations": 2})
     assert len(calls) == 1 + 2  # old logprobs, then one micro-batch per iteration (3 rows re-packed)
 
@@ -154,7 +154,7 @@ def test_all_zero_batch_makes_no_forward_pass_and_steps_the_optimizer_the_same(b
                                                                                zero_advantage):
     # A first step with signal gives AdamW moments, so the zero-gradient step still moves the weights.
     signal, zero = make_batch(base_policy, seed=3), make_batch(base_policy, [0.0] * 8, seed=4)
-    filtered, metrics = filter_zero_advantage(zero, 3, beta=0.0)
+    filtered, metrics = filter_zero_advantage(zero, 3, every_row=False)
     assert len(filtered) == 0 and filtered.mask.shape == (0, 0)
     assert filtered.counts == StepCounts(8, 26, [10, 11, 5], [0, 0, 0])
     assert metrics["filter/kept_fraction"] == 0.0 and metrics["filter/filtered_sequences"] == 8
@@ -173,18 +173,18 @@ def test_all_zero_batch_makes_no_forward_pass_and_steps_the_optimizer_the_same(b
 
 def test_beta_filters_nothing_and_a_filtered_batch_is_refused_with_beta(base_policy):
     batch = make_batch(base_policy)
-    kept, metrics = filter_zero_advantage(batch, 3, beta=0.04)
+    kept, metrics = filter_zero_advantage(batch, 3, every_row=True)
     assert len(kept) == 8 and torch.equal(kept.advantages, batch.advantages)
     assert kept.counts == step_counts(batch, 3) and metrics["filter/kept_fraction"] == 1.0
     run_update(base_policy, [kept], train={"micro_batch_size": 3}, algo={"beta": 0.04})  # trains every row
-    filtered, _ = filter_zero_advantage(batch, 3, beta=0.0)
-    with pytest.raises(ValueError, match="beta"):
+    filtered, _ = filter_zero_advantage(batch, 3, every_row=False)
+    with pytest.raises(ValueError, match="KL or entropy"):
         run_update(base_policy, [filtered], algo={"beta": 0.04})
 
 
 def test_filter_keeps_rows_in_order_and_narrows_to_the_longest_kept_row(base_policy):
     batch = make_batch(base_policy)
-    filtered, metrics = filter_zero_advantage(batch, 3, beta=0.0)
+    filtered, metrics = filter_zero_advantage(batch, 3, every_row=False)
     assert filtered.completion_ids == [batch.completion_ids[row] for row in KEPT_ROWS]
     assert filtered.prompt_ids == [batch.prompt_ids[row] for row in KEPT_ROWS]
     assert filtered.versions == KEPT_ROWS and filtered.samples == [batch.samples[row] for row in KEPT_ROWS]
@@ -196,12 +196,12 @@ def test_filter_keeps_rows_in_order_and_narrows_to_the_longest_kept_row(base_pol
     assert filtered.counts == StepCounts(8, sum(LENGTHS), [10, 11, 5], [1, 1, 1])
     assert metrics == {"filter/kept_sequences": 3.0, "filter/filtered_sequences": 5.0, "filter/kept_fraction": 3 / 8,
                        "filter/kept_token_fraction": 9 / 26}
-    again, _ = filter_zero_advantage(filtered, 5, beta=0.0)  # counts already set: kept, micro_batch_size unused
+    again, _ = filter_zero_advantage(filtered, 5, every_row=False)  # counts already set: kept, micro_batch_size unused
     assert again.counts == filtered.counts
 
 
 def test_extend_batch_adds_the_extra_rows_to_the_counts(base_policy):
-    filtered, _ = filter_zero_advantage(make_batch(base_policy), 3, beta=0.0)
+    filtered, _ = filter_zero_advantage(make_batch(base_policy), 3, every_row=False)
     extra = make_batch(base_policy, [0.5, -0.5, 0.2, -0.2], seed=5, rows=4)
     extended = extend_batch(filtered, extra, 3)
     assert len(extended) == 7 and extended.versions == KEPT_ROWS + [0, 1, 2, 3]
@@ -216,7 +216,7 @@ def test_merge_carries_metrics_versions_and_refuses_a_mix_of_filtered_and_not(ba
     batch.metrics = {"frac_reward_zero_std": 0.5}
     merged = merge([batch, make_batch(base_policy, seed=1)])
     assert merged.counts is None and merged.metrics == batch.metrics and merged.versions == 2 * list(range(8))
-    filtered, _ = filter_zero_advantage(batch, 3, beta=0.0)
+    filtered, _ = filter_zero_advantage(batch, 3, every_row=False)
     with pytest.raises(ValueError, match="StepCounts"):
         merge([filtered, batch])
     with pytest.raises(ValueError, match="at least one"):
@@ -225,14 +225,49 @@ def test_merge_carries_metrics_versions_and_refuses_a_mix_of_filtered_and_not(ba
 
 def test_bad_arguments_name_the_argument(base_policy):
     batch = make_batch(base_policy)
-    for call in (lambda: step_counts(batch, 0), lambda: filter_zero_advantage(batch, 0, beta=0.0),
+    for call in (lambda: step_counts(batch, 0), lambda: filter_zero_advantage(batch, 0, every_row=False),
                  lambda: extend_batch(batch, batch, -1)):
         with pytest.raises(ValueError, match="micro_batch_size"):
             call()
     with pytest.raises(ValueError, match="versions"):
-        filter_zero_advantage(replace(batch, versions=[0]), 3, beta=0.0)
+        filter_zero_advantage(replace(batch, versions=[0]), 3, every_row=False)
     wrong_counts = replace(batch, counts=StepCounts(8, 26, [26], [7]))
     with pytest.raises(ValueError, match="micro_batch_rows"):
-        filter_zero_advantage(wrong_counts, 3, beta=0.0)
+        filter_zero_advantage(wrong_counts, 3, every_row=False)
     with pytest.raises(ValueError, match="micro_batch_rows"):
         run_update(base_policy, [wrong_counts])
+
+
+TRUNCATED_ROWS = [1, 3]  # mask_truncated_completions zeroed their masks
+
+
+def truncated_batch(policy):
+    batch = make_batch(policy)
+    mask = batch.mask.clone()
+    mask[TRUNCATED_ROWS] = 0.0
+    return replace(batch, mask=mask)
+
+
+@pytest.mark.parametrize("algo", [{"beta": 0.04}, {"entropy_coef": 0.01}, {"beta": 0.04, "loss_type": "grpo"}])
+def test_masked_truncated_rows_are_filtered_even_when_the_loss_acts_on_every_row(base_policy, algo):
+    """KL and entropy terms act on every row with tokens, but a masked (truncated) row has none: filtering
+    drops it (and only it) and the update is unchanged."""
+    batch = truncated_batch(base_policy)
+    filtered, metrics = filter_zero_advantage(batch, 3, every_row=True)
+    assert metrics["filter/kept_sequences"] == len(LENGTHS) - len(TRUNCATED_ROWS)
+    assert filtered.counts.num_tokens == int(batch.mask.sum())  # TRL's num_items_in_batch: truncated left out
+    unfiltered = run_update(base_policy, [batch], train={"micro_batch_size": 3}, algo=algo)
+    assert_same_update(unfiltered, run_update(base_policy, [filtered], train={"micro_batch_size": 3}, algo=algo))
+
+
+def test_batch_from_groups_masks_the_completions_cut_at_max_tokens():
+    from driver.data.prompts import Prompt
+    from driver.data.records import Group, Sample, Span
+    from driver.rollouts.batch import batch_from_groups
+
+    samples = [Sample([5, 6, 7], [-0.1, -0.2, -0.3], reason, [Span(0, 3, 0)]) for reason in ("stop", "length")]
+    group = Group(0, Prompt(0, "p", [1, 2]), samples, advantages=torch.tensor([0.5, -0.5]), total=torch.zeros(2))
+    assert batch_from_groups([group]).mask.sum() == 6
+    masked = batch_from_groups([group], mask_truncated=True)
+    assert masked.mask[0].sum() == 3 and masked.mask[1].sum() == 0
+    assert torch.equal(masked.advantages, group.advantages)  # its reward still shaped the group's advantages

@@ -59,7 +59,7 @@ def test_the_ranks_gradients_sum_to_the_single_process_gradient(base_policy, los
                                     "train": {"micro_batch_size": micro_batch_size, "max_grad_norm": None}})
     batch = make_batch(base_policy, ADVANTAGES, rows=11)
     if filtered:
-        batch, _ = filter_zero_advantage(batch, micro_batch_size, beta=0.0)
+        batch, _ = filter_zero_advantage(batch, micro_batch_size, every_row=False)
     expected = gradients(base_policy, batch, config)
     total = None
     for rank in range(world_size):
