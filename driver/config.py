@@ -22,6 +22,12 @@ def schedule_staleness(depth: int, interval: int) -> int:
 CISPO_DEFAULT_EPSILON_MAX = 5.0  # ScaleRL's recommended cap for cispo (arXiv 2510.13786), TRL's docs' advice
 
 
+# SamplingParams the engine sets per request or relies on: generation_kwargs may not override them.
+DRIVER_OWNED_SAMPLING_KEYS = {"n", "seed", "logprobs", "prompt_logprobs", "max_tokens", "temperature", "detokenize",
+                              "output_kind", "structured_outputs"}
+STRUCTURED_OUTPUT_KINDS = {"json", "regex", "choice", "grammar", "json_object", "structural_tag"}
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -71,6 +77,8 @@ class DataConfig(Section):
                                   "columns; chat data for ebft: driver.ebft.transforms.first_turn | last_turn | "
                                   "all_turns | last_turn_answer_only")
     chat_template: bool = Field(False, description="wrap prompts with the tokenizer's chat template")
+    chat_template_kwargs: dict = Field({}, description="extra arguments of the chat template, e.g. "
+                                       "{enable_thinking: false} for Qwen3 (TRL's chat_template_kwargs)")
     shuffle: bool = Field(True, description="shuffle the prompts every epoch (seeded)")
     max_prompt_length: int = Field(256, ge=1, description="prompts longer than this many tokens are cut from the left")
 
@@ -98,6 +106,45 @@ class SamplingConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling")
     top_k: int = Field(-1, description="top-k sampling (-1: off)")
     max_tokens: int = Field(32, ge=1, description="maximum completion length in tokens")
+    min_p: float = Field(0.0, ge=0, le=1, description="drop tokens less likely than min_p x the likeliest (0: off)")
+    repetition_penalty: float = Field(1.0, gt=0, description="> 1 discourages tokens already in the prompt or the "
+                                      "completion, < 1 encourages them (1: off)")
+    stop: list[str] = Field([], description="strings that end a completion (the tokens up to and including the "
+                            "one that completes the string are kept)")
+    structured_outputs: dict | None = Field(
+        None, description="constrained decoding, vLLM's StructuredOutputsParams: one of {regex: ...}, {json: "
+        "<schema>}, {choice: [...]}, {grammar: <EBNF>} (TRL's vllm_structured_outputs_regex is {regex: ...})")
+    generation_kwargs: dict = Field({}, description="more vLLM SamplingParams, passed through and overriding the "
+                                    "keys above (e.g. presence_penalty, bad_words, stop_token_ids); not the ones the "
+                                    "driver sets itself (n, seed, logprobs, max_tokens, temperature, detokenize)")
+
+    @field_validator("generation_kwargs")
+    @classmethod
+    def _no_driver_owned_keys(cls, value: dict) -> dict:
+        owned = sorted(set(value) & DRIVER_OWNED_SAMPLING_KEYS)
+        if owned:
+            raise ValueError(f"{', '.join(owned)} cannot be set here: the driver sets them (temperature: "
+                             "rollout.sampling.temperature, which the trainer also scores with; max_tokens: "
+                             "rollout.sampling.max_tokens)")
+        return value
+
+    @field_validator("structured_outputs")
+    @classmethod
+    def _one_constraint(cls, value: dict | None) -> dict | None:
+        if value is None:
+            return value
+        constraints = sorted(set(value) & STRUCTURED_OUTPUT_KINDS)
+        if len(constraints) != 1:
+            raise ValueError(f"give exactly one of {', '.join(sorted(STRUCTURED_OUTPUT_KINDS))}, got "
+                             f"{', '.join(constraints) or 'none'}")
+        return value
+
+    def engine_sampling(self) -> dict:
+        """What vLLM's SamplingParams (and the server's completion request) take from this section, beyond
+        n / seed / max_tokens / logprobs, which the engine sets per request."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+                "repetition_penalty": self.repetition_penalty, "stop": list(self.stop) or None,
+                **self.generation_kwargs}
 
 
 class RolloutConfig(Section):
@@ -456,7 +503,8 @@ class Config(Section):
                                                ("algo.entropy_coef", algo.entropy_coef > 0),
                                                ("algo.top_entropy_quantile", algo.top_entropy_quantile < 1),
                                                ("algo.mask_truncated_completions",
-                                                algo.mask_truncated_completions)) if on]
+                                                algo.mask_truncated_completions),
+                                               *self._engine_only_sampling()) if on]
             if unsupported:
                 raise ValueError(f"{', '.join(unsupported)}: not supported by ebft.mode = strided (the trainer "
                                  "generates its own fixed-length blocks, no vLLM, no KL or entropy term); turn "
@@ -464,6 +512,15 @@ class Config(Section):
             if self.model.attention == "flash_attention_2":
                 raise ValueError("model.attention = flash_attention_2 cannot take the block-parallel mask of "
                                  "ebft.mode = strided; use sdpa or eager")
+
+    def _engine_only_sampling(self) -> list[tuple[str, bool]]:
+        """Sampling knobs only vLLM implements (ebft strided samples in the trainer: temperature, top_p, top_k)."""
+        sampling = self.rollout.sampling
+        return [("rollout.sampling.min_p", sampling.min_p > 0),
+                ("rollout.sampling.repetition_penalty", sampling.repetition_penalty != 1),
+                ("rollout.sampling.stop", bool(sampling.stop)),
+                ("rollout.sampling.structured_outputs", sampling.structured_outputs is not None),
+                ("rollout.sampling.generation_kwargs", bool(sampling.generation_kwargs))]
 
     @property
     def prefetch_depth(self) -> int:

@@ -110,3 +110,16 @@ def sleep_then_length(completions, **columns):
 
     time.sleep(0.2)
     return [float(len(text)) for text in completions]
+
+
+def conversational_digit_fraction(prompts, completions, **columns):
+    """digit_fraction that first insists on TRL's conversational format: the prompt's messages and each
+    completion as [{"role": "assistant", "content": ...}] (a plain string here means the format was lost)."""
+    from driver.data.toy_tasks import digit_fraction
+
+    for prompt, completion in zip(prompts, completions):
+        if not (isinstance(prompt, list) and prompt[0]["role"] == "system" and prompt[-1]["role"] == "user"):
+            raise TypeError(f"expected the prompt's messages, got {prompt!r}")
+        if not (isinstance(completion, list) and len(completion) == 1 and completion[0]["role"] == "assistant"):
+            raise TypeError(f"expected [{{'role': 'assistant', 'content': ...}}], got {completion!r}")
+    return digit_fraction(prompts, completions)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import re
 
+from driver.data.conversation import completion_text
+
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _BOXED = re.compile(r"\\boxed\{([^}]*)\}")
 _ANSWER_MARK = re.compile(r"####\s*(.+)")
@@ -33,7 +35,7 @@ def extract_answer(completion: str) -> str | None:
 def gsm8k_correct(prompts: list[str], completions: list[str], answer: list[str], **columns) -> list[float]:
     """1.0 when the completion's final number equals the reference answer (GSM8K's '#### 42')."""
     rewards = []
-    for completion, reference in zip(completions, answer):
+    for completion, reference in zip(map(completion_text, completions), answer):
         expected = extract_answer(str(reference))
         rewards.append(float(expected is not None and extract_answer(completion) == expected))
     return rewards
@@ -41,7 +43,7 @@ def gsm8k_correct(prompts: list[str], completions: list[str], answer: list[str],
 
 def boxed_format(prompts: list[str], completions: list[str], **columns) -> list[float]:
     """1.0 when the completion gives its answer in \\boxed{...} (a small shaping reward)."""
-    return [float(bool(_BOXED.search(c))) for c in completions]
+    return [float(bool(_BOXED.search(c))) for c in map(completion_text, completions)]
 
 
 def gsm8k_prompt(example: dict) -> dict:

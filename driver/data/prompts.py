@@ -23,6 +23,7 @@ class Prompt:
     text: str  # the prompt text, or a conversation rendered with the chat template
     token_ids: list[int]
     columns: dict = field(default_factory=dict)  # every column, passed to the reward functions
+    messages: list[dict] | None = None  # the conversation, when the prompt was one (rewards then get messages)
 
 
 def load_rows(config: DataConfig) -> list[dict]:
@@ -73,9 +74,10 @@ def is_prompt(value) -> bool:
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
 
 
-def chat_token_ids(tokenizer, messages: list[dict]) -> list[int]:
+def chat_token_ids(tokenizer, messages: list[dict], **template_kwargs) -> list[int]:
     # return_dict=True said explicitly: transformers 5 returns a BatchEncoding by default, 4.x a list.
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,
+                                              **template_kwargs)["input_ids"])
 
 
 class PromptSource:
@@ -83,21 +85,30 @@ class PromptSource:
 
     def __init__(self, config: DataConfig, tokenizer, seed: int) -> None:
         self.config, self.seed = config, seed
+        self.has_chat_template = getattr(tokenizer, "chat_template", None) is not None
         self.prompts = [self._tokenize(i, row, tokenizer) for i, row in enumerate(load_rows(config))]
         self.epoch, self.position = 0, 0
         self._order = self._epoch_order()
 
     def _tokenize(self, index: int, row: dict, tokenizer) -> Prompt:
         prompt = row[self.config.prompt_field]
+        template_kwargs = self.config.chat_template_kwargs
+        if (isinstance(prompt, list) or self.config.chat_template) and not self.has_chat_template:
+            need = "is a conversation, which needs" if isinstance(prompt, list) else "needs (data.chat_template: true)"
+            raise ConfigError(f"data: row {index} {need} the chat template, but the model's tokenizer has none; "
+                              "give prompts as text with data.chat_template: false, or a model whose "
+                              "tokenizer_config.json has a chat_template")
         if isinstance(prompt, list):  # a conversation has no meaning without the chat template
-            text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-            ids = chat_token_ids(tokenizer, prompt)
+            text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False,
+                                                 **template_kwargs)
+            ids = chat_token_ids(tokenizer, prompt, **template_kwargs)
         elif self.config.chat_template:
-            text, ids = prompt, chat_token_ids(tokenizer, [{"role": "user", "content": prompt}])
+            text, ids = prompt, chat_token_ids(tokenizer, [{"role": "user", "content": prompt}], **template_kwargs)
         else:
             text, ids = prompt, tokenizer(prompt, add_special_tokens=False).input_ids
         ids = ids[-self.config.max_prompt_length:]  # keep the end: it holds the question
-        return Prompt(index=index, text=text, token_ids=list(ids), columns=dict(row))
+        return Prompt(index=index, text=text, token_ids=list(ids), columns=dict(row),
+                      messages=list(prompt) if isinstance(prompt, list) else None)
 
     def _epoch_order(self) -> list[int]:
         order = list(range(len(self.prompts)))

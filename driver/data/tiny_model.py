@@ -17,10 +17,16 @@ import tempfile
 from pathlib import Path
 
 TINY_PREFIX = "tiny://"
-BUILDER_VERSION = 2  # bump when anything below changes the files produced
+BUILDER_VERSION = 3  # bump when anything below changes the files produced (3: the chat template)
 SEED = 1234
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VOCAB_SIZE = 384
+# ChatML, as Qwen's, with Qwen3's enable_thinking switch, so that chat data and chat_template_kwargs work on
+# the tiny models (no download).
+CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                 "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+                 "{% endif %}")
 
 # initializer_range 0.1 (transformers' default is 0.02): at 0.02 a 128-wide random model's logits are
 # so flat (entropy ~ ln V) that no adapter can move its output distribution far; at 0.1 its logit
@@ -123,5 +129,7 @@ def build_tokenizer():
     trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     bpe.train_from_iterator(tokenizer_corpus(), trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
-                                   pad_token="<|endoftext|>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                        pad_token="<|endoftext|>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer

@@ -5,28 +5,36 @@ characters that are digits. A random model starts near 10/384 per token and GRPO
 whole output distribution towards the ten digit tokens within a few dozen steps, so "the reward
 went up" is a sharp end-to-end check of the loop (generation, rewards, advantages, loss, sync).
 
+`toy:digits-chat`: the same prompts as conversations (system + user message, rendered with the chat
+template); completions then reach the reward functions as [{"role": "assistant", "content": ...}].
+
 `toy:digits-gt`: the same prompts, each with a `ground_truth` of digit groups (for algo.name = ebft,
 which matches the features of the completions to those of the ground truth instead of scoring a
 reward): a tiny model fits it by learning to write digits, so the feature-matching loss falls.
 
-Reward functions follow TRL's signature: fn(prompts, completions, **columns) -> list[float | None].
+Reward functions follow TRL's signature: fn(prompts, completions, **columns) -> list[float | None];
+a completion is text, or a conversation (TRL's conversational format) whose last message is scored.
 """
 
 from __future__ import annotations
 
 import random
 
+from driver.data.conversation import completion_text
+
 WORDS = ("apple river stone cloud green seven light house music paper table window garden "
          "number letter quiet silver orange simple little water dream train").split()
 TASKS = {"digits": "Write digits:"}  # the tiny tokenizer's corpus reads this: changing it changes the tokenizer
 GROUND_TRUTH_TASKS = {"digits-gt": "digits"}  # toy set with a ground_truth column -> the task of its prompts
+CHAT_TASKS = {"digits-chat": "digits"}  # toy set of conversations (a system and a user message) -> its task
+SYSTEM_MESSAGE = "Answer with digits only."
 
 
 def toy_dataset(name: str, size: int = 256, seed: int = 0) -> list[dict]:
-    task = GROUND_TRUTH_TASKS.get(name, name)
+    task = GROUND_TRUTH_TASKS.get(name, CHAT_TASKS.get(name, name))
     if task not in TASKS:
         raise ValueError(f"unknown toy dataset 'toy:{name}'; choose one of "
-                         + ", ".join(f"toy:{n}" for n in [*TASKS, *GROUND_TRUTH_TASKS]))
+                         + ", ".join(f"toy:{n}" for n in [*TASKS, *GROUND_TRUTH_TASKS, *CHAT_TASKS]))
     rng = random.Random(seed)
     rows = []
     for index in range(size):
@@ -35,6 +43,9 @@ def toy_dataset(name: str, size: int = 256, seed: int = 0) -> list[dict]:
     if name in GROUND_TRUTH_TASKS:
         for row in rows:  # drawn after the prompts, so toy:digits and toy:digits-gt share their prompts
             row["ground_truth"] = " " + " ".join(str(rng.randint(0, 99999)) for _ in range(rng.randint(2, 3)))
+    if name in CHAT_TASKS:  # TRL's conversational format: the reward functions get message lists
+        for row in rows:
+            row["prompt"] = [{"role": "system", "content": SYSTEM_MESSAGE}, {"role": "user", "content": row["prompt"]}]
     return rows
 
 
@@ -42,7 +53,7 @@ def digit_fraction(prompts: list[str], completions: list[str], **columns) -> lis
     """Fraction of non-space characters that are ASCII digits; an empty answer has none: 0. (None
     would mean "not applicable", which leaves a completion without a learning signal.)"""
     rewards = []
-    for completion in completions:
+    for completion in map(completion_text, completions):
         visible = [c for c in completion if not c.isspace()]
         rewards.append(sum(c.isdigit() for c in visible) / len(visible) if visible else 0.0)
     return rewards

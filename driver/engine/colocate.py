@@ -8,7 +8,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from driver.config import Config
+from driver.cli import ConfigError
+from driver.config import Config, SamplingConfig
 from driver.engine.base import Completion, Request, RolloutError, SyncError, generate_by_stream
 
 # vLLM accepts only these LoRA ranks as the engine's maximum.
@@ -34,7 +35,18 @@ def engine_kwargs(config: Config, model_dir: str) -> dict:
         # Logprobs of the distribution actually sampled from (after temperature / top-k / top-p):
         # what importance sampling must compare the trainer's logprobs with.
         logprobs_mode="processed_logprobs",
+        # vLLM on CPU dies on a seeded request whose prefill is split across steps (it rewinds the request's
+        # generator by an offset, which CPU generators lack: "CPU Generator does not use offset"). Every
+        # request is seeded (reproducible runs), and chat prompts x num_generations overflow the CPU token
+        # budget, so prefills are never split there.
+        enable_chunked_prefill=False if not cuda_available() else None,
     )
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def set_cpu_defaults() -> None:
@@ -42,6 +54,25 @@ def set_cpu_defaults() -> None:
     would bury the progress bar; VLLM_LOGGING_LEVEL=INFO brings them back."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def sampling_params(sampling: SamplingConfig, n: int, seed: int, max_tokens: int | None = None):
+    """vLLM's SamplingParams of one request; a ConfigError naming the key when vLLM refuses the section's
+    values (generation_kwargs are passed through unchecked until here)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    options = sampling.engine_sampling()
+    try:
+        structured = (StructuredOutputsParams(**sampling.structured_outputs)
+                      if sampling.structured_outputs is not None else None)
+        # Stop strings are matched on text: only then does the engine need to detokenize (the driver
+        # decodes what it needs itself).
+        return SamplingParams(n=n, max_tokens=max_tokens or sampling.max_tokens, logprobs=0, seed=seed,
+                              detokenize=bool(options.get("stop")), structured_outputs=structured, **options)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"rollout.sampling (generation_kwargs {sampling.generation_kwargs}, structured_outputs "
+                          f"{sampling.structured_outputs}): vLLM refused them: {error}") from error
 
 
 class ColocatedGenerator:
@@ -54,15 +85,11 @@ class ColocatedGenerator:
         self.keep_versions = 2
         self._lora = None
         self._loras: dict[int, object] = {}  # version -> LoRARequest, the newest keep_versions
+        sampling_params(config.rollout.sampling, 1, 0)  # a bad generation_kwargs fails before the engine starts
         self.llm = LLM(**engine_kwargs(config, model_dir))
 
     def _sampling_params(self, n: int, seed: int, max_tokens: int | None = None):
-        from vllm import SamplingParams
-
-        sampling = self.config.rollout.sampling
-        return SamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                              max_tokens=max_tokens or sampling.max_tokens, logprobs=0, seed=seed,
-                              detokenize=False)  # the driver decodes what it needs itself
+        return sampling_params(self.config.rollout.sampling, n, seed, max_tokens)
 
     def generate(self, prompts: list[list[int]], n: int, seed: int) -> list[list[Completion]]:
         return generate_by_stream(self, prompts, n, seed, self.config.rollout.sampling.max_tokens)

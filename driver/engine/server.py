@@ -24,7 +24,7 @@ from pathlib import Path
 import requests
 from requests.adapters import HTTPAdapter
 
-from driver.config import Config
+from driver.config import Config, SamplingConfig
 from driver.engine.base import Completion, Request, RolloutError, generate_by_stream
 from driver.engine.colocate import engine_kwargs, set_cpu_defaults
 
@@ -44,6 +44,15 @@ MODE_CHECK_MIN_GAP = 0.5  # nats between the likeliest and the sampled token: fa
 # (Qwen2.5 ships repetition_penalty 1.05, for one), which would silently change the distribution we
 # sample from; the colocated engine uses these neutral values, so every request states them.
 NEUTRAL_SAMPLING = dict(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_p=0.0)
+
+
+def server_sampling(sampling: SamplingConfig) -> dict:
+    """The sampling fields of a /v1/completions request (vLLM's extra parameters beside OpenAI's), every
+    penalty stated so that a server's own defaults cannot change the distribution sampled from."""
+    body = {**NEUTRAL_SAMPLING, **sampling.engine_sampling()}
+    if sampling.structured_outputs is not None:
+        body["structured_outputs"] = dict(sampling.structured_outputs)
+    return body
 
 
 class ServerError(RolloutError):
@@ -163,6 +172,7 @@ class ServerGenerator:
         self._adapter: str | None = None  # name of the adapter the server serves for us
         self._names: dict[int, str] = {}  # version -> adapter name, the newest keep_versions
         self._server: LaunchedServer | None = None
+        self.sampling_body = server_sampling(config.rollout.sampling)
         self._session = requests.Session()
         self._session.mount("http://", HTTPAdapter(pool_maxsize=MAX_CONCURRENT_REQUESTS))
         self._session.mount("https://", HTTPAdapter(pool_maxsize=MAX_CONCURRENT_REQUESTS))
@@ -262,10 +272,8 @@ class ServerGenerator:
             return
         if self._names and version not in self._names:
             raise ServerError(f"adapter version {version} is not loaded (kept: {sorted(self._names)})")
-        sampling = self.config.rollout.sampling
-        common = dict(model=self._names.get(version, self.base_model), temperature=sampling.temperature,
-                      top_p=sampling.top_p, top_k=sampling.top_k, logprobs=0, return_tokens_as_token_ids=True,
-                      **NEUTRAL_SAMPLING)
+        common = {"model": self._names.get(version, self.base_model), "logprobs": 0,
+                  "return_tokens_as_token_ids": True, **self.sampling_body}
 
         def complete(request: Request) -> list[Completion]:
             body = self._request("POST", "/v1/completions", {**common, "prompt": request.token_ids, "n": request.n,

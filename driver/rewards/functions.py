@@ -18,6 +18,7 @@ import torch
 
 from driver.cli import import_dotted
 from driver.config import RewardsConfig
+from driver.data.conversation import as_assistant_message, completion_text
 
 if TYPE_CHECKING:
     from driver.data.records import Group
@@ -34,8 +35,8 @@ class RewardFunction(Protocol):
     """What `rewards.functions[i].path` names: TRL's reward-function signature. Every dataset column
     but the prompt comes as a keyword list, one entry per completion; None means "cannot score"."""
 
-    def __call__(self, prompts: list[str], completions: list[str], completion_ids: list[list[int]],
-                 **columns: list) -> list[float | None]: ...
+    def __call__(self, prompts: list[str] | list[list[dict]], completions: list[str] | list[list[dict]],
+                 completion_ids: list[list[int]], **columns: list) -> list[float | None]: ...
 
 
 def reward_kwargs(prompts: list[str], completions: list[str], columns: list[dict],
@@ -48,11 +49,15 @@ def reward_kwargs(prompts: list[str], completions: list[str], columns: list[dict
 
 
 def group_call(group: Group, texts: list[str]) -> dict:
-    """The keyword arguments scoring one group: its G completions (decoded `texts`) under one prompt."""
+    """The keyword arguments scoring one group: its G completions (decoded `texts`) under one prompt. A
+    conversation's prompt and completions go as message lists (TRL's conversational format)."""
     if len(texts) != len(group.samples):
         raise ValueError(f"group {group.group_id}: {len(texts)} texts for {len(group.samples)} samples")
     size = len(texts)
-    return reward_kwargs([group.prompt.text] * size, list(texts), [group.prompt.columns] * size,
+    messages = group.prompt.messages
+    prompts = [group.prompt.text] * size if messages is None else [list(messages) for _ in range(size)]
+    completions = list(texts) if messages is None else [as_assistant_message(text) for text in texts]
+    return reward_kwargs(prompts, completions, [group.prompt.columns] * size,
                          [list(sample.token_ids) for sample in group.samples])
 
 
@@ -69,7 +74,7 @@ def reward_column(name: str, values, completions: list[str]) -> list[float]:
             column.append(float(value))
         else:
             raise RewardError(f"reward '{name}' returned {value!r} for completion {row} "
-                              f"({completions[row][:80]!r}); expected a number or None")
+                              f"({completion_text(completions[row])[:80]!r}); expected a number or None")
     return column
 
 

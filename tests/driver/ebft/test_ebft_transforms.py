@@ -3,6 +3,7 @@ transforms and chat-message prompts against a hand-rendered chat template."""
 
 import copy
 import json
+import re
 
 import pytest
 
@@ -28,14 +29,9 @@ SECOND = {"id": 7, "source": "unit", "prompt": [SYSTEM, USER_1, ASSISTANT_1, USE
 LAST = {"id": 7, "source": "unit", "prompt": [SYSTEM, USER_1, ASSISTANT_1, USER_2, ASSISTANT_2, USER_3],
         "ground_truth": "<think>\nList them.\n</think>\n\nEleven, e.g. Egypt."}
 
-# ChatML, like Qwen's template without tools; the tiny tokenizer has no template of its own and
-# already holds <|im_start|> / <|im_end|> as special tokens.
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
 def chatml(messages: list[dict]) -> str:
-    """CHATML rendered by hand with the generation prompt: the oracle for data.py's chat prompts."""
+    """ChatML rendered by hand with the generation prompt (Qwen's format, what the tiny tokenizer's template
+    writes): the oracle for data.py's chat prompts."""
     return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + "<|im_start|>assistant\n"
 
 
@@ -44,8 +40,7 @@ def tokenizer():
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("tiny://qwen2"))
-    assert tokenizer.chat_template is None  # else this test would not be checking the template below
-    tokenizer.chat_template = CHATML
+    assert tokenizer.chat_template is not None  # the tiny models ship one
     return tokenizer
 
 
@@ -213,3 +208,23 @@ def test_text_prompts_with_data_chat_template_become_one_user_message(tokenizer)
     message = [{"role": "user", "content": prompt.text}]
     assert prompt.text == load_rows(DataConfig())[0]["prompt"]
     assert prompt.token_ids == tokenizer(chatml(message), add_special_tokens=False).input_ids
+
+
+def test_chat_template_kwargs_reach_the_template(tokenizer):
+    """Qwen3's enable_thinking switch: false writes the empty think block after the generation prompt."""
+    config = DataConfig(source="toy:digits-chat", shuffle=False, chat_template_kwargs={"enable_thinking": False})
+    [prompt, *_] = PromptSource(config, tokenizer, seed=0).prompts
+    messages = load_rows(DataConfig(source="toy:digits-chat"))[0]["prompt"]
+    assert prompt.messages == messages and prompt.text == chatml(messages) + "<think>\n\n</think>\n\n"
+    assert prompt.token_ids == tokenizer(prompt.text, add_special_tokens=False).input_ids
+
+
+@pytest.mark.parametrize("source,chat_template,message", [
+    ("toy:digits-chat", False, "row 0 is a conversation, which needs the chat template"),
+    ("toy:digits", True, "row 0 needs (data.chat_template: true) the chat template"),
+])
+def test_a_tokenizer_without_a_chat_template_is_a_config_error(tokenizer, source, chat_template, message):
+    bare = copy.deepcopy(tokenizer)
+    bare.chat_template = None
+    with pytest.raises(ConfigError, match=re.escape(message) + ".*tokenizer has none"):
+        PromptSource(DataConfig(source=source, chat_template=chat_template), bare, seed=0)
