@@ -123,3 +123,30 @@ def conversational_digit_fraction(prompts, completions, **columns):
         if not (isinstance(completion, list) and len(completion) == 1 and completion[0]["role"] == "assistant"):
             raise TypeError(f"expected [{{'role': 'assistant', 'content': ...}}], got {completion!r}")
     return digit_fraction(prompts, completions)
+
+
+# Two async rewards that finish only if they run concurrently: each waits at a two-party barrier of the
+# call's event loop (sequential awaiting would time out in the first one).
+_BARRIERS: dict = {}
+
+
+async def _meet_the_other_reward():
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    barrier = _BARRIERS.setdefault(id(loop), asyncio.Barrier(2))
+    await asyncio.wait_for(barrier.wait(), timeout=5)
+
+
+async def async_length(completions, **columns):
+    await _meet_the_other_reward()
+    return [float(len(c)) for c in completions]
+
+
+async def async_constant(completions, **columns):
+    await _meet_the_other_reward()
+    return [1.0 for _ in completions]
+
+
+async def async_raises(completions, **columns):
+    raise ValueError("judge unavailable")

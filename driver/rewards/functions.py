@@ -18,6 +18,7 @@ import torch
 
 from driver.cli import import_dotted
 from driver.config import RewardsConfig
+from driver.rewards.calling import RewardCallFailed, call_rewards
 from driver.data.conversation import as_assistant_message, completion_text
 
 if TYPE_CHECKING:
@@ -99,7 +100,11 @@ class RewardFunctions:
                  completion_ids: list[list[int]]) -> torch.Tensor:
         """[N, F] float32 rewards, NaN where a function returned None."""
         kwargs = reward_kwargs(prompts, completions, columns, completion_ids)
-        return reward_table(self.names, (function(**kwargs) for function in self.functions), completions)
+        try:
+            values = call_rewards(self.functions, kwargs)
+        except RewardCallFailed as failure:
+            raise RewardError(f"reward '{self.names[failure.index]}' raised an exception\n{failure.trace}") from None
+        return reward_table(self.names, values, completions)
 
 
 def warn_unscorable(groups: list[Group]) -> int:

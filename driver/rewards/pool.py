@@ -30,7 +30,6 @@ import multiprocessing
 import signal
 import sys
 import time
-import traceback
 import types
 from collections import deque
 from collections.abc import Iterable
@@ -41,6 +40,7 @@ import torch
 
 from driver.config import RewardsConfig
 from driver.rewards import worker as reward_worker
+from driver.rewards.calling import RewardCallFailed, call_rewards
 from driver.rewards.functions import RewardError, RewardFunctions, reward_table
 
 COUNTERS = ("worker_restarts", "timeouts", "crashes", "retries", "failed_calls", "stale_replies")
@@ -144,12 +144,10 @@ class InlineRewards(_KeyedResults):
         self._results[key] = self._score(key, kwargs)
 
     def _score(self, key: int, kwargs: dict) -> RewardResult:
-        values = []
-        for index, function in enumerate(self._functions.functions):
-            try:
-                values.append(function(**kwargs))
-            except Exception:
-                return self._raised(key, index, traceback.format_exc(), kwargs)
+        try:
+            values = call_rewards(self._functions.functions, kwargs)
+        except RewardCallFailed as failure:
+            return self._raised(key, failure.index, failure.trace, kwargs)
         return self._scored(key, values, kwargs)
 
 

@@ -24,6 +24,8 @@ import sys
 import traceback
 from multiprocessing.connection import Connection
 
+from driver.rewards.calling import RewardCallFailed, call_rewards
+
 
 def serve(conn: Connection) -> None:
     # Ctrl-C reaches every process in the terminal's group; the trainer decides what it means, and
@@ -65,12 +67,17 @@ def _import_functions(paths: list[str]) -> list:
 
 def _run_call(conn: Connection, functions: list, call_id: int, kwargs: dict) -> None:
     index = 0
+
+    def started(function_index: int) -> None:
+        nonlocal index
+        index = function_index
+        conn.send(("start", call_id, function_index))
+
     try:
-        values = []
-        for index, function in enumerate(functions):
-            conn.send(("start", call_id, index))
-            values.append(function(**kwargs))
+        values = call_rewards(functions, kwargs, started)
         conn.send(("done", call_id, values))  # pickling happens before any byte is written
+    except RewardCallFailed as failure:
+        conn.send(("raised", call_id, failure.index, failure.trace))
     except BaseException:  # SystemExit too: a reward calling sys.exit is a bug to report, not a crash
         conn.send(("raised", call_id, index, traceback.format_exc()))
     finally:
