@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import warnings
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Literal
 
@@ -45,6 +46,9 @@ class ModelConfig(Section):
         "sdpa", description="transformers attention backend of the trainer")
     device: str = Field("auto", description="where the trainer runs: auto (cuda if available, else cpu), cpu, "
                         "cuda, cuda:1, ...")
+    gradient_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in the "
+                                         "backward instead of keeping them (transformers' non-reentrant "
+                                         "checkpointing): less memory, one more forward per layer")
 
     @field_validator("qlora_blocksize")
     @classmethod
@@ -404,6 +408,10 @@ class TrainConfig(Section):
                                   "(ebft strided: documents x num_generations, at least one document)")
     gradient_accumulation_steps: int = Field(1, ge=1, description="rollout batches per optimizer step")
     lr: float = Field(5e-3, gt=0, description="AdamW learning rate")
+    optim: Literal["adamw_torch", "adamw_torch_fused", "adamw_8bit", "paged_adamw_8bit"] = Field(
+        "adamw_torch_fused", description="transformers' names: torch's AdamW (foreach), its fused kernel (the "
+        "default, as transformers'), or bitsandbytes' 8-bit AdamW (paged: its states may page out to CPU memory; "
+        "tensors under 4096 elements keep 32-bit states, as bitsandbytes' min_8bit_size)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="learning-rate schedule")
     warmup_steps: int = Field(0, ge=0, description="linear warm-up steps")
@@ -416,6 +424,13 @@ class TrainConfig(Section):
         "docs/kernels-dispatch.md. PYKERNELS_KERNELS in the environment overrides it")
     kernel_ops: KernelOpsConfig = Field(default_factory=KernelOpsConfig,
                                         description="per-op overrides of train.kernels")
+
+    @field_validator("optim")
+    @classmethod
+    def _bitsandbytes_installed(cls, value: str) -> str:
+        if value.endswith("8bit") and find_spec("bitsandbytes") is None:
+            raise ValueError(f"{value} needs bitsandbytes (pip install bitsandbytes); or use adamw_torch_fused")
+        return value
 
     def kernel_modes(self) -> dict[str, str]:
         """op -> auto | ours | torch, as pykernels.backend.set_kernels takes them."""

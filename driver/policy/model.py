@@ -104,6 +104,9 @@ def load_policy(config: Config) -> Policy:
         grouped = apply_moe_kernels(model) if modes["moe"] != "torch" else 0  # grouped experts; 0 if dense
         kernels = f"fused LoRA on {fused} layers" + (f", grouped MoE kernels on {grouped} experts modules"
                                                       if grouped else "")
+    if config.model.gradient_checkpointing:
+        # Non-reentrant: the inputs need not require grad (the base is frozen, only the adapter trains).
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # Loaded (and NF4-quantized) on the CPU, then moved: a large model never has to fit on the GPU
     # in 16-bit before quantization.
     model.to(resolve_device(config.model.device))

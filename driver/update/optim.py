@@ -1,4 +1,4 @@
-"""AdamW over the adapter, the learning-rate schedule (per optimizer update), and the optimizer loop
+"""AdamW (torch's, fused or not, or bitsandbytes' 8-bit) over the adapter, the learning-rate schedule (per optimizer update), and the optimizer loop
 every algorithm's update runs (GRPO: driver/update/step.py, strided EBFT: driver/ebft/strided_update.py)."""
 
 from __future__ import annotations
@@ -13,9 +13,17 @@ from driver.metrics.combine import Metrics, combine_metrics
 
 
 def build_optimizer(parameters: list[torch.nn.Parameter], config: TrainConfig) -> torch.optim.Optimizer:
+    """train.optim's AdamW over the trainable parameters (the adapter)."""
     if not parameters:
         raise ValueError("the model has no trainable parameters: check lora.targets against the model's module names")
-    return torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay)
+    if config.optim in ("adamw_8bit", "paged_adamw_8bit"):
+        import bitsandbytes  # TrainConfig checked that it is installed
+
+        optimizer = bitsandbytes.optim.PagedAdamW8bit if config.optim == "paged_adamw_8bit" else \
+            bitsandbytes.optim.AdamW8bit
+        return optimizer(parameters, lr=config.lr, weight_decay=config.weight_decay)
+    return torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay,
+                             fused=True if config.optim == "adamw_torch_fused" else None)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total_updates: int):
