@@ -113,9 +113,10 @@ def check_references(config: Config) -> None:
         import_dotted(function.path, f"rewards.functions[{index}].path")
     if config.data.transform:
         import_dotted(config.data.transform, "data.transform")
-    source = config.data.source
-    if not source.startswith("toy:") and not Path(source).is_file():
-        raise ConfigError(f"data.source: dataset file {source} does not exist")
+    try:
+        config.data.source_kind()  # a toy set, a file, a directory or a Hub id
+    except ValueError as error:
+        raise ConfigError(f"data.source: {error}") from None
     model_path = config.model.path
     if not model_path.startswith("tiny://") and not Path(model_path).is_dir():
         raise ConfigError(f"model.path: {model_path} is not a local model directory (no downloads at run "

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from importlib.util import find_spec
 from pathlib import Path
@@ -23,6 +24,8 @@ def schedule_staleness(depth: int, interval: int) -> int:
 CISPO_DEFAULT_EPSILON_MAX = 5.0  # ScaleRL's recommended cap for cispo (arXiv 2510.13786), TRL's docs' advice
 
 
+DATA_FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}  # -> `datasets` builder
+HUB_DATASET_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # org/name, as the Hub spells a dataset repository
 # SamplingParams the engine sets per request or relies on: generation_kwargs may not override them.
 DRIVER_OWNED_SAMPLING_KEYS = {"n", "seed", "logprobs", "prompt_logprobs", "max_tokens", "temperature", "detokenize",
                               "output_kind", "structured_outputs"}
@@ -72,19 +75,44 @@ class LoraSettings(Section):
 
 
 class DataConfig(Section):
-    source: str = Field("toy:digits", description="toy:<name> for a built-in toy set, or a local "
-                        ".jsonl / .json / .parquet / .csv file read with `datasets`")
+    source: str = Field("toy:digits", description="toy:<name> for a built-in toy set (digits, digits-gt, "
+                        "digits-chat), a local .jsonl / .json / .parquet / .csv file, a local dataset directory, "
+                        "or a Hugging Face Hub dataset id (org/name), read with `datasets` (its cache and "
+                        "HF_HUB_OFFLINE apply)")
+    name: str | None = Field(None, description="the dataset's configuration (subset), e.g. main for openai/gsm8k")
+    split: str = Field("train", description="the split of a dataset directory or Hub dataset")
+    revision: str | None = Field(None, description="Hub dataset: a branch, tag or commit")
     prompt_field: str = Field("prompt", description="column holding the prompt (after the transform): text, or a "
                               "list of chat messages {role, content} rendered with the chat template")
     transform: str | None = Field(None, description="dotted path to fn(example: dict) -> dict (or a list of dicts: "
                                   "several rows) applied to every example, e.g. to build the prompt from other "
-                                  "columns; chat data for ebft: driver.ebft.transforms.first_turn | last_turn | "
-                                  "all_turns | last_turn_answer_only")
+                                  "columns, or to axolotl's fn(cfg) -> (map_fn, {remove_columns: [...]}); chat "
+                                  "data for ebft: driver.ebft.transforms.first_turn | last_turn | all_turns | "
+                                  "last_turn_answer_only")
     chat_template: bool = Field(False, description="wrap prompts with the tokenizer's chat template")
     chat_template_kwargs: dict = Field({}, description="extra arguments of the chat template, e.g. "
                                        "{enable_thinking: false} for Qwen3 (TRL's chat_template_kwargs)")
     shuffle: bool = Field(True, description="shuffle the prompts every epoch (seeded)")
     max_prompt_length: int = Field(256, ge=1, description="prompts longer than this many tokens are cut from the left")
+
+    def source_kind(self) -> str:
+        """toy | file | directory | hub (what driver/data/sources.py loads); ValueError for anything else."""
+        source = self.source
+        if source.startswith("toy:"):
+            return "toy"
+        path = Path(source)
+        if path.is_file():
+            if path.suffix not in DATA_FILE_FORMATS:
+                raise ValueError(f"{path} must end with one of {', '.join(DATA_FILE_FORMATS)}")
+            return "file"
+        if path.is_dir():
+            return "directory"
+        if path.suffix in DATA_FILE_FORMATS:
+            raise ValueError(f"dataset file {source} does not exist")
+        if HUB_DATASET_ID.match(source):
+            return "hub"
+        raise ValueError(f"{source} is not a toy set, an existing dataset file or directory, or a Hub dataset id "
+                         "(org/name)")
 
 
 class RewardFunction(Section):

@@ -6,16 +6,13 @@ driver.ebft.transforms) that is always rendered with the tokenizer's chat templa
 
 from __future__ import annotations
 
+import inspect
 import random
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from driver.cli import ConfigError, import_dotted
 from driver.config import DataConfig
-from driver.data.toy_tasks import toy_dataset
-
-FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-
+from driver.data.sources import load_source_rows
 
 @dataclass
 class Prompt:
@@ -27,17 +24,9 @@ class Prompt:
 
 
 def load_rows(config: DataConfig) -> list[dict]:
-    if config.source.startswith("toy:"):
-        rows = toy_dataset(config.source[len("toy:"):])
-    else:
-        path = Path(config.source)
-        if path.suffix not in FILE_FORMATS:
-            raise ConfigError(f"data.source: {path} must end with one of {', '.join(FILE_FORMATS)}")
-        import datasets
-
-        rows = list(datasets.load_dataset(FILE_FORMATS[path.suffix], data_files=str(path), split="train"))
+    rows = load_source_rows(config)
     if config.transform:
-        rows = apply_transform(rows, config.transform)
+        rows = apply_transform(rows, config.transform, config)
     if not rows:
         raise ConfigError(f"data.source: {config.source} has no rows")
     missing = [i for i, row in enumerate(rows) if not is_prompt(row.get(config.prompt_field))]
@@ -48,10 +37,13 @@ def load_rows(config: DataConfig) -> list[dict]:
     return rows
 
 
-def apply_transform(rows: list[dict], dotted_path: str) -> list[dict]:
+def apply_transform(rows: list[dict], dotted_path: str, config: DataConfig | None = None) -> list[dict]:
     """A transform returns a dict, or a list of dicts that replace the row in order (e.g. one row per
-    assistant turn of a conversation; an empty list drops the row)."""
+    assistant turn of a conversation; an empty list drops the row). axolotl's transforms are accepted as
+    they are: fn(cfg, *args, **kwargs) -> (map_fn, {"remove_columns": [...]}), see axolotl_transform."""
     transform = import_dotted(dotted_path, "data.transform")
+    if is_axolotl_transform(transform):
+        transform = axolotl_transform(transform, dotted_path, config)
     transformed = []
     for index, row in enumerate(rows):
         try:
@@ -64,6 +56,34 @@ def apply_transform(rows: list[dict], dotted_path: str) -> list[dict]:
                               f"{type(result).__name__} for row {index}")
         transformed.extend(results)
     return transformed
+
+
+def is_axolotl_transform(transform) -> bool:
+    """axolotl's dataset transforms are factories whose first parameter is the config, named cfg."""
+    try:
+        parameters = list(inspect.signature(transform).parameters)
+    except (TypeError, ValueError):
+        return False
+    return bool(parameters) and parameters[0] == "cfg"
+
+
+def axolotl_transform(factory, dotted_path: str, config: DataConfig | None):
+    """An axolotl transform as a row transform: factory(cfg) gives (map_fn, {"remove_columns": [...]});
+    like datasets.map, the dict map_fn returns is merged into the row, then remove_columns are dropped.
+    cfg is the data section here (axolotl passes its whole config; its GRPO transforms ignore it)."""
+    made = factory(config)
+    if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0]) and isinstance(made[1], dict)):
+        raise ConfigError(f"data.transform: {dotted_path}(cfg) looks like an axolotl transform (its first "
+                          f"parameter is cfg) but returned {type(made).__name__}, not (map_fn, "
+                          "{'remove_columns': [...]})")
+    map_fn, options = made
+    removed = set(options.get("remove_columns") or [])
+
+    def transform(row: dict) -> dict:
+        merged = {**row, **map_fn(dict(row))}
+        return {key: value for key, value in merged.items() if key not in removed}
+
+    return transform
 
 
 def is_prompt(value) -> bool:
