@@ -110,7 +110,12 @@ def import_dotted(path: str, what: str):
 def check_references(config: Config) -> None:
     """Files and dotted paths the config names must exist before anything heavy starts."""
     for index, function in enumerate(config.rewards.functions):
-        import_dotted(function.path, f"rewards.functions[{index}].path")
+        if function.path is not None:
+            import_dotted(function.path, f"rewards.functions[{index}].path")
+        elif not Path(function.model).is_dir() and not (function.model.count("/") == 1 and
+                                                         not Path(function.model).suffix):
+            raise ConfigError(f"rewards.functions[{index}].model: {function.model} is neither a local model directory "
+                              "nor a Hub model id (org/name)")
     if config.data.transform:
         import_dotted(config.data.transform, "data.transform")
     try:

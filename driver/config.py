@@ -116,9 +116,21 @@ class DataConfig(Section):
 
 
 class RewardFunction(Section):
-    path: str = Field(description="dotted path to fn(prompts, completions, **columns) -> list[float | None]")
+    path: str | None = Field(None, description="dotted path to fn(prompts, completions, **columns) -> "
+                             "list[float | None] (plain or async def)")
+    model: str | None = Field(None, description="instead of path: a sequence-classification reward model (local "
+                              "directory or Hub id) whose first logit on prompt + completion is the reward, "
+                              "scored in batches on the trainer's device (TRL's reward model reward_funcs)")
+    batch_size: int = Field(16, ge=1, description="model: completions per forward pass")
     weight: float = Field(1.0, description="weight of this reward in the total")
-    name: str | None = Field(None, description="name in the logs (default: the function's name)")
+    name: str | None = Field(None, description="name in the logs (default: the function's name, or the model "
+                             "directory's name)")
+
+    @model_validator(mode="after")
+    def _path_or_model(self) -> RewardFunction:
+        if (self.path is None) == (self.model is None):
+            raise ValueError("give exactly one of path (a Python function) and model (a reward model)")
+        return self
 
 
 class RewardsConfig(Section):
@@ -131,6 +143,14 @@ class RewardsConfig(Section):
                                     "in parallel with generation (0: in the trainer's main thread)")
     reward_timeout: float = Field(120.0, gt=0, description="seconds one group's reward call may take in a worker; "
                                   "a hung or crashed worker is replaced and the group retried once")
+
+    @model_validator(mode="after")
+    def _models_in_the_trainer(self) -> RewardsConfig:
+        models = [f.model for f in self.functions if f.model is not None]
+        if models and self.reward_num_workers:
+            raise ValueError(f"reward models ({', '.join(models)}) score on the trainer's device, in its process: set "
+                             "reward_num_workers: 0")
+        return self
 
 
 class SamplingConfig(Section):

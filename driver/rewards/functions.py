@@ -19,6 +19,7 @@ import torch
 from driver.cli import import_dotted
 from driver.config import RewardsConfig
 from driver.rewards.calling import RewardCallFailed, call_rewards
+from driver.rewards.reward_model import SequenceClassifierReward
 from driver.data.conversation import as_assistant_message, completion_text
 
 if TYPE_CHECKING:
@@ -89,10 +90,12 @@ def reward_table(names: list[str], values_per_function: Iterable, completions: l
 
 
 class RewardFunctions:
-    def __init__(self, config: RewardsConfig) -> None:
+    def __init__(self, config: RewardsConfig, device: str = "auto") -> None:
+        """device: where reward models score (the trainer's model.device)."""
         self.paths = [f.path for f in config.functions]
-        self.functions: list[RewardFunction] = [import_dotted(f.path, f"rewards.functions[{i}].path")
-                                                for i, f in enumerate(config.functions)]
+        self.functions: list[RewardFunction] = [
+            import_dotted(f.path, f"rewards.functions[{i}].path") if f.path is not None
+            else SequenceClassifierReward(f.model, device, f.batch_size) for i, f in enumerate(config.functions)]
         self.names = [f.name or fn.__name__ for f, fn in zip(config.functions, self.functions)]
         self.weights = torch.tensor([f.weight for f in config.functions], dtype=torch.float32)
 

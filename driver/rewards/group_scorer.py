@@ -28,7 +28,7 @@ class GroupScorer:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.scorer = make_reward_scorer(config.rewards, config.rewards.reward_num_workers,
-                                         config.rewards.reward_timeout)
+                                         config.rewards.reward_timeout, config.model.device)
         self.names, self.weights = self.scorer.names, self.scorer.weights
         self.in_workers = isinstance(self.scorer, RewardPool)
         self._condition = threading.Condition()  # guards the pool and everything below

@@ -67,10 +67,10 @@ def describe_input(kwargs: dict) -> str:
 class _KeyedResults:
     """What both scorers share: results held by key until poll() or wait() hands them out."""
 
-    def __init__(self, config: RewardsConfig) -> None:
+    def __init__(self, config: RewardsConfig, device: str = "auto") -> None:
         # Importing the functions here too gives their names and fails on a bad path now, with the
         # config's message, rather than in a worker.
-        self._functions = RewardFunctions(config)
+        self._functions = RewardFunctions(config, device)
         self.names, self.weights = self._functions.names, self._functions.weights
         self._keys: set = set()  # submitted, not yet handed out
         self._results: dict[int, RewardResult] = {}  # finished, in finishing order
@@ -370,6 +370,8 @@ class RewardPool(_KeyedResults):
         self._counts["worker_restarts"] += 1
 
 
-def make_reward_scorer(config: RewardsConfig, num_workers: int, timeout: float) -> RewardPool | InlineRewards:
-    """Worker processes for num_workers >= 1, else the calling thread."""
-    return RewardPool(config, num_workers, timeout) if num_workers > 0 else InlineRewards(config)
+def make_reward_scorer(config: RewardsConfig, num_workers: int, timeout: float,
+                       device: str = "auto") -> RewardPool | InlineRewards:
+    """Worker processes for num_workers >= 1, else the calling thread (reward models only there, on
+    `device`)."""
+    return RewardPool(config, num_workers, timeout) if num_workers > 0 else InlineRewards(config, device)
