@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS, WARMUP = 12, 3
 SLEEP_PER_COMPLETION = 0.03  # seconds: 64 completions a step -> 1.9 s of reward per step in one thread
 QUIET = ["--logging.progress=false", "--logging.log_completions=0", "--logging.plots=false",
-         "--logging.tensorboard=false"]
+         "--logging.report_to=[]"]
 PREFETCH_RUNS = {
     "sync, reward in the trainer": [],
     "sync, 2 reward workers (streaming)": ["--rewards.reward_num_workers=2"],

@@ -492,10 +492,48 @@ class LoggingConfig(Section):
     quiet: bool = Field(True, description="send what vLLM and the libraries print (engine logs, warnings, "
                         "reward functions' prints) to output_dir/run.log; the terminal keeps the progress bar, "
                         "the driver's messages and errors")
-    tensorboard: bool = Field(True, description="write TensorBoard events to output_dir/tensorboard")
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        ["tensorboard"], description="where metrics and the completions tables go besides metrics.jsonl and "
+        "completions.jsonl: TensorBoard (output_dir/tensorboard), Weights & Biases (pip install wandb; WANDB_MODE="
+        "offline works), MLflow (pip install mlflow-skinny; MLFLOW_TRACKING_URI, default output_dir/mlruns)")
+    project: str = Field("pykernels", description="wandb project / MLflow experiment")
+    run_name: str | None = Field(None, description="wandb / MLflow run name (default: output_dir's name)")
     plots: bool = Field(True, description="write PNG plots of the main curves at the end")
     log_completions: int = Field(2, ge=0, description="sample completions printed every log_completions_every steps")
-    log_completions_every: int = Field(10, ge=1, description="steps between printed sample completions")
+    log_completions_every: int = Field(10, ge=1, description="steps between printed sample completions and "
+                                       "between completions tables (every completion of the step: prompt, "
+                                       "completion, rewards, advantage) in completions.jsonl and the trackers")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_tensorboard_key(cls, data):
+        """logging.tensorboard (until 2026-11) is now an entry of report_to."""
+        if not isinstance(data, dict) or "tensorboard" not in data:
+            return data
+        data = dict(data)
+        enabled = data.pop("tensorboard")
+        if "report_to" in data:
+            raise ValueError("report_to replaces tensorboard: give it alone")
+        if not isinstance(enabled, bool):
+            raise ValueError("tensorboard must be true or false (now: report_to)")
+        data["report_to"] = ["tensorboard"] if enabled else []
+        warnings.warn(f"logging.tensorboard is now logging.report_to: {data['report_to']} (the old key will go "
+                      "away)", FutureWarning, stacklevel=2)
+        return data
+
+    @field_validator("report_to")
+    @classmethod
+    def _trackers_installed(cls, value: list[str]) -> list[str]:
+        packages = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow-skinny")}
+        missing = [f"{name} (pip install {packages[name][1]})" for name in value
+                   if name in packages and find_spec(packages[name][0]) is None]
+        if missing:
+            raise ValueError(f"not installed: {', '.join(missing)}")
+        return list(dict.fromkeys(value))
+
+    @property
+    def tensorboard(self) -> bool:
+        return "tensorboard" in self.report_to
 
 
 class CheckpointConfig(Section):

@@ -36,6 +36,7 @@ from driver.metrics.console import LOG_FILE, Terminal, library_output_to_file
 from driver.metrics.logger import MetricsLogger
 from driver.metrics.plots import plot_metrics
 from driver.metrics.summary import run_summary
+from driver.metrics.trackers import open_trackers
 from driver.policy.model import kernel_modes, load_policy
 from driver.rewards.functions import RewardError
 from driver.rollouts.distributed_feed import FollowerFeed, LeaderFeed, on_rank0
@@ -92,7 +93,10 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
     update = sampling.update if sampling else optimize
     logger = (MetricsLogger(output_dir, total_steps=config.train.steps, start_step=step,
                             tensorboard=config.logging.tensorboard, progress=config.logging.progress,
-                            console=Console(file=terminal.out))
+                            console=Console(file=terminal.out),
+                            trackers=open_trackers(config.logging.report_to, output_dir, config.logging.project,
+                                                   config.logging.run_name, config.model_dump(mode="json"),
+                                                   resume=step > 0))
               if world.is_main else SilentLogger())
     logger.print(f"pykernels: {policy.kernels}" + (f"; {world.size} ranks (FSDP2)" if world.distributed else ""))
     if terminal.log_path is not None:
@@ -135,6 +139,7 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
                 logger.log(step, metrics)
                 if step % config.logging.log_completions_every == 0:
                     show_samples(logger, batch, config.logging.log_completions)
+                    logger.log_completions(step, batch.table)
                 if config.checkpoint.every and step % config.checkpoint.every == 0:
                     save_checkpoint(output_dir, step, policy, optimizer, scheduler, prompts, config.checkpoint.keep,
                                     rollouts.state_dict())
@@ -176,6 +181,9 @@ class SilentLogger:
         pass
 
     def print(self, text: str) -> None:
+        pass
+
+    def log_completions(self, step: int, rows: list[dict]) -> None:
         pass
 
     def close(self) -> None:

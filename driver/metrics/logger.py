@@ -1,4 +1,5 @@
-"""Per-step metrics: one JSON line per step, TensorBoard scalars and a rich progress bar.
+"""Per-step metrics: one JSON line per step, TensorBoard scalars, the trackers (wandb, MLflow), the
+completions tables (completions.jsonl) and a rich progress bar.
 
 `metrics.jsonl` is the record of the run: every line is flushed as soon as it is written, so a
 crash loses nothing, and every line is valid JSON (NaN and inf become null, tensors and numpy
@@ -20,6 +21,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 METRICS_FILE = "metrics.jsonl"
+COMPLETIONS_FILE = "completions.jsonl"  # the completions tables: one line per completion, with its step
+TOKENS_IN_STEP = "num_input_tokens"  # a batch's prompt + completion tokens; logged cumulated as num_tokens (TRL's)
 TENSORBOARD_DIR = "tensorboard"
 # Fields the logger writes itself; a metric with one of these names would silently overwrite them.
 RESERVED_KEYS = ("step", "time", "step_time")
@@ -39,6 +42,10 @@ def to_float(key: str, value: Any) -> float | None:
         return float(value)
     except (TypeError, ValueError) as error:
         raise TypeError(f"metric '{key}' must be a number or None, got {value!r}") from error
+
+
+def _json_default(value):
+    raise TypeError(f"completions table value {value!r} ({type(value).__name__}) is not JSON")
 
 
 def json_safe(value: float | None) -> float | None:
@@ -82,12 +89,20 @@ class MetricsLogger:
     """
 
     def __init__(self, output_dir: Path, *, total_steps: int, start_step: int = 0,
-                 tensorboard: bool = True, progress: bool = True, console: Console | None = None):
+                 tensorboard: bool = True, progress: bool = True, console: Console | None = None,
+                 trackers: list | None = None):
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.output_dir / METRICS_FILE
+        self.completions_path = self.output_dir / COMPLETIONS_FILE
         self.console = console if console is not None else Console()
+        self.trackers = list(trackers or [])  # driver/metrics/trackers.py: wandb, mlflow
         self._metrics_file = self._open_metrics_file(start_step)
+        self._tokens_seen = self._last_logged("num_tokens") if start_step > 0 else 0.0
+        if start_step > 0 and self.completions_path.exists():
+            keep_steps_up_to(self.completions_path, start_step)
+        elif self.completions_path.exists():
+            self.completions_path.unlink()
         self._writer = self._open_tensorboard(start_step) if tensorboard else None
         self._progress, self._task = self._start_progress(total_steps, start_step) if progress else (None, None)
         self._last_log_time = time.monotonic()
@@ -99,6 +114,14 @@ class MetricsLogger:
             return self.metrics_path.open("a")
         # A fresh run (start_step 0) keeps no steps of an earlier run in the same directory.
         return self.metrics_path.open("w")
+
+    def _last_logged(self, key: str) -> float:
+        """The value of `key` in the last step kept in metrics.jsonl (0 when none has it)."""
+        last = 0.0
+        for line in self.metrics_path.read_text().splitlines():
+            value = json.loads(line).get(key)
+            last = value if value is not None else last
+        return float(last)
 
     def _open_tensorboard(self, start_step: int):
         # Imported here: loading TensorBoard takes about a second that runs without it should not pay.
@@ -123,6 +146,9 @@ class MetricsLogger:
         now = time.monotonic()
         step_time, self._last_log_time = now - self._last_log_time, now
         values = {key: to_float(key, value) for key, value in metrics.items()}
+        if TOKENS_IN_STEP in values:  # TRL's num_tokens: every prompt and completion token generated so far
+            self._tokens_seen += values.pop(TOKENS_IN_STEP) or 0.0
+            values["num_tokens"] = self._tokens_seen
 
         row = {"step": step, **{key: json_safe(value) for key, value in values.items()},
                "time": time.time(), "step_time": step_time}
@@ -134,8 +160,21 @@ class MetricsLogger:
                 if value is not None:  # NaN and inf are kept: TensorBoard shows them, and they matter
                     self._writer.add_scalar(tag, value, step)
             self._writer.add_scalar("step_time", step_time, step)
+        for tracker in self.trackers:
+            tracker.log(step, {**values, "step_time": step_time})
         if self._progress is not None:
             self._progress.update(self._task, completed=step, summary=step_summary(values, step_time))
+
+    def log_completions(self, step: int, rows: list[dict]) -> None:
+        """One step's completions table (prompt, completion, reward, advantage, per-function rewards):
+        a line per completion in completions.jsonl, and a table in each tracker."""
+        if not rows:
+            return
+        with self.completions_path.open("a") as lines:
+            for row in rows:
+                lines.write(json.dumps({"step": step, **row}, allow_nan=False, default=_json_default) + "\n")
+        for tracker in self.trackers:
+            tracker.log_table(step, rows)
 
     def print(self, *objects) -> None:
         self.console.print(*objects)
@@ -148,6 +187,8 @@ class MetricsLogger:
             self._progress.stop()
         if self._writer is not None:
             self._writer.close()
+        for tracker in self.trackers:
+            tracker.close()
         self._metrics_file.close()
 
     def __enter__(self) -> MetricsLogger:

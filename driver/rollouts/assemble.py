@@ -11,12 +11,14 @@ normalization: driver/rollouts/filtering.py) and the filtered groups' places ref
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 
 from driver.config import Config
 from driver.data.records import Group
+from driver.metrics.logger import TOKENS_IN_STEP
 from driver.rewards.functions import RewardError
 from driver.rewards.scorer import Scorer
 from driver.rollouts.batch import RolloutBatch, batch_from_groups
@@ -66,6 +68,7 @@ def assemble(config: Config, job: Job, step: int, scorer: Scorer, submit: bool,
         metrics.update(reroll.metrics())
     batch = batch_from_groups(groups, [group.texts for group in groups],
                               mask_truncated=config.algo.mask_truncated_completions)
+    batch.table = completions_table(groups, getattr(scorer, "names", None))
     metrics.update(completion_stats(groups))
     micro_batch_size = config.train.micro_batch_size
     every_row = config.algo.acts_on_every_completion
@@ -98,17 +101,44 @@ def staleness_stats(batch: RolloutBatch, step: int) -> dict[str, float]:
 
 
 def completion_stats(groups: list[Group]) -> dict[str, float]:
+    """TRL's completions/* metrics (terminated: ended by the model, not cut at max_tokens; 0 when none
+    was, as TRL), num_input_tokens (the step's prompt + completion tokens, which the logger sums into
+    TRL's num_tokens) and the fraction of samples continued over several rounds (partial rollouts)."""
     samples = [sample for group in groups for sample in group.samples]
     if not samples:
         return {}
     lengths = torch.tensor([len(s.token_ids) for s in samples], dtype=torch.float32)
     terminated = torch.tensor([len(s.token_ids) for s in samples if s.finish_reason == "stop"], dtype=torch.float32)
     continued = sum(len(s.spans) > 1 for s in samples)
+    prompt_tokens = sum(len(group.prompt.token_ids) * len(group.samples) for group in groups)
     return {
         "completions/mean_length": float(lengths.mean()),
         "completions/min_length": float(lengths.min()),
         "completions/max_length": float(lengths.max()),
         "completions/clipped_ratio": float(sum(s.finish_reason == "length" for s in samples) / len(samples)),
         "completions/mean_terminated_length": float(terminated.mean()) if len(terminated) else 0.0,
+        "completions/min_terminated_length": float(terminated.min()) if len(terminated) else 0.0,
+        "completions/max_terminated_length": float(terminated.max()) if len(terminated) else 0.0,
         "completions/continued_fraction": continued / len(samples),
+        TOKENS_IN_STEP: float(prompt_tokens + lengths.sum()),
     }
+
+
+def completions_table(groups: list[Group], names: list[str] | None) -> list[dict]:
+    """One row per completion: prompt, completion, total reward, advantage and each reward function's
+    value (null where it returned None), as TRL's completions table."""
+    rows = []
+    for group in groups:
+        for index, text in enumerate(group.texts or []):
+            row = {"prompt": group.prompt.text, "completion": text,
+                   "reward": _number(group.total[index]) if group.total is not None else None,
+                   "advantage": _number(group.advantages[index]) if group.advantages is not None else None}
+            if group.rewards is not None and names is not None:
+                row.update({f"rewards/{name}": _number(value) for name, value in zip(names, group.rewards[index])})
+            rows.append(row)
+    return rows
+
+
+def _number(value) -> float | None:
+    value = float(value)
+    return value if math.isfinite(value) else None

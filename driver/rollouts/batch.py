@@ -27,6 +27,7 @@ class RolloutBatch:
     samples: list[tuple[str, str, float]] = field(default_factory=list)  # (prompt, completion, reward)
     versions: list[int] = field(default_factory=list)  # [N] oldest adapter version of each row's tokens
     counts: Any = None  # driver.rollouts.filtering.StepCounts of the batch before zero-advantage filtering
+    table: list[dict] = field(default_factory=list)  # every completion of the step, before filtering (the logs')
 
     def __len__(self) -> int:
         return len(self.completion_ids)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from driver.metrics.logger import TOKENS_IN_STEP
 from driver.rollouts.batch import RolloutBatch
 
 
@@ -121,10 +122,20 @@ def merge(batches: list[RolloutBatch]) -> RolloutBatch:
         sampling_logprobs=torch.cat([padded(b.sampling_logprobs) for b in batches]),
         mask=torch.cat([padded(b.mask) for b in batches]),
         advantages=torch.cat([b.advantages for b in batches]),
-        metrics=dict(batches[0].metrics),
+        metrics=_merged_metrics(batches),
         samples=[s for b in batches for s in b.samples],
         versions=[v for b in batches for v in b.versions],
-        counts=counts)
+        counts=counts,
+        table=[row for b in batches for row in b.table])
+
+
+def _merged_metrics(batches: list[RolloutBatch]) -> dict[str, float]:
+    """The first batch's metrics, with the token count that TRL's num_tokens sums taken over all of them."""
+    metrics = dict(batches[0].metrics)
+    tokens = [b.metrics[TOKENS_IN_STEP] for b in batches if TOKENS_IN_STEP in b.metrics]
+    if tokens:
+        metrics[TOKENS_IN_STEP] = sum(tokens)
+    return metrics
 
 
 def _check_micro_batch_size(micro_batch_size: int) -> None:

@@ -32,7 +32,7 @@ EXAMPLE = ROOT / "examples" / "tiny-grpo.yaml"
 MOE_EXAMPLE = ROOT / "examples" / "tiny-moe-grpo.yaml"
 ASYNC_EXAMPLE = ROOT / "examples" / "tiny-grpo-async.yaml"  # every sample-efficiency feature on
 QUIET = ["--logging.progress=false", "--logging.log_completions=0", "--logging.plots=false",
-         "--logging.tensorboard=false"]
+         "--logging.report_to=[]"]
 BF16 = ["--model.dtype=bfloat16"]
 CHECKPOINT_EVERY = 3
 

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STRUCTURED = ROOT / "examples" / "tiny-ebft.yaml"
 STRIDED = ROOT / "examples" / "tiny-ebft-strided.yaml"
 QUIET = ["--logging.progress=false", "--logging.log_completions=0", "--logging.plots=false",
-         "--logging.tensorboard=false"]
+         "--logging.report_to=[]"]
 
 
 def train(example: Path, output_dir: Path, *overrides: str, timeout: int = 900) -> subprocess.CompletedProcess:

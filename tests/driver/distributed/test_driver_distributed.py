@@ -25,7 +25,7 @@ from driver.train import check_world
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "tiny-grpo.yaml"
 RUN = ["--rollout.backend=server", "--train.steps=3", "--train.micro_batch_size=24", "--algo.num_iterations=2",
-       "--logging.progress=false", "--logging.plots=false", "--logging.tensorboard=false",
+       "--logging.progress=false", "--logging.plots=false", "--logging.report_to=[]",
        "--logging.log_completions=0"]
 
 
