@@ -30,10 +30,9 @@ class SequenceClassifierReward:
 
         self.__name__ = Path(model_path.rstrip("/")).name  # the name in the logs, as a function's
         self.batch_size, self.device = batch_size, trainer_device(device)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="right")
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.tokenizer.padding_side = "right"
         self.model = AutoModelForSequenceClassification.from_pretrained(model_path).to(self.device).eval()
         # The classifier reads each row's last real token, found through the pad id.
         self.model.config.pad_token_id = self.tokenizer.pad_token_id

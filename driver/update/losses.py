@@ -45,6 +45,9 @@ IMPORTANCE_LEVELS = ("token", "sequence_product", "none")
 IMPORTANCE_MODES = ("truncate", "mask")
 
 
+DEFAULT_OPTIONS = LossOptions()  # TRL's defaults: token-level ratio, no delta, k3
+
+
 @dataclass
 class StepNormalizers:
     """Counts over the whole optimizer step: every micro-batch of every accumulated rollout batch."""
@@ -80,7 +83,7 @@ def policy_loss(
     ref_logps: torch.Tensor | None = None,  # [n, T] base model; required when beta > 0
     is_weights: torch.Tensor | None = None,  # [n, T] detached importance weights (importance_weights())
     keep_sequences: torch.Tensor | None = None,  # [n] bool, off_policy_sequence_mask(); None keeps all
-    options: LossOptions = LossOptions(),
+    options: LossOptions = DEFAULT_OPTIONS,
     entropy: torch.Tensor | None = None,  # [n, T] token entropies; with grad when options.entropy_coef > 0
     keep_tokens: torch.Tensor | None = None,  # [n, T] bool, high_entropy_mask(); None keeps all
 ) -> tuple[torch.Tensor, Metrics]:
@@ -202,8 +205,9 @@ def importance_weights(
     "truncate" caps ratios at cap; "mask" zeroes them above cap, exactly, with no renormalization
     that would give the dropped tokens their weight back. cap_min makes either two-sided (TRL's
     vllm_importance_sampling_clip_min): ratios below it are raised to it, or masked (IcePop: a token the
-    engine found far likelier than the trainer does is as untrustworthy as the reverse). The ratio metrics are of the ratios before
-    the cap (TRL logs them after it); sampling/masked_fraction says how many tokens the mask dropped.
+    engine found far likelier than the trainer does is as untrustworthy as the reverse). The ratio
+    metrics are of the ratios before the cap (TRL logs them after it); sampling/masked_fraction says how
+    many tokens the mask dropped.
     """
     _check_same_shape("old_logps", old_logps, sampling_logps=sampling_logps, mask=mask)
     if level not in IMPORTANCE_LEVELS:

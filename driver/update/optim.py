@@ -1,5 +1,6 @@
-"""AdamW (torch's, fused or not, or bitsandbytes' 8-bit) over the adapter, the learning-rate schedule (per optimizer update), and the optimizer loop
-every algorithm's update runs (GRPO: driver/update/step.py, strided EBFT: driver/ebft/strided_update.py)."""
+"""AdamW (torch's, fused or not, or bitsandbytes' 8-bit) over the adapter, the learning-rate schedule
+(per optimizer update), and the optimizer loop every algorithm's update runs (GRPO:
+driver/update/step.py, strided EBFT: driver/ebft/strided_update.py)."""
 
 from __future__ import annotations
 

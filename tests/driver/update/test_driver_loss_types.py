@@ -13,6 +13,7 @@ from driver.update.losses import StepNormalizers, importance_weights, policy_los
 from tests.driver.update.test_driver_losses import LENGTHS, MAX_COMPLETION_LENGTH, make_batch
 
 EPSILON_LOW, EPSILON_HIGH = 0.2, 0.28
+WHOLE_STEP = ((0, len(LENGTHS)),)  # one micro-batch
 
 
 def trl_loss(batch, loss_type, level="token", delta=None, epsilon_high=EPSILON_HIGH, beta=0.0, use_is=False,
@@ -73,7 +74,7 @@ def trl_loss(batch, loss_type, level="token", delta=None, epsilon_high=EPSILON_H
 
 
 def ours(batch, loss_type, level="token", delta=None, epsilon_high=EPSILON_HIGH, beta=0.0, use_is=False,
-         entropy=None, entropy_coef=0.0, keep_tokens=None, parts=((0, len(LENGTHS)),), kl_estimator="k3"):
+         entropy=None, entropy_coef=0.0, keep_tokens=None, parts=WHOLE_STEP, kl_estimator="k3"):
     """Our loss summed over the micro-batches `parts` and its gradient wrt logps."""
     logps = batch["logps"].double().clone().requires_grad_(True)
     normalizers = StepNormalizers(num_sequences=len(LENGTHS), num_tokens=int(batch["mask"].sum()),
