@@ -29,6 +29,9 @@ HUB_DATASET_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # org/name, as the Hub spells
 # SamplingParams the engine sets per request or relies on: generation_kwargs may not override them.
 DRIVER_OWNED_SAMPLING_KEYS = {"n", "seed", "logprobs", "prompt_logprobs", "max_tokens", "temperature", "detokenize",
                               "output_kind", "structured_outputs"}
+# generate's warpers: with rollout.backend transformers the driver applies them itself, before recording logprobs.
+TRANSFORMERS_WARPER_KEYS = {"top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
+                            "repetition_penalty", "logits_processor"}
 STRUCTURED_OUTPUT_KINDS = {"json", "regex", "choice", "grammar", "json_object", "structural_tag"}
 
 
@@ -200,8 +203,9 @@ class SamplingConfig(Section):
 
 
 class RolloutConfig(Section):
-    backend: Literal["colocate", "server"] = Field("colocate", description="in-process vLLM engine, or a vLLM "
-                                                    "OpenAI server")
+    backend: Literal["colocate", "server", "transformers"] = Field(
+        "colocate", description="in-process vLLM engine, a vLLM OpenAI server, or transformers' generate on the "
+        "trainer's own weights (no vLLM: TRL's use_vllm=False; one process, no async_prefetch)")
     server_url: str | None = Field(None, description="server backend: URL of a running vLLM server; empty "
                                    "launches one on 127.0.0.1")
     api_key: str | None = Field(None, description="server backend: API key of the server")
@@ -569,6 +573,8 @@ class Config(Section):
         if rollout.partial_rollout_tokens is not None and rollout.partial_rollout_tokens >= rollout.sampling.max_tokens:
             raise ValueError(f"rollout.partial_rollout_tokens = {rollout.partial_rollout_tokens} must be below "
                              f"rollout.sampling.max_tokens = {rollout.sampling.max_tokens} (or null for off)")
+        if rollout.backend == "transformers":
+            self._check_transformers_backend()
         if self.algo.advantage_estimator != "grpo" and self.rewards.aggregation != "sum_then_normalize":
             raise ValueError(f"algo.advantage_estimator = {self.algo.advantage_estimator} needs rewards.aggregation = "
                              "sum_then_normalize (normalize_then_sum is GDPO, an estimator of its own)")
@@ -613,6 +619,21 @@ class Config(Section):
             if self.model.attention == "flash_attention_2":
                 raise ValueError("model.attention = flash_attention_2 cannot take the block-parallel mask of "
                                  "ebft.mode = strided; use sdpa or eager")
+
+    def _check_transformers_backend(self) -> None:
+        rollout = self.rollout
+        unsupported = [key for key, on in (
+            ("rollout.async_prefetch", rollout.async_prefetch),
+            ("rollout.vllm_sync_interval > 1", rollout.vllm_sync_interval > 1),
+            ("rollout.sampling.structured_outputs", rollout.sampling.structured_outputs is not None)) if on]
+        if unsupported:
+            raise ValueError(f"{', '.join(unsupported)}: not supported by rollout.backend = transformers (it samples "
+                             "with the weights being trained, every step, without a grammar engine)")
+        warpers = sorted(set(rollout.sampling.generation_kwargs) & TRANSFORMERS_WARPER_KEYS)
+        if warpers:
+            raise ValueError(f"rollout.sampling.generation_kwargs: {', '.join(warpers)} must be set in "
+                             "rollout.sampling itself with rollout.backend = transformers (the sampling logprobs are "
+                             "recorded after them)")
 
     def _engine_only_sampling(self) -> list[tuple[str, bool]]:
         """Sampling knobs only vLLM implements (ebft strided samples in the trainer: temperature, top_p, top_k)."""

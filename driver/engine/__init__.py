@@ -27,6 +27,10 @@ def sync_method(config: Config, model_config) -> str:
 
 
 def make_generator(config: Config, policy) -> Generator:
+    if config.rollout.backend == "transformers":
+        from driver.engine.transformers_backend import TransformersGenerator
+
+        return TransformersGenerator(config, policy)
     method = sync_method(config, policy.causal_lm.config)
     if method == "weights":
         if config.rollout.backend != "colocate" or config.model.qlora:

@@ -18,7 +18,7 @@ ADAPTERS_KEPT = 2  # the synchronous loop's: the version being served and the on
 
 
 def make_verifier(config: Config, policy: Policy) -> SyncVerifier | None:
-    if not config.rollout.verify_sync:
+    if not config.rollout.verify_sync or config.rollout.backend == "transformers":  # one set of weights: no gap
         return None
     probe = policy.tokenizer(PROBE_TEXT, add_special_tokens=False).input_ids
     return SyncVerifier(probe, dtype=getattr(torch, config.model.dtype), same_base=not config.model.qlora,
@@ -38,6 +38,9 @@ def push_adapter(config: Config, policy: Policy, generator: Generator, verifier:
     """Save version `version` of the adapter, serve it, verify; keep the newest `keep` directories
     (an engine loads an adapter from disk lazily, when a request first names its version)."""
     started = time.perf_counter()
+    if getattr(generator, "shares_weights", False):  # samples with the trainer's weights: nothing to move
+        generator.sync(None, version)
+        return {"time/sync": time.perf_counter() - started}
     adapters = config.output_dir / "adapters"
     # Under torchrun the gather and the probe forward are collectives of every rank
     # (driver/rollouts/distributed_feed.py): both run before the engine is called, so an engine failure
