@@ -55,6 +55,7 @@ class StridedBatch:
     chunks: list[StridedChunk]
     metrics: dict[str, float] = field(default_factory=dict)
     samples: list[tuple[str, str, float]] = field(default_factory=list)  # (context, block, reward) for the logs
+    table: list[dict] = field(default_factory=list)  # no completions table: blocks are not completions
 
 
 def pool_blocks(features: torch.Tensor, method: str) -> torch.Tensor:  # [..., G, F] -> [..., F'] per block

@@ -15,7 +15,8 @@ from typing import Any, Protocol, runtime_checkable
 class BatchSource(Protocol):
     def next_batch(self, step: int, abandon: Callable[[], bool] = ...) -> Any | None:
         """The batch that optimizer step `step` + 1 trains on (the algorithm's update takes it), or
-        None when the run ends early; `abandon()` true: stop waiting (Ctrl-C)."""
+        None when the run ends early; `abandon()` true: stop waiting (Ctrl-C). The loop reads its
+        `metrics`, `samples` (printed) and `table` (the completions table) besides."""
 
     def push(self, step: int) -> dict[str, float]:
         """After `step` updates: the sampler gets the new adapter. Returns metrics of the push."""
