@@ -217,6 +217,19 @@ def test_chat_data_with_trls_loss_and_sampling_knobs_learns(tmp_path, tiny_vllm_
     assert max(row["sync/probe_max_abs_diff"] for row in rows) < 1e-3  # the knobs left the IS exact
 
 
+def test_the_transformers_backend_learns_without_vllm_with_exact_sampling_logprobs(tmp_path):
+    """rollout.backend: transformers (TRL's use_vllm=False): no engine, no adapter saved per step, and the
+    sampling logprobs equal the trainer's to float32 rounding (the first update of each batch sees the
+    weights that sampled it)."""
+    output_dir = tmp_path / "run"
+    assert_ok(train(output_dir, *QUIET, "--rollout.backend=transformers", "--train.steps=24"))
+    rows = metrics(output_dir)
+    first, last = sum(r["reward"] for r in rows[:5]) / 5, sum(r["reward"] for r in rows[-5:]) / 5
+    assert last > first + 0.3, f"reward did not rise: first 5 steps {first:.3f}, last 5 {last:.3f}"
+    assert max(row["sampling/sampling_logp_difference/max"] for row in rows) < 1e-4
+    assert not (output_dir / "adapters").exists()
+
+
 class TestBf16:
     """bf16 runs, where engine and trainer never agree exactly (a class: one unit of work for `pytest -n`)."""
 
