@@ -35,7 +35,8 @@ class RepetitionPenalty:
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         vocab = scores.shape[1]
-        real = torch.arange(input_ids.shape[1], device=input_ids.device) >= self.prompt_starts.to(input_ids.device)[:, None]
+        starts = self.prompt_starts.to(input_ids.device)[:, None]
+        real = torch.arange(input_ids.shape[1], device=input_ids.device) >= starts
         seen = torch.zeros(scores.shape[0], vocab + 1, dtype=torch.bool, device=scores.device)
         seen.scatter_(1, input_ids.masked_fill(~real, vocab), True)  # padding lands in the extra column
         penalized = torch.where(scores < 0, scores * self.penalty, scores / self.penalty)
