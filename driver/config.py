@@ -324,7 +324,7 @@ class AlgoConfig(Section):
         "still count in their group's advantages")
     top_entropy_quantile: float = Field(
         1.0, ge=0, le=1, description="train the policy term only on the tokens whose entropy is in this top "
-        "quantile of the micro-batch's (every rank's) tokens (Beyond the 80/20 rule recommends 0.2; 1: all)")
+        "quantile of the micro-batch's tokens (per rank; Beyond the 80/20 rule recommends 0.2; 1: all)")
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus: the loss minus entropy_coef x the mean "
                                 "token entropy (the kept tokens' with top_entropy_quantile)")
     advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = Field(
