@@ -319,6 +319,9 @@ class AlgoConfig(Section):
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
         "k3", description="per-token KL(policy || base) estimator (Schulman 2020): k1 = log(p/ref), k2 = "
         "log(p/ref)^2 / 2, k3 = ref/p - log(ref/p) - 1 (TRL's)")
+    kl_in_reward: bool = Field(False, description="apply beta as a KL penalty in the reward instead of a loss term "
+                               "(verl's use_kl_in_reward): each completion's reward minus beta x the sum over its "
+                               "tokens of kl_estimator(policy || base), before advantages; one process")
     mask_truncated_completions: bool = Field(
         False, description="completions cut at max_tokens (no end of sequence) carry no loss (DAPO); their rewards "
         "still count in their group's advantages")
@@ -371,6 +374,10 @@ class AlgoConfig(Section):
         if self.loss_type == "vespo" and self.importance_sampling_level != "token":
             raise ValueError("loss_type vespo builds its own sequence weight from the token ratios: set "
                              "importance_sampling_level: token")
+        if self.kl_in_reward and self.beta <= 0:
+            raise ValueError("kl_in_reward moves beta from the loss to the reward: set beta > 0")
+        if self.kl_in_reward and self.name != "grpo":
+            raise ValueError("kl_in_reward applies to grpo (ebft's reward is feature matching)")
         if self.advantage_estimator != "grpo" and "scale_rewards" in self.model_fields_set:
             raise ValueError(f"scale_rewards applies to advantage_estimator grpo only ({self.advantage_estimator} "
                              "has its own scaling); remove it")
@@ -384,10 +391,15 @@ class AlgoConfig(Section):
         return CISPO_DEFAULT_EPSILON_MAX if self.loss_type == "cispo" else self.epsilon
 
     @property
+    def loss_beta(self) -> float:
+        """The KL term's coefficient in the loss: beta, unless kl_in_reward moved it into the reward."""
+        return 0.0 if self.kl_in_reward else self.beta
+
+    @property
     def acts_on_every_completion(self) -> bool:
         """A loss term reaches completions of zero advantage (the KL, the entropy bonus): filtering or
         skipping them would change the update."""
-        return self.beta > 0 or self.entropy_coef > 0
+        return self.loss_beta > 0 or self.entropy_coef > 0
 
 
 class EbftConfig(Section):
@@ -575,6 +587,9 @@ class Config(Section):
                              f"rollout.sampling.max_tokens = {rollout.sampling.max_tokens} (or null for off)")
         if rollout.backend == "transformers":
             self._check_transformers_backend()
+        if self.algo.kl_in_reward and self.rewards.aggregation != "sum_then_normalize":
+            raise ValueError("algo.kl_in_reward needs rewards.aggregation = sum_then_normalize (the penalty is added "
+                             "to the weighted sum of the rewards)")
         if self.algo.advantage_estimator != "grpo" and self.rewards.aggregation != "sum_then_normalize":
             raise ValueError(f"algo.advantage_estimator = {self.algo.advantage_estimator} needs rewards.aggregation = "
                              "sum_then_normalize (normalize_then_sum is GDPO, an estimator of its own)")

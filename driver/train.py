@@ -169,6 +169,9 @@ def check_world(config: Config, world: distributed.World) -> None:
     if (reason := algorithm(config).single_process) is not None:
         raise ConfigError(f"algo.name = {config.algo.name} runs in one process for now ({reason}); launch it "
                           "without torchrun")
+    if config.algo.kl_in_reward:
+        raise ConfigError("algo.kl_in_reward runs in one process for now (its reference passes at assembly would be "
+                          "collectives only rank 0 runs); launch it without torchrun, or use the KL loss term")
     if config.rollout.backend != "server":
         raise ConfigError(f"rollout.backend = {config.rollout.backend}: under torchrun vLLM runs as a server on its "
                           "own GPUs (rollout.backend: server, with rollout.server_url or launched by rank 0)")

@@ -54,6 +54,7 @@ class Group:
     failure: str | None = None  # why scoring failed after its retry (the failing reward and input)
     total: torch.Tensor | None = None  # [G] weighted reward, set when the step's batch is assembled
     advantages: torch.Tensor | None = None  # [G], set when the step's batch is assembled
+    kl_penalty: torch.Tensor | None = None  # [G] algo.kl_in_reward: -beta x summed KL, set at assembly
     replayed: bool = False  # taken from the replay buffer rather than generated for this step
     texts: list[str] | None = None  # the decoded completions (rewards and logs read them)
 

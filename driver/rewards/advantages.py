@@ -21,7 +21,9 @@ a nansum would make it a reward of 0) and its advantage is 0, so advantages are 
 Every std is unbiased (TRL's nanstd); eps = 1e-4 as in TRL.
 
 algo.advantage_estimator picks verl's RLOO or REINFORCE++ (outcome_advantages) instead of the group
-standardization; scale_rewards is then unused.
+standardization; scale_rewards is then unused. algo.kl_in_reward adds a per-completion KL penalty to the
+weighted sum before any of this (verl's token-level rewards summed over the completion); `reward` and
+the per-function stats stay the functions' own.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def combine_rewards(
     names: list[str] | None = None,  # [F] names for the per-function stats; default "0", "1", ...
     estimator: str = "grpo",
     lengths: torch.Tensor | None = None,  # [N] completion tokens: the reinforce_plus_plus* token weights
+    penalty: torch.Tensor | None = None,  # [N] added to the weighted sum before advantages (algo.kl_in_reward)
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Returns (rewards [N], NaN where unscorable; advantages [N], never NaN; stats) with TRL's metric names.
 
@@ -56,18 +59,25 @@ def combine_rewards(
     if estimator != "grpo" and aggregation != "sum_then_normalize":
         raise ValueError(f"estimator {estimator!r} needs aggregation 'sum_then_normalize' (GDPO's normalize_then_sum "
                          "is its own estimator)")
+    if penalty is not None and (aggregation != "sum_then_normalize" or penalty.shape != rewards_per_func.shape[:1]):
+        raise ValueError(f"penalty must be [N] = ({rewards_per_func.shape[0]},) with aggregation "
+                         f"'sum_then_normalize', got {tuple(penalty.shape)} with {aggregation!r}")
     weights = weights.to(rewards_per_func)
     unscorable = rewards_per_func.isnan().all(dim=1)
     rewards = (rewards_per_func * weights).nansum(dim=1).masked_fill(unscorable, math.nan)
+    shaped = rewards + penalty.to(rewards) if penalty is not None else rewards  # the reward the advantages see
     if estimator != "grpo":
-        advantages = outcome_advantages(rewards, group_size, estimator, lengths)
+        advantages = outcome_advantages(shaped, group_size, estimator, lengths)
     elif aggregation == "sum_then_normalize":
-        advantages = _center_and_scale(rewards.unsqueeze(1), group_size, scale_rewards, eps).squeeze(1)
+        advantages = _center_and_scale(shaped.unsqueeze(1), group_size, scale_rewards, eps).squeeze(1)
     else:
         advantages = _decoupled_advantages(rewards_per_func, weights, unscorable, group_size, eps)
     advantages = advantages.nan_to_num(nan=0.0)  # unscorable rows: no learning signal
     names = names if names is not None else [str(index) for index in range(rewards_per_func.shape[1])]
-    return rewards, advantages, _reward_stats(rewards, rewards_per_func, group_size, names)
+    stats = _reward_stats(rewards, rewards_per_func, group_size, names)
+    if penalty is not None:
+        stats["rewards/kl_penalty/mean"] = penalty.mean().item()
+    return rewards, advantages, stats
 
 
 def outcome_advantages(rewards: torch.Tensor,  # [N], NaN where unscorable

@@ -52,7 +52,7 @@ class GroupScorer:
         total, advantages, stats = combine_rewards(table, self.weights, algo.num_generations,
                                                    self.config.rewards.aggregation, algo.scale_rewards,
                                                    names=self.names, estimator=algo.advantage_estimator,
-                                                   lengths=lengths)
+                                                   lengths=lengths, penalty=kl_penalties(groups))
         return total, advantages, {"rewards/unscorable_completions": unscorable, **stats}
 
     def submit_group(self, group: Group) -> None:
@@ -118,6 +118,13 @@ class GroupScorer:
         if self._pump is not None:
             self._pump.join()
         self.scorer.close()
+
+
+def kl_penalties(groups: list[Group]) -> torch.Tensor | None:
+    """[N] the groups' KL penalties (algo.kl_in_reward, set at assembly), or None."""
+    if all(group.kl_penalty is None for group in groups):
+        return None
+    return torch.cat([group.kl_penalty for group in groups])
 
 
 def reward_function_scorer(config: Config, policy=None) -> tuple[GroupScorer, None]:

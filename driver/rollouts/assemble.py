@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -43,9 +44,11 @@ def score_groups(scorer: Scorer, groups: list[Group], submit: bool) -> float:
 
 
 def assemble(config: Config, job: Job, step: int, scorer: Scorer, submit: bool,
-             replay: ReplayBuffer | None, reroll: RerollQueue | None) -> RolloutBatch:
+             replay: ReplayBuffer | None, reroll: RerollQueue | None,
+             kl_penalty: Callable[[list[Group]], None] | None = None) -> RolloutBatch:
     """submit: the job's groups still need scoring (rewards in this process, under prefetch: they
-    must run here, in the main thread); otherwise they were submitted as they finished."""
+    must run here, in the main thread); otherwise they were submitted as they finished. kl_penalty
+    (algo.kl_in_reward): sets each group's KL penalty before the advantages."""
     if not submit:
         scorer.discard(job.dropped)  # scored as they finished, then found too old to train on
     reward_wait = score_groups(scorer, job.groups, submit)
@@ -56,6 +59,8 @@ def assemble(config: Config, job: Job, step: int, scorer: Scorer, submit: bool,
     groups = [group for group in job.groups if group.failure is None]
     metrics = dict(job.metrics)
     if groups:
+        if kl_penalty is not None:
+            kl_penalty(groups)
         total, advantages, stats = scorer.advantages(groups)
         metrics.update(stats)
         for index, group in enumerate(groups):

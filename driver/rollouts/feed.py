@@ -17,6 +17,7 @@ scoring overlaps the rest of the generation (and, asynchronously, the update).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 
@@ -28,6 +29,7 @@ from driver.policy.model import Policy
 from driver.rewards.group_scorer import reward_function_scorer
 from driver.rollouts.assemble import assemble
 from driver.rollouts.batch import RolloutBatch
+from driver.rollouts.kl_penalty import set_kl_penalties
 from driver.rollouts.prefetch import Prefetcher
 from driver.rollouts.producer import Job, Producer
 from driver.rollouts.replay import ReplayBuffer
@@ -55,6 +57,8 @@ class Rollouts:
                                    config.algo.reroll_max_attempts, config.algo.reroll_queue_size)
                        if config.algo.reroll_failed else None)
         self._reroll_lock = threading.Lock()
+        self.kl_penalty = (functools.partial(set_kl_penalties, config, policy) if config.algo.kl_in_reward
+                           else None)
         # Rewards in worker processes can start the moment a group finishes, in any thread; rewards in
         # this process must run in the main thread (signal.alarm), so only the synchronous loop streams them.
         self.stream_rewards = self.scorer.in_workers or self.depth == 0
@@ -111,7 +115,8 @@ class Rollouts:
                 return None
         waited = time.perf_counter() - started
         with self._reroll_lock:
-            batch = assemble(self.config, job, step, self.scorer, not self.stream_rewards, self.replay, self.reroll)
+            batch = assemble(self.config, job, step, self.scorer, not self.stream_rewards, self.replay, self.reroll,
+                             self.kl_penalty)
         batch.metrics["time/queue_wait"] = waited
         self._publish(assembled=step + 1)
         with self._state_lock:

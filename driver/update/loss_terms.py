@@ -1,6 +1,6 @@
-"""The per-token terms policy_loss (driver/update/losses.py) sums: the policy surrogate of each loss type,
-the KL estimators and the high-entropy token mask. Formulas as TRL's GRPOTrainer._compute_loss defines
-them (docs/trl-differences.md lists where we differ and why).
+"""The per-token terms policy_loss (driver/update/losses.py) sums: the policy surrogate of each loss type
+and the high-entropy token mask (the KL estimators: driver/policy/kl.py). Formulas as TRL's
+GRPOTrainer._compute_loss defines them (docs/trl-differences.md lists where we differ and why).
 
 Every function takes log ratios that are already 0 on padding and returns values the caller zeroes there.
 """
@@ -13,13 +13,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from driver.policy.kl import KL_ESTIMATORS
+
 if TYPE_CHECKING:
     from driver.config import AlgoConfig
 
 CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO's clipped surrogate, normalized differently
 LOSS_TYPES = (*CLIPPED_LOSS_TYPES, "cispo", "sapo", "vespo")
 RATIO_LEVELS = ("token", "sequence")
-KL_ESTIMATORS = ("k1", "k2", "k3")
 VESPO_LOG_W_MIN = math.log(1e-8)  # TRL's lower clamp of log w, kept to match its numbers
 
 
@@ -108,20 +109,6 @@ def vespo_weights(log_ratio: torch.Tensor,  # [n, T] token log ratios logp - old
     k = torch.where(non_negative, options.vespo_k_pos, options.vespo_k_neg)
     lam = torch.where(non_negative, options.vespo_lambda_pos, options.vespo_lambda_neg).clamp(min=1e-4)
     return torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-
-
-def kl_estimate(logps: torch.Tensor, ref_logps: torch.Tensor, real: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimates of KL(policy || ref) from the sampled tokens (Schulman, "Approximating KL
-    divergence", 2020): k1 = log(p / ref) (unbiased, high variance, can be negative), k2 = log(p / ref)^2 / 2,
-    k3 = ref / p - log(ref / p) - 1 (unbiased, >= 0, TRL's). 0 on padding."""
-    log_gap = torch.where(real, logps - ref_logps, 0.0)
-    if estimator == "k1":
-        return log_gap
-    if estimator == "k2":
-        return 0.5 * log_gap.square()
-    if estimator == "k3":
-        return (-log_gap).exp() + log_gap - 1
-    raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
 
 
 @torch.no_grad()

@@ -38,8 +38,9 @@ from dataclasses import dataclass
 import torch
 
 from driver.metrics.combine import Metrics
-from driver.update.loss_terms import (CLIPPED_LOSS_TYPES, LOSS_TYPES, LossOptions, kl_estimate, policy_log_ratio,
-                                      surrogate, vespo_weights)
+from driver.policy.kl import kl_estimate
+from driver.update.loss_terms import (CLIPPED_LOSS_TYPES, LOSS_TYPES, LossOptions, policy_log_ratio, surrogate,
+                                      vespo_weights)
 
 IMPORTANCE_LEVELS = ("token", "sequence_product", "none")
 IMPORTANCE_MODES = ("truncate", "mask")

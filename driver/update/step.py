@@ -57,7 +57,7 @@ def optimize(config: Config, policy: Policy, batch: RolloutBatch, optimizer, sch
     rows = [part for part, _ in parts]
     # The reference is the base with the adapter disabled; the old policy is needed as a separate
     # pass only when one batch feeds several updates (with one update it equals the current one).
-    ref_logps = frozen_logprobs(policy, batch, rows, temperature, reference=True) if algo.beta > 0 else None
+    ref_logps = frozen_logprobs(policy, batch, rows, temperature, reference=True) if algo.loss_beta > 0 else None
     old_logps = frozen_logprobs(policy, batch, rows, temperature, reference=False) if algo.num_iterations > 1 else None
     params = policy.trainable_parameters()
     # Metrics of every micro-batch of every iteration, and of every iteration (loss, grad_norm), kept
@@ -180,7 +180,7 @@ def micro_batch_loss(config: Config, policy: Policy, batch: RolloutBatch, part: 
         keep_tokens = high_entropy_mask(entropy.detach(), loss_mask > 0, algo.top_entropy_quantile)
     loss, loss_metrics = policy_loss(
         logps, old, advantages, loss_mask, loss_type=algo.loss_type,
-        epsilon_low=algo.epsilon, epsilon_high=algo.clip_high, beta=algo.beta, normalizers=normalizers,
+        epsilon_low=algo.epsilon, epsilon_high=algo.clip_high, beta=algo.loss_beta, normalizers=normalizers,
         ref_logps=ref_logps[part, :width] if ref_logps is not None else None,
         is_weights=weights if sampling_correction.level != "none" else None,
         keep_sequences=keep if algo.off_policy_mask_threshold is not None else None,

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from driver.update.loss_terms import LossOptions, high_entropy_mask, kl_estimate
+from driver.policy.kl import kl_estimate
+from driver.update.loss_terms import LossOptions, high_entropy_mask
 from driver.update.losses import StepNormalizers, importance_weights, policy_loss
 from tests.driver.update.test_driver_losses import LENGTHS, MAX_COMPLETION_LENGTH, make_batch
 
