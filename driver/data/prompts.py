@@ -14,6 +14,7 @@ from driver.cli import ConfigError, import_dotted
 from driver.config import DataConfig
 from driver.data.sources import load_source_rows
 
+
 @dataclass
 class Prompt:
     index: int  # row in the dataset (after the transform)

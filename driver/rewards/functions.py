@@ -18,9 +18,9 @@ import torch
 
 from driver.cli import import_dotted
 from driver.config import RewardsConfig
+from driver.data.conversation import as_assistant_message, completion_text
 from driver.rewards.calling import RewardCallFailed, call_rewards
 from driver.rewards.reward_model import SequenceClassifierReward
-from driver.data.conversation import as_assistant_message, completion_text
 
 if TYPE_CHECKING:
     from driver.data.records import Group
