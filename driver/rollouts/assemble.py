@@ -11,7 +11,6 @@ normalization: driver/rollouts/filtering.py) and the filtered groups' places ref
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 
@@ -19,7 +18,7 @@ import torch
 
 from driver.config import Config
 from driver.data.records import Group
-from driver.metrics.logger import TOKENS_IN_STEP
+from driver.metrics.logger import TOKENS_IN_STEP, json_safe
 from driver.rewards.functions import RewardError
 from driver.rewards.scorer import Scorer
 from driver.rollouts.batch import RolloutBatch, batch_from_groups
@@ -136,14 +135,12 @@ def completions_table(groups: list[Group], names: list[str] | None) -> list[dict
     for group in groups:
         for index, text in enumerate(group.texts or []):
             row = {"prompt": group.prompt.text, "completion": text,
-                   "reward": _number(group.total[index]) if group.total is not None else None,
-                   "advantage": _number(group.advantages[index]) if group.advantages is not None else None}
+                   "reward": json_safe(float(group.total[index])) if group.total is not None else None,
+                   "advantage": (json_safe(float(group.advantages[index])) if group.advantages is not None
+                                 else None)}
             if group.rewards is not None and names is not None:
-                row.update({f"rewards/{name}": _number(value) for name, value in zip(names, group.rewards[index])})
+                row.update({f"rewards/{name}": json_safe(float(value))
+                            for name, value in zip(names, group.rewards[index])})
             rows.append(row)
     return rows
 
-
-def _number(value) -> float | None:
-    value = float(value)
-    return value if math.isfinite(value) else None
