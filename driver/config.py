@@ -335,6 +335,10 @@ class AlgoConfig(Section):
         "group's other rewards; reinforce_plus_plus: rewards whitened over the batch's tokens, no group baseline; "
         "reinforce_plus_plus_baseline: the group mean subtracted, then whitened over the batch's tokens (as verl)")
     num_iterations: int = Field(1, ge=1, description="optimizer passes over each rollout batch (mu)")
+    steps_per_generation: int = Field(
+        1, ge=1, description="optimizer steps per generated batch, each on its own part of it (TRL's; the parts "
+        "are runs of whole micro-batches, as even as they divide, each normalized alone; old logprobs from before "
+        "the first); a train step then makes steps_per_generation x num_iterations optimizer updates")
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", description="divide advantages by the reward std of the group, of the batch, or not (Dr. GRPO); "
         "ignored by rewards.aggregation normalize_then_sum (GDPO), which divides each function by its group std "
@@ -598,7 +602,20 @@ class Config(Section):
                              "a group and needs at least 2")
         if self.algo.name == "ebft":
             self._check_ebft()
+        self._check_steps_per_generation()
         return self
+
+    def _check_steps_per_generation(self) -> None:
+        steps, train = self.algo.steps_per_generation, self.train
+        rows = train.prompts_per_step * train.gradient_accumulation_steps * self.algo.num_generations
+        micro_batches = -(-rows // train.micro_batch_size)
+        if steps > micro_batches:
+            raise ValueError(f"algo.steps_per_generation = {steps}, but a generated batch of {rows} completions makes "
+                             f"{micro_batches} micro-batch(es) of train.micro_batch_size = {train.micro_batch_size}: "
+                             "each optimizer step needs at least one; lower one of them")
+        if steps > 1 and self.algo.name == "ebft" and self.ebft.mode == "strided":
+            raise ValueError("algo.steps_per_generation > 1 is not supported by ebft.mode = strided (its update trains "
+                             "one block batch per step)")
 
     def _check_ebft(self) -> None:
         ebft, algo = self.ebft, self.algo
@@ -658,6 +675,11 @@ class Config(Section):
                 ("rollout.sampling.stop", bool(sampling.stop)),
                 ("rollout.sampling.structured_outputs", sampling.structured_outputs is not None),
                 ("rollout.sampling.generation_kwargs", bool(sampling.generation_kwargs))]
+
+    @property
+    def optimizer_updates(self) -> int:
+        """Optimizer updates in the whole run (what the learning-rate schedule spans)."""
+        return self.train.steps * self.algo.num_iterations * self.algo.steps_per_generation
 
     @property
     def prefetch_depth(self) -> int:

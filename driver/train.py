@@ -79,7 +79,7 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
     if prompts is not None:
         algo.check_prompts(config, prompts)
     optimizer = build_optimizer(policy.trainable_parameters(), config.train)
-    scheduler = build_scheduler(optimizer, config.train, config.train.steps * config.algo.num_iterations)
+    scheduler = build_scheduler(optimizer, config.train, config.optimizer_updates)
     step, rollout_state = 0, None
     first_step = 0
     if config.checkpoint.resume:

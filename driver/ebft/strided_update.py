@@ -51,7 +51,7 @@ def optimize_strided(config: Config, policy: Policy, batch: StridedBatch, optimi
             chunk_metrics.append(metrics)
         return Metrics(step_losses)
 
-    iterations = optimizer_steps(config, policy.trainable_parameters(), optimizer, scheduler, backward_pass)
+    iterations = optimizer_steps(config, policy.trainable_parameters(), optimizer, scheduler, [backward_pass])
     values = combine_metrics(chunk_metrics).update(iterations).values
     values["learning_rate"] = scheduler.get_last_lr()[0]
     return values

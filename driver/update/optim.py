@@ -44,17 +44,19 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total
 
 
 def optimizer_steps(config: Config, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, scheduler,
-                    backward_pass: Callable[[], Metrics]) -> Metrics:
-    """algo.num_iterations optimizer updates of one batch: zero the gradients, backward_pass() (the
-    backward of every micro-batch; returns that iteration's metrics), clip to train.max_grad_norm,
-    step the optimizer and the schedule. Returns the iterations' metrics combined, with grad_norm."""
-    iterations = []
+                    backward_passes: list[Callable[[], Metrics]]) -> Metrics:
+    """algo.num_iterations rounds of one optimizer update per backward pass (steps_per_generation
+    parts of a generated batch, or one): zero the gradients, run the pass (the backward of every
+    micro-batch; returns that update's metrics), clip to train.max_grad_norm, step the optimizer and
+    the schedule. Returns the updates' metrics combined, with grad_norm."""
+    updates = []
     for _ in range(config.algo.num_iterations):
-        optimizer.zero_grad(set_to_none=True)
-        metrics = backward_pass()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, config.train.max_grad_norm or math.inf)
-        metrics.values["grad_norm"] = float(grad_norm)
-        iterations.append(metrics)
-        optimizer.step()
-        scheduler.step()
-    return combine_metrics(iterations)
+        for backward_pass in backward_passes:
+            optimizer.zero_grad(set_to_none=True)
+            metrics = backward_pass()
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, config.train.max_grad_norm or math.inf)
+            metrics.values["grad_norm"] = float(grad_norm)
+            updates.append(metrics)
+            optimizer.step()
+            scheduler.step()
+    return combine_metrics(updates)

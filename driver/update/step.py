@@ -1,5 +1,5 @@
 """The policy update of one step: score the rollout batch on packed sequences and take
-num_iterations optimizer updates of the clipped, importance-corrected GRPO loss.
+num_iterations x steps_per_generation optimizer updates of the clipped, importance-corrected GRPO loss.
 
 A zero-advantage filtered batch (driver/rollouts/filtering.py) is trained with the normalizers of the
 unfiltered step, which makes its update equal to the unfiltered one when beta = 0. Under torchrun
@@ -9,6 +9,7 @@ FSDP averages the gradients of ranks whose losses are already shares of the whol
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -21,7 +22,7 @@ from driver.policy.model import Policy, evaluating
 from driver.rollouts.batch import RolloutBatch
 
 # merge is re-exported: callers merge a step's rollout batches with the update's module
-from driver.rollouts.filtering import check_counts, merge, micro_batches  # noqa: F401
+from driver.rollouts.filtering import check_counts, merge, micro_batches, split_steps  # noqa: F401
 from driver.update.optim import optimizer_steps
 from driver.update.loss_terms import high_entropy_mask, loss_options
 from driver.update.losses import (StepNormalizers, all_zero, connected_zero, importance_weights,
@@ -49,21 +50,39 @@ def frozen_logprobs(policy: Policy, batch: RolloutBatch, parts: list[slice], tem
 
 
 def optimize(config: Config, policy: Policy, batch: RolloutBatch, optimizer, scheduler) -> dict[str, float]:
-    algo, temperature = config.algo, config.rollout.sampling.temperature
+    """num_iterations passes over the batch, each algo.steps_per_generation optimizer updates (one per
+    part of the batch, split_steps), in TRL's order: every part once, then every part again."""
+    algo = config.algo
     _check_filtered_batch(batch, algo.acts_on_every_completion)
     batch = batch.to(policy.device)
+    parts = (split_steps(batch, algo.steps_per_generation, config.train.micro_batch_size)
+             if algo.steps_per_generation > 1 else [batch])
+    params = policy.trainable_parameters()
+    # Metrics of every micro-batch of every update, and of every update (loss, grad_norm), kept with
+    # their token counts: combine_metrics weighs token means by tokens, takes min of */min, ...
+    micro_batch_metrics: list[Metrics] = []
+    backward_passes = [update_pass(config, policy, part, params, micro_batch_metrics) for part in parts]
+    updates = optimizer_steps(config, params, optimizer, scheduler, backward_passes)
+    metrics = combine_metrics(micro_batch_metrics).update(updates)
+    values = distributed.reduce_metrics(metrics, summed=("loss",))  # each rank's loss is a share of the step's
+    values["learning_rate"] = scheduler.get_last_lr()[0]
+    return values
+
+
+def update_pass(config: Config, policy: Policy, batch: RolloutBatch, params: list[torch.nn.Parameter],
+                micro_batch_metrics: list[Metrics]) -> Callable[[], Metrics]:
+    """The backward pass of one optimizer update on `batch` (its micro-batches' metrics appended to
+    micro_batch_metrics), with the frozen logprobs it needs computed now, before any update."""
+    algo, temperature = config.algo, config.rollout.sampling.temperature
     parts = micro_batch_plan(batch, config.train.micro_batch_size, algo.loss_type,
                              config.rollout.sampling.max_tokens)
     rows = [part for part, _ in parts]
-    # The reference is the base with the adapter disabled; the old policy is needed as a separate
-    # pass only when one batch feeds several updates (with one update it equals the current one).
+    # The reference is the base with the adapter disabled. The old policy needs a pass of its own only
+    # when the batch feeds several updates (with one it equals the current one): it is the policy
+    # before the first of them, as TRL's old_per_token_logps.
     ref_logps = frozen_logprobs(policy, batch, rows, temperature, reference=True) if algo.loss_beta > 0 else None
-    old_logps = frozen_logprobs(policy, batch, rows, temperature, reference=False) if algo.num_iterations > 1 else None
-    params = policy.trainable_parameters()
-    # Metrics of every micro-batch of every iteration, and of every iteration (loss, grad_norm), kept
-    # with their token counts: combine_metrics weighs token means by tokens, takes min of */min, ...
-    micro_batch_metrics: list[Metrics] = []
-    policy.model.train()
+    several = algo.num_iterations > 1 or algo.steps_per_generation > 1
+    old_logps = frozen_logprobs(policy, batch, rows, temperature, reference=False) if several else None
     padding = distributed.max_int(len(parts)) - len(parts)
     # A skipped micro-batch runs no FSDP forward, so ranks would fall out of step: only single-process.
     # filter: no zero rows reach here from assembly, and an unfiltered batch is skipped the same way.
@@ -71,6 +90,7 @@ def optimize(config: Config, policy: Policy, batch: RolloutBatch, optimizer, sch
                  and not distributed.world().distributed)
 
     def backward_pass() -> Metrics:
+        policy.model.train()
         skipped, step_loss = 0, 0.0
         for part, normalizers in parts:
             # Never after filtering (no zero rows are left); the unfiltered path without KL or entropy keeps it.
@@ -82,17 +102,13 @@ def optimize(config: Config, policy: Policy, batch: RolloutBatch, optimizer, sch
             step_loss += metrics.values.pop("loss")  # micro-batch losses are normalized to sum to the step's
             micro_batch_metrics.append(metrics)
         for _ in range(padding):
-            padding_pass(policy, config.rollout.sampling.temperature, backward=True)
+            padding_pass(policy, temperature, backward=True)
         if batch.counts is not None:
             zero_missing_grads(params)
         return Metrics({"loss": step_loss, "skipped_micro_batch_fraction": skipped / len(parts) if parts else 0.0},
                        {"skipped_micro_batch_fraction": float(len(parts))})
 
-    iterations = optimizer_steps(config, params, optimizer, scheduler, backward_pass)
-    metrics = combine_metrics(micro_batch_metrics).update(iterations)
-    values = distributed.reduce_metrics(metrics, summed=("loss",))  # each rank's loss is a share of the step's
-    values["learning_rate"] = scheduler.get_last_lr()[0]
-    return values
+    return backward_pass
 
 
 def padding_pass(policy: Policy, temperature: float, backward: bool) -> None:

@@ -124,7 +124,7 @@ def test_filtered_rollout_batches_merge_into_the_unfiltered_step(base_policy, lo
     # Batches of 8 rows in micro-batches of 4: filtering each then merging keeps bnpo's partition.
     first, second = make_batch(base_policy, seed=1), make_batch(base_policy, ADVANTAGES[::-1], seed=2)
     merged = merge([filter_zero_advantage(b, 4, every_row=False)[0] for b in (first, second)])
-    assert merged.counts == StepCounts(16, 2 * sum(LENGTHS), [14, 12, 14, 12], [2, 1, 1, 2])
+    assert merged.counts == StepCounts(16, 2 * sum(LENGTHS), [14, 12, 14, 12], [2, 1, 1, 2], [4, 4, 4, 4])
     overrides = dict(train={"micro_batch_size": 4, "lr": LR}, algo={"loss_type": loss_type})
     assert_same_update(run_update(base_policy, [merge([first, second])], **overrides),
                        run_update(base_policy, [merged], **overrides))
@@ -156,7 +156,7 @@ def test_all_zero_batch_makes_no_forward_pass_and_steps_the_optimizer_the_same(b
     signal, zero = make_batch(base_policy, seed=3), make_batch(base_policy, [0.0] * 8, seed=4)
     filtered, metrics = filter_zero_advantage(zero, 3, every_row=False)
     assert len(filtered) == 0 and filtered.mask.shape == (0, 0)
-    assert filtered.counts == StepCounts(8, 26, [10, 11, 5], [0, 0, 0])
+    assert filtered.counts == StepCounts(8, 26, [10, 11, 5], [0, 0, 0], [3, 3, 2])
     assert metrics["filter/kept_fraction"] == 0.0 and metrics["filter/filtered_sequences"] == 8
     overrides = dict(train={"micro_batch_size": 3},
                      algo={"num_iterations": 2, "zero_advantage": zero_advantage})
@@ -193,7 +193,7 @@ def test_filter_keeps_rows_in_order_and_narrows_to_the_longest_kept_row(base_pol
     torch.testing.assert_close(filtered.sampling_logprobs, batch.sampling_logprobs[KEPT_ROWS, :width], atol=0, rtol=0)
     torch.testing.assert_close(filtered.advantages, batch.advantages[KEPT_ROWS], atol=0, rtol=0)
     # Original micro-batches rows 0-2, 3-5, 6-7: tokens 10, 11, 5; one kept row in each.
-    assert filtered.counts == StepCounts(8, sum(LENGTHS), [10, 11, 5], [1, 1, 1])
+    assert filtered.counts == StepCounts(8, sum(LENGTHS), [10, 11, 5], [1, 1, 1], [3, 3, 2])
     assert metrics == {"filter/kept_sequences": 3.0, "filter/filtered_sequences": 5.0, "filter/kept_fraction": 3 / 8,
                        "filter/kept_token_fraction": 9 / 26}
     again, _ = filter_zero_advantage(filtered, 5, every_row=False)  # counts already set: kept, micro_batch_size unused
@@ -205,10 +205,11 @@ def test_extend_batch_adds_the_extra_rows_to_the_counts(base_policy):
     extra = make_batch(base_policy, [0.5, -0.5, 0.2, -0.2], seed=5, rows=4)
     extended = extend_batch(filtered, extra, 3)
     assert len(extended) == 7 and extended.versions == KEPT_ROWS + [0, 1, 2, 3]
-    assert extended.counts == StepCounts(12, sum(LENGTHS) + 14, [10, 11, 5, 10, 4], [1, 1, 1, 3, 1])
+    assert extended.counts == StepCounts(12, sum(LENGTHS) + 14, [10, 11, 5, 10, 4], [1, 1, 1, 3, 1],
+                                        [3, 3, 2, 3, 1])
     assert extended.mask.shape[1] == max(filtered.mask.shape[1], extra.mask.shape[1])
     plain = extend_batch(make_batch(base_policy), extra, 8)  # an unfiltered batch gets its counts first
-    assert plain.counts == StepCounts(12, sum(LENGTHS) + 14, [26, 14], [8, 4])
+    assert plain.counts == StepCounts(12, sum(LENGTHS) + 14, [26, 14], [8, 4], [8, 4])
 
 
 def test_merge_carries_metrics_versions_and_refuses_a_mix_of_filtered_and_not(base_policy):
@@ -231,7 +232,7 @@ def test_bad_arguments_name_the_argument(base_policy):
             call()
     with pytest.raises(ValueError, match="versions"):
         filter_zero_advantage(replace(batch, versions=[0]), 3, every_row=False)
-    wrong_counts = replace(batch, counts=StepCounts(8, 26, [26], [7]))
+    wrong_counts = replace(batch, counts=StepCounts(8, 26, [26], [7], [8]))
     with pytest.raises(ValueError, match="micro_batch_rows"):
         filter_zero_advantage(wrong_counts, 3, every_row=False)
     with pytest.raises(ValueError, match="micro_batch_rows"):
