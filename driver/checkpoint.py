@@ -1,7 +1,8 @@
 """Checkpoints: everything needed to continue a run bit for bit.
 
 output_dir/checkpoints/step-000012/
-    adapter/               PEFT format (adapter_config.json, adapter_model.safetensors)
+    adapter/               PEFT format (adapter_config.json, adapter_model.safetensors), or under full
+                           fine-tuning model/ (config.json, model.safetensors)
     trainer_state.pt       optimizer, scheduler, RNG states, data position, step, and the rollout state
                            (groups in flight, re-roll and replay queues: driver/rollouts/feed.py)
     optimizer/             under torchrun: the sharded optimizer state (torch.distributed.checkpoint,
@@ -68,7 +69,7 @@ def save_checkpoint(output_dir: Path, step: int, policy, optimizer, scheduler, p
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     distributed.barrier()  # the directory exists before any rank writes into it
-    policy.save_adapter(staging / "adapter")
+    policy.save_trained(staging / policy.trained_name)
     state = {"step": step, "scheduler": scheduler.state_dict(), "rng": rng_state()}
     if world.distributed:
         from driver.distributed.fsdp import save_optimizer
@@ -103,14 +104,12 @@ def find_checkpoint(output_dir: Path, resume: str) -> Path:
 def load_checkpoint(path: Path, policy, optimizer, scheduler, prompts) -> tuple[int, dict | None]:
     """Restore the adapter weights and all trainer state; returns the step the checkpoint ends and
     the rollout state (None in checkpoints written before it existed)."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    adapter = load_file(path / "adapter" / "adapter_model.safetensors")
-    result = set_peft_model_state_dict(policy.model, adapter)
-    unexpected = getattr(result, "unexpected_keys", [])
-    if unexpected:
-        raise ValueError(f"{path}: adapter has weights this model lacks: {unexpected[:3]}")
+    if not (path / policy.trained_name).is_dir():
+        other = "adapter" if policy.trained_name == "model" else "model"
+        raise ValueError(f"{path} holds no {policy.trained_name}/" + (
+            f" but a {other}/: it was written with model.adapter = {'lora' if other == 'adapter' else 'none'}"
+            if (path / other).is_dir() else ""))
+    policy.load_trained(path / policy.trained_name)
     state = load_state(path / STATE_FILE)
     if "optimizer" in state:
         if distributed.world().distributed:

@@ -44,6 +44,10 @@ class ModelConfig(Section):
                       "tiny://qwen3-moe for a tiny random model built locally (no download)")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of the trainer's weights and of vLLM's")
+    adapter: Literal["lora", "none"] = Field(
+        "lora", description="lora: train a LoRA adapter (lora section) on the frozen base; none: full fine-tuning of "
+        "every weight (axolotl's adapter key absent, TRL without peft_config), dense models, one process: the "
+        "reference for beta > 0 is a frozen copy (twice the weights in memory) and every sync pushes all weights")
     qlora: bool = Field(False, description="train on an NF4-quantized base (pykernels.nn.NF4Linear, MoE experts as "
                         "NF4ExpertWeight on the grouped kernels); vLLM "
                         "serves the bf16 base + adapter and importance sampling absorbs the difference")
@@ -364,6 +368,16 @@ class AlgoConfig(Section):
                                 "train.steps (at least prefetch_depth + 1 steps)")
     reroll_max_attempts: int = Field(2, ge=1, description="times one prompt is rolled at most")
     reroll_queue_size: int = Field(256, ge=1, description="failed prompts waiting at most")
+    dynamic_sampling: bool = Field(
+        False, description="DAPO's dynamic sampling (arXiv 2503.14476; verl's algorithm.filter_groups): a step trains "
+        "only on groups with signal (rewards not all equal, before any kl_in_reward penalty) and generates more "
+        "prompts until it has its prompts_per_step x gradient_accumulation_steps of them; dropped groups' prompts are "
+        "consumed. Unlike zero_advantage it changes the update: normalization and any KL or entropy term see only "
+        "the kept groups. grpo, without rollout.async_prefetch")
+    dynamic_sampling_max_rounds: int = Field(
+        3, ge=1, description="dynamic_sampling: extra generation rounds per step at most (verl's max_num_gen_batches "
+        "- 1); when they run out the step trains on what it has (dynamic_sampling/filled_fraction < 1), the empty "
+        "places refilled from the replay buffer when replay_buffer_size > 0")
 
     @model_validator(mode="before")
     @classmethod
@@ -386,6 +400,15 @@ class AlgoConfig(Section):
             raise ValueError(f"scale_rewards applies to advantage_estimator grpo only ({self.advantage_estimator} "
                              "has its own scaling); remove it")
         return self
+
+    def check_dynamic_sampling(self, rollout: RolloutConfig) -> None:
+        """What dynamic_sampling cannot work with (called by Config: it reads the rollout section)."""
+        if self.dynamic_sampling and self.name != "grpo":
+            raise ValueError("algo.dynamic_sampling applies to grpo (verifiable rewards; ebft's feature-matching "
+                             "rewards are continuous)")
+        if self.dynamic_sampling and rollout.async_prefetch:
+            raise ValueError("algo.dynamic_sampling generates a step's extra rounds in the trainer's thread after "
+                             "scoring, which the prefetch thread's jobs would race: turn off rollout.async_prefetch")
 
     @property
     def clip_high(self) -> float:
@@ -602,8 +625,20 @@ class Config(Section):
                              "a group and needs at least 2")
         if self.algo.name == "ebft":
             self._check_ebft()
+        self.algo.check_dynamic_sampling(self.rollout)
         self._check_steps_per_generation()
+        if self.model.adapter == "none":
+            self._check_full_finetuning()
         return self
+
+    def _check_full_finetuning(self) -> None:
+        conflicts = [key for key, on in (("model.qlora", self.model.qlora),
+                                          ("algo.name = ebft", self.algo.name == "ebft"),
+                                          ("rollout.sync = lora", self.rollout.sync == "lora")) if on]
+        if conflicts:
+            raise ValueError(f"model.adapter = none (full fine-tuning) cannot go with {', '.join(conflicts)}: QLoRA "
+                             "trains an adapter on a frozen NF4 base, EBFT's features come from the base with the "
+                             "adapter disabled, and the engine must receive whole weights (rollout.sync: auto)")
 
     def _check_steps_per_generation(self) -> None:
         steps, train = self.algo.steps_per_generation, self.train

@@ -145,7 +145,7 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
                                     rollouts.state_dict())
         save_checkpoint(output_dir, step, policy, optimizer, scheduler, prompts, config.checkpoint.keep,
                         rollouts.state_dict())
-        policy.save_adapter(output_dir / "adapter")
+        policy.save_trained(output_dir / policy.trained_name)
         interrupted = step < config.train.steps
     finally:
         if rollouts is not None:
@@ -172,6 +172,9 @@ def check_world(config: Config, world: distributed.World) -> None:
     if config.algo.kl_in_reward:
         raise ConfigError("algo.kl_in_reward runs in one process for now (its reference passes at assembly would be "
                           "collectives only rank 0 runs); launch it without torchrun, or use the KL loss term")
+    if config.model.adapter == "none":
+        raise ConfigError("model.adapter = none (full fine-tuning) runs in one process for now (the sync would gather "
+                          "the FSDP-sharded weights); launch it without torchrun, or train a LoRA adapter")
     if config.rollout.backend != "server":
         raise ConfigError(f"rollout.backend = {config.rollout.backend}: under torchrun vLLM runs as a server on its "
                           "own GPUs (rollout.backend: server, with rollout.server_url or launched by rank 0)")

@@ -113,7 +113,7 @@ class FakePolicy:
         self.tokenizer = FakeTokenizer()
         self.saved: list[int] = []
 
-    def save_adapter(self, directory: Path) -> Path:
+    def save_trained(self, directory: Path) -> Path:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         return directory

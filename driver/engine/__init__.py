@@ -18,12 +18,15 @@ def sync_method(config: Config, model_config) -> str:
 
     auto picks 'weights' for MoE models on CPU, where vLLM's LoRA path for expert layers does not
     run (it is Triton-only), and 'lora' everywhere else."""
+    if config.model.adapter == "none":
+        return "weights"  # full fine-tuning: no adapter to load
     if config.rollout.sync != "auto":
         return config.rollout.sync
     import torch
 
-    is_moe = any(getattr(model_config, key, None) for key in ("num_local_experts", "num_experts", "n_routed_experts"))
-    return "weights" if is_moe and not torch.cuda.is_available() else "lora"
+    from driver.policy.model import is_moe
+
+    return "weights" if is_moe(model_config) and not torch.cuda.is_available() else "lora"
 
 
 def make_generator(config: Config, policy) -> Generator:
@@ -32,6 +35,10 @@ def make_generator(config: Config, policy) -> Generator:
 
         return TransformersGenerator(config, policy)
     method = sync_method(config, policy.causal_lm.config)
+    if method == "weights" and config.rollout.backend == "server" and config.model.adapter == "none":
+        from driver.engine.server import ServerGenerator
+
+        return ServerGenerator(config, policy.model_dir)  # reloads whole weights from disk at every sync
     if method == "weights":
         if config.rollout.backend != "colocate" or config.model.qlora:
             raise SyncError("rollout.sync = weights (used for MoE models on CPU) needs rollout.backend = colocate "

@@ -45,7 +45,7 @@ def push_adapter(config: Config, policy: Policy, generator: Generator, verifier:
     # Under torchrun the gather and the probe forward are collectives of every rank
     # (driver/rollouts/distributed_feed.py): both run before the engine is called, so an engine failure
     # cannot leave the other ranks waiting in one.
-    directory = policy.save_adapter(adapters / f"v{version:06d}")
+    directory = policy.save_trained(adapters / f"v{version:06d}")
     trainer = trainer_probe(policy, verifier.probe_ids) if verifier is not None else None
     generator.sync(directory, version)
     metrics = {}

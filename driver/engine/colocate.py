@@ -23,9 +23,13 @@ def engine_lora_rank(r: int) -> int:
     raise SyncError(f"lora.r = {r} exceeds vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}")
 
 
+LORA_ENGINE_KEYS = ("enable_lora", "max_lora_rank", "max_loras")
+
+
 def engine_kwargs(config: Config, model_dir: str) -> dict:
-    """Arguments shared by the colocated engine and a launched server."""
-    return dict(
+    """Arguments shared by the colocated engine and a launched server (without the LoRA ones under
+    full fine-tuning, where every sync replaces the weights)."""
+    kwargs = dict(
         model=model_dir, dtype=config.model.dtype, seed=config.train.seed,
         max_model_len=config.rollout.max_model_len,
         gpu_memory_utilization=config.rollout.gpu_memory_utilization,
@@ -41,6 +45,9 @@ def engine_kwargs(config: Config, model_dir: str) -> dict:
         # budget, so prefills are never split there.
         enable_chunked_prefill=False if not cuda_available() else None,
     )
+    if config.model.adapter == "none":
+        kwargs = {key: value for key, value in kwargs.items() if key not in LORA_ENGINE_KEYS}
+    return kwargs
 
 
 def cuda_available() -> bool:

@@ -10,10 +10,8 @@ from torch import nn
 
 from driver.config import Config
 from driver.engine.base import RolloutError
-from driver.engine.colocate import ColocatedGenerator, engine_kwargs
+from driver.engine.colocate import LORA_ENGINE_KEYS, ColocatedGenerator, engine_kwargs
 from driver.engine.weight_sync import create_inprocess_engine, push_merged, shutdown_engine
-
-LORA_ENGINE_KEYS = ("enable_lora", "max_lora_rank", "max_loras")
 
 
 class WeightSyncGenerator(ColocatedGenerator):

@@ -96,9 +96,12 @@ class LaunchedServer:
         self.url = f"http://127.0.0.1:{port}"
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                    *cli_flags(engine_kwargs(config, model_dir)), "--host", "127.0.0.1", "--port", str(port)]
-        # Without the flag the server has no /v1/load_lora_adapter route; unbuffered output keeps
-        # the log current, so a crash's last words are in it.
-        env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "PYTHONUNBUFFERED": "1"}
+        # Without the first flag the server has no /v1/load_lora_adapter route, without the second no
+        # /collective_rpc, through which full fine-tuning reloads the weights (a development endpoint:
+        # this server listens on 127.0.0.1 only); unbuffered output keeps the log current, so a crash's
+        # last words are in it.
+        env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_SERVER_DEV_MODE": "1",
+               "PYTHONUNBUFFERED": "1"}
         self.log_path = config.output_dir / LOG_NAME
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:  # appended: a resumed run keeps the crashed run's log
@@ -169,6 +172,8 @@ class ServerGenerator:
         self.config = config
         self.adapter_version = 0
         self.keep_versions = 2
+        # Full fine-tuning: each sync reloads every weight in place, so one version is served at a time.
+        self.full_weights = self.serves_one_version = config.model.adapter == "none"
         self._adapter: str | None = None  # name of the adapter the server serves for us
         self._names: dict[int, str] = {}  # version -> adapter name, the newest keep_versions
         self._server: LaunchedServer | None = None
@@ -246,6 +251,9 @@ class ServerGenerator:
         return self._adapter or self.base_model
 
     def sync(self, adapter_dir: Path, version: int) -> None:
+        if self.full_weights:
+            self._reload_weights(adapter_dir, version)
+            return
         # A fresh name per load: the server keys its adapter table and its prefix cache on the name
         # (and path), and a server we only connected to may still hold names from an earlier run.
         name = f"adapter-v{version}-{secrets.token_hex(4)}"
@@ -260,6 +268,21 @@ class ServerGenerator:
         for old in sorted(self._names)[:-self.keep_versions]:
             self._unload(self._names.pop(old))
 
+    def _reload_weights(self, model_dir: Path, version: int) -> None:
+        """Full fine-tuning: the server reloads every weight from model_dir in place (vLLM's
+        reload_weights through /collective_rpc, a development endpoint), then drops its prefix cache,
+        computed with the old weights."""
+        path = str(Path(model_dir).resolve())
+        try:
+            self._request("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
+            self._request("POST", "/reset_prefix_cache")
+        except ServerError as error:
+            hint = (" The server has no /collective_rpc: start it with VLLM_SERVER_DEV_MODE=1 in its environment "
+                    "(full fine-tuning reloads the weights through it)." if error.status == 404 else "")
+            raise ServerError(f"reloading the weights of version {version} from {path} failed: {error}.{hint} It must "
+                              "be able to read that directory.", error.status) from error
+        self.adapter_version = version
+
     def _unload(self, name: str, timeout: float = REQUEST_TIMEOUT_S) -> None:
         # 404: already gone (e.g. unloaded by whoever runs the server); nothing left to free.
         self._request("POST", "/v1/unload_lora_adapter", {"lora_name": name}, allowed=(404,), timeout=timeout)
@@ -272,6 +295,8 @@ class ServerGenerator:
             return
         if self._names and version not in self._names:
             raise ServerError(f"adapter version {version} is not loaded (kept: {sorted(self._names)})")
+        if self.full_weights and version != self.adapter_version:
+            raise ServerError(f"the server serves the weights of version {self.adapter_version}, not {version}")
         common = {"model": self._names.get(version, self.base_model), "logprobs": 0,
                   "return_tokens_as_token_ids": True, **self.sampling_body}
 

@@ -51,7 +51,9 @@ def run_summary(output_dir: Path, *, steps_done: int, steps_planned: int, wall_s
              f"in {minutes}m{seconds:02d}s"]
     if (trend := reward_trend(rows)) is not None:
         lines.append(f"  {trend}")
-    outputs = [("adapter", output_dir / "adapter", "PEFT format: PeftModel.from_pretrained, vLLM LoRARequest"),
+    outputs = [("adapter", output_dir / "adapter", "PEFT format: PeftModel.from_pretrained, vLLM LoRARequest")
+               if not (output_dir / "model").is_dir() else
+               ("model", output_dir / "model", "full fine-tuning: AutoModelForCausalLM.from_pretrained, vllm serve"),
                ("metrics", output_dir / METRICS_FILE, "one JSON line per step")]
     if plots:
         outputs.append(("plots", output_dir / "plots", "PNG curves"))

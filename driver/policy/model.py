@@ -1,12 +1,15 @@
-"""The policy: a transformers causal LM with a PEFT LoRA adapter, optionally on an NF4 base (QLoRA).
+"""The policy: a transformers causal LM with a PEFT LoRA adapter, optionally on an NF4 base (QLoRA),
+or the causal LM itself under full fine-tuning (model.adapter: none).
 
-The reference model for the KL term is the same network with the adapter disabled, so no second
-copy of the weights exists.
+With an adapter, the reference model for the KL term is the same network with the adapter disabled,
+so no second copy of the weights exists; under full fine-tuning it is a frozen copy of the base,
+made only when a KL term needs it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,31 +27,55 @@ UNQUANTIZED_SUFFIXES = ("lm_head", ".gate", ".router")
 
 @dataclass
 class Policy:
-    model: nn.Module  # peft.PeftModel
+    model: nn.Module  # peft.PeftModel, or the causal LM itself under full fine-tuning
     tokenizer: object
     model_dir: str  # local directory of the base model (what vLLM loads)
     kernels: str = "pure torch (train.kernels: reference)"  # what runs on pykernels' kernels, for the log
+    frozen_reference: nn.Module | None = None  # full fine-tuning with a KL term: the base, frozen
+
+    @property
+    def has_adapter(self) -> bool:
+        return hasattr(self.model, "disable_adapter")
 
     @property
     def causal_lm(self) -> nn.Module:
-        return self.model.get_base_model()
+        return self.model.get_base_model() if self.has_adapter else self.model
 
     @property
     def device(self) -> torch.device:
         return self.causal_lm.get_output_embeddings().weight.device
 
+    @property
+    def trained_name(self) -> str:
+        """What save_trained writes, as a directory name: the adapter, or the whole model."""
+        return "adapter" if self.has_adapter else "model"
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
+    @contextlib.contextmanager
     def reference(self):
-        """Context in which the model is the frozen base (adapter disabled)."""
-        return self.model.disable_adapter()
+        """Context giving the frozen base to score with: the model with its adapter disabled, or the
+        frozen copy under full fine-tuning."""
+        if self.has_adapter:
+            with self.model.disable_adapter():
+                yield self.model
+            return
+        if self.frozen_reference is None:
+            raise ValueError("full fine-tuning keeps a reference copy only when a KL term needs it (algo.beta > 0)")
+        yield self.frozen_reference
 
-    def save_adapter(self, directory: Path) -> Path:
-        """PEFT format (adapter_config.json + adapter_model.safetensors), loadable by PEFT and vLLM.
-        Under torchrun every rank calls it (the sharded adapter is gathered) and rank 0 writes it."""
+    def save_trained(self, directory: Path | None) -> Path | None:
+        """The adapter in PEFT format (adapter_config.json + adapter_model.safetensors), loadable by PEFT
+        and vLLM, or under full fine-tuning the whole model (config.json + safetensors, what vLLM and
+        transformers load). Under torchrun every rank calls it (the sharded adapter is gathered) and
+        rank 0 writes it."""
         from driver.distributed.world import world
 
+        if not self.has_adapter:
+            self.model.save_pretrained(directory, safe_serialization=True)
+            self.tokenizer.save_pretrained(directory)  # a directory vllm serve and transformers load as it is
+            return directory
         if not world().distributed:
             self.model.save_pretrained(directory, safe_serialization=True)
             return directory
@@ -58,6 +85,29 @@ class Policy:
         if world().is_main:
             self.model.save_pretrained(directory, safe_serialization=True, state_dict=state)
         return directory
+
+    def load_trained(self, directory: Path) -> None:
+        """Load what save_trained wrote (a checkpoint's weights) into the model."""
+        from safetensors.torch import load_file
+
+        if self.has_adapter:
+            from peft import set_peft_model_state_dict
+
+            result = set_peft_model_state_dict(self.model, load_file(directory / "adapter_model.safetensors"))
+            unexpected = getattr(result, "unexpected_keys", [])
+            if unexpected:
+                raise ValueError(f"{directory}: adapter has weights this model lacks: {unexpected[:3]}")
+            return
+        state = {}
+        for shard in sorted(directory.glob("*.safetensors")):
+            state.update(load_file(shard))
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        # save_pretrained leaves out a weight tied to another (the output head tied to the embeddings).
+        loaded = {id(param) for name, param in self.model.named_parameters() if name in state}
+        untied = [name for name in missing if id(self.model.get_parameter(name)) not in loaded]
+        if unexpected or untied:
+            raise ValueError(f"{directory}: the saved model does not match this one (unexpected: {unexpected[:3]}, "
+                             f"missing: {untied[:3]})")
 
 
 def kernel_modes(config: Config) -> dict[str, str]:
@@ -81,6 +131,8 @@ def load_policy(config: Config) -> Policy:
             model_dir, dtype=DTYPES[config.model.dtype], attn_implementation=config.model.attention)
         check_output_head(model, config.model.path)
         model.config.use_cache = False
+        if config.model.adapter == "none":
+            return full_policy(config, model, tokenizer, model_dir)
         if config.model.qlora:
             quantize_linears(model, config.model.qlora_blocksize)
         lora = LoraConfig(
@@ -94,6 +146,33 @@ def load_policy(config: Config) -> Policy:
 
             # After get_peft_model: PEFT reads the expert parameters' shapes when it wraps them.
             quantize_moe_experts(model, config.model.qlora_blocksize)
+    return Policy(model=model, tokenizer=tokenizer, model_dir=model_dir,
+                  kernels=prepare_for_training(config, model))
+
+
+def full_policy(config: Config, model: nn.Module, tokenizer, model_dir: str) -> Policy:
+    """Full fine-tuning: every weight trains; a KL term scores against a frozen copy of the base,
+    made before anything trains (and before a resumed checkpoint's weights are loaded)."""
+    from driver.cli import ConfigError
+
+    if is_moe(model.config):
+        raise ConfigError(f"model.adapter = none (full fine-tuning) supports dense models; {config.model.path} is a "
+                          "mixture of experts: train it with LoRA (lora.expert_targets for the experts)")
+    reference = None
+    if config.algo.beta > 0:
+        reference = copy.deepcopy(model).requires_grad_(False).eval()
+        reference.to(resolve_device(config.model.device))
+    kernels = prepare_for_training(config, model)
+    return Policy(model=model, tokenizer=tokenizer, model_dir=model_dir, kernels=kernels, frozen_reference=reference)
+
+
+def is_moe(model_config) -> bool:
+    return any(getattr(model_config, key, None) for key in ("num_local_experts", "num_experts", "n_routed_experts"))
+
+
+def prepare_for_training(config: Config, model: nn.Module) -> str:
+    """pykernels' modules in place of PEFT's and transformers' (per train.kernels), gradient
+    checkpointing, then the move to the device; returns what runs on pykernels' kernels, for the log."""
     kernels = Policy.kernels
     modes = kernel_modes(config)
     if modes["lora"] != "torch" or modes["moe"] != "torch":  # torch: PEFT's and transformers' own modules
@@ -110,7 +189,7 @@ def load_policy(config: Config) -> Policy:
     # Loaded (and NF4-quantized) on the CPU, then moved: a large model never has to fit on the GPU
     # in 16-bit before quantization.
     model.to(resolve_device(config.model.device))
-    return Policy(model=model, tokenizer=tokenizer, model_dir=model_dir, kernels=kernels)
+    return kernels
 
 
 # transformers config attributes by which a model changes its logits around the output head, with the

@@ -4,8 +4,9 @@ Generation jobs (`producer`: one per optimizer step, groups of samples tagged wi
 version that sampled them), run ahead by a background thread (`prefetch`) as far as the staleness
 schedule allows (`schedule`), with partial rollouts, re-rolls of failed prompts (`reroll`) and a
 replay buffer of high-signal groups (`replay`); `assemble` turns a job's scored groups into the
-step's batch, zero-advantage rows filtered out (`filtering`). Under torchrun rank 0 runs all of it
-and every rank trains its share (`distributed_feed`, `shard_batch`).
+step's batch, zero-advantage rows filtered out (`filtering`), or only groups with signal kept and
+more generated until the step is full (`dynamic_sampling`, DAPO). Under torchrun rank 0 runs all of
+it and every rank trains its share (`distributed_feed`, `shard_batch`).
 
 Interface: `source.BatchSource` (typed Protocol): `next_batch(step)`, `push(step)` (the engine serves
 the new adapter), `state_dict()`, `close()`; implemented by `feed.Rollouts` and

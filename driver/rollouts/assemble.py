@@ -2,15 +2,18 @@
 
 In order: rewards (already computed while the job generated when scoring streams), groups whose
 scoring failed after its retry (re-rolled later, or a RewardError naming the reward and input),
-advantages over the step's groups (the scorer's: batch scaling needs all of them; GRPO:
-driver/rewards/group_scorer.py, EBFT: driver/ebft/structured.py), groups
-that failed entirely re-queued for a later re-roll, high-signal groups kept for replay, then the
-batch: zero-advantage rows filtered out before any logprob pass (the loss keeps the unfiltered
-normalization: driver/rollouts/filtering.py) and the filtered groups' places refilled from the replay buffer.
+with algo.dynamic_sampling only the groups with signal, more generated until the step is full
+(driver/rollouts/dynamic_sampling.py), advantages over the step's groups (the scorer's: batch
+scaling needs all of them; GRPO: driver/rewards/group_scorer.py, EBFT: driver/ebft/structured.py),
+groups that failed entirely re-queued for a later re-roll, high-signal groups kept for replay, then
+the batch: zero-advantage rows filtered out before any logprob pass (the loss keeps the unfiltered
+normalization: driver/rollouts/filtering.py) and the filtered groups' places (with dynamic sampling:
+those its rounds left empty) refilled from the replay buffer.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
@@ -22,6 +25,7 @@ from driver.metrics.logger import TOKENS_IN_STEP, json_safe
 from driver.rewards.functions import RewardError
 from driver.rewards.scorer import Scorer
 from driver.rollouts.batch import RolloutBatch, batch_from_groups
+from driver.rollouts.dynamic_sampling import select_groups_with_signal
 from driver.rollouts.filtering import extend_batch, filter_zero_advantage
 from driver.rollouts.producer import Job
 from driver.rollouts.replay import ReplayBuffer
@@ -42,19 +46,36 @@ def score_groups(scorer: Scorer, groups: list[Group], submit: bool) -> float:
     return time.perf_counter() - started
 
 
-def assemble(config: Config, job: Job, step: int, scorer: Scorer, submit: bool,
-             replay: ReplayBuffer | None, reroll: RerollQueue | None,
-             kl_penalty: Callable[[list[Group]], None] | None = None) -> RolloutBatch:
-    """submit: the job's groups still need scoring (rewards in this process, under prefetch: they
-    must run here, in the main thread); otherwise they were submitted as they finished. kl_penalty
-    (algo.kl_in_reward): sets each group's KL penalty before the advantages."""
+def score_job(scorer: Scorer, job: Job, submit: bool, rerolling: bool) -> float:
+    """score_groups over the job's groups, its groups dropped as stale forgotten; a group whose scoring
+    failed is a RewardError unless failed groups are re-rolled. Returns the seconds waited."""
     if not submit:
         scorer.discard(job.dropped)  # scored as they finished, then found too old to train on
     reward_wait = score_groups(scorer, job.groups, submit)
     failed = [group for group in job.groups if group.failure is not None]
-    if failed and reroll is None:
+    if failed and not rerolling:
         raise RewardError(f"{len(failed)} group(s) could not be scored (set algo.reroll_failed to re-roll them "
                           f"later instead); first: {failed[0].failure}")
+    return reward_wait
+
+
+def assemble(config: Config, job: Job, step: int, scorer: Scorer, submit: bool,
+             replay: ReplayBuffer | None, reroll: RerollQueue | None,
+             kl_penalty: Callable[[list[Group]], None] | None = None,
+             produce_more: Callable[[int], Job] | None = None) -> RolloutBatch:
+    """submit: the job's groups still need scoring (rewards in this process, under prefetch: they
+    must run here, in the main thread); otherwise they were submitted as they finished. kl_penalty
+    (algo.kl_in_reward): sets each group's KL penalty before the advantages. produce_more(n)
+    (algo.dynamic_sampling): n more groups for this step, generated in this thread."""
+    score = functools.partial(score_job, scorer, submit=submit, rerolling=reroll is not None)
+    quota, reward_wait = len(job.groups), score(job)  # Producer.produce: a job holds a step's quota of groups
+    without_signal, dynamic = [], False
+    if produce_more is not None:  # keeps the groups with signal, generating more; advantages follow over them
+        selection = select_groups_with_signal(job, scorer, config.algo.dynamic_sampling_max_rounds, produce_more,
+                                              score)
+        job, without_signal, dynamic = selection.job, selection.without_signal, selection.signal_found
+        reward_wait += selection.reward_wait
+    failed = [group for group in job.groups if group.failure is not None]
     groups = [group for group in job.groups if group.failure is None]
     metrics = dict(job.metrics)
     if groups:
@@ -66,7 +87,7 @@ def assemble(config: Config, job: Job, step: int, scorer: Scorer, submit: bool,
             rows = slice(index * config.algo.num_generations, (index + 1) * config.algo.num_generations)
             group.total, group.advantages = total[rows], advantages[rows]
     if reroll is not None:
-        for group in failed + groups:
+        for group in failed + groups + without_signal:
             if failed_entirely(group, config.algo.reroll_threshold):
                 reroll.push(group, step)
         metrics.update(reroll.metrics())
@@ -80,9 +101,12 @@ def assemble(config: Config, job: Job, step: int, scorer: Scorer, submit: bool,
         batch, filter_metrics = filter_zero_advantage(batch, micro_batch_size, every_row=every_row)
         metrics.update(filter_metrics)
     if replay is not None:
-        filtered_groups = (sum(not bool(group.advantages.any()) for group in groups)
-                           if config.algo.zero_advantage == "filter" and not every_row else 0)
-        replayed = replay.take(filtered_groups, step) if filtered_groups else []
+        if dynamic:  # the places dynamic sampling could not fill in its rounds
+            empty_places = quota - len(groups)
+        else:  # the places of the groups filtered for zero advantage
+            empty_places = (sum(not bool(group.advantages.any()) for group in groups)
+                            if config.algo.zero_advantage == "filter" and not every_row else 0)
+        replayed = replay.take(empty_places, step) if empty_places else []
         replay.add(groups, step)  # after taking: a group is never trained twice in one step
         if replayed:
             replayed_batch = batch_from_groups(replayed, [group.texts for group in replayed],

@@ -123,7 +123,7 @@ class FollowerFeed:
 
     def _sync_collectives(self) -> None:
         """What sync.push_adapter runs collectively on rank 0: the adapter gather, then the probe."""
-        self.policy.save_adapter(None)
+        self.policy.save_trained(None)
         if self.probe is not None:
             sync.trainer_probe(self.policy, self.probe.probe_ids)
 

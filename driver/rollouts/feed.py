@@ -11,7 +11,9 @@ No race between a sync and an in-flight generation: every call into the engine h
 few servable; the server keeps them loaded), and an engine that can hold only one set of weights
 (rollout.sync = weights) gets version v only after every job sampled with an older one finished.
 Rewards stream: a group is handed to the reward workers the moment its last sample finishes, so
-scoring overlaps the rest of the generation (and, asynchronously, the update).
+scoring overlaps the rest of the generation (and, asynchronously, the update). algo.dynamic_sampling
+generates more groups for a step while it assembles it (driver/rollouts/dynamic_sampling.py), in the
+trainer's thread: synchronous only.
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ class Rollouts:
         return self.served >= self._version(job) and self.assembled >= job - self.depth
 
     def _produce(self, job: int) -> Job:
+        """Job `job`; the producer's state before it is kept for a checkpoint until the job is assembled."""
         with self._state_lock:
             taken = []
             if self.reroll is not None:
@@ -101,6 +104,12 @@ class Rollouts:
             self._taken[job], self._snapshots[job] = taken, self.producer.state_dict()
         with self.engine_lock:
             return self.producer.produce(job, self._version(job))
+
+    def _produce_more(self, job: int, count: int) -> Job:
+        """algo.dynamic_sampling: `count` more groups for job `job` (synchronous loop only: no job is in
+        flight, and the snapshot taken before the job still covers every prompt they take)."""
+        with self.engine_lock:
+            return self.producer.produce(job, self._version(job), quota=count)
 
     # -- the trainer's side --
 
@@ -114,9 +123,10 @@ class Rollouts:
             if job is None:
                 return None
         waited = time.perf_counter() - started
+        produce_more = functools.partial(self._produce_more, step) if self.config.algo.dynamic_sampling else None
         with self._reroll_lock:
             batch = assemble(self.config, job, step, self.scorer, not self.stream_rewards, self.replay, self.reroll,
-                             self.kl_penalty)
+                             self.kl_penalty, produce_more)
         batch.metrics["time/queue_wait"] = waited
         self._publish(assembled=step + 1)
         with self._state_lock:

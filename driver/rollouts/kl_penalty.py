@@ -27,8 +27,8 @@ def set_kl_penalties(config: Config, policy: Policy, groups: list[Group]) -> Non
             packed = pack([group.prompt.token_ids for group, _ in part], [list(sample.token_ids) for _, sample in part],
                           device=policy.device)
             logps, _, mask = completion_logprobs(policy.model, packed, temperature)
-            with policy.reference():
-                ref_logps, _, _ = completion_logprobs(policy.model, packed, temperature)
+            with policy.reference() as model:
+                ref_logps, _, _ = completion_logprobs(model, packed, temperature)
             kl = kl_estimate(logps, ref_logps, mask > 0, config.algo.kl_estimator).sum(dim=1)
             penalties.append(-config.algo.beta * kl.float().cpu())
     flat = torch.cat(penalties) if penalties else torch.zeros(0)

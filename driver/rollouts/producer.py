@@ -70,8 +70,11 @@ class Producer:
         self.ready: list[Group] = []  # finished groups beyond an earlier job's quota
         self.front: list[tuple[Prompt, int]] = []  # prompts to generate before new ones (re-rolls, stale)
 
-    def produce(self, job: int, version: int) -> Job:
-        """The groups trained on at step `job` (the trainer will have taken `job` optimizer steps)."""
+    def produce(self, job: int, version: int, quota: int | None = None) -> Job:
+        """The groups trained on at step `job` (the trainer will have taken `job` optimizer steps):
+        a step's quota of them, or `quota` more for the same step (algo.dynamic_sampling's extra rounds,
+        driver/rollouts/dynamic_sampling.py)."""
+        quota = self.quota if quota is None else quota
         started = time.perf_counter()
         metrics = {"rollout/version": float(version), "rollout/dropped_stale": 0.0,
                    "rollout/regenerated_stale": 0.0}
@@ -81,18 +84,18 @@ class Producer:
         self.in_flight = [g for g in self.in_flight if not self._stale(g, job, metrics)]
         self.ready = []
         rounds = continued = truncated = sampled = 0
-        while len(finished) < self.quota:
+        while len(finished) < quota:
             # Unfinished groups keep going, but new ones start beside them (up to IN_FLIGHT_FACTOR x
-            # the quota): a long group then finishes in a later job instead of holding this one.
+            # a step's quota): a long group then finishes in a later job instead of holding this one.
             room = IN_FLIGHT_FACTOR * self.quota - len(self.in_flight)
-            for _ in range(min(self.quota - len(finished), room)):
+            for _ in range(min(quota - len(finished), room)):
                 self.in_flight.append(self._new_group())
             done, round_continued, round_truncated, round_sampled = self._round(version)
             finished += done
             rounds, continued = rounds + 1, continued + round_continued
             truncated, sampled = truncated + round_truncated, sampled + round_sampled
         finished.sort(key=lambda group: group.group_id)
-        finished, self.ready = finished[: self.quota], finished[self.quota:]
+        finished, self.ready = finished[:quota], finished[quota:]
         metrics.update({"time/generation": time.perf_counter() - started, "rollout/rounds": float(rounds)})
         if self.config.rollout.partial_rollout_tokens is not None:
             metrics.update({"partial/continued_samples": float(continued),

@@ -44,14 +44,18 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total
 
 
 def optimizer_steps(config: Config, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, scheduler,
-                    backward_passes: list[Callable[[], Metrics]]) -> Metrics:
+                    backward_passes: list[Callable[[], Metrics] | None]) -> Metrics:
     """algo.num_iterations rounds of one optimizer update per backward pass (steps_per_generation
     parts of a generated batch, or one): zero the gradients, run the pass (the backward of every
     micro-batch; returns that update's metrics), clip to train.max_grad_norm, step the optimizer and
-    the schedule. Returns the updates' metrics combined, with grad_norm."""
+    the schedule. A None pass (a part without rows) steps the schedule only. Returns the updates'
+    metrics combined, with grad_norm."""
     updates = []
     for _ in range(config.algo.num_iterations):
         for backward_pass in backward_passes:
+            if backward_pass is None:
+                scheduler.step()
+                continue
             optimizer.zero_grad(set_to_none=True)
             metrics = backward_pass()
             grad_norm = torch.nn.utils.clip_grad_norm_(params, config.train.max_grad_norm or math.inf)

@@ -39,8 +39,8 @@ def frozen_logprobs(policy: Policy, batch: RolloutBatch, parts: list[slice], tem
         for part in parts:
             packed = pack(batch.prompt_ids[part], batch.completion_ids[part], device=policy.device)
             if reference:
-                with policy.reference():
-                    logps, _, _ = completion_logprobs(policy.model, packed, temperature)
+                with policy.reference() as model:
+                    logps, _, _ = completion_logprobs(model, packed, temperature)
             else:
                 logps, _, _ = completion_logprobs(policy.model, packed, temperature)
             out[part, : logps.shape[1]] = logps
@@ -61,7 +61,9 @@ def optimize(config: Config, policy: Policy, batch: RolloutBatch, optimizer, sch
     # Metrics of every micro-batch of every update, and of every update (loss, grad_norm), kept with
     # their token counts: combine_metrics weighs token means by tokens, takes min of */min, ...
     micro_batch_metrics: list[Metrics] = []
-    backward_passes = [update_pass(config, policy, part, params, micro_batch_metrics) for part in parts]
+    # A part without micro-batches (a step dynamic sampling left short) makes no update; the schedule still steps.
+    backward_passes = [update_pass(config, policy, part, params, micro_batch_metrics)
+                       if part.counts is None or part.counts.micro_batch_rows else None for part in parts]
     updates = optimizer_steps(config, params, optimizer, scheduler, backward_passes)
     metrics = combine_metrics(micro_batch_metrics).update(updates)
     values = distributed.reduce_metrics(metrics, summed=("loss",))  # each rank's loss is a share of the step's

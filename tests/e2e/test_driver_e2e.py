@@ -200,17 +200,24 @@ def test_async_run_learns_with_every_sample_efficiency_mechanism_firing(tmp_path
 
 def test_chat_data_with_trls_loss_and_sampling_knobs_learns(tmp_path, tiny_vllm_server):
     """Conversations (toy:digits-chat, ChatML) scored by a reward that insists on message lists, under
-    cispo + RLOO + mask_truncated_completions + min_p + repetition_penalty + a stop string: completions end
-    at the first space, truncated ones carry no loss, and the reward still climbs within a few steps."""
+    cispo + RLOO + mask_truncated_completions + min_p + repetition_penalty + a stop string + DAPO's dynamic
+    sampling: completions end at the first space, truncated ones carry no loss, every step trains on groups
+    with signal only, and the reward still climbs within a few steps."""
     output_dir = tmp_path / "run"
     assert_ok(train(output_dir, *QUIET, *on_server(tiny_vllm_server), "--data.source=toy:digits-chat",
                     "--rewards.functions=[{path: tests.reward_fixtures.conversational_digit_fraction}]",
                     "--algo.loss_type=cispo", "--algo.advantage_estimator=rloo",
                     "--algo.mask_truncated_completions=true", "--rollout.sampling.min_p=0.02",
                     "--rollout.sampling.repetition_penalty=1.05", "--rollout.sampling.stop=[' ']",
-                    "--train.steps=12"))
+                    "--algo.dynamic_sampling=true", "--algo.dynamic_sampling_max_rounds=1", "--train.steps=12"))
     rows = metrics(output_dir)
     assert len(rows) == 12
+    # Steps that found groups with signal trained on those only; once the task is solved (every group
+    # all 1.0) the extra rounds run out and the step is assembled as without dynamic sampling.
+    found = [row for row in rows if row["dynamic_sampling/groups_with_signal"] > 0]
+    assert found and all(row["frac_reward_zero_std"] == 0 for row in found)
+    assert any(row["dynamic_sampling/rounds"] > 0 for row in rows)
+    assert all(row["dynamic_sampling/rounds"] <= 1 for row in rows)  # dynamic_sampling_max_rounds
     assert rows[0]["completions/clipped_ratio"] > 0  # some completions were cut at max_tokens: masked
     first, last = sum(r["reward"] for r in rows[:3]) / 3, sum(r["reward"] for r in rows[-3:]) / 3
     assert last > first + 0.4, f"reward did not rise: first 3 steps {first:.3f}, last 3 {last:.3f}"
@@ -228,6 +235,26 @@ def test_the_transformers_backend_learns_without_vllm_with_exact_sampling_logpro
     assert last > first + 0.3, f"reward did not rise: first 5 steps {first:.3f}, last 5 {last:.3f}"
     assert max(row["sampling/sampling_logp_difference/max"] for row in rows) < 1e-4
     assert not (output_dir / "adapters").exists()
+
+
+def test_full_finetuning_pushes_every_weight_and_the_probe_follows(tmp_path):
+    """model.adapter: none, colocated: all weights train, every sync loads them into the engine in place and
+    the probe finds the engine on them (fp32: exactly), the KL is against a frozen copy of the base, and the
+    output is a model directory transformers loads."""
+    from transformers import AutoModelForCausalLM
+
+    output_dir = tmp_path / "run"
+    assert_ok(train(output_dir, *QUIET, "--model.adapter=none", "--algo.beta=0.04", "--train.lr=3e-4",
+                    "--train.steps=5"))
+    rows = metrics(output_dir)
+    assert len(rows) == 5 and verified_versions(rows) == 5  # the start version is pushed before step 1
+    assert max(row["sync/probe_max_abs_diff"] for row in rows) < 1e-4
+    assert rows[-1]["kl"] > rows[1]["kl"] > 0
+    trained = AutoModelForCausalLM.from_pretrained(output_dir / "model", dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny://qwen2"), dtype=torch.float32)
+    moved = [name for (name, a), b in zip(trained.named_parameters(), base.parameters()) if not torch.equal(a, b)]
+    assert len(moved) == len(list(base.parameters()))  # every weight trained, embeddings and norms too
+    assert not (output_dir / "adapter").exists()
 
 
 class TestBf16:

@@ -18,6 +18,7 @@ import torch
 from driver.config import Config
 from driver.data.tiny_model import resolve_model_path
 from driver.engine.adapter_sync import trainer_probe
+from driver.engine.base import Request
 from driver.engine.colocate import engine_kwargs
 from driver.engine.server import LOG_NAME, ServerError, ServerGenerator, cli_flags
 from driver.engine.sync_check import PROBE_TEXT
@@ -70,7 +71,7 @@ def save_random_adapter(policy, seed: int, directory):
         for name, parameter in policy.model.named_parameters():
             if "lora_B" in name:
                 parameter.copy_(LORA_B_SCALE * torch.randn(parameter.shape, generator=generator))
-    return policy.save_adapter(directory)
+    return policy.save_trained(directory)
 
 
 def served_names(url: str) -> list[str]:
@@ -192,3 +193,51 @@ def test_connect_to_running_server_and_close_leaves_it_running(server, policy, p
     names = served_names(server.url)
     assert client_adapter not in names and server.served_model in names  # ours freed, the other kept
     assert len(server.generate([probe_ids[:5]], n=2, seed=0)[0]) == 2
+
+
+def test_full_weights_are_reloaded_in_place_and_verified_by_the_probe(policy, probe_ids, model_dir, tmp_path,
+                                                                      tiny_vllm_server):
+    """model.adapter: none on a server: every sync reloads the whole model from the saved directory
+    through /collective_rpc (launched servers run with VLLM_SERVER_DEV_MODE=1) and requests name the base.
+    The shared server gets its base weights back at the end, whatever happens."""
+    config = make_config(tmp_path / "out", server_url=tiny_vllm_server)
+    config.model.adapter = "none"
+    full = load_policy(config)
+    generator = ServerGenerator(config, model_dir)
+    try:
+        assert generator.serves_one_version and generator.served_model == generator.base_model
+        base = torch.tensor(generator.prompt_logprobs(probe_ids))
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for parameter in full.model.parameters():
+                parameter.add_(0.02 * torch.randn_like(parameter))
+        moved = trainer_probe(full, probe_ids)
+        assert float((moved - base).abs().max()) > MIN_PROBE_CHANGE
+        generator.sync(full.save_trained(tmp_path / "v1"), version=1)
+        engine = torch.tensor(generator.prompt_logprobs(probe_ids))
+        assert float((engine - moved).abs().max()) < LOGPROB_ATOL
+        (index, completions), = generator.stream([Request(probe_ids[:5], 1, 0, 4)], version=1)
+        assert index == 0 and 1 <= len(completions[0].token_ids) <= 4
+        with pytest.raises(ServerError, match="serves the weights of version 1, not 0"):
+            list(generator.stream([Request(probe_ids[:5], 1, 0, 4)], version=0))
+    finally:
+        generator.sync(model_dir, version=2)  # the base again, for the other tests
+        restored = torch.tensor(generator.prompt_logprobs(probe_ids))
+        generator.close()
+    assert float((restored - base).abs().max()) < LOGPROB_ATOL
+    assert requests.get(f"{tiny_vllm_server}/health", timeout=30).status_code == 200
+
+
+def test_a_server_without_the_reload_endpoint_is_named(policy, tmp_path, tiny_vllm_server, monkeypatch):
+    config = make_config(tmp_path / "out", server_url=tiny_vllm_server)
+    config.model.adapter = "none"
+    generator = ServerGenerator(config, "unused")
+    original = generator._request
+
+    def without_rpc(method, path, payload=None, allowed=(), timeout=None):
+        return original(method, "/no-such-route" if path == "/collective_rpc" else path, payload, allowed)
+
+    monkeypatch.setattr(generator, "_request", without_rpc)
+    with pytest.raises(ServerError, match="VLLM_SERVER_DEV_MODE=1"):
+        generator.sync(tmp_path, version=1)
+    generator.close()

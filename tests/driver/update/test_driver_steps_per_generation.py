@@ -126,7 +126,7 @@ def test_every_part_uses_the_old_logprobs_of_the_policy_that_generated(base_poli
         generating = {tuple(c): row_logprobs(base_policy.model, p, c)
                       for p, c in zip(batch.prompt_ids, batch.completion_ids)}
     assert len(seen) == 4  # 2 parts x 2 micro-batches
-    for completions, old, now in seen:
+    for completions, old, _ in seen:
         for index, completion in enumerate(completions):
             torch.testing.assert_close(old[index, : len(completion)], generating[tuple(completion)], atol=1e-5, rtol=0)
     moved = max(float((now[0] - old[0, : len(now[0])]).abs().max()) for _, old, now in seen[2:])
@@ -143,6 +143,17 @@ def test_parts_are_runs_of_whole_micro_batches(base_policy):
     assert [part.counts.num_tokens for part in parts] == [sum(LENGTHS[:2]), sum(LENGTHS[2:6]), sum(LENGTHS[6:])]
     assert sum((part.counts for part in parts[1:]), parts[0].counts) == step_counts(batch, 2)
 
+
+def test_a_short_batch_makes_no_update_for_its_empty_parts(base_policy):
+    """Dynamic sampling may leave a step with fewer micro-batches than steps_per_generation: the parts
+    without any make no optimizer step (the schedule still advances), the others train as usual."""
+    batch = make_batch(base_policy)  # 4 micro-batches of 2 rows
+    parts = split_steps(batch, 6, micro_batch_size=2)
+    assert [len(part) for part in parts] == [2, 0, 2, 2, 0, 2]  # bounds round(0, 2/3, 4/3, 2, 8/3, 10/3, 4)
+    config = config_of(steps_per_generation=4, zero_advantage="keep")
+    reference, _ = ours(base_policy, batch, config)
+    updated, _ = ours(base_policy, batch, config_of(steps_per_generation=6, zero_advantage="keep"))
+    assert_same_weights(updated, reference)  # the same four updates, none from the empty parts
 
 def test_filtered_parts_keep_the_unfiltered_counts(base_policy):
     batch = make_batch(base_policy)  # ADVANTAGES: rows 0, 1, 4, 5, 7 are exact zeros
