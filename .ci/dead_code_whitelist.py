@@ -8,6 +8,7 @@ import benchmarks.async_in_driver
 import driver.data.gsm8k
 import driver.data.toy_tasks
 import driver.ebft.transforms
+import driver.rewards.builtin
 import driver.rewards.pool
 import pykernels.dispatch_cache
 import pykernels.integrations.peft
@@ -22,6 +23,8 @@ benchmarks.async_in_driver.slow_digit_fraction
 driver.ebft.transforms.first_turn
 driver.ebft.transforms.all_turns
 driver.ebft.transforms.last_turn_answer_only
+# Factories of built-in rewards: named by rewards.functions[].path (with kwargs) in YAML (docs/rewards.md).
+driver.rewards.builtin.get_soft_overlong_punishment
 
 # Attributes set on library objects, which read them (tokenizers' Tokenizer, transformers' config).
 _.pre_tokenizer  # noqa: F821

@@ -107,11 +107,25 @@ def import_dotted(path: str, what: str):
     return function
 
 
+def reward_function(path: str, kwargs: dict | None, what: str):
+    """The function `path` names, or with kwargs what the factory `path` names returns for them."""
+    function = import_dotted(path, what)
+    if kwargs is None:
+        return function
+    try:
+        function = function(**kwargs)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"{what}: {path}(**{kwargs}) failed: {error}") from None
+    if not callable(function):
+        raise ConfigError(f"{what}: {path}(**{kwargs}) returned {type(function).__name__}, not a reward function")
+    return function
+
+
 def check_references(config: Config) -> None:
     """Files and dotted paths the config names must exist before anything heavy starts."""
     for index, function in enumerate(config.rewards.functions):
         if function.path is not None:
-            import_dotted(function.path, f"rewards.functions[{index}].path")
+            reward_function(function.path, function.kwargs, f"rewards.functions[{index}].path")
         elif not Path(function.model).is_dir() and not (function.model.count("/") == 1 and
                                                          not Path(function.model).suffix):
             raise ConfigError(f"rewards.functions[{index}].model: {function.model} is neither a local model directory "

@@ -40,8 +40,9 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
-    path: str = Field("tiny://qwen2", description="Hugging Face model directory, or tiny://qwen2 | tiny://llama | "
-                      "tiny://qwen3-moe for a tiny random model built locally (no download)")
+    path: str = Field("tiny://qwen2", description="Hugging Face model directory, or tiny://qwen2 | tiny://qwen2-wide | "
+                      "tiny://llama | tiny://qwen3-moe | tiny://qwen3-moe-wide for a tiny random model built "
+                      "locally (no download)")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of the trainer's weights and of vLLM's")
     adapter: Literal["lora", "none"] = Field(
@@ -128,6 +129,10 @@ class RewardFunction(Section):
     model: str | None = Field(None, description="instead of path: a sequence-classification reward model (local "
                               "directory or Hub id) whose first logit on prompt + completion is the reward, "
                               "scored in batches on the trainer's device (TRL's reward model reward_funcs)")
+    kwargs: dict | None = Field(None, description="with path: path names a factory, called once with these "
+                                "arguments to make the reward function (TRL's reward_funcs=[factory(...)]), e.g. "
+                                "driver.rewards.builtin.get_soft_overlong_punishment with {max_completion_len: 256, "
+                                "soft_punish_cache: 64}")
     batch_size: int = Field(16, ge=1, description="model: completions per forward pass")
     weight: float = Field(1.0, description="weight of this reward in the total")
     name: str | None = Field(None, description="name in the logs (default: the function's name, or the model "
@@ -137,6 +142,8 @@ class RewardFunction(Section):
     def _path_or_model(self) -> RewardFunction:
         if (self.path is None) == (self.model is None):
             raise ValueError("give exactly one of path (a Python function) and model (a reward model)")
+        if self.kwargs is not None and self.path is None:
+            raise ValueError("kwargs are the arguments of the factory that path names; a reward model takes none")
         return self
 
 

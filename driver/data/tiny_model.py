@@ -1,10 +1,10 @@
 """Tiny random models and a local tokenizer, built deterministically and cached.
 
 Nothing can be downloaded at run time, so the default config, the tests and the demo train
-models built here: `tiny://qwen2` (dense), `tiny://qwen3-moe` (8 experts, top-2),
-`tiny://qwen3-moe-wide` (hidden 512, 32 experts, top-4) and `tiny://llama`. Head dim is 64 (vLLM's
-CPU attention does not support 16), embeddings are untied (vLLM's weight reload does not refresh
-a tied lm_head). The same name always gives the same bytes.
+models built here: `tiny://qwen2` (dense), `tiny://qwen2-wide` (hidden 512), `tiny://qwen3-moe` (8
+experts, top-2), `tiny://qwen3-moe-wide` (hidden 512, 32 experts, top-4) and `tiny://llama`. Head
+dim is 64 (vLLM's CPU attention does not support 16), embeddings are untied (vLLM's weight reload
+does not refresh a tied lm_head). The same name always gives the same bytes.
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ _COMMON = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_
                initializer_range=0.1)
 ARCHITECTURES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(intermediate_size=256)),
+    # Wide enough for activations, weights and optimizer states to differ by megabytes between training
+    # options: what docs/memory.md measures besides tiny://qwen2 (benchmarks/memory_table.py).
+    "qwen2-wide": ("Qwen2Config", "Qwen2ForCausalLM",
+                   dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, intermediate_size=1536)),
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=256, head_dim=64)),
     "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(intermediate_size=256, moe_intermediate_size=64, num_local_experts=8,

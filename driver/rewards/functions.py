@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from driver.cli import import_dotted
+from driver.cli import reward_function
 from driver.config import RewardsConfig
 from driver.data.conversation import as_assistant_message, completion_text
 from driver.rewards.calling import RewardCallFailed, call_rewards
@@ -92,9 +92,10 @@ def reward_table(names: list[str], values_per_function: Iterable, completions: l
 class RewardFunctions:
     def __init__(self, config: RewardsConfig, device: str = "auto") -> None:
         """device: where reward models score (the trainer's model.device)."""
-        self.paths = [f.path for f in config.functions]
+        # What a worker process needs to make the same functions (reward models score in this process).
+        self.specs = [(f.path, f.kwargs) for f in config.functions]
         self.functions: list[RewardFunction] = [
-            import_dotted(f.path, f"rewards.functions[{i}].path") if f.path is not None
+            reward_function(f.path, f.kwargs, f"rewards.functions[{i}].path") if f.path is not None
             else SequenceClassifierReward(f.model, device, f.batch_size) for i, f in enumerate(config.functions)]
         self.names = [f.name or fn.__name__ for f, fn in zip(config.functions, self.functions)]
         self.weights = torch.tensor([f.weight for f in config.functions], dtype=torch.float32)

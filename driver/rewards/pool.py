@@ -172,14 +172,14 @@ class _Call:
 
 
 class _Worker:
-    def __init__(self, context, paths: list[str], startup_timeout: float) -> None:
+    def __init__(self, context, specs: list[tuple[str, dict | None]], startup_timeout: float) -> None:
         self.conn, child_conn = context.Pipe()
         self.process = context.Process(target=reward_worker.serve, args=(child_conn,), daemon=True,
                                        name="reward-worker")
         with main_module_hidden():
             self.process.start()
         child_conn.close()  # the parent's copy, or a dead worker's pipe would never read as EOF
-        self.conn.send(paths)
+        self.conn.send(specs)
         self.ready = False
         self.call: _Call | None = None
         self.call_id: int | None = None  # the id of `call` as sent; replies with any other id are dropped
@@ -265,7 +265,7 @@ class RewardPool(_KeyedResults):
             raise RuntimeError("the reward pool is closed")
 
     def _start_worker(self) -> _Worker:
-        return _Worker(self._context, self._functions.paths, self.startup_timeout)
+        return _Worker(self._context, self._functions.specs, self.startup_timeout)
 
     def _busy(self) -> bool:
         return bool(self._pending) or any(worker.call is not None for worker in self._workers)

@@ -6,7 +6,8 @@ are checked in the parent). `serve` runs as Process.run, which with the spawn st
 child's MAIN thread, so reward functions that time themselves with signal.alarm (math_verify does)
 work here; they would raise "signal only works in main thread" in any other thread.
 
-Protocol over the pipe (parent -> worker): a list of dotted paths, then (call_id, kwargs) per call,
+Protocol over the pipe (parent -> worker): a list of (dotted path, factory kwargs or None), then
+(call_id, kwargs) per call,
 then None to stop. Worker -> parent:
     ("ready",)                             functions imported, waiting for calls
     ("import_failed", traceback)           could not import them; the worker exits
@@ -59,10 +60,11 @@ def _one_thread() -> None:
         sys.modules["torch"].set_num_threads(1)
 
 
-def _import_functions(paths: list[str]) -> list:
-    from driver.cli import import_dotted  # yaml + pydantic, no torch
+def _import_functions(specs: list[tuple[str, dict | None]]) -> list:
+    from driver.cli import reward_function  # yaml + pydantic, no torch
 
-    return [import_dotted(path, f"rewards.functions[{index}].path") for index, path in enumerate(paths)]
+    return [reward_function(path, kwargs, f"rewards.functions[{index}].path")
+            for index, (path, kwargs) in enumerate(specs)]
 
 
 def _run_call(conn: Connection, functions: list, call_id: int, kwargs: dict) -> None:

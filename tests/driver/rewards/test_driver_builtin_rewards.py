@@ -1,0 +1,115 @@
+"""driver.rewards.builtin: DAPO's soft overlong punishment against its formula (hand-computed values at
+the boundaries) and against TRL's get_soft_overlong_punishment (transcribed below: trl is not a
+dependency), counting the completion's tokens as the driver passes them to rewards."""
+
+import pickle
+
+import pytest
+
+from driver.config import RewardFunction, RewardsConfig
+from driver.data.prompts import Prompt
+from driver.data.records import Group, Sample
+from driver.rewards.builtin import get_soft_overlong_punishment
+from driver.rewards.calling import call_rewards
+from driver.rewards.functions import RewardFunctions, group_call, reward_table
+
+FACTORY = "driver.rewards.builtin.get_soft_overlong_punishment"
+SETTINGS_8_4 = {"max_completion_len": 8, "soft_punish_cache": 4}
+
+# (L_max, L_cache): odd sizes, no cache, the whole length as cache, a one-token completion limit.
+SETTINGS = [(100, 20), (7, 3), (83, 1), (16, 0), (5, 5), (1, 1), (769, 257)]
+
+
+def trl_soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int, completion_ids) -> list[float]:
+    """TRL's _SoftOverlongPunishment.__call__ (trl/rewards/other_rewards.py at f2cd577), as written there."""
+    rewards = []
+    for ids in completion_ids:
+        completion_length = len(ids)
+        if completion_length <= max_completion_len - soft_punish_cache:
+            rewards.append(0.0)
+        elif max_completion_len - soft_punish_cache < completion_length <= max_completion_len:
+            rewards.append((max_completion_len - soft_punish_cache - completion_length) / soft_punish_cache)
+        else:
+            rewards.append(-1.0)
+    return rewards
+
+
+def completions_of(lengths: list[int]) -> list[list[int]]:
+    return [[7] * length for length in lengths]
+
+
+@pytest.mark.parametrize("settings,lengths,expected", [
+    # L_max 100, L_cache 20: free up to 80, then -1/20 per token, -1 at 100 and beyond.
+    ((100, 20), [0, 50, 79, 80, 81, 90, 99, 100, 101, 150], [0, 0, 0, 0, -0.05, -0.5, -0.95, -1, -1, -1]),
+    # No cache: nothing until L_max, -1 past it.
+    ((16, 0), [0, 15, 16, 17], [0, 0, 0, -1]),
+    # The whole length as cache: every token costs 1 / L_max.
+    ((5, 5), [0, 1, 2, 4, 5, 6], [0, -0.2, -0.4, -0.8, -1, -1]),
+    ((7, 3), [4, 5, 6, 7, 8], [0, -1 / 3, -2 / 3, -1, -1]),
+])
+def test_the_formula_at_its_boundaries(settings, lengths, expected):
+    reward = get_soft_overlong_punishment(*settings)
+    assert reward(completion_ids=completions_of(lengths)) == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=str)
+def test_equals_trl_at_every_length(settings):
+    lengths = list(range(settings[0] + 3))  # every length up to past L_max
+    ours = get_soft_overlong_punishment(*settings)(completion_ids=completions_of(lengths))
+    assert ours == trl_soft_overlong_punishment(*settings, completions_of(lengths))  # the same arithmetic: exact
+
+
+def test_named_as_trl_and_picklable():
+    reward = get_soft_overlong_punishment(100, 20)
+    assert reward.__name__ == "soft_overlong_punishment_reward"
+    copy = pickle.loads(pickle.dumps(reward))
+    assert copy(completion_ids=completions_of([90])) == [-0.5]
+
+
+@pytest.mark.parametrize("settings,message", [
+    ((0, 0), "max_completion_len must be a positive number of tokens, got 0"),
+    ((10, -1), r"soft_punish_cache must be a number of tokens in \[0, max_completion_len = 10\], got -1"),
+    ((10, 11), r"soft_punish_cache .* got 11"),
+    ((10.5, 2), "max_completion_len must be .* got 10.5"),
+])
+def test_bad_settings_name_the_argument(settings, message):
+    with pytest.raises(ValueError, match=message):
+        get_soft_overlong_punishment(*settings)
+
+
+def test_counts_tokens_through_the_configured_reward_call():
+    """Named in rewards.functions and called with what the driver passes for a group (group_call): the
+    sampled token ids decide, not the text's length (a 3-token completion of 40 characters is free)."""
+    functions = RewardFunctions(RewardsConfig(functions=[RewardFunction(path=FACTORY, kwargs=SETTINGS_8_4)]))
+    assert functions.names == ["soft_overlong_punishment_reward"]
+    lengths = [3, 4, 5, 6, 8, 8]
+    samples = [Sample(token_ids=list(range(n)), logprobs=[-1.0] * n, finish_reason="stop") for n in lengths]
+    prompt = Prompt(index=0, text="Write digits:", token_ids=[1, 2], columns={"id": 0})
+    group = Group(group_id=0, prompt=prompt, samples=samples)
+    texts = ["x" * 40, "1234", "", "a b c", "12345678", "z"]
+    kwargs = group_call(group, texts)
+    table = reward_table(functions.names, call_rewards(functions.functions, kwargs), kwargs["completions"])
+    assert table[:, 0].tolist() == pytest.approx([0, 0, -0.25, -0.5, -1, -1])
+
+
+def test_the_yaml_entry_makes_it_in_reward_workers_too(tmp_path):
+    """rewards.functions[].kwargs: the factory is called in every process that scores (here a spawned
+    reward worker), and its arguments are checked before the run starts."""
+    from driver.cli import ConfigError, check_references
+    from driver.config import Config
+    from driver.rewards.pool import RewardPool
+
+    rewards = {"functions": [{"path": FACTORY, "kwargs": SETTINGS_8_4}], "reward_num_workers": 1}
+    pool = RewardPool(Config.model_validate({"rewards": rewards}).rewards, num_workers=1, timeout=60.0)
+    try:
+        pool.submit(0, {"prompts": ["p"] * 3, "completions": ["a", "b", "c"],
+                        "completion_ids": completions_of([4, 6, 9])})
+        (result,) = pool.wait([0]).values()
+    finally:
+        pool.close()
+    assert result.failure is None and result.table[:, 0].tolist() == [0.0, -0.5, -1.0]
+    bad = Config.model_validate({"rewards": {"functions": [{"path": FACTORY, "kwargs": {"max_completion_len": 8}}]}})
+    with pytest.raises(ConfigError, match="soft_punish_cache"):
+        check_references(bad)
+    with pytest.raises(ValueError, match="a reward model takes none"):
+        RewardFunction(model="org/reward", kwargs={"x": 1})
