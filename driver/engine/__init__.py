@@ -29,6 +29,24 @@ def sync_method(config: Config, model_config) -> str:
     return "weights" if is_moe(model_config) and not torch.cuda.is_available() else "lora"
 
 
+def serves_trained_base(config: Config) -> bool:
+    """The engine's base is the trainer's: always, except QLoRA on a server the driver does not launch
+    (it serves whatever base it was started with)."""
+    return not (config.model.qlora and config.rollout.backend == "server" and config.rollout.server_url)
+
+
+def engine_model_dir(config: Config, policy) -> str:
+    """What the engine loads: the base, or under QLoRA the base round-tripped through NF4 as the trainer
+    quantizes it (driver/policy/nf4_base.py: built once, cached), so that both compute with one base."""
+    if not config.model.qlora or not serves_trained_base(config):
+        return policy.model_dir
+    import torch
+
+    from driver.policy.nf4_base import nf4_base
+
+    return str(nf4_base(policy.model_dir, getattr(torch, config.model.dtype), config.model.qlora_blocksize))
+
+
 def make_generator(config: Config, policy) -> Generator:
     if config.rollout.backend == "transformers":
         from driver.engine.transformers_backend import TransformersGenerator
@@ -38,7 +56,8 @@ def make_generator(config: Config, policy) -> Generator:
     if method == "weights" and config.rollout.backend == "server" and config.model.adapter == "none":
         from driver.engine.server import ServerGenerator
 
-        return ServerGenerator(config, policy.model_dir)  # reloads whole weights from disk at every sync
+        # Reloads the whole weights from disk at every sync.
+        return ServerGenerator(config, engine_model_dir(config, policy))
     if method == "weights":
         if config.rollout.backend != "colocate" or config.model.qlora:
             raise SyncError("rollout.sync = weights (used for MoE models on CPU) needs rollout.backend = colocate "
@@ -49,10 +68,10 @@ def make_generator(config: Config, policy) -> Generator:
     if config.rollout.backend == "colocate":
         from driver.engine.colocate import ColocatedGenerator
 
-        return ColocatedGenerator(config, policy.model_dir)
+        return ColocatedGenerator(config, engine_model_dir(config, policy))
     from driver.engine.server import ServerGenerator
 
-    return ServerGenerator(config, policy.model_dir)
+    return ServerGenerator(config, engine_model_dir(config, policy))
 
 
 __all__ = ["Completion", "Generator", "RolloutError", "SyncError", "make_generator"]

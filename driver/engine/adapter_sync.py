@@ -9,6 +9,7 @@ import time
 import torch
 
 from driver.config import Config
+from driver.engine import serves_trained_base
 from driver.engine.base import Generator
 from driver.engine.sync_check import PROBE_TEXT, SyncVerifier
 from driver.policy.logprobs import completion_logprobs, pack
@@ -21,7 +22,8 @@ def make_verifier(config: Config, policy: Policy) -> SyncVerifier | None:
     if not config.rollout.verify_sync or config.rollout.backend == "transformers":  # one set of weights: no gap
         return None
     probe = policy.tokenizer(PROBE_TEXT, add_special_tokens=False).input_ids
-    return SyncVerifier(probe, dtype=getattr(torch, config.model.dtype), same_base=not config.model.qlora,
+    # QLoRA: the engine serves the NF4 round-trip of the base (driver/engine/__init__.py), the same base.
+    return SyncVerifier(probe, dtype=getattr(torch, config.model.dtype), same_base=serves_trained_base(config),
                         tolerance=config.rollout.sync_tolerance)
 
 

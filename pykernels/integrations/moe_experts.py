@@ -163,6 +163,12 @@ def _experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
             and hasattr(m, "gate_up_proj") and hasattr(m, "down_proj") and not hasattr(m, "base_layer")]
 
 
+def quantizable_experts(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The experts modules quantize_moe_experts turns to NF4 (the layouts our kernels run); works on a
+    model on the meta device, e.g. to know which checkpoint tensors QLoRA will quantize."""
+    return [experts for experts in _experts_modules(model) if _activation(experts) is not None]
+
+
 def apply_moe_kernels(model: torch.nn.Module) -> int:
     """Switch a transformers MoE model (or a PEFT model wrapping one) to the pykernels experts
     implementation; returns how many experts modules it now runs (0: nothing to do, the model is
@@ -202,8 +208,8 @@ def quantize_moe_experts(model: torch.nn.Module, blocksize: int = 64, double_qua
         48
     """
     quantized = 0
-    for experts in _experts_modules(model):
-        if _activation(experts) is None or _is_quantized(experts):
+    for experts in quantizable_experts(model):
+        if _is_quantized(experts):
             continue
         for name in ("gate_up_proj", "down_proj"):
             if parametrize.is_parametrized(experts, name):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from pykernels.integrations.moe_experts import apply_moe_kernels, quantize_moe_experts
+from pykernels.integrations.moe_experts import apply_moe_kernels, quantizable_experts, quantize_moe_experts
 
 __all__ = [
     "apply_moe_kernels",
@@ -24,6 +24,7 @@ __all__ = [
     "packed_attention_kwargs",
     "packed_hidden_states",
     "packed_position_ids",
+    "quantizable_experts",
     "quantize_moe_experts",
 ]
 

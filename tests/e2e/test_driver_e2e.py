@@ -289,16 +289,17 @@ class TestBf16:
 
 
     def test_bf16_qlora_on_a_launched_server_trains_verifies_by_movement_and_stops_the_server(self, tmp_path):
-        """The 30B example's set-up in miniature: an NF4 trainer, a vLLM server it launches serving the bf16
-        base + adapter (a different base: the sync check can only compare how the probe moves)."""
+        """The 30B example's set-up in miniature: an NF4 trainer, a vLLM server it launches serving the NF4
+        round trip of the bf16 base + adapter: the base the adapter trains against, so sampling and trainer
+        logprobs differ by bf16 noise only (0.35 nats per token when vLLM served the unquantized base)."""
         import psutil
 
         output_dir = tmp_path / "run"
         assert_ok(train(output_dir, *BF16, "--model.qlora=true", "--rollout.backend=server", "--train.steps=6", *QUIET))
         rows = metrics(output_dir)
         assert len(rows) == 6 and verified_versions(rows) >= 2
-        # vLLM samples from the unquantized base; the trainer's NF4 base differs and IS sees the gap.
-        assert rows[0]["sampling/sampling_logp_difference/max"] > 1e-2
+        assert max(row["sampling/sampling_logp_difference/mean"] for row in rows) < 0.05  # dense bf16: ~0.013
+        assert "nf4-bases" in (output_dir / "vllm-server.log").read_text()  # the launch command's --model
         assert (output_dir / "vllm-server.log").stat().st_size > 0
         launched = [p for p in psutil.process_iter(["cmdline"])  # (the shared server serves float32)
                     if "vllm.entrypoints.openai.api_server" in (p.info["cmdline"] or [])
