@@ -1,7 +1,9 @@
-"""Command line: `python -m driver.train [cfg.yaml] [--section.key=value ...] [--help]`.
+"""Command line: `python -m driver.train [cfg.yaml] [--from axolotl] [--section.key=value ...] [--help]`.
 
 Every config mistake (unknown key, wrong type, missing file, unimportable function) becomes one
-message naming the key and exits with status 2 — no traceback.
+message naming the key and exits with status 2 — no traceback. An axolotl config (recognized by its
+keys, or named so with --from axolotl) is translated first (driver/axolotl_config.py) and the
+translation printed; overrides then apply to the translation.
 """
 
 from __future__ import annotations
@@ -16,20 +18,28 @@ from typing import Any, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from driver.axolotl_config import AXOLOTL_MARKERS, UntranslatableConfig, is_axolotl_config, translate, translation_yaml
 from driver.config import Config
 
-USAGE = "usage: python -m driver.train [config.yaml] [--section.key=value ...] [--help]"
+USAGE = "usage: python -m driver.train [config.yaml] [--from axolotl] [--section.key=value ...] [--help]"
+SOURCE_FORMATS = ("axolotl",)  # --from: configs of other trainers that are translated into ours
 
 
 class ConfigError(Exception):
     """A user-facing config problem; main() prints it and exits with status 2."""
 
 
-def parse_args(argv: list[str]) -> tuple[Path | None, dict[str, str], bool]:
-    config_path, overrides, show_help = None, {}, False
-    for arg in argv:
+def parse_args(argv: list[str]) -> tuple[Path | None, dict[str, str], bool, str | None]:
+    """(config path, overrides, --help given, --from's format)."""
+    config_path, overrides, show_help, source_format = None, {}, False, None
+    args = iter(argv)
+    for arg in args:
         if arg in ("-h", "--help"):
             show_help = True
+        elif arg == "--from" or arg.startswith("--from="):
+            source_format = arg.partition("=")[2] if "=" in arg else next(args, None)
+            if source_format not in SOURCE_FORMATS:
+                raise ConfigError(f"--from takes {' | '.join(SOURCE_FORMATS)}, got {source_format!r}\n{USAGE}")
         elif arg.startswith("--"):
             key, sep, value = arg[2:].partition("=")
             if not sep or not key:
@@ -39,7 +49,7 @@ def parse_args(argv: list[str]) -> tuple[Path | None, dict[str, str], bool]:
             config_path = Path(arg)
         else:
             raise ConfigError(f"unexpected argument {arg!r} (one config file only)\n{USAGE}")
-    return config_path, overrides, show_help
+    return config_path, overrides, show_help, source_format
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
@@ -142,16 +152,34 @@ def check_references(config: Config) -> None:
                           "time: use a local directory or tiny://qwen2)")
 
 
-def load_config(path: Path | None, overrides: dict[str, str]) -> Config:
+def load_config(path: Path | None, overrides: dict[str, str], source_format: str | None = None) -> Config:
     data = read_yaml(path) if path is not None else {}
+    axolotl = source_format == "axolotl" or (source_format is None and is_axolotl_config(data))
+    axolotl_keys = [] if axolotl else sorted(data.keys() & AXOLOTL_MARKERS)
+    if axolotl:
+        data = from_axolotl(data, path)
     for key, value in overrides.items():
         apply_override(data, key, value)
     try:
         config = Config.model_validate(data)
     except ValidationError as error:
-        raise ConfigError(format_validation_error(error)) from None
+        hint = (f"\n  ({', '.join(axolotl_keys)}: axolotl's keys; a whole axolotl config, without our sections, is "
+                "translated: see --from axolotl)" if axolotl_keys else "")
+        raise ConfigError(format_validation_error(error) + hint) from None
     check_references(config)
     return config
+
+
+def from_axolotl(data: dict, path: Path | None) -> dict:
+    """Our config for an axolotl one; its YAML goes to stdout (by rank 0 alone under torchrun), for the
+    user to keep and run as it is."""
+    try:
+        translation = translate(data)
+    except UntranslatableConfig as error:
+        raise ConfigError(f"{path or 'the config'}: {error}") from None
+    if os.environ.get("RANK", "0") == "0":
+        print(translation_yaml(translation, str(path or "the config")), flush=True)
+    return translation.config
 
 
 def help_text() -> str:
@@ -207,11 +235,11 @@ def _nested_model(annotation) -> type[BaseModel] | None:
 
 def config_from_argv(argv: list[str]) -> Config | None:
     """The validated config, or None when --help was printed. Raises ConfigError."""
-    path, overrides, show_help = parse_args(argv)
+    path, overrides, show_help, source_format = parse_args(argv)
     if show_help:
         print(help_text())
         return None
-    return load_config(path, overrides)
+    return load_config(path, overrides, source_format)
 
 
 def exit_on_config_error(error: ConfigError) -> None:

@@ -440,29 +440,34 @@ class EbftConfig(Section):
     mode: Literal["structured", "strided"] = Field(
         "structured", description="structured: vLLM samples whole completions of each prompt (like grpo); strided: no "
         "vLLM, the trainer regenerates blocks of generate_max_len tokens at anchors every stride tokens of the "
-        "prompt + ground-truth document, all blocks in one forward pass")
+        "prompt + ground-truth document, all blocks in one forward pass, sampled at rollout.sampling.temperature "
+        "(0.6 when not given, axolotl's ebft.temperature)")
     ground_truth_field: str | None = Field(
         "ground_truth", description="column holding the reference completion; strided with null: the prompt column "
         "is the whole document")
     feature_layers: list[float] = Field([0.25, 0.5, 0.75], description="depths (fractions in (0, 1]) of the hidden "
                                         "states used as features: layer clamp(floor(f * num_layers), 1, num_layers)")
     embed_method: Literal["last_token", "mean_pooling", "completion_mean", "concat"] = Field(
-        "last_token", description="one vector per completion (strided: per block): its last token, the mean over "
-        "prompt + completion (strided: over the block), the mean over the completion, or its tokens at 25/50/75 "
-        "percent concatenated (strided: all the block's tokens)")
+        "last_token", description="one vector per completion (strided: per block): its last token; the mean over "
+        "prompt + completion (strided: the block); the mean over the completion (strided: the block); or its tokens "
+        "at 25/50/75 percent of its length, concatenated and divided by sqrt(3)")
     whitening: bool = Field(False, description="whiten each group's features with W = (gen^T gen)^(+1/2) from the "
                             "generated samples, applied to both sides (the diversity term is then 0 unless samples "
                             "nearly repeat)")
     whiten_tol: float = Field(1e-5, gt=0, description="singular values below whiten_tol * the largest are cut")
     alignment_coef: float = Field(1.0, ge=0, description="weight of 2 * cos(phi_j, phi_gt)")
-    diversity_coef: float = Field(1.0, ge=0, description="weight of 2 / (n - 1) * sum_k phi_j . phi_k (0 when n = 1)")
+    diversity_coef: float = Field(1.0, ge=0, description="weight of 2 / (n - 1) * sum_k phi_j . phi_k (set to 0 "
+                                  "when algo.num_generations = 1)")
     advantage_estimator: Literal["rloo", "group_norm", "reinforce"] = Field(
-        "rloo", description="rloo: leave-one-out baseline with the diversity recomputed without the sample (needs "
-        "n >= 2); group_norm: (r - mean) / std per group; reinforce: the reward itself")
+        "rloo", description="rloo: leave-one-out baseline with the diversity recomputed without the sample; "
+        "group_norm: (r - mean) / std per group; reinforce: the reward itself (what algo.num_generations = 1 "
+        "falls back to, with a warning)")
     gt_length_multiplier: float | None = Field(
-        1.5, gt=0, description="structured: each group's max_tokens = ceil(ground-truth tokens x this), within "
-        "[min_max_tokens, rollout.sampling.max_tokens] (null: always rollout.sampling.max_tokens)")
-    min_max_tokens: int = Field(8, ge=1, description="structured: floor of the adaptive max_tokens")
+        1.5, ge=0.1, description="structured: each group's max_tokens = floor(its ground truth's tokens x this), "
+        "at most rollout.sampling.max_tokens and at least min_max_tokens (axolotl's adaptive_max_tokens, per "
+        "prompt rather than per batch; null: always rollout.sampling.max_tokens)")
+    min_max_tokens: int = Field(64, ge=1, description="structured: floor of the adaptive max_tokens (capped at "
+                                "rollout.sampling.max_tokens)")
     stride: int = Field(8, ge=1, description="strided: tokens between anchors")
     context_length: int = Field(8, ge=1, description="strided: the first anchor; block b sees the whole document "
                                 "before its anchor context_length + b * stride")
@@ -472,7 +477,8 @@ class EbftConfig(Section):
     max_document_length: int = Field(256, ge=2, description="strided: documents (prompt + ground truth) are cut to "
                                      "this many tokens")
     rl_coef: float = Field(1.0, ge=0, description="strided: weight of the policy-gradient loss")
-    ce_coef: float = Field(0.0, ge=0, description="strided: weight of the cross-entropy loss on the ground truth")
+    ce_coef: float = Field(0.0, ge=0, description="strided: weight of the cross-entropy loss on the ground truth "
+                           "(structured: must be 0, not implemented there)")
     kv_cache: bool = Field(True, description="strided: generate with a KV cache (false: recompute the row each "
                            "step, the reference implementation)")
     attention: Literal["auto", "flex", "dense"] = Field(
@@ -661,10 +667,21 @@ class Config(Section):
 
     def _check_ebft(self) -> None:
         ebft, algo = self.ebft, self.algo
-        if algo.num_generations == 1 and ebft.advantage_estimator != "reinforce":
-            raise ValueError(f"ebft.advantage_estimator = {ebft.advantage_estimator} needs algo.num_generations >= 2 "
-                             "(a baseline from the other samples); with 1 sample use reinforce")
-        if "functions" in self.rewards.model_fields_set:
+        if algo.num_generations == 1 and (ebft.advantage_estimator != "reinforce" or ebft.diversity_coef > 0):
+            # axolotl's fallback for one sample per prompt, written into the config so that the resolved
+            # config says what runs: no other sample to be a baseline or to be diverse from.
+            warnings.warn(f"algo.num_generations = 1 with ebft: advantage_estimator {ebft.advantage_estimator} -> "
+                          f"reinforce, diversity_coef {ebft.diversity_coef} -> 0 (one sample per prompt has no "
+                          "baseline and no other sample to differ from)", UserWarning, stacklevel=2)
+            ebft.advantage_estimator, ebft.diversity_coef = "reinforce", 0.0
+        if ebft.mode == "structured" and ebft.ce_coef > 0:
+            raise ValueError(f"ebft.ce_coef = {ebft.ce_coef}: the cross-entropy term on the ground truth exists only "
+                             "in ebft.mode = strided (axolotl's structured trainer accepts the key and ignores it); "
+                             "set it to 0")
+        if ebft.mode == "strided" and "temperature" not in self.rollout.sampling.model_fields_set:
+            self.rollout.sampling.temperature = 0.6  # axolotl's ebft.temperature: strided's default, not grpo's
+        # Compared with the default, not "was it given": a run's own config.yaml lists the default functions.
+        if self.rewards.functions != RewardsConfig().functions:
             raise ValueError("rewards.functions are not used with algo.name = ebft (the reward is feature matching "
                              "against the ground truth); remove them, or use algo.name = grpo")
         if self.rewards.reward_num_workers:

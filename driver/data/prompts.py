@@ -70,7 +70,8 @@ def is_axolotl_transform(transform) -> bool:
 
 def axolotl_transform(factory, dotted_path: str, config: DataConfig | None):
     """An axolotl transform as a row transform: factory(cfg) gives (map_fn, {"remove_columns": [...]});
-    like datasets.map, the dict map_fn returns is merged into the row, then remove_columns are dropped.
+    like datasets.map, remove_columns (a list, one name, or axolotl's "__all__": every column) leave the
+    row, then what map_fn returns is added (a returned column is kept even if it was removed).
     cfg is the data section here (axolotl passes its whole config; its GRPO transforms ignore it)."""
     made = factory(config)
     if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0]) and isinstance(made[1], dict)):
@@ -78,11 +79,12 @@ def axolotl_transform(factory, dotted_path: str, config: DataConfig | None):
                           f"parameter is cfg) but returned {type(made).__name__}, not (map_fn, "
                           "{'remove_columns': [...]})")
     map_fn, options = made
-    removed = set(options.get("remove_columns") or [])
+    removed = options.get("remove_columns") or []
+    removed = {removed} if isinstance(removed, str) else set(removed)
 
     def transform(row: dict) -> dict:
-        merged = {**row, **map_fn(dict(row))}
-        return {key: value for key, value in merged.items() if key not in removed}
+        kept = {} if "__all__" in removed else {key: value for key, value in row.items() if key not in removed}
+        return {**kept, **map_fn(dict(row))}
 
     return transform
 

@@ -12,7 +12,8 @@ recomputed on the group *without* j (diversity normalized by n - 2):
 (a = alignment, d = diversity, alpha = a's coefficient, beta = b's). For n = 2 the one remaining
 sample has no other sample to be diverse from, so the diversity part of the baseline is 0 (the n = 1
 convention): A_j = 2a * (a_j - a_other) - 2b * d_j, where d_1 = d_2 shifts the whole group alike.
-n = 1 has no baseline at all: use "reinforce".
+n = 1 has no baseline at all: the config then falls back to "reinforce" with diversity_coef 0 (axolotl's
+fallback; driver/config.py Config._check_ebft), with a warning.
 """
 
 from __future__ import annotations

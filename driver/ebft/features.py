@@ -18,6 +18,19 @@ POOL_METHODS = ("last_token", "mean_pooling", "completion_mean", "concat")
 CONCAT_QUARTERS = (1, 2, 3)  # `concat` reads the completion at 25 / 50 / 75 % of its length
 
 
+def quarter_offsets(length: int) -> list[int]:
+    """Offsets floor(length * q / 4), q = 1, 2, 3, into a span of `length` >= 1 tokens (always inside
+    it): the positions axolotl's `concat` reads (valid_lens // 4, // 2, 3 * valid_lens // 4)."""
+    return [length * quarter // 4 for quarter in CONCAT_QUARTERS]
+
+
+def concat_tokens(features: torch.Tensor) -> torch.Tensor:  # [..., 3, F] -> [..., 3F]
+    """The quarter tokens side by side, divided by sqrt(3): unit token features stay a unit vector, so
+    the diversity dot products keep the scale of the other methods (axolotl normalizes its pooled
+    vector to unit length in structured mode)."""
+    return features.flatten(-2) / math.sqrt(len(CONCAT_QUARTERS))
+
+
 def layer_indices(num_layers: int, fractions: list[float]) -> list[int]:
     """Fractions of depth -> indices into transformers' `output_hidden_states` tuple.
 
@@ -38,8 +51,11 @@ def layer_indices(num_layers: int, fractions: list[float]) -> list[int]:
 def token_features(states: list[torch.Tensor]) -> torch.Tensor:  # states: k x [L, H] -> [L, k * H]
     """Per token: L2-normalize each layer's vector, concatenate, divide by sqrt(k).
 
-    Every layer weighs the same whatever its scale, and each token's feature is a unit vector, so the
-    diversity dot products lie in [-1, 1] as in the official code.
+    Every layer weighs the same whatever its scale (axolotl's documented "L2-normalized per layer before
+    concatenation"), and each token's feature is a unit vector, so the diversity dot products lie in
+    [-1, 1] whatever the number of layers, as in the official code (which normalizes the concatenation)
+    and axolotl's structured mode (which normalizes the pooled vector). axolotl's strided mode skips the
+    1 / sqrt(k): the same features scaled by sqrt(k), cosines unchanged, dot products k times larger.
     """
     if not states:
         raise ValueError("states must hold at least one layer, got []")
@@ -84,9 +100,9 @@ def pool(
     - "last_token": the sequence's last token.
     - "mean_pooling": mean over the whole sequence, prompt included (axolotl's structured mode).
     - "completion_mean": mean over the completion only.
-    - "concat": the completion's tokens at 25 / 50 / 75 % of its length, concatenated. Unlike
-      axolotl, whose quartiles are of prompt + completion (with a long prompt all three fall in the
-      prompt and every sample of a group gets the same features), only the completion is read.
+    - "concat": the completion's tokens at 25 / 50 / 75 % of its length, concatenated (concat_tokens).
+      Unlike axolotl, whose quartiles are of prompt + completion (with a long prompt all three fall in
+      the prompt and every sample of a group gets the same features), only the completion is read.
 
     An empty completion (completion_start == end) is represented by the last prompt token in every
     method but "mean_pooling" (three copies of it for "concat"), so such a sample still gets a
@@ -106,11 +122,10 @@ def pool(
             pooled.append(features[sequence_start:end].mean(dim=0))
         elif method == "last_token" or completion_length == 0:
             last = features[end - 1]
-            pooled.append(torch.cat([last] * len(CONCAT_QUARTERS)) if method == "concat" else last)
+            pooled.append(concat_tokens(last.expand(len(CONCAT_QUARTERS), -1)) if method == "concat" else last)
         elif method == "completion_mean":
             pooled.append(features[completion_start:end].mean(dim=0))
         else:
-            positions = [min(completion_start + completion_length * quarter // 4, end - 1)
-                         for quarter in CONCAT_QUARTERS]
-            pooled.append(features[positions].reshape(-1))
+            positions = [completion_start + offset for offset in quarter_offsets(completion_length)]
+            pooled.append(concat_tokens(features[positions]))
     return torch.stack(pooled)

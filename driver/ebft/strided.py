@@ -21,7 +21,8 @@ import torch
 from driver.config import Config
 from driver.data.prompts import Prompt, PromptSource
 from driver.ebft.advantages import ebft_advantages
-from driver.ebft.features import hidden_layer_states, layer_indices, token_features
+from driver.ebft.features import (POOL_METHODS, concat_tokens, hidden_layer_states, layer_indices, quarter_offsets,
+                                  token_features)
 from driver.ebft.rewards import group_rewards, reward_metrics
 from driver.ebft.strided_attention import attention_mask_dtype, full_row_attention, uses_flex
 from driver.ebft.strided_generate import StridedRollout, sample_strided
@@ -59,13 +60,17 @@ class StridedBatch:
 
 
 def pool_blocks(features: torch.Tensor, method: str) -> torch.Tensor:  # [..., G, F] -> [..., F'] per block
-    """last_token: the block's last token; mean_pooling / completion_mean: the mean over the block (a
-    block is all completion); concat: every token of the block (the official code's `concat`)."""
+    """The methods of driver/ebft/features.py's `pool` on a block, which is all completion:
+    last_token: its last token; mean_pooling / completion_mean: the mean over it; concat: its tokens at
+    offsets floor(G * q / 4), q = 1, 2, 3, as axolotl's docs define `concat` (axolotl's strided trainer
+    silently pools concat and completion_mean as last_token; the official code's concat takes all G)."""
     if method == "last_token":
         return features[..., -1, :]
     if method in ("mean_pooling", "completion_mean"):
         return features.mean(dim=-2)
-    return features.flatten(-2)
+    if method == "concat":
+        return concat_tokens(features[..., quarter_offsets(features.shape[-2]), :])
+    raise ValueError(f"method must be one of {list(POOL_METHODS)}, got {method!r}")
 
 
 class StridedSource:
@@ -117,7 +122,7 @@ class StridedSource:
         return StridedBatch(chunks, metrics, self._shown(chunks))
 
     def sample(self, documents: list[Document]) -> StridedRollout:
-        sampling = self.config.rollout.sampling
+        sampling = self.config.rollout.sampling  # temperature 0.6 unless given (Config._check_ebft)
         return sample_strided(self.policy.model, [d.token_ids for d in documents], [d.layout for d in documents],
                               self.config.algo.num_generations, temperature=sampling.temperature,
                               top_p=sampling.top_p, top_k=sampling.top_k, generator=self.generator,

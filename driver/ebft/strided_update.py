@@ -5,11 +5,13 @@ Policy gradient: every generated token is scored from its predictor row (the row
 sampled it: the context's last token for step 0, the block's previous token after; the row just
 before it in the row belongs to another block), at the sampling temperature, with its block's
 advantage, in driver/update/losses.py's clipped loss (one sequence per (sample, block); the old logprobs
-are the sampling logprobs, computed by these very weights, so the first update's ratio is 1). Those
-are of the full tempered distribution p (sample_tokens), not of the top-k/top-p truncated q the
-blocks were drawn from: with rollout.sampling.top_p < 1 or top_k set, no importance weight p / q (the
-kept mass, <= 1) corrects for the truncation here, unlike the vLLM path, whose importance sampling
-compares the trainer's p with vLLM's processed (truncated) logprobs.
+are the sampling logprobs, computed by these very weights, so the first update's ratio is 1). axolotl
+samples at ebft.temperature (0.6) but scores at temperature 1, the gradient of a distribution other
+than the one sampled; here both are rollout.sampling.temperature. The logprobs are of the full
+tempered distribution p (sample_tokens), not of the top-k/top-p truncated q the blocks were drawn
+from: with rollout.sampling.top_p < 1 or top_k set, no importance weight p / q (the kept mass, <= 1)
+corrects for the truncation here, unlike the vLLM path, whose importance sampling compares the
+trainer's p with vLLM's processed (truncated) logprobs.
 Cross-entropy: the ground truth (the whole document without one) at temperature 1, each document's
 token mean averaged over the step's documents, as in the official code. The document rows are plain
 causal, so the CE costs no second forward.

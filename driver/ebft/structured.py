@@ -36,12 +36,18 @@ TABLE_COLUMNS = ["alignment", "diversity", "cfm"]
 
 
 def adaptive_max_tokens(ground_truth_tokens: int, config: Config) -> int:
-    """A group's completion budget: ceil(ground-truth tokens x gt_length_multiplier), within
-    [min_max_tokens, rollout.sampling.max_tokens] (the sampling limit when the multiplier is null)."""
+    """A group's completion budget: max(min(floor(gt x gt_length_multiplier), limit), min(min_max_tokens,
+    limit)), limit = rollout.sampling.max_tokens (the limit itself when the multiplier is null).
+
+    axolotl's adaptive max_tokens with its rounding (int()) and floor (64), but per prompt where axolotl
+    takes the max over the generation batch (TRL's vLLM call has one max_tokens): a group's budget then
+    depends on its own ground truth only, not on which prompts share its batch, round or re-roll. The
+    floor never lifts the budget above the limit (axolotl's 64 does when max_completion_length < 64)."""
     limit, ebft = config.rollout.sampling.max_tokens, config.ebft
     if ebft.gt_length_multiplier is None:
         return limit
-    return max(min(math.ceil(ground_truth_tokens * ebft.gt_length_multiplier), limit), min(ebft.min_max_tokens, limit))
+    scaled = math.floor(ground_truth_tokens * ebft.gt_length_multiplier)
+    return max(min(scaled, limit), min(ebft.min_max_tokens, limit))
 
 
 def has_ground_truth(prompt, field: str) -> bool:

@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,46 +86,58 @@ def nf4_base(model_dir: str, dtype: torch.dtype, blocksize: int, double_quant: b
 
 
 def write_nf4_base(source: Path, out: Path, dtype: torch.dtype, blocksize: int, double_quant: bool) -> None:
+    quantized = quantized_tensors(str(source))
+
+    def linear(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return roundtrip(tensor.to(dtype), blocksize, double_quant) if name in quantized.linears else tensor
+
+    def experts(module: str, gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(roundtrip(fused.to(dtype), blocksize, double_quant) for fused in (gate_up, down))
+
+    rewrite_checkpoint(source, out, linear, experts, quantized.experts)
+
+
+def rewrite_checkpoint(source: Path, out: Path, linear: Callable[[str, torch.Tensor], torch.Tensor],
+                       experts: Callable[[str, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                       expert_modules: set[str]) -> None:
+    """source's checkpoint into out, shard by shard: linear(name, tensor) maps every tensor that is not
+    an expert projection of `expert_modules`; experts(module, gate_up_proj, down_proj) maps a layer's
+    experts in the fused layout ([E, 2I, H], [E, H, I]), however the checkpoint stores them. Other files
+    (config, tokenizer, the shard index) are copied."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    quantized = quantized_tensors(str(source))
     shards = sorted(source.glob("*.safetensors"))
     if not shards:
-        raise FileNotFoundError(f"{source} holds no .safetensors weights to round-trip through NF4")
+        raise FileNotFoundError(f"{source} holds no .safetensors weights")
     location = {}
     for shard in shards:
         with safe_open(shard, "pt") as handle:
             location.update(dict.fromkeys(handle.keys(), shard))
-    experts = _ExpertLayers(quantized.experts, location, dtype, blocksize, double_quant)
+    layers = _ExpertLayers(expert_modules, location, experts)
     for shard in shards:
         tensors = {}
         with safe_open(shard, "pt") as handle:
             metadata = handle.metadata()
             for name in handle.keys():
-                tensor = handle.get_tensor(name)
-                if name in quantized.linears:
-                    tensor = roundtrip(tensor.to(dtype), blocksize, double_quant)
-                elif experts.owns(name):
-                    tensor = experts.take(name)
+                tensor = layers.take(name) if layers.owns(name) else linear(name, handle.get_tensor(name))
                 tensors[name] = tensor.contiguous()
         save_file(tensors, out / shard.name, metadata=metadata)
         del tensors
-    if experts.pending:
-        raise ValueError(f"{source}: expert weights {sorted(experts.pending)[:3]} were round-tripped but never written")
+    if layers.pending:
+        raise ValueError(f"{source}: expert weights {sorted(layers.pending)[:3]} were computed but never written")
     for extra in source.iterdir():  # config, tokenizer, generation config, the shard index
         if extra.is_file() and extra.suffix != ".safetensors":
             shutil.copy2(extra, out / extra.name)
 
 
 class _ExpertLayers:
-    """The round-tripped experts of each layer, computed when its first tensor is written and kept
-    until its last one is."""
+    """Each layer's experts, mapped in the fused layout when its first tensor is written and kept until
+    its last one is."""
 
-    def __init__(self, modules: set[str], location: dict[str, Path], dtype, blocksize: int, double_quant: bool):
-        self.modules, self.location = modules, location
-        self.dtype, self.blocksize, self.double_quant = dtype, blocksize, double_quant
-        self.pending: dict[str, torch.Tensor] = {}  # checkpoint name -> round-tripped tensor, not yet written
+    def __init__(self, modules: set[str], location: dict[str, Path], transform) -> None:
+        self.modules, self.location, self.transform = modules, location, transform
+        self.pending: dict[str, torch.Tensor] = {}  # checkpoint name -> mapped tensor, not yet written
 
     def owns(self, name: str) -> bool:
         match = PER_EXPERT.match(name)
@@ -136,26 +149,27 @@ class _ExpertLayers:
     def take(self, name: str) -> torch.Tensor:
         if name not in self.pending:
             match = PER_EXPERT.match(name)
-            self.pending.update(self._layer(match["module"]) if match is not None else {name: self._fused(name)})
+            self.pending.update(self._per_expert(match["module"]) if match is not None else
+                                self._fused(name.rpartition(".")[0]))
         return self.pending.pop(name)
 
     def _read(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
 
         with safe_open(self.location[name], "pt") as handle:
-            return handle.get_tensor(name).to(self.dtype)
+            return handle.get_tensor(name)
 
-    def _fused(self, name: str) -> torch.Tensor:
-        return roundtrip(self._read(name), self.blocksize, self.double_quant)
+    def _fused(self, module: str) -> dict[str, torch.Tensor]:
+        gate_up, down = self.transform(module, self._read(f"{module}.gate_up_proj"), self._read(f"{module}.down_proj"))
+        return {f"{module}.gate_up_proj": gate_up, f"{module}.down_proj": down}
 
-    def _layer(self, module: str) -> dict[str, torch.Tensor]:
+    def _per_expert(self, module: str) -> dict[str, torch.Tensor]:
         count = 1 + max(int(m["expert"]) for name in self.location
                         if (m := PER_EXPERT.match(name)) is not None and m["module"] == module)
         gate_up = torch.stack([torch.cat([self._read(f"{module}.{e}.gate_proj.weight"),
                                           self._read(f"{module}.{e}.up_proj.weight")]) for e in range(count)])
         down = torch.stack([self._read(f"{module}.{e}.down_proj.weight") for e in range(count)])
-        gate_up = roundtrip(gate_up, self.blocksize, self.double_quant)
-        down = roundtrip(down, self.blocksize, self.double_quant)
+        gate_up, down = self.transform(module, gate_up, down)
         rows = gate_up.shape[1] // 2
         split = {}
         for e in range(count):

@@ -16,7 +16,8 @@ DRIVER = Path(__file__).resolve().parents[2] / "driver"
 ALLOWED = {
     "config": set(),
     "interrupt": set(),
-    "cli": {"config"},
+    "axolotl_config": {"config"},
+    "cli": {"config", "axolotl_config"},
     "metrics": set(),
     "distributed": {"metrics"},
     "data": {"config", "cli"},
@@ -28,6 +29,7 @@ ALLOWED = {
     "ebft": {"config", "cli", "data", "distributed", "engine", "metrics", "policy", "rewards", "rollouts", "update"},
     "algorithms": {"config", "cli", "data", "ebft", "policy", "rewards"},
     "checkpoint": {"config", "data", "distributed"},
+    "merge_lora": {"cli", "data", "policy"},  # a tool of its own: the adapter of a finished run into its base
     "train": {"algorithms", "checkpoint", "cli", "config", "data", "distributed", "engine", "interrupt",
               "metrics", "policy", "rewards", "rollouts", "update"},  # EBFT only through algorithms
 }

@@ -137,6 +137,40 @@ class TestTheDemoRun:
         torch.testing.assert_close(vllm_logprobs, peft_logprobs, atol=1e-4, rtol=0)
 
 
+    def test_the_merged_model_is_what_vllm_serves_with_the_adapter(self, demo, tiny_vllm_server, tmp_path):
+        """python -m driver.merge_lora on the demo's run: the shared server reloads its weights from the
+        merged directory (vLLM's own loader, through /collective_rpc) and scores as PEFT does with the
+        adapter; then it gets the base back."""
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        merged = tmp_path / "merged"
+        result = subprocess.run([sys.executable, "-m", "driver.merge_lora", str(demo[0]), "--out", str(merged)],
+                                capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert_ok(result)
+        base_dir = resolve_model_path("tiny://qwen2")
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), demo[0] / "adapter")
+        ids = list(range(40, 70))
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, :-1]
+        peft_logprobs = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+        def reload(weights: Path) -> None:
+            requests.post(f"{tiny_vllm_server}/collective_rpc", timeout=300, json={
+                "method": "reload_weights", "kwargs": {"weights_path": str(weights)}}).raise_for_status()
+            requests.post(f"{tiny_vllm_server}/reset_prefix_cache", timeout=60).raise_for_status()
+
+        reload(merged)
+        try:
+            response = requests.post(f"{tiny_vllm_server}/v1/completions", timeout=120, json={
+                "model": base_dir, "prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0})
+            response.raise_for_status()
+        finally:
+            reload(Path(base_dir))
+        entries = response.json()["choices"][0]["prompt_logprobs"][1:]
+        vllm_logprobs = torch.tensor([entry[str(token)]["logprob"] for entry, token in zip(entries, ids[1:])])
+        torch.testing.assert_close(vllm_logprobs, peft_logprobs, atol=1e-4, rtol=0)
+
     def test_resuming_a_checkpoint_is_exact(self, demo, tmp_path):
         """3 steps, then resume to 6, gives the bytes of 6 steps straight (the demo's step-6 checkpoint)."""
         demo_dir = demo[0]

@@ -70,7 +70,17 @@ def hand_pool(features: torch.Tensor, span: tuple[int, int, int], method: str) -
         return mean(completion_start, end)
     length = end - completion_start
     quartiles = [completion_start + length // 4, completion_start + length // 2, completion_start + 3 * length // 4]
-    return [x for position in quartiles for x in rows[position]]
+    return [x / math.sqrt(3) for position in quartiles for x in rows[position]]
+
+
+def axolotl_concat(hidden_states: torch.Tensor, valid_lens: torch.Tensor) -> torch.Tensor:
+    """axolotl rewards.apply_embed_method(method="concat"), transcribed: [B, S, D] -> [B, 3D]."""
+    batch, length, _ = hidden_states.shape
+    q1 = (valid_lens // 4).clamp(min=0, max=length - 1)
+    q2 = (valid_lens // 2).clamp(min=0, max=length - 1)
+    q3 = (3 * valid_lens // 4).clamp(min=0, max=length - 1)
+    index = torch.arange(batch)
+    return torch.cat([hidden_states[index, q1], hidden_states[index, q2], hidden_states[index, q3]], dim=-1)
 
 
 @pytest.mark.parametrize("method", ["last_token", "mean_pooling", "completion_mean", "concat"])
@@ -83,7 +93,19 @@ def test_each_pool_method_reads_the_positions_written_out_by_hand(method):
 def test_concat_reads_the_completion_quartiles_not_the_whole_sequence():
     features = random_features()
     pooled = pool(features, [(0, 16, 20)], "concat")  # completion of 4 tokens: positions 17, 18, 19
-    torch.testing.assert_close(pooled[0], torch.cat([features[17], features[18], features[19]]))
+    torch.testing.assert_close(pooled[0], torch.cat([features[17], features[18], features[19]]) / math.sqrt(3))
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 7, 8, 83])
+def test_concat_reads_axolotls_quartile_positions_of_the_completion_alone_scaled_to_unit_tokens(length):
+    # axolotl's formula on the completion alone (its valid length is prompt + completion; ours is not).
+    completion = torch.nn.functional.normalize(
+        torch.randn(1, length, 5, generator=torch.Generator().manual_seed(length), dtype=torch.float64), dim=-1)
+    prompt = torch.zeros(1, 6, 5, dtype=torch.float64)
+    row = torch.cat([prompt, completion], dim=1)[0]
+    pooled = pool(row, [(0, 6, 6 + length)], "concat")[0]
+    torch.testing.assert_close(pooled, axolotl_concat(completion, torch.tensor([length]))[0] / math.sqrt(3))
+    torch.testing.assert_close(pooled.norm(), torch.tensor(1.0, dtype=torch.float64))  # unit tokens -> unit vector
 
 
 @pytest.mark.parametrize("method", ["last_token", "completion_mean", "concat"])
@@ -91,7 +113,7 @@ def test_an_empty_completion_falls_back_to_the_last_prompt_token(method):
     features = random_features()
     pooled = pool(features, [(2, 9, 9)], method)
     copies = 3 if method == "concat" else 1
-    torch.testing.assert_close(pooled[0], torch.cat([features[8]] * copies))
+    torch.testing.assert_close(pooled[0], torch.cat([features[8]] * copies) / math.sqrt(copies))
 
 
 def test_an_empty_completion_still_mean_pools_its_prompt():

@@ -85,12 +85,36 @@ def test_a_step_whose_documents_are_all_too_short_says_so(policy):
         source.next_batch(0)
 
 
-@pytest.mark.parametrize("method", ["last_token", "mean_pooling", "concat"])
-def test_pool_blocks(method):
-    features = torch.randn(2, 3, 4, 5)  # [..., G, F]
+BLOCK_LENGTHS = [1, 2, 3, 7, 8]  # G
+
+
+@pytest.mark.parametrize("generate_length", BLOCK_LENGTHS)
+@pytest.mark.parametrize("method", ["last_token", "mean_pooling", "completion_mean", "concat"])
+def test_pool_blocks(method, generate_length):
+    # [..., G, F], non-contiguous
+    features = torch.randn(2, 3, 5, generate_length, generator=torch.Generator().manual_seed(generate_length))
+    features = features.transpose(-1, -2)
+    # concat as axolotl's docs define it: the tokens at 25 / 50 / 75 % (valid_len // 4, // 2, 3 * valid_len // 4
+    # in its apply_embed_method), here of the block, divided by sqrt(3) (our unit-scale convention)
+    quartiles = [generate_length // 4, generate_length // 2, 3 * generate_length // 4]
     expected = {"last_token": features[..., -1, :], "mean_pooling": features.mean(-2),
-                "concat": features.reshape(2, 3, 20)}[method]
+                "completion_mean": features.mean(-2),
+                "concat": torch.cat([features[..., q, :] for q in quartiles], -1) / math.sqrt(3)}[method]
     torch.testing.assert_close(pool_blocks(features, method), expected)
+
+
+def test_pool_blocks_rejects_an_unknown_method():
+    with pytest.raises(ValueError, match="last_token.*concat"):
+        pool_blocks(torch.zeros(2, 4, 3), "max_pooling")
+
+
+def test_strided_samples_at_axolotls_temperature_unless_one_is_given_and_grpo_keeps_its_default():
+    config = Config.model_validate({"algo": {"name": "ebft", "num_generations": 3}, "ebft": {"mode": "strided"}})
+    assert config.rollout.sampling.temperature == 0.6  # axolotl's ebft.temperature default
+    assert strided_config().rollout.sampling.temperature == 0.9  # given: kept
+    assert config.model_dump()["rollout"]["sampling"]["temperature"] == 0.6  # the resolved config says what runs
+    assert Config.model_validate({"algo": {"name": "ebft", "num_generations": 3}}).rollout.sampling.temperature == 1.0
+    assert Config.model_validate({}).rollout.sampling.temperature == 1.0
 
 
 @torch.no_grad()
@@ -99,7 +123,7 @@ def plain_features(base_model, tokens, layers=(1, 2)):
     return torch.cat([F.normalize(states[i][0], dim=-1) for i in layers], -1) / math.sqrt(len(layers))
 
 
-@pytest.mark.parametrize("method, whitening", [("mean_pooling", False), ("last_token", True)])
+@pytest.mark.parametrize("method, whitening", [("mean_pooling", False), ("last_token", True), ("concat", False)])
 def test_block_rewards_match_each_block_alone_through_the_base_model(policy, base_model, method, whitening):
     config = strided_config(embed_method=method, whitening=whitening, diversity_coef=0.5)
     source = StridedSource(config, policy, ListPrompts(make_prompts(policy)))

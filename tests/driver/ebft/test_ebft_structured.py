@@ -3,6 +3,7 @@ against features computed one sequence at a time by a separately loaded base mod
 
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -31,9 +32,9 @@ def ebft_config(**sections) -> Config:
 # -- config --
 
 @pytest.mark.parametrize("sections, message", [
-    ({"algo": {"num_generations": 1}}, "advantage_estimator = rloo needs algo.num_generations >= 2"),
-    ({"algo": {"num_generations": 1}, "ebft": {"advantage_estimator": "group_norm"}}, "group_norm needs"),
-    ({"rewards": {"functions": [{"path": "driver.data.toy_tasks.digit_fraction"}]}}, "rewards.functions are not used"),
+    ({"ebft": {"ce_coef": 0.03}}, "ce_coef = 0.03: the cross-entropy term on the ground truth exists only in"),
+    ({"ebft": {"gt_length_multiplier": 0.05}}, "gt_length_multiplier"),
+    ({"rewards": {"functions": [{"path": "driver.data.gsm8k.gsm8k_correct"}]}}, "rewards.functions are not used"),
     ({"rewards": {"reward_num_workers": 2}}, "reward_num_workers must be 0"),
     ({"algo": {"reroll_failed": True}}, "reroll_failed does not apply"),
     ({"ebft": {"mode": "strided"}, "rollout": {"async_prefetch": True}}, "rollout.async_prefetch: not supported"),
@@ -47,22 +48,86 @@ def test_config_rejects_what_ebft_cannot_do_and_says_why(sections, message):
         ebft_config(**sections)
 
 
-def test_config_allows_one_sample_with_reinforce_and_grpo_still_needs_two():
-    assert ebft_config(algo={"num_generations": 1}, ebft={"advantage_estimator": "reinforce"}).algo.num_generations == 1
+@pytest.mark.parametrize("mode", ["structured", "strided"])
+def test_a_runs_own_config_yaml_loads_again(mode):
+    """The end-of-run summary's resume command passes output_dir/config.yaml back: the full dump, the
+    default reward functions and the values the validator filled in included, must validate to itself."""
+    config = ebft_config(ebft={"mode": mode})
+    assert Config.model_validate(config.model_dump(mode="json")) == config
+
+
+@pytest.mark.parametrize("mode", ["structured", "strided"])
+@pytest.mark.parametrize("estimator", ["rloo", "group_norm", "reinforce"])
+def test_one_sample_per_prompt_falls_back_to_reinforce_without_diversity_and_says_so(mode, estimator):
+    # axolotl's docs: "When n_samples_per_prompt: 1, the trainer automatically falls back to reinforce and
+    # disables the diversity penalty (which requires multiple samples)."
+    with pytest.warns(UserWarning, match=f"advantage_estimator {estimator} -> reinforce, diversity_coef 1.0 -> 0"):
+        config = ebft_config(algo={"num_generations": 1}, ebft={"mode": mode, "advantage_estimator": estimator})
+    assert (config.ebft.advantage_estimator, config.ebft.diversity_coef) == ("reinforce", 0.0)
+
+
+def test_one_sample_already_configured_for_it_is_accepted_silently_and_grpo_still_needs_two():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config = ebft_config(algo={"num_generations": 1}, ebft={"advantage_estimator": "reinforce",
+                                                                "diversity_coef": 0.0})
+    assert config.algo.num_generations == 1
     with pytest.raises(ValidationError, match="grpo compares completions within a group"):
         Config.model_validate({"algo": {"num_generations": 1}})
 
 
+@pytest.mark.parametrize("num_prompts, num_features", [(1, 1), (5, 7), (3, 83)])
+def test_one_sample_per_prompt_is_trained_on_its_raw_reward(num_prompts, num_features):
+    """reinforce after the fallback: "Raw reward as advantage (no baseline)" = 2 * alpha * cos(phi, phi_gt)."""
+    with pytest.warns(UserWarning):
+        config = ebft_config(algo={"num_generations": 1}, ebft={"alignment_coef": 0.7})
+    generator = torch.Generator().manual_seed(num_features)
+    gen = torch.randn(num_prompts, 1, num_features, generator=generator, dtype=torch.float64)
+    gt = torch.randn(num_prompts, num_features, generator=generator, dtype=torch.float64)
+    parts = group_rewards(gen, gt, config.ebft.alignment_coef, config.ebft.diversity_coef, whitening=False)
+    groups = [Group(group_id=p, prompt=None, samples=[], rewards=torch.stack(
+        [parts.alignment[p], parts.diversity[p], parts.cfm[p].expand(1)], dim=1)) for p in range(num_prompts)]
+    rewards, advantages, _ = advantages_from_tables(config.ebft, groups)
+    cosine = torch.nn.functional.cosine_similarity(gen[:, 0], gt, dim=-1)
+    torch.testing.assert_close(advantages, (2 * 0.7 * cosine).float())
+    torch.testing.assert_close(rewards, advantages)
+
+
 # -- completion budgets --
 
+def axolotl_adaptive_max_tokens(gt_token_counts: list[int], multiplier: float, max_completion: int) -> int:
+    """axolotl EBFTMixin._generate_only, transcribed: one max_tokens for the whole generation batch."""
+    adaptive_max = max(min(int(c * multiplier), max_completion) for c in gt_token_counts)
+    return max(adaptive_max, 64)
+
+
 @pytest.mark.parametrize("gt_tokens, multiplier, floor, expected", [
-    (10, 1.5, 8, 15), (11, 1.5, 8, 17), (2, 1.5, 8, 8), (40, 1.5, 8, 32), (10, None, 8, 32), (1, 1.5, 64, 32),
+    (10, 1.5, 8, 15), (11, 1.5, 8, 16), (2, 1.5, 8, 8), (40, 1.5, 8, 32), (10, None, 8, 32), (1, 1.5, 64, 32),
 ])
 def test_adaptive_max_tokens_scales_the_ground_truth_within_the_floor_and_the_sampling_limit(
         gt_tokens, multiplier, floor, expected):
     config = ebft_config(ebft={"gt_length_multiplier": multiplier, "min_max_tokens": floor},
                          rollout={"sampling": {"max_tokens": 32}})
     assert adaptive_max_tokens(gt_tokens, config) == expected
+
+
+@pytest.mark.parametrize("limit", [7, 63, 64, 100, 4096])
+@pytest.mark.parametrize("multiplier", [0.1, 1.0, 1.5, 2.7])
+def test_adaptive_max_tokens_is_axolotls_for_a_batch_of_one_prompt_never_above_the_limit(multiplier, limit):
+    config = ebft_config(ebft={"gt_length_multiplier": multiplier}, rollout={"sampling": {"max_tokens": limit}})
+    assert config.ebft.min_max_tokens == 64  # axolotl's floor, as the default
+    for gt_tokens in [0, 1, 7, 42, 43, 83, 769, 5125]:
+        axolotl = axolotl_adaptive_max_tokens([gt_tokens], multiplier, limit)
+        # axolotl's floor of 64 lifts the budget above max_completion_length when that is below 64
+        assert adaptive_max_tokens(gt_tokens, config) == min(axolotl, limit), gt_tokens
+
+
+def test_adaptive_max_tokens_is_per_prompt_where_axolotl_takes_the_batch_max():
+    config = ebft_config(ebft={"gt_length_multiplier": 1.5}, rollout={"sampling": {"max_tokens": 4096}})
+    batch = [7, 83, 769]
+    ours = [adaptive_max_tokens(count, config) for count in batch]
+    assert ours == [64, 124, 1153]
+    assert axolotl_adaptive_max_tokens(batch, 1.5, 4096) == max(ours) == 1153  # every prompt's budget there
 
 
 @pytest.mark.parametrize("partial", [None, 2])
