@@ -410,7 +410,9 @@ class _Translator:
             entries.append(entry)
         self.put("rewards.functions", entries)
         if workers is not None:
-            self.put("rewards.reward_num_workers", workers)
+            # axolotl runs the rewards in-process for 0 and 1 (its default) and in N processes for N >= 2;
+            # here 0 is in-process and N >= 1 is N worker processes.
+            self.put("rewards.reward_num_workers", workers if workers >= 2 else 0)
         if aggregation is not None:
             self.put("rewards.aggregation", aggregation)
 
@@ -567,10 +569,20 @@ class _Translator:
 
     def importance_sampling(self, asynchronous: bool) -> None:
         """vLLM's sampling logprobs against the trainer's: axolotl's async trainer defaults to token_truncate,
-        its synchronous one (TRL 1.8's GRPOConfig) to sequence_mask; both cap at 3."""
+        its synchronous one (TRL 1.8's GRPOConfig) to sequence_mask; both cap at 3. The async trainer also
+        floors the ratios at 1 / cap (two-sided: our cap_min); in its mask modes it masks above the cap and
+        then clamps at the floor, which lifts the masked tokens back to 1 / cap (a bug): ours masks both
+        tails. TRL 1.6+ names the cap vllm_importance_sampling_clip_max, with a clip_min."""
         correction = self.take("trl.vllm_importance_sampling_correction", True)
         mode = self.take("trl.vllm_importance_sampling_mode", "token_truncate" if asynchronous else "sequence_mask")
-        cap = self.take("trl.vllm_importance_sampling_cap", AXOLOTL_DEFAULTS["importance_sampling_cap"])
+        cap = self.take("trl.vllm_importance_sampling_cap", None)
+        clip_max = self.take("trl.vllm_importance_sampling_clip_max", None)
+        if cap is not None and clip_max is not None and cap != clip_max:
+            self.refuse("trl.vllm_importance_sampling_clip_max", f"{clip_max} against vllm_importance_sampling_cap "
+                        f"{cap}: the same cap under TRL's two names; give one")
+        if cap is None:
+            cap = clip_max if clip_max is not None else AXOLOTL_DEFAULTS["importance_sampling_cap"]
+        floor = self.take("trl.vllm_importance_sampling_clip_min", 1 / cap if asynchronous else None)
         if self.backend == "transformers":
             return  # sampled by the trainer's own weights: no correction in TRL, ratios of 1 here
         if not correction:
@@ -579,7 +591,12 @@ class _Translator:
             self.refuse("trl.vllm_importance_sampling_mode", f"{mode}: {', '.join(IMPORTANCE_SAMPLING_MODES)}")
         else:
             level, how = IMPORTANCE_SAMPLING_MODES[mode]
-            self.put("algo.importance_sampling", {"level": level, "mode": how, "cap": cap})
+            self.put("algo.importance_sampling", {"level": level, "mode": how, "cap": cap,
+                                                  **({"cap_min": floor} if floor else {})})
+            if asynchronous and how == "mask":
+                self.notes.append(f"importance sampling: ratios above {cap:g} and below {floor:g} get weight 0 here; "
+                                  "axolotl's async trainer masks above the cap, then its floor clamp lifts those "
+                                  "tokens back to 1 / cap (a bug, not copied)")
 
     def replay_and_reroll(self) -> None:
         size = self.take("trl.replay_buffer_size", 0)
@@ -591,10 +608,15 @@ class _Translator:
             self.refuse("trl.replay_recompute_logps", "replayed groups' logprobs are always recomputed here")
         fraction, groups = self.take("trl.reroll_start_fraction", 1.0), self.take("trl.reroll_max_groups", 1)
         if fraction < 1:
-            self.refuse("trl.reroll_start_fraction", f"{fraction} (with reroll_max_groups {groups}): axolotl "
-                        "re-injects failed prompts from a fixed point of the run on; here each failed group comes "
-                        "back algo.reroll_after x train.steps after it failed: remove these keys and set "
-                        "algo.reroll_failed, algo.reroll_after in the translation")
+            self.put("algo.reroll_failed", True)
+            self.put("algo.reroll_start_fraction", fraction)
+            self.put("algo.reroll_max_groups", groups)
+            self.put("algo.reroll_after", 0.0)  # axolotl queues a failed prompt for the next batch it makes
+            self.notes.append("trl.reroll_start_fraction: a failed group (every total reward <= 0 here; axolotl: "
+                              "every reward exactly 0) comes back from that point of the run on, at most "
+                              "reroll_max_groups per step, ahead of fresh prompts (axolotl overwrites fresh ones), "
+                              "at most algo.reroll_max_attempts times, from a queue of algo.reroll_queue_size "
+                              "(axolotl: no limits)")
 
     def strided_sampling(self) -> int:
         """ebft strided: the trainer samples its blocks, with ebft:'s own temperature and top_p."""

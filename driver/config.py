@@ -371,8 +371,12 @@ class AlgoConfig(Section):
     reroll_failed: bool = Field(False, description="groups that failed entirely (every total reward <= "
                                 "reroll_threshold) come back later in training, when the policy may solve them")
     reroll_threshold: float = Field(0.0, description="a group failed entirely when every reward is <= this")
-    reroll_after: float = Field(0.1, gt=0, le=1, description="re-roll a failed group after this fraction of "
+    reroll_after: float = Field(0.1, ge=0, le=1, description="re-roll a failed group after this fraction of "
                                 "train.steps (at least prefetch_depth + 1 steps)")
+    reroll_start_fraction: float = Field(0.0, ge=0, le=1, description="no failed prompt comes back before this "
+                                         "fraction of train.steps (axolotl's reroll_start_fraction; 0: any time)")
+    reroll_max_groups: int | None = Field(None, ge=1, description="re-rolled prompts per step at most (axolotl's "
+                                          "reroll_max_groups; null: up to the step's prompts)")
     reroll_max_attempts: int = Field(2, ge=1, description="times one prompt is rolled at most")
     reroll_queue_size: int = Field(256, ge=1, description="failed prompts waiting at most")
     dynamic_sampling: bool = Field(
@@ -406,6 +410,19 @@ class AlgoConfig(Section):
         if self.advantage_estimator != "grpo" and "scale_rewards" in self.model_fields_set:
             raise ValueError(f"scale_rewards applies to advantage_estimator grpo only ({self.advantage_estimator} "
                              "has its own scaling); remove it")
+        return self
+
+    @model_validator(mode="after")
+    def _check_replay(self) -> AlgoConfig:
+        """Replayed groups fill the places zero-advantage filtering (or dynamic sampling) left empty: with
+        nothing filtered the buffer would only take memory. A warning, not an error: the run is valid."""
+        filters = self.zero_advantage == "filter" and not self.acts_on_every_completion
+        if self.replay_buffer_size and not (filters or self.dynamic_sampling):
+            why = ("a KL or entropy term acts on every completion, so none is filtered" if self.acts_on_every_completion
+                   else f"zero_advantage = {self.zero_advantage} filters nothing")
+            warnings.warn(f"algo.replay_buffer_size = {self.replay_buffer_size} replays nothing: {why} (replayed "
+                          "groups take the places of filtered ones; or set dynamic_sampling)", UserWarning,
+                          stacklevel=2)
         return self
 
     def check_dynamic_sampling(self, rollout: RolloutConfig) -> None:

@@ -55,9 +55,12 @@ class Rollouts:
         self.scorer, max_tokens = (make_scorer or reward_function_scorer)(config, policy)
         self.replay = (ReplayBuffer(config.algo.replay_buffer_size, config.algo.replay_max_age)
                        if config.algo.replay_buffer_size else None)
-        self.reroll = (RerollQueue(max(delay_steps(config.algo.reroll_after, config.train.steps), self.depth + 1),
-                                   config.algo.reroll_max_attempts, config.algo.reroll_queue_size)
-                       if config.algo.reroll_failed else None)
+        algo = config.algo
+        self.reroll = (RerollQueue(max(delay_steps(algo.reroll_after, config.train.steps), self.depth + 1),
+                                   algo.reroll_max_attempts, algo.reroll_queue_size,
+                                   start_step=int(algo.reroll_start_fraction * config.train.steps),
+                                   per_step=algo.reroll_max_groups)
+                       if algo.reroll_failed else None)
         self._reroll_lock = threading.Lock()
         self.kl_penalty = (functools.partial(set_kl_penalties, config, policy) if config.algo.kl_in_reward
                            else None)

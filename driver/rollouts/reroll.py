@@ -46,7 +46,10 @@ class _Waiting:
 
 
 class RerollQueue:
-    def __init__(self, delay_steps: int, max_attempts: int, capacity: int) -> None:
+    def __init__(self, delay_steps: int, max_attempts: int, capacity: int, start_step: int = 0,
+                 per_step: int | None = None) -> None:
+        """start_step: nothing is served before it; per_step: at most this many prompts per step
+        (axolotl's reroll_start_fraction x steps and reroll_max_groups)."""
         if delay_steps < 1:
             raise ValueError(f"delay_steps must be >= 1 (a prompt re-rolled at once fails the same way), "
                              f"got {delay_steps}")
@@ -54,7 +57,10 @@ class RerollQueue:
             raise ValueError(f"max_attempts must be >= 1 rolls per prompt (1: never re-roll), got {max_attempts}")
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0 prompts (0 turns re-roll off), got {capacity}")
+        if per_step is not None and per_step < 1:
+            raise ValueError(f"per_step must be >= 1 prompts (or None: no limit), got {per_step}")
         self.delay_steps, self.max_attempts, self.capacity = delay_steps, max_attempts, capacity
+        self.start_step, self.per_step = start_step, per_step
         self._waiting: list[_Waiting] = []  # in push order
         self._pushed = 0  # pushes accepted so far: the next _Waiting.order
         self.given_up = self.dropped_full = self.rerolled = 0
@@ -80,6 +86,10 @@ class RerollQueue:
         order; they leave the queue."""
         if limit < 0:
             raise ValueError(f"limit must be >= 0, got {limit}")
+        if step < self.start_step:
+            return []
+        if self.per_step is not None:
+            limit = min(limit, self.per_step)
         ready = sorted((entry for entry in self._waiting if entry.due_step <= step),
                        key=lambda entry: (entry.due_step, entry.order))[:limit]
         served = {entry.order for entry in ready}

@@ -150,16 +150,15 @@ def quickstart(**changes) -> dict:
 
 def test_one_message_names_every_key_it_cannot_honour():
     data = quickstart(deepspeed="zero3.json", tf32=True, num_epochs=3, max_steps=None, warmup_ratio=0.1,
-                      colour="blue", trl={"sync_ref_model": True, "reroll_start_fraction": 0.5, "rollout_func": "x.y",
+                      colour="blue", trl={"sync_ref_model": True, "rollout_func": "x.y",
                                           "vllm_enable_sleep_mode": True, "typo_key": 1})
     with pytest.raises(UntranslatableConfig) as error:
         translate(data)
     message = str(error.value)
-    for key in ("deepspeed", "tf32", "max_steps", "colour", "trl.sync_ref_model", "trl.reroll_start_fraction",
+    for key in ("deepspeed", "tf32", "max_steps", "colour", "trl.sync_ref_model",
                 "trl.rollout_func", "trl.vllm_enable_sleep_mode", "trl.typo_key"):
         assert f"\n  {key}: " in message, key
     assert "num_epochs 3" in error.value.refused["max_steps"]
-    assert "algo.reroll_after" in error.value.refused["trl.reroll_start_fraction"]
 
 
 @pytest.mark.parametrize("changes,expected", [
@@ -179,12 +178,24 @@ def test_one_message_names_every_key_it_cannot_honour():
     ({"trl": {"vllm_importance_sampling_mode": "sequence_truncate", "vllm_importance_sampling_cap": 5.0}},
      {"algo.importance_sampling.level": "sequence_product", "algo.importance_sampling.cap": 5.0}),
     ({"trl": {"vllm_importance_sampling_correction": False}}, {"algo.importance_sampling.level": "none"}),
+    # axolotl's async trainer floors the ratios at 1 / cap (seed 004's async_trainer.py); TRL 1.6+'s names.
+    ({"trl": {"async_prefetch": True, "vllm_importance_sampling_cap": 4.0}},
+     {"algo.importance_sampling.cap": 4.0, "algo.importance_sampling.cap_min": 0.25}),
+    ({"trl": {"async_prefetch": True, "vllm_importance_sampling_mode": "token_mask"}},
+     {"algo.importance_sampling.mode": "mask", "algo.importance_sampling.cap_min": 1 / 3}),
+    ({"trl": {"use_data_producer": False, "vllm_importance_sampling_clip_max": 5.0,
+              "vllm_importance_sampling_clip_min": 0.5}},
+     {"algo.importance_sampling.cap": 5.0, "algo.importance_sampling.cap_min": 0.5}),
     # A KL term: axolotl's skip_zero_advantage_batches (default true) is our skip; without one, our filter is
     # the same update.
     ({"trl": {"beta": 0.04}}, {"algo.beta": 0.04, "algo.zero_advantage": "skip"}),
     ({"trl": {"beta": 0.04, "skip_zero_advantage_batches": False}}, {"algo.zero_advantage": "keep"}),
     ({"trl": {"scale_rewards": False, "loss_type": "dr_grpo"}}, {"algo.scale_rewards": "none",
                                                                 "algo.loss_type": "dr_grpo"}),
+    ({"trl": {"reward_num_workers": 1}}, {"rewards.reward_num_workers": 0}),  # axolotl's 1 is in-process
+    ({"trl": {"reroll_start_fraction": 0.25, "reroll_max_groups": 2}},
+     {"algo.reroll_failed": True, "algo.reroll_start_fraction": 0.25, "algo.reroll_max_groups": 2,
+      "algo.reroll_after": 0.0}),
     ({"trl": {"async_prefetch": True, "prefetch_depth": 2, "replay_buffer_size": 64, "reward_num_workers": 4}},
      {"rollout.async_prefetch": True, "rollout.prefetch_depth": 2, "algo.replay_buffer_size": 64,
       "rewards.reward_num_workers": 4}),

@@ -272,3 +272,18 @@ def test_batch_from_groups_masks_the_completions_cut_at_max_tokens():
     masked = batch_from_groups([group], mask_truncated=True)
     assert masked.mask[0].sum() == 3 and masked.mask[1].sum() == 0
     assert torch.equal(masked.advantages, group.advantages)  # its reward still shaped the group's advantages
+
+
+def test_a_replay_buffer_that_cannot_replay_is_warned_about():
+    import warnings
+
+    from driver.config import AlgoConfig
+
+    with pytest.warns(UserWarning, match="replays nothing: a KL or entropy term"):
+        AlgoConfig(replay_buffer_size=8, beta=0.04)
+    with pytest.warns(UserWarning, match="zero_advantage = keep filters nothing"):
+        AlgoConfig(replay_buffer_size=8, zero_advantage="keep")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        AlgoConfig(replay_buffer_size=8)  # filter, no KL: replay refills the filtered places
+        AlgoConfig(replay_buffer_size=8, beta=0.04, dynamic_sampling=True)  # refills short dynamic steps

@@ -46,6 +46,18 @@ def test_a_failed_group_returns_after_delay_steps_with_one_more_attempt():
     assert queue.metrics()["reroll/rerolled"] == 1
 
 
+def test_nothing_returns_before_the_start_step_then_at_most_per_step_a_step():
+    """axolotl's reroll_start_fraction x steps and reroll_max_groups: prompts that failed early wait for
+    the start step, then come back oldest first, per_step at a time."""
+    queue = RerollQueue(delay_steps=1, max_attempts=3, capacity=8, start_step=5, per_step=2)
+    for index in range(5):
+        assert queue.push(make_group(index, [0.0, 0.0]), step=index)
+    assert queue.due(step=4, limit=8) == []  # due since steps 1..4, but before the start
+    assert [prompt.index for prompt, _ in queue.due(step=5, limit=8)] == [0, 1]
+    assert [prompt.index for prompt, _ in queue.due(step=6, limit=1)] == [2]  # the step's own limit is lower
+    assert [prompt.index for prompt, _ in queue.due(step=7, limit=8)] == [3, 4] and len(queue) == 0
+
+
 def test_a_prompt_is_rolled_at_most_max_attempts_times_then_given_up():
     queue = RerollQueue(delay_steps=1, max_attempts=3, capacity=4)
     group, rolls, step = make_group(0, [0.0]), 1, 0
