@@ -79,9 +79,9 @@ def update_pass(config: Config, policy: Policy, batch: RolloutBatch, params: lis
     parts = micro_batch_plan(batch, config.train.micro_batch_size, algo.loss_type,
                              config.rollout.sampling.max_tokens)
     rows = [part for part, _ in parts]
-    # The reference is the base with the adapter disabled. The old policy needs a pass of its own only
-    # when the batch feeds several updates (with one it equals the current one): it is the policy
-    # before the first of them, as TRL's old_per_token_logps.
+    # The reference is the base (adapter disabled; full fine-tuning: its frozen copy). The old policy needs
+    # a pass of its own only when the batch feeds several updates (with one it equals the current one): it
+    # is the policy before the first of them, as TRL's old_per_token_logps.
     ref_logps = frozen_logprobs(policy, batch, rows, temperature, reference=True) if algo.loss_beta > 0 else None
     several = algo.num_iterations > 1 or algo.steps_per_generation > 1
     old_logps = frozen_logprobs(policy, batch, rows, temperature, reference=False) if several else None

@@ -322,7 +322,7 @@ class TestBf16:
         assert sorted(adapter["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
 
 
-    def test_bf16_qlora_on_a_launched_server_trains_verifies_by_movement_and_stops_the_server(self, tmp_path):
+    def test_bf16_qlora_on_a_launched_server_serves_the_round_tripped_base_and_stops_the_server(self, tmp_path):
         """The 30B example's set-up in miniature: an NF4 trainer, a vLLM server it launches serving the NF4
         round trip of the bf16 base + adapter: the base the adapter trains against, so sampling and trainer
         logprobs differ by bf16 noise only (0.35 nats per token when vLLM served the unquantized base)."""
