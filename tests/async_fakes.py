@@ -12,7 +12,9 @@ import threading
 import time
 from pathlib import Path
 
+from driver.data.prompts import PromptSource
 from driver.engine.base import Completion, Request
+from driver.rollouts.feed import Rollouts
 
 COMPLETION_BASE = 1000
 
@@ -123,3 +125,19 @@ def length_parity(completions, prompts, **columns):
     """1 for an even natural length, 0 for odd; every sample of a prompt containing 'flat' gets 0."""
     return [0.0 if "flat" in prompt else float((int(text.split()[0]) - COMPLETION_BASE) % 2 == 0)
             for prompt, text in zip(prompts, completions)]
+
+
+def make_rollouts(config, generator: FakeGenerator | None = None, start_step: int = 0, state=None) -> Rollouts:
+    """Rollouts over the fakes: the config's prompts, FakePolicy's tokenizer, no sync verifier."""
+    policy = FakePolicy()
+    prompts = PromptSource(config.data, policy.tokenizer, config.train.seed)
+    return Rollouts(config, policy, generator or FakeGenerator(), prompts, None, start_step, state)
+
+
+def run_steps(rollouts: Rollouts, steps: int, start: int = 0) -> list:
+    """The training loop's calls, without the update: next_batch, then push."""
+    batches = []
+    for step in range(start, start + steps):
+        batches.append(rollouts.next_batch(step))
+        rollouts.push(step + 1)
+    return batches

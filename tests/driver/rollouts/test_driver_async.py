@@ -11,11 +11,10 @@ from pydantic import ValidationError
 
 from driver.config import Config
 from driver.data.prompts import PromptSource
-from driver.rollouts.feed import Rollouts
 from driver.rollouts.producer import Producer
 from driver.config import schedule_staleness
 from driver.rollouts.schedule import job_version, staleness, versions_kept
-from tests.async_fakes import COMPLETION_BASE, FakeGenerator, FakePolicy, FakeTokenizer
+from tests.async_fakes import COMPLETION_BASE, FakeGenerator, FakeTokenizer, make_rollouts, run_steps
 
 PROMPTS = ["alpha", "bravo", "flat charlie", "delta", "echo", "flat foxtrot", "golf", "hotel"]
 
@@ -32,21 +31,6 @@ def make_config(tmp_path, **sections) -> Config:
     for section, values in sections.items():
         base[section] = {**base.get(section, {}), **values}
     return Config.model_validate(base)
-
-
-def make_rollouts(config, generator, start_step=0, state=None) -> Rollouts:
-    policy = FakePolicy()
-    prompts = PromptSource(config.data, policy.tokenizer, config.train.seed)
-    return Rollouts(config, policy, generator, prompts, None, start_step, state)
-
-
-def run_steps(rollouts, steps, start=0):
-    """The training loop's calls, without the update: next_batch, then push."""
-    batches = []
-    for step in range(start, start + steps):
-        batches.append(rollouts.next_batch(step))
-        rollouts.push(step + 1)
-    return batches
 
 
 # -- the schedule --

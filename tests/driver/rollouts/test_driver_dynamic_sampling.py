@@ -21,9 +21,8 @@ from driver.data.prompts import Prompt, PromptSource
 from driver.data.records import Group, Sample, Span
 from driver.rewards.group_scorer import GroupScorer
 from driver.rollouts.dynamic_sampling import has_signal
-from driver.rollouts.feed import Rollouts
 from driver.rollouts.producer import Producer
-from tests.async_fakes import COMPLETION_BASE, FakeGenerator, FakePolicy, FakeTokenizer
+from tests.async_fakes import COMPLETION_BASE, FakeGenerator, FakeTokenizer, make_rollouts, run_steps
 
 GROUP_SIZE = 4
 # Signal is sparse in places (runs of flat prompts), dense in others, and the data cycles (epochs).
@@ -43,21 +42,6 @@ def make_config(tmp_path, prompts=PROMPTS, **sections) -> Config:
     for section, values in sections.items():
         base[section] = {**base.get(section, {}), **values}
     return Config.model_validate(base)
-
-
-def make_rollouts(config, generator=None, start_step=0, state=None) -> Rollouts:
-    policy = FakePolicy()
-    prompts = PromptSource(config.data, policy.tokenizer, config.train.seed)
-    return Rollouts(config, policy, generator or FakeGenerator(), prompts, None, start_step, state)
-
-
-def run_steps(rollouts, steps, start=0):
-    """The training loop's calls, without the update: next_batch, then push."""
-    batches = []
-    for step in range(start, start + steps):
-        batches.append(rollouts.next_batch(step))
-        rollouts.push(step + 1)
-    return batches
 
 
 def simulate(prompts, quota, max_rounds, steps):
