@@ -27,7 +27,7 @@ import torch
 
 from driver.cli import ConfigError
 from driver.data.tiny_model import resolve_model_path
-from driver.policy.nf4_base import quantized_tensors, rewrite_checkpoint, roundtrip
+from driver.policy.nf4_base import meta_model, quantized_tensors, rewrite_checkpoint, roundtrip
 
 ADAPTER_KEY = re.compile(r"^base_model\.model\.(?P<module>.+?)(?P<nested>(\.base_layer)*)\.lora_(?P<ab>[AB])\.weight$")
 UNSUPPORTED_OPTIONS = {"use_dora": "DoRA", "rank_pattern": "per-module ranks (rank_pattern)",
@@ -97,8 +97,9 @@ def write_merged(base_dir: Path, adapter_dir: Path, adapter_config: dict, out: P
                  simulation: NF4Simulation) -> None:
     from safetensors.torch import load_file
 
-    quantized = quantized_tensors(str(base_dir))
-    deltas = LoraDeltas(load_file(adapter_dir / "adapter_model.safetensors"), adapter_config, str(base_dir))
+    architecture = meta_model(str(base_dir))
+    quantized = quantized_tensors(architecture)
+    deltas = LoraDeltas(load_file(adapter_dir / "adapter_model.safetensors"), adapter_config, architecture)
 
     def nf4(tensor: torch.Tensor) -> torch.Tensor:
         # The trainer quantized the weight in its training dtype; the round trip happens there.
@@ -133,7 +134,8 @@ def write_merged(base_dir: Path, adapter_dir: Path, adapter_config: dict, out: P
 class LoraDeltas:
     """scaling x B A per adapted weight, from PEFT's saved adapter (keys base_model.model.<module>...)."""
 
-    def __init__(self, state: dict[str, torch.Tensor], config: dict, base_dir: str) -> None:
+    def __init__(self, state: dict[str, torch.Tensor], config: dict, architecture: torch.nn.Module) -> None:
+        """architecture: the base model's modules (meta_model), for the experts' layouts."""
         r, alpha = config["r"], config["lora_alpha"]
         self.scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
         self.pairs: dict[tuple[str, str], dict[str, torch.Tensor]] = {}  # (module, nesting) -> {A, B}
@@ -144,7 +146,8 @@ class LoraDeltas:
             self.pairs.setdefault((match["module"], match["nested"]), {})[match["ab"]] = tensor.float()
         self.expert_modules = {module for module, nested in self.pairs if module.endswith(".experts")}
         self.used: set[tuple[str, str]] = set()
-        self.transposed = _transposed_experts(base_dir) if self.expert_modules else {}
+        self.transposed = {name: bool(getattr(module, "is_transposed", False))
+                           for name, module in architecture.named_modules() if name.endswith(".experts")}
 
     def linear(self, name: str) -> torch.Tensor | None:
         module = name.removesuffix(".weight")
@@ -177,15 +180,6 @@ class LoraDeltas:
 
     def unused(self) -> list[str]:
         return [f"{module}{nested}" for module, nested in self.pairs if (module, nested) not in self.used]
-
-
-def _transposed_experts(base_dir: str) -> dict[str, bool]:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base_dir))
-    return {name: bool(getattr(module, "is_transposed", False)) for name, module in model.named_modules()
-            if name.endswith(".experts")}
 
 
 def _locate(source: Path) -> tuple[Path, dict]:

@@ -44,14 +44,18 @@ class QuantizedTensors:
     experts: set[str] = field(default_factory=set)  # "<...>.experts" modules whose projections are quantized
 
 
-def quantized_tensors(model_dir: str) -> QuantizedTensors:
-    """What load_policy quantizes for model.qlora, found on the model built on the meta device (no weights)."""
+def meta_model(model_dir: str) -> nn.Module:
+    """model_dir's architecture on the meta device: its modules and shapes, no weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+
+
+def quantized_tensors(model: nn.Module) -> QuantizedTensors:
+    """What load_policy quantizes for model.qlora in `model` (unquantized; meta_model's will do)."""
     from pykernels.integrations.transformers import quantizable_experts
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
     names = {id(module): name for name, module in model.named_modules()}
     linears = {f"{name}.weight" for name, module in model.named_modules()
                if type(module) is nn.Linear and not name.endswith(UNQUANTIZED_SUFFIXES)}
@@ -86,7 +90,7 @@ def nf4_base(model_dir: str, dtype: torch.dtype, blocksize: int, double_quant: b
 
 
 def write_nf4_base(source: Path, out: Path, dtype: torch.dtype, blocksize: int, double_quant: bool) -> None:
-    quantized = quantized_tensors(str(source))
+    quantized = quantized_tensors(meta_model(str(source)))
 
     def linear(name: str, tensor: torch.Tensor) -> torch.Tensor:
         return roundtrip(tensor.to(dtype), blocksize, double_quant) if name in quantized.linears else tensor

@@ -11,7 +11,7 @@ import driver.policy.nf4_base as nf4_base_module
 from driver.config import Config
 from driver.data.tiny_model import resolve_model_path
 from driver.policy.model import load_policy
-from driver.policy.nf4_base import nf4_base, quantized_tensors
+from driver.policy.nf4_base import meta_model, nf4_base, quantized_tensors
 from pykernels.nn import NF4ExpertWeight, NF4Linear
 
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -63,7 +63,7 @@ def test_the_served_base_is_what_the_trainer_dequantizes(path, dtype, tmp_path):
 def test_the_quantized_names_are_the_trainers():
     for path in ("tiny://qwen2", "tiny://qwen3-moe"):
         policy = qlora_policy(path, "float32")
-        found = quantized_tensors(policy.model_dir)
+        found = quantized_tensors(meta_model(policy.model_dir))
         names = set(trainer_weights(policy))
         assert found.linears == {name for name in names if name.endswith(".weight")}
         assert {f"{module}.{proj}" for module in found.experts for proj in ("gate_up_proj", "down_proj")} == \
