@@ -65,9 +65,7 @@ BUILTIN_DATASET_TYPES = {
     "ebft_chat_multiturn.transform_all_turns": (f"{EBFT_TRANSFORMS}.all_turns", None),
     "ebft_reasoning.transform": (f"{EBFT_TRANSFORMS}.last_turn", None),
     "ebft_reasoning.transform_answer_only": (f"{EBFT_TRANSFORMS}.last_turn_answer_only", None),
-    "ebft_chat_multiturn.transform": (None, "targets the first turn and rolls the later turns out in the reward; "
-                                      "multi-turn rollouts are not here: driver.ebft.transforms.first_turn trains the "
-                                      "first turn alone"),
+    "ebft_chat_multiturn.transform": (f"{EBFT_TRANSFORMS}.first_turn", None),  # later turns rolled out
     "ebft_strided_chat.transform": (None, "anchors in every assistant turn of the chat; here a row has one ground "
                                     "truth: driver.ebft.transforms.last_turn or all_turns"),
     "ebft_reasoning.transform_split_thinking": (None, "needs the chat template's reasoning_content; not here"),

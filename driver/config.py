@@ -332,7 +332,7 @@ class AlgoConfig(Section):
         "log(p/ref)^2 / 2, k3 = ref/p - log(ref/p) - 1 (TRL's)")
     kl_in_reward: bool = Field(False, description="apply beta as a KL penalty in the reward instead of a loss term "
                                "(verl's use_kl_in_reward): each completion's reward minus beta x the sum over its "
-                               "tokens of kl_estimator(policy || base), before advantages; one process")
+                               "tokens of kl_estimator(policy || base), before advantages")
     mask_truncated_completions: bool = Field(
         False, description="completions cut at max_tokens (no end of sequence) carry no loss (DAPO); their rewards "
         "still count in their group's advantages")
@@ -368,6 +368,10 @@ class AlgoConfig(Section):
     replay_buffer_size: int = Field(0, ge=0, description="keep up to this many high-signal groups (sum |A| x reward "
                                     "std) and use them to refill the groups filtered for zero advantage (0: off)")
     replay_max_age: int = Field(4, ge=0, description="replayed groups are at most this many versions old")
+    replay_sampling: Literal["best", "proportional"] = Field(
+        "best", description="which buffered groups refill a step: best = the highest scores, which leave the buffer "
+        "(a group trains at most twice); proportional = axolotl's draw with probability proportional to the score, "
+        "the drawn groups staying in the buffer (replayed at several steps until max_age or eviction)")
     reroll_failed: bool = Field(False, description="groups that failed entirely (every total reward <= "
                                 "reroll_threshold) come back later in training, when the policy may solve them")
     reroll_threshold: float = Field(0.0, description="a group failed entirely when every reward is <= this")
@@ -493,9 +497,14 @@ class EbftConfig(Section):
                                        "least this many tokens into the ground truth")
     max_document_length: int = Field(256, ge=2, description="strided: documents (prompt + ground truth) are cut to "
                                      "this many tokens")
-    rl_coef: float = Field(1.0, ge=0, description="strided: weight of the policy-gradient loss")
-    ce_coef: float = Field(0.0, ge=0, description="strided: weight of the cross-entropy loss on the ground truth "
-                           "(structured: must be 0, not implemented there)")
+    rl_coef: float = Field(1.0, ge=0, description="weight of the policy-gradient loss (structured: of the whole "
+                           "GRPO loss, its KL and entropy terms included)")
+    ce_coef: float = Field(0.0, ge=0, description="weight of the cross-entropy loss on the ground truth (strided "
+                           "without one: on the whole document): per document the mean NLL of its ground-truth tokens, "
+                           "each given the tokens before it, at temperature 1, averaged over the step's documents. "
+                           "structured: the documents are the prompts + ground truths, in the completions' forward; a "
+                           "group that zero_advantage: filter removes adds no cross-entropy (the mean still counts its "
+                           "document)")
     kv_cache: bool = Field(True, description="strided: generate with a KV cache (false: recompute the row each "
                            "step, the reference implementation)")
     attention: Literal["auto", "flex", "dense"] = Field(
@@ -691,10 +700,6 @@ class Config(Section):
                           f"reinforce, diversity_coef {ebft.diversity_coef} -> 0 (one sample per prompt has no "
                           "baseline and no other sample to differ from)", UserWarning, stacklevel=2)
             ebft.advantage_estimator, ebft.diversity_coef = "reinforce", 0.0
-        if ebft.mode == "structured" and ebft.ce_coef > 0:
-            raise ValueError(f"ebft.ce_coef = {ebft.ce_coef}: the cross-entropy term on the ground truth exists only "
-                             "in ebft.mode = strided (axolotl's structured trainer accepts the key and ignores it); "
-                             "set it to 0")
         if ebft.mode == "strided" and "temperature" not in self.rollout.sampling.model_fields_set:
             self.rollout.sampling.temperature = 0.6  # axolotl's ebft.temperature: strided's default, not grpo's
         # Compared with the default, not "was it given": a run's own config.yaml lists the default functions.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from functools import partial
 
 import torch
 import yaml
@@ -90,7 +91,7 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
     sampling = algo.trainer_sampling(config)  # the trainer samples: no inference engine
     generator = None if sampling else on_rank0(lambda: make_generator(config, policy), "start vLLM")
     verifier = None if sampling else sync.make_verifier(config, policy)
-    update = sampling.update if sampling else optimize
+    update = sampling.update if sampling else partial(optimize, term=algo.ground_truth_loss(config))
     logger = (MetricsLogger(output_dir, total_steps=config.train.steps, start_step=step,
                             tensorboard=config.logging.tensorboard, progress=config.logging.progress,
                             console=Console(file=terminal.out),
@@ -166,18 +167,13 @@ def check_world(config: Config, world: distributed.World) -> None:
     """What a torchrun launch cannot do yet, said before anything starts."""
     if not world.distributed:
         return
-    if (reason := algorithm(config).single_process) is not None:
-        raise ConfigError(f"algo.name = {config.algo.name} runs in one process for now ({reason}); launch it "
-                          "without torchrun")
-    if config.algo.kl_in_reward:
-        raise ConfigError("algo.kl_in_reward runs in one process for now (its reference passes at assembly would be "
-                          "collectives only rank 0 runs); launch it without torchrun, or use the KL loss term")
     if config.model.adapter == "none":
         raise ConfigError("model.adapter = none (full fine-tuning) runs in one process for now (the sync would gather "
                           "the FSDP-sharded weights); launch it without torchrun, or train a LoRA adapter")
-    if config.rollout.backend != "server":
-        raise ConfigError(f"rollout.backend = {config.rollout.backend}: under torchrun vLLM runs as a server on its "
-                          "own GPUs (rollout.backend: server, with rollout.server_url or launched by rank 0)")
+    if config.rollout.backend == "transformers" and algorithm(config).trainer_sampling(config) is None:
+        raise ConfigError("rollout.backend = transformers: under torchrun the model is sharded, and generation with "
+                          "it would be forwards only rank 0 runs; use vLLM (rollout.backend: colocate, on rank 0's "
+                          "GPU, or server)")
 
 
 class SilentLogger:

@@ -31,6 +31,9 @@ class Sample:
     logprobs: list[float]  # the engine's sampling logprobs, one per token (behaviour policy)
     finish_reason: str  # "stop", "length" or "partial"
     spans: list[Span] = field(default_factory=list)
+    # EBFT multi-turn: the assistant turns generated after the data's later user turns, in order, never
+    # trained (driver/ebft/multi_turn.py). A class default, so samples of older checkpoints read ().
+    later_turns: tuple[str, ...] = ()
 
     @property
     def version(self) -> int:

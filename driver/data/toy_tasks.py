@@ -12,6 +12,10 @@ template); completions then reach the reward functions as [{"role": "assistant",
 which matches the features of the completions to those of the ground truth instead of scoring a
 reward): a tiny model fits it by learning to write digits, so the feature-matching loss falls.
 
+`toy:digits-conversations`: EBFT chat data, a `messages` column of three user turns, each answered with
+digit groups (driver.ebft.transforms.first_turn makes the first answer the ground truth and keeps the
+other two as `remaining_turns`, which multi-turn EBFT rolls out).
+
 Reward functions follow TRL's signature: fn(prompts, completions, **columns) -> list[float | None];
 a completion is text, or a conversation (TRL's conversational format) whose last message is scored.
 """
@@ -27,14 +31,17 @@ WORDS = ("apple river stone cloud green seven light house music paper table wind
 TASKS = {"digits": "Write digits:"}  # the tiny tokenizer's corpus reads this: changing it changes the tokenizer
 GROUND_TRUTH_TASKS = {"digits-gt": "digits"}  # toy set with a ground_truth column -> the task of its prompts
 CHAT_TASKS = {"digits-chat": "digits"}  # toy set of conversations (a system and a user message) -> its task
+CONVERSATION_TASKS = {"digits-conversations": "digits"}  # toy set of whole conversations (`messages`)
+FOLLOW_UPS = ("More digits.", "Again.")  # the later user turns of toy:digits-conversations
 SYSTEM_MESSAGE = "Answer with digits only."
 
 
 def toy_dataset(name: str, size: int = 256, seed: int = 0) -> list[dict]:
-    task = GROUND_TRUTH_TASKS.get(name, CHAT_TASKS.get(name, name))
+    task = {**GROUND_TRUTH_TASKS, **CHAT_TASKS, **CONVERSATION_TASKS}.get(name, name)
     if task not in TASKS:
         raise ValueError(f"unknown toy dataset 'toy:{name}'; choose one of "
-                         + ", ".join(f"toy:{n}" for n in [*TASKS, *GROUND_TRUTH_TASKS, *CHAT_TASKS]))
+                         + ", ".join(f"toy:{n}" for n in [*TASKS, *GROUND_TRUTH_TASKS, *CHAT_TASKS,
+                                                           *CONVERSATION_TASKS]))
     rng = random.Random(seed)
     rows = []
     for index in range(size):
@@ -42,11 +49,20 @@ def toy_dataset(name: str, size: int = 256, seed: int = 0) -> list[dict]:
         rows.append({"prompt": f"{TASKS[task]} {words}", "id": index})
     if name in GROUND_TRUTH_TASKS:
         for row in rows:  # drawn after the prompts, so toy:digits and toy:digits-gt share their prompts
-            row["ground_truth"] = " " + " ".join(str(rng.randint(0, 99999)) for _ in range(rng.randint(2, 3)))
+            row["ground_truth"] = digit_groups(rng)
     if name in CHAT_TASKS:  # TRL's conversational format: the reward functions get message lists
         for row in rows:
             row["prompt"] = [{"role": "system", "content": SYSTEM_MESSAGE}, {"role": "user", "content": row["prompt"]}]
+    if name in CONVERSATION_TASKS:
+        for row in rows:
+            users = [row.pop("prompt"), *FOLLOW_UPS]
+            row["messages"] = [message for user in users for message in (
+                {"role": "user", "content": user}, {"role": "assistant", "content": digit_groups(rng)})]
     return rows
+
+
+def digit_groups(rng: random.Random) -> str:
+    return " " + " ".join(str(rng.randint(0, 99999)) for _ in range(rng.randint(2, 3)))
 
 
 def digit_fraction(prompts: list[str], completions: list[str], **columns) -> list[float]:

@@ -29,6 +29,21 @@ def shard_policy(policy) -> None:
     for layer in decoder.layers:
         fully_shard(layer)
     fully_shard(decoder)
+    keep_output_capturing(decoder)
+
+
+def keep_output_capturing(module) -> None:
+    """fully_shard swaps the module's class for a subclass (FSDPQwen2Model); transformers looks up which
+    outputs a model can record (`output_hidden_states`, which EBFT's features read) by the class's name
+    (output_capturing._CAN_RECORD_REGISTRY, filled in PreTrainedModel.__init__), so the sharded decoder
+    would silently return hidden_states=None. Register the new class with the model's own entry."""
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # a transformers without the registry looks the outputs up some other way
+        return
+    recordable = getattr(module, "_can_record_outputs", None)
+    if recordable is not None:
+        _CAN_RECORD_REGISTRY.setdefault(str(module.__class__), recordable)
 
 
 def full_adapter_state(model) -> dict[str, torch.Tensor]:

@@ -79,6 +79,15 @@ def scatter(values: list | None):
     return out[0]
 
 
+def gather(value) -> list | None:
+    """Every rank's value, in rank order, on rank 0 (None elsewhere); [value] in one process."""
+    if not _world.distributed:
+        return [value]
+    out = [None] * _world.size if _world.is_main else None
+    dist.gather_object(value, out, dst=0)
+    return out
+
+
 def max_int(value: int) -> int:
     """The largest value any rank holds."""
     if not _world.distributed:

@@ -19,10 +19,12 @@ causal, so the CE costs no second forward.
 
 from __future__ import annotations
 
+import math
 
 import torch
 
 from driver.config import Config
+from driver.distributed import world as distributed
 from driver.ebft.strided import StridedBatch, StridedChunk
 from driver.ebft.strided_attention import full_row_attention, uses_flex
 from driver.metrics.combine import Metrics, combine_metrics
@@ -30,16 +32,18 @@ from driver.policy.model import Policy
 from driver.update.loss_terms import loss_options
 from driver.update.losses import StepNormalizers, policy_loss
 from driver.update.optim import optimizer_steps
+from driver.update.step import padding_pass
 from pykernels.logprobs import token_logprobs
 
 
 def optimize_strided(config: Config, policy: Policy, batch: StridedBatch, optimizer, scheduler) -> dict[str, float]:
-    ebft = config.ebft
-    normalizers = StepNormalizers(
-        num_sequences=sum(int(a.numel()) for chunk in batch.chunks for a in chunk.advantages),
-        num_tokens=sum(int(t.numel()) for chunk in batch.chunks for t in chunk.rollout.tokens),
-        num_micro_batches=len(batch.chunks), max_completion_length=ebft.generate_max_len)
-    num_documents = sum(len(chunk.documents) for chunk in batch.chunks)
+    """The update on this rank's chunks, normalized by the whole step's counts (batch.totals): under
+    torchrun the ranks' losses sum to the single-process loss, each multiplied by the world size since
+    FSDP averages the gradients; a rank with fewer chunks than the busiest runs zero-loss padding passes."""
+    ebft, totals, world = config.ebft, batch.totals, distributed.world()
+    normalizers = StepNormalizers(num_sequences=totals.num_sequences, num_tokens=totals.num_tokens,
+                                  num_micro_batches=totals.num_chunks, max_completion_length=ebft.generate_max_len)
+    padding = math.ceil(totals.num_chunks / world.size) - len(batch.chunks)
     chunk_metrics: list[Metrics] = []  # with their token counts: combine_metrics weighs them exactly
     policy.model.train()
 
@@ -47,14 +51,17 @@ def optimize_strided(config: Config, policy: Policy, batch: StridedBatch, optimi
         # Each chunk's losses are its share of the step's: the step's are their sums.
         step_losses = dict.fromkeys(("loss", "ebft/rl_loss", "ebft/ce_loss"), 0.0)
         for chunk in batch.chunks:
-            metrics = chunk_loss(config, policy, chunk, normalizers, num_documents)
+            metrics = chunk_loss(config, policy, chunk, normalizers, totals.num_documents)
             for key in step_losses:
                 step_losses[key] += metrics.values.pop(key)
             chunk_metrics.append(metrics)
+        for _ in range(padding):
+            padding_pass(policy, config.rollout.sampling.temperature, backward=True)
         return Metrics(step_losses)
 
     iterations = optimizer_steps(config, policy.trainable_parameters(), optimizer, scheduler, [backward_pass])
-    values = combine_metrics(chunk_metrics).update(iterations).values
+    values = distributed.reduce_metrics(combine_metrics(chunk_metrics).update(iterations),
+                                        summed=("loss", "ebft/rl_loss", "ebft/ce_loss"))
     values["learning_rate"] = scheduler.get_last_lr()[0]
     return values
 
@@ -82,7 +89,7 @@ def chunk_loss(config: Config, policy: Policy, chunk: StridedChunk, normalizers:
     ce = ground_truth_cross_entropy(chunk, hidden, weight, device) / num_documents
     if ebft.ce_coef > 0:
         loss = loss + ebft.ce_coef * ce
-    loss.backward()
+    (loss * distributed.world().size).backward()  # FSDP divides by the world size; the loss is a share already
     return metrics.update(Metrics({"loss": float(loss.detach()), "ebft/rl_loss": float(rl.detach()),
                                    "ebft/ce_loss": float(ce.detach())}))
 

@@ -6,7 +6,8 @@ FeatureScorer stands where driver/rewards/group_scorer.py's GroupScorer stands i
 trainer assembles the step, in the trainer's thread, because the features come from the trainer's
 own model (under async prefetch the prefetch thread only drives vLLM). The sequences are the token
 ids themselves (prompt + completion, prompt + tokenized ground truth), never decoded and
-re-tokenized, packed into rows of train.micro_batch_size sequences.
+re-tokenized, packed into rows of train.micro_batch_size sequences; a row with later turns is the
+exception: its whole conversations are rendered with the chat template (driver/ebft/multi_turn.py).
 
 Each group's result is a [n, 3] table: cos(phi_j, phi_gt), the mean dot product with the group's other
 samples, and the group's CFM loss (repeated); advantages_from_tables turns tables into rewards and
@@ -15,6 +16,7 @@ advantages (driver/ebft/advantages.py).
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 
@@ -24,12 +26,17 @@ from driver.cli import ConfigError
 from driver.config import Config, EbftConfig
 from driver.data.prompts import PromptSource
 from driver.data.records import Group
+from driver.distributed import world as distributed
 from driver.ebft.advantages import ebft_advantages
 from driver.ebft.features import hidden_layer_states, layer_indices, pool, token_features
+from driver.ebft.multi_turn import feature_sequences as multi_turn_sequences
+from driver.ebft.multi_turn import MultiTurnRollout, is_multi_turn
 from driver.ebft.rewards import RewardParts, group_rewards, reward_metrics
 from driver.policy.logprobs import pack
 from driver.policy.model import Policy, evaluating
 from driver.rewards.pool import RewardResult
+from driver.rollouts.distributed_feed import on_all_ranks
+from driver.rollouts.producer import GenerationHooks
 from pykernels.integrations.transformers import packed_attention_kwargs
 
 TABLE_COLUMNS = ["alignment", "diversity", "cfm"]
@@ -96,6 +103,8 @@ class FeatureScorer:
         self.config, self.policy, self.ebft = config, policy, config.ebft
         self.layers = layer_indices(policy.causal_lm.config.num_hidden_layers, self.ebft.feature_layers)
         self.ground_truths = GroundTruths(self.ebft, policy.tokenizer)
+        # ce_coef > 0: the rollout batch carries the ids its features read, for the cross-entropy term
+        self.ground_truth_ids = self.ground_truths.token_ids if self.ebft.ce_coef > 0 else None
         self.weights = torch.tensor([2 * self.ebft.alignment_coef, -2 * self.ebft.diversity_coef, 0.0])
         self._queued: dict[int, Group] = {}
         self._seconds = 0.0
@@ -131,35 +140,35 @@ class FeatureScorer:
     @torch.no_grad()
     def group_features(self, groups: list[Group]) -> tuple[torch.Tensor, torch.Tensor]:
         """Pooled features (gen [P, n, F], gt [P, F]) of the groups' samples and ground truths."""
-        eos = self.policy.tokenizer.eos_token_id
         prompts, completions = [], []
         for group in groups:
-            prompt_ids = group.prompt.token_ids
-            prompts += [prompt_ids] * (len(group.samples) + 1)
-            completions += [completion_ids(s.token_ids, eos) for s in group.samples]
-            completions.append(self.ground_truths.token_ids(group.prompt))
+            for prompt_ids, completion in self.feature_sequences(group):
+                prompts.append(prompt_ids)
+                completions.append(completion)
         pooled = self.pooled_features(prompts, completions)
         per_group = len(groups[0].samples) + 1
         pooled = pooled.view(len(groups), per_group, -1)
         return pooled[:, :-1], pooled[:, -1]
 
+    def feature_sequences(self, group: Group) -> list[tuple[list[int], list[int]]]:
+        """(prompt, completion) token ids of the group's samples, then of its ground truth: the sampled ids
+        themselves, or for a row with later turns the rendered whole conversations (driver/ebft/multi_turn.py)."""
+        truth_ids = self.ground_truths.token_ids(group.prompt)  # also says which row lacks its ground truth
+        if is_multi_turn(group.prompt):
+            truth = group.prompt.columns[self.ebft.ground_truth_field]
+            return multi_turn_sequences(self.policy.tokenizer, self.config.data, group, truth)
+        prompt_ids, eos = group.prompt.token_ids, self.policy.tokenizer.eos_token_id
+        return [(prompt_ids, completion_ids(s.token_ids, eos)) for s in group.samples] + [(prompt_ids, truth_ids)]
+
     def pooled_features(self, prompts: list[list[int]], completions: list[list[int]]) -> torch.Tensor:
-        """[N, F] one pooled feature vector per (prompt, completion), packed micro_batch_size at a time."""
-        policy, size = self.policy, self.config.train.micro_batch_size
-        out = []
-        with evaluating(policy.model), policy.reference():
-            for start in range(0, len(prompts), size):
-                packed = pack(prompts[start:start + size], completions[start:start + size], device=policy.device)
-                attention = packed_attention_kwargs(policy.causal_lm, packed.cu_seqlens)
-                mask = attention.pop("attention_mask")
-                states = hidden_layer_states(policy.model, packed.input_ids, packed.position_ids, mask,
-                                             self.layers, **attention)
-                starts = packed.cu_seqlens[:-1].tolist()
-                spans = [(s, s + p, s + p + c) for s, p, c in
-                         zip(starts, packed.prompt_lengths, packed.completion_lengths)]
-                out.append(pool(token_features([state.float() for state in states]), spans,
-                                self.ebft.embed_method))
-        return torch.cat(out).cpu()
+        """[N, F] one pooled feature vector per (prompt, completion). Under torchrun the model is sharded:
+        every rank computes a contiguous share of the sequences (driver/rollouts/distributed_feed.py
+        on_all_ranks) and rank 0 concatenates them."""
+        size = distributed.world().size
+        bounds = [len(prompts) * rank // size for rank in range(size + 1)]
+        shares = [(prompts[a:b], completions[a:b]) for a, b in zip(bounds, bounds[1:])]
+        parts = on_all_ranks(features_of_share, shares, self.config, self.policy)
+        return torch.cat([part for part in parts if part.numel()])  # a rank may have had no sequence
 
     def metrics(self) -> dict[str, float]:
         seconds, self._seconds = self._seconds, 0.0
@@ -167,6 +176,40 @@ class FeatureScorer:
 
     def close(self) -> None:
         self._queued.clear()
+
+
+def features_of_share(config: Config, policy: Policy, share: tuple[list[list[int]], list[list[int]]]) -> torch.Tensor:
+    """[n, F] pooled features of this rank's (prompts, completions), packed train.micro_batch_size at a time
+    through the frozen base; as many forwards as the busiest rank runs (FSDP's collectives pair up)."""
+    prompts, completions = share
+    size, ebft = config.train.micro_batch_size, config.ebft
+    layers = layer_indices(policy.causal_lm.config.num_hidden_layers, ebft.feature_layers)
+    starts = range(0, len(prompts), size)
+    padding = distributed.max_int(len(starts)) - len(starts)
+    out = []
+    with evaluating(policy.model), policy.reference():
+        for start in starts:
+            packed = pack(prompts[start:start + size], completions[start:start + size], device=policy.device)
+            attention = packed_attention_kwargs(policy.causal_lm, packed.cu_seqlens)
+            mask = attention.pop("attention_mask")
+            states = hidden_layer_states(policy.model, packed.input_ids, packed.position_ids, mask, layers,
+                                         **attention)
+            sequence_starts = packed.cu_seqlens[:-1].tolist()
+            spans = [(s, s + p, s + p + c) for s, p, c in
+                     zip(sequence_starts, packed.prompt_lengths, packed.completion_lengths)]
+            out.append(pool(token_features([state.float() for state in states]), spans, ebft.embed_method))
+        for _ in range(padding):
+            packed = pack([[0]], [[0]], device=policy.device)
+            hidden_layer_states(policy.model, packed.input_ids, packed.position_ids, None, layers)
+    return torch.cat(out).cpu() if out else torch.zeros(0, 0)
+
+
+def generation_hooks(config: Config, scorer: FeatureScorer) -> GenerationHooks:
+    """What structured mode changes in generation: each group's budget scaled by its ground truth's length,
+    and the later turns of conversations rolled out when their first turns finish (multi_turn.py)."""
+    budget = functools.partial(adaptive_max_tokens, config=config)
+    return GenerationHooks(max_tokens=lambda prompt: budget(len(scorer.ground_truths.token_ids(prompt))),
+                           extend_finished=MultiTurnRollout(config, scorer.policy.tokenizer, budget))
 
 
 def advantages_from_tables(

@@ -4,11 +4,17 @@ Input rows hold a `messages` column: OpenAI-style turns {"role": "system" | "use
 "content": str}. Output rows hold `prompt` = the messages before one assistant turn (a conversation
 ending with a user turn, rendered by data.py with the chat template) and `ground_truth` = that turn's
 content, which the policy's completions are feature-matched against. `messages` is consumed; every
-other column is kept (an existing `prompt` / `ground_truth` column is replaced).
+other column is kept (an existing `prompt` / `ground_truth` column is replaced, by first_turn also
+`remaining_turns`).
+
+first_turn also keeps the messages after that turn as `remaining_turns`, alternating user and
+assistant turns: EBFT structured mode generates each later assistant turn after the data's user turns
+and matches the whole generated conversation against the data's (driver/ebft/multi_turn.py); only the
+first turn is trained. A row with no later turns has `remaining_turns: []` and trains as a single turn.
 
 Follows axolotl's ebft_chat_multiturn.py (transform / transform_last_turn / transform_all_turns) and
-ebft_reasoning.py (answer-only ground truth), without axolotl's `remaining_turns` (see first_turn).
-Use as e.g. `data.transform: driver.ebft.transforms.all_turns`; a bad row raises ValueError.
+ebft_reasoning.py (answer-only ground truth). Use as e.g. `data.transform:
+driver.ebft.transforms.all_turns`; a bad row raises ValueError.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import re
 
 MESSAGES_FIELD = "messages"
+REMAINING_TURNS_FIELD = "remaining_turns"  # first_turn's later turns (axolotl's column name)
 ROLES = ("system", "user", "assistant")
 # A reasoning block and the whitespace after it (axolotl ebft_reasoning._strip_thinking); unpaired
 # tags are left as they are.
@@ -23,12 +30,17 @@ THINK_BLOCK = re.compile(r"<think>.*?</think>\s*", flags=re.DOTALL)
 
 
 def first_turn(row: dict) -> dict:
-    """Ground truth = the first assistant turn; prompt = everything before it.
-
-    The later turns are dropped, not rolled out: the driver trains one response per conversation
-    (axolotl instead replays them inside the reward with extra generation calls)."""
+    """Ground truth = the first assistant turn; prompt = everything before it; remaining_turns = the
+    messages after it (axolotl's ebft_chat_multiturn.transform), which must alternate user, assistant,
+    user, ... A final user turn without an answer is dropped: no assistant turn of the data follows it to
+    compare a generated one with, and it would only add the same tokens to both sides of the features."""
     messages = _conversation(row)
-    return _row_for_turn(row, messages, _assistant_turns(row, messages)[0])
+    first = _assistant_turns(row, messages)[0]
+    later = messages[first + 1:]
+    if later and later[-1]["role"] == "user":
+        later = later[:-1]
+    check_later_turns(later, MESSAGES_FIELD, start=first + 1)
+    return {**_row_for_turn(row, messages, first), REMAINING_TURNS_FIELD: [dict(message) for message in later]}
 
 
 def last_turn(row: dict) -> dict:
@@ -57,6 +69,25 @@ def strip_thinking(row: dict) -> dict:
 def last_turn_answer_only(row: dict) -> dict:
     """last_turn, then strip_thinking: axolotl's ebft_reasoning.transform_answer_only."""
     return strip_thinking(last_turn(row))
+
+
+def check_later_turns(turns, name: str = REMAINING_TURNS_FIELD, start: int = 0) -> None:
+    """Raises ValueError unless `turns` is a list of {"role", "content": str} messages alternating user,
+    assistant, user, ..., ending with an assistant turn (pairs of a user turn and the data's answer).
+    Errors name the message as `name[start + i]`."""
+    if not isinstance(turns, list):
+        raise ValueError(f"{name} must be a list of chat messages, got {type(turns).__name__}")
+    for offset, message in enumerate(turns):
+        expected, article = ("user", "a") if offset % 2 == 0 else ("assistant", "an")
+        if not (isinstance(message, dict) and message.get("role") == expected
+                and isinstance(message.get("content"), str)):
+            shown = repr(message)
+            raise ValueError(f"{name}[{start + offset}] must be {article} {expected} turn {{'role': '{expected}', "
+                             f"'content': str}} (the turns after the first assistant turn alternate user, "
+                             f"assistant), got {shown[:200] + ('...' if len(shown) > 200 else '')}")
+    if len(turns) % 2:
+        raise ValueError(f"{name} must end with an assistant turn (the data's answer to the last user turn), "
+                         f"got a user turn at {name}[{start + len(turns) - 1}]")
 
 
 def _conversation(row: dict) -> list[dict]:

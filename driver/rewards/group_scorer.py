@@ -25,6 +25,8 @@ POLL_S = 0.01  # how often the pump feeds the workers and reads their answers
 class GroupScorer:
     """The reward functions as a Scorer (driver/rewards/scorer.py): GRPO's."""
 
+    ground_truth_ids = None  # no loss term on ground truths
+
     def __init__(self, config: Config) -> None:
         self.config = config
         self.scorer = make_reward_scorer(config.rewards, config.rewards.reward_num_workers,

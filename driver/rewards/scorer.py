@@ -6,10 +6,12 @@ GRPO's reward functions (driver/rewards/group_scorer.py) and EBFT's feature matc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
+from driver.data.prompts import Prompt
 from driver.data.records import Group
 from driver.rewards.pool import RewardResult
 
@@ -17,6 +19,9 @@ from driver.rewards.pool import RewardResult
 class Scorer(Protocol):
     names: tuple[str, ...] | list[str]  # the reward table's columns
     in_workers: bool  # scores in other processes: groups may be submitted from any thread
+    # prompt -> the token ids of its ground truth, which the rollout batch carries for a loss term on them
+    # (EBFT's ce_coef, driver/update/ground_truth_loss.py), or None
+    ground_truth_ids: Callable[[Prompt], list[int]] | None
 
     def submit_group(self, group: Group) -> None:
         """Start scoring a finished group (scoring in this process happens here, in this thread)."""

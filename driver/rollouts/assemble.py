@@ -91,8 +91,9 @@ def assemble(config: Config, job: Job, step: int, scorer: Scorer, submit: bool,
             if failed_entirely(group, config.algo.reroll_threshold):
                 reroll.push(group, step)
         metrics.update(reroll.metrics())
+    ground_truth_ids = scorer.ground_truth_ids  # for a loss term on them (EBFT's ce_coef), or None
     batch = batch_from_groups(groups, [group.texts for group in groups],
-                              mask_truncated=config.algo.mask_truncated_completions)
+                              mask_truncated=config.algo.mask_truncated_completions, ground_truth_ids=ground_truth_ids)
     batch.table = completions_table(groups, getattr(scorer, "names", None))
     metrics.update(completion_stats(groups))
     micro_batch_size = config.train.micro_batch_size
@@ -110,7 +111,8 @@ def assemble(config: Config, job: Job, step: int, scorer: Scorer, submit: bool,
         replay.add(groups, step)  # after taking: a group is never trained twice in one step
         if replayed:
             replayed_batch = batch_from_groups(replayed, [group.texts for group in replayed],
-                                               mask_truncated=config.algo.mask_truncated_completions)
+                                               mask_truncated=config.algo.mask_truncated_completions,
+                                               ground_truth_ids=ground_truth_ids)
             batch = extend_batch(batch, replayed_batch, micro_batch_size)
         metrics.update(replay.metrics())
         metrics["replay/replayed_groups"] = float(len(replayed))

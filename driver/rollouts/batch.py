@@ -8,11 +8,13 @@ are re-padded to the width of the batch they join).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
+from driver.data.prompts import Prompt
 from driver.data.records import Group
 
 
@@ -28,6 +30,9 @@ class RolloutBatch:
     versions: list[int] = field(default_factory=list)  # [N] oldest adapter version of each row's tokens
     counts: Any = None  # driver.rollouts.filtering.StepCounts of the batch before zero-advantage filtering
     table: list[dict] = field(default_factory=list)  # every completion of the step, before filtering (the logs')
+    # [N] the token ids of each row's ground truth, for an update with a cross-entropy term on it
+    # (driver/update/ground_truth_loss.py); empty: none
+    ground_truth_ids: list[list[int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -50,7 +55,8 @@ class RolloutBatch:
             advantages=self.advantages[index.to(self.advantages.device)],
             samples=[self.samples[row] for row in rows] if self.samples else [],
             versions=[self.versions[row] for row in rows] if self.versions else [],
-            counts=counts)
+            counts=counts,
+            ground_truth_ids=[self.ground_truth_ids[row] for row in rows] if self.ground_truth_ids else [])
 
 
 def padded_rows(rows: list[list[float]], width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,13 +70,14 @@ def padded_rows(rows: list[list[float]], width: int | None = None) -> tuple[torc
     return values, mask
 
 
-def batch_from_groups(groups: list[Group], texts: list[list[str]] | None = None,
-                      mask_truncated: bool = False) -> RolloutBatch:
+def batch_from_groups(groups: list[Group], texts: list[list[str]] | None = None, mask_truncated: bool = False,
+                      ground_truth_ids: Callable[[Prompt], list[int]] | None = None) -> RolloutBatch:
     """Rows group after group, sample after sample; every group needs its advantages set.
 
     texts: the decoded completions per group, for the samples shown in the logs. mask_truncated (DAPO's
     mask_truncated_completions): completions cut at max_tokens keep their rows, with an all-zero mask, so
-    no loss term and no normalizer counts their tokens (TRL zeroes their completion mask the same way)."""
+    no loss term and no normalizer counts their tokens (TRL zeroes their completion mask the same way).
+    ground_truth_ids(prompt): each row's ground truth ids, when the update trains on them."""
     samples = [sample for group in groups for sample in group.samples]
     sampling, mask = padded_rows([sample.logprobs for sample in samples])
     if mask_truncated:
@@ -85,4 +92,6 @@ def batch_from_groups(groups: list[Group], texts: list[list[str]] | None = None,
         prompt_ids=[group.prompt.token_ids for group in groups for _ in group.samples],
         completion_ids=[list(sample.token_ids) for sample in samples],
         sampling_logprobs=sampling, mask=mask, advantages=advantages.float(), samples=shown,
-        versions=[sample.version for sample in samples])
+        versions=[sample.version for sample in samples],
+        ground_truth_ids=([ground_truth_ids(group.prompt) for group in groups for _ in group.samples]
+                          if ground_truth_ids is not None else []))

@@ -6,7 +6,9 @@ each rank its shard (driver/rollouts/shard_batch.py) from the main thread. The a
 collectives every rank joins in the same order: the sharded adapter is gathered (rank 0 writes it
 and makes vLLM serve it), the probe forward runs on every rank (FSDP), and rank 0's outcome is
 broadcast so all ranks agree on the version or fail together. Rank 0's errors and Ctrl-C travel in
-the same messages, so no rank is left waiting in a collective.
+the same messages, so no rank is left waiting in a collective. Work that rank 0's scoring needs from
+the sharded model (EBFT's features: forwards every rank must join) is sent the same way, as a
+"collective" message the other ranks serve while they wait for their shard (on_all_ranks).
 
 Why rank 0 and not every rank against the server: the rollout state (groups in flight, re-roll and
 replay queues, staleness, reward workers) is one stateful controller; per-rank generation would need
@@ -37,6 +39,38 @@ def on_rank0(action, what: str):
         raise
     distributed.broadcast(None)
     return result
+
+
+def on_all_ranks(work, payloads: list, config: Config, policy: Policy) -> list:
+    """work(config, policy, payloads[r]) on every rank r, started from rank 0's main thread while the
+    other ranks wait for their shard (FollowerFeed.next_batch); the results in rank order, on rank 0.
+    `work` is a module-level function (pickled by name) whose collectives every rank runs in the same
+    order, e.g. FSDP forwards padded to the busiest rank's count. A rank whose work raised reports it
+    through the gather instead of leaving the others in a collective; rank 0 then raises."""
+    world = distributed.world()
+    if not world.distributed:
+        return [work(config, policy, payloads[0])]
+    if len(payloads) != world.size:
+        raise ValueError(f"on_all_ranks needs one payload per rank ({world.size}), got {len(payloads)}")
+    distributed.scatter([("collective", (work, payload)) for payload in payloads])
+    results = distributed.gather(_run_reporting(work, config, policy, payloads[0]))
+    failures = [f"rank {rank}: {result.message}" for rank, result in enumerate(results)
+                if isinstance(result, WorkFailed)]
+    if failures:
+        raise RolloutError(f"{getattr(work, '__name__', 'work')} failed on {'; '.join(failures)}")
+    return results
+
+
+class WorkFailed:
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def _run_reporting(work, config: Config, policy: Policy, payload):
+    try:
+        return work(config, policy, payload)
+    except Exception as error:  # reported through the gather; rank 0 raises it
+        return WorkFailed(f"{type(error).__name__}: {error}")
 
 
 class LeaderFeed:
@@ -111,6 +145,10 @@ class FollowerFeed:
 
     def next_batch(self, step: int, abandon=lambda: False):
         kind, payload = distributed.scatter(None)
+        while kind == "collective":  # rank 0's scoring needs the sharded model (on_all_ranks)
+            work, work_payload = payload
+            distributed.gather(_run_reporting(work, self.config, self.policy, work_payload))
+            kind, payload = distributed.scatter(None)
         if kind == "error":
             raise RolloutError(payload)
         return payload if kind == "batch" else None

@@ -33,7 +33,7 @@ from driver.rollouts.assemble import assemble
 from driver.rollouts.batch import RolloutBatch
 from driver.rollouts.kl_penalty import set_kl_penalties
 from driver.rollouts.prefetch import Prefetcher
-from driver.rollouts.producer import Job, Producer
+from driver.rollouts.producer import GenerationHooks, Job, Producer
 from driver.rollouts.replay import ReplayBuffer
 from driver.rollouts.reroll import RerollQueue, delay_steps
 from driver.rollouts.schedule import job_version, sync_due, versions_kept
@@ -43,7 +43,7 @@ class Rollouts:
     def __init__(self, config: Config, policy: Policy, generator: Generator, prompts: PromptSource,
                  verifier, start_step: int, state: dict | None = None, before_first_push=None,
                  make_scorer=None) -> None:
-        """make_scorer(config, policy) -> (Scorer, max_tokens(prompt) or None): the algorithm's
+        """make_scorer(config, policy) -> (Scorer, GenerationHooks or None): the algorithm's
         (driver/algorithms.py; default: the reward functions). before_first_push(): called just
         before the start version is pushed (under torchrun the push is a collective;
         driver/rollouts/distributed_feed.py tells the other ranks it is coming)."""
@@ -52,8 +52,10 @@ class Rollouts:
         if not getattr(generator, "serves_one_version", False):
             generator.keep_versions = max(generator.keep_versions, versions_kept(self.depth, self.interval))
         self.engine_lock = threading.Lock()
-        self.scorer, max_tokens = (make_scorer or reward_function_scorer)(config, policy)
-        self.replay = (ReplayBuffer(config.algo.replay_buffer_size, config.algo.replay_max_age)
+        self.scorer, hooks = (make_scorer or reward_function_scorer)(config, policy)
+        hooks = hooks or GenerationHooks()
+        self.replay = (ReplayBuffer(config.algo.replay_buffer_size, config.algo.replay_max_age,
+                                    config.algo.replay_sampling, config.train.seed)
                        if config.algo.replay_buffer_size else None)
         algo = config.algo
         self.reroll = (RerollQueue(max(delay_steps(algo.reroll_after, config.train.steps), self.depth + 1),
@@ -69,7 +71,7 @@ class Rollouts:
         self.stream_rewards = self.scorer.in_workers or self.depth == 0
         self.producer = Producer(config, generator, prompts, policy.tokenizer,
                                  on_finished=self.scorer.submit_group if self.stream_rewards else None,
-                                 max_tokens=max_tokens)
+                                 max_tokens=hooks.max_tokens, extend_finished=hooks.extend_finished)
         # Checkpoints under prefetch: the producer's state before each job not assembled yet, and the
         # re-rolled prompts each took from the queue (both under _state_lock).
         self._state_lock = threading.Lock()

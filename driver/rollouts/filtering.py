@@ -162,6 +162,7 @@ def merge(batches: list[RolloutBatch]) -> RolloutBatch:
         metrics=_merged_metrics(batches),
         samples=[s for b in batches for s in b.samples],
         versions=[v for b in batches for v in b.versions],
+        ground_truth_ids=[g for b in batches for g in b.ground_truth_ids],
         counts=counts,
         table=[row for b in batches for row in b.table])
 

@@ -31,6 +31,19 @@ from driver.rollouts.schedule import staleness
 IN_FLIGHT_FACTOR = 2  # partial rollouts: groups in flight at most, per group of a job's quota
 
 
+@dataclass(frozen=True)
+class GenerationHooks:
+    """What an algorithm changes in generation (driver/algorithms.py's make_scorer gives them; None: nothing).
+
+    max_tokens(prompt): a group's completion budget (default rollout.sampling.max_tokens; EBFT scales it
+    with the length of the prompt's ground truth). extend_finished(generator, groups, version) -> metrics:
+    called on each round's finished groups before on_finished, in the generation thread, to generate more
+    for them with the job's adapter version (EBFT's later turns of a conversation, driver/ebft/multi_turn.py);
+    its metrics are summed over the job's rounds."""
+    max_tokens: Callable[[Prompt], int] | None = None
+    extend_finished: Callable[[Generator, list[Group], int], dict[str, float]] | None = None
+
+
 @dataclass
 class Job:
     index: int
@@ -53,15 +66,16 @@ class Producer:
     """Owns what generation carries from job to job: the prompt order, groups in flight (partial
     rollouts), finished groups beyond a job's quota, and prompts to generate again.
 
-    on_finished(group) is called as soon as a group's last sample finishes (streaming scoring);
-    max_tokens(prompt) is a group's completion budget (default rollout.sampling.max_tokens; EBFT
-    scales it with the length of the prompt's ground truth)."""
+    on_finished(group) is called as soon as a group's last sample finishes (streaming scoring), or, with
+    an extend_finished hook, once that hook has extended the round's finished groups; max_tokens and
+    extend_finished: see GenerationHooks."""
 
     def __init__(self, config: Config, generator: Generator, prompts: PromptSource, tokenizer,
                  on_finished: Callable[[Group], None] | None = None,
-                 max_tokens: Callable[[Prompt], int] | None = None) -> None:
+                 max_tokens: Callable[[Prompt], int] | None = None,
+                 extend_finished: Callable[[Generator, list[Group], int], dict[str, float]] | None = None) -> None:
         self.config, self.generator, self.prompts, self.tokenizer = config, generator, prompts, tokenizer
-        self.on_finished = on_finished
+        self.on_finished, self.extend_finished = on_finished, extend_finished
         self.max_tokens = max_tokens or (lambda prompt: config.rollout.sampling.max_tokens)
         self.quota = config.train.prompts_per_step * config.train.gradient_accumulation_steps
         self.budget = config.rollout.partial_rollout_tokens or config.rollout.sampling.max_tokens
@@ -90,7 +104,7 @@ class Producer:
             room = IN_FLIGHT_FACTOR * self.quota - len(self.in_flight)
             for _ in range(min(quota - len(finished), room)):
                 self.in_flight.append(self._new_group())
-            done, round_continued, round_truncated, round_sampled = self._round(version)
+            done, round_continued, round_truncated, round_sampled = self._round(version, metrics)
             finished += done
             rounds, continued = rounds + 1, continued + round_continued
             truncated, sampled = truncated + round_truncated, sampled + round_sampled
@@ -123,9 +137,9 @@ class Producer:
         self.next_group_id += 1
         return group
 
-    def _round(self, version: int) -> tuple[list[Group], int, int, int]:
+    def _round(self, version: int, metrics: dict[str, float]) -> tuple[list[Group], int, int, int]:
         """One round over every group in flight; returns (groups finished, continuations, samples
-        stopped by the budget, samples generated)."""
+        stopped by the budget, samples generated) and adds extend_finished's metrics to `metrics`."""
         seed, group_size = self.config.train.seed, self.config.algo.num_generations
         requests, targets = [], []  # targets[i]: (group, sample index or None for a whole new group)
         for group in self.in_flight:
@@ -159,9 +173,15 @@ class Producer:
                 finished_ids.add(group.group_id)
                 group.texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in group.samples]
                 done.append(group)
-                if self.on_finished is not None:
+                if self.on_finished is not None and self.extend_finished is None:
                     self.on_finished(group)
         self.in_flight = [group for group in self.in_flight if group.group_id not in finished_ids]
+        if self.extend_finished is not None and done:
+            for name, value in self.extend_finished(self.generator, done, version).items():
+                metrics[name] = metrics.get(name, 0.0) + value
+            for group in done:
+                if self.on_finished is not None:
+                    self.on_finished(group)
         return done, continued, truncated, sampled
 
     def _sample(self, completion: Completion, version: int, max_tokens: int) -> Sample:

@@ -17,6 +17,12 @@ What a replayed group reuses and what the update recomputes:
   replay buffer has no version check, so its behaviour logprobs grow arbitrarily stale; here a
   group older than max_age versions is evicted instead of replayed.
 
+Which groups a step takes (algo.replay_sampling): "best" (ours) the highest scores, and they leave
+the buffer, so a group trains at most twice; "proportional" (axolotl's) draws without replacement
+with probability proportional to the score, seeded by (train.seed, step), and the drawn groups stay
+in the buffer, so a good group can be replayed at several steps until max_age or a better group
+evicts it.
+
 Re-padding needs nothing here: a batch keeps tokens as lists (packed into one row without padding
 by driver/scoring.pack) and batch_from_groups right-pads the sampling logprobs and the mask to the
 width of the batch a group joins, whichever batch it was generated in.
@@ -26,11 +32,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import zlib
+
+import torch
 
 from driver.data.prompts import Prompt
 from driver.data.records import Group, Sample, Span
 from driver.rewards.advantages import _nanstd  # the same unbiased, NaN-ignoring std as the advantages
 from driver.rollouts.schedule import staleness
+
+
+REPLAY_SAMPLING = ("best", "proportional")
 
 
 def replay_score(group: Group) -> float:
@@ -50,12 +62,14 @@ class ReplayBuffer:
     older group (smaller group_id, generated earlier) loses; take() serves in the reverse order.
     """
 
-    def __init__(self, capacity: int, max_age: int) -> None:
+    def __init__(self, capacity: int, max_age: int, sampling: str = "best", seed: int = 0) -> None:
+        if sampling not in REPLAY_SAMPLING:
+            raise ValueError(f"sampling must be one of {list(REPLAY_SAMPLING)}, got {sampling!r}")
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0 groups (0 turns replay off), got {capacity}")
         if max_age < 0:
             raise ValueError(f"max_age must be >= 0 versions, got {max_age}")
-        self.capacity, self.max_age = capacity, max_age
+        self.capacity, self.max_age, self.sampling, self.seed = capacity, max_age, sampling, seed
         self._entries: dict[int, tuple[float, Group]] = {}  # group_id -> (score, group)
         self.evicted_stale = self.evicted_full = self.taken = 0
 
@@ -92,21 +106,33 @@ class ReplayBuffer:
         return len(kept)
 
     def take(self, count: int, step: int) -> list[Group]:
-        """Up to `count` groups, highest score first, none older than max_age at `step`.
-
-        They leave the buffer marked replayed=True; the groups passed to add() are never touched
-        (the buffer stored copies of them)."""
+        """Up to `count` groups, none older than max_age at `step`: the best ones, which leave the buffer,
+        or (proportional) a draw weighted by score, which stays. Returned groups are marked replayed=True;
+        the groups passed to add() are never touched (the buffer stored copies of them)."""
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
         self._evict_stale(step)
-        best = sorted(self._entries, key=self._rank, reverse=True)[:count]
-        taken = []
-        for group_id in best:
-            _, group = self._entries.pop(group_id)
+        if self.sampling == "best":
+            chosen = sorted(self._entries, key=self._rank, reverse=True)[:count]
+            taken = [self._entries.pop(group_id)[1] for group_id in chosen]
+        else:
+            chosen = self._draw(min(count, len(self._entries)), step)
+            taken = [copy.deepcopy(self._entries[group_id][1]) for group_id in chosen]
+        for group in taken:
             group.replayed = True
-            taken.append(group)
         self.taken += len(taken)
         return taken
+
+    def _draw(self, count: int, step: int) -> list[int]:
+        """`count` distinct group ids drawn with probability proportional to their scores (axolotl's
+        multinomial), from a generator seeded by (seed, step): the same draw after a resume."""
+        if count == 0:
+            return []
+        ids = sorted(self._entries)
+        scores = torch.tensor([self._entries[group_id][0] for group_id in ids], dtype=torch.float64)
+        generator = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:replay:{step}".encode()) & 0x7FFFFFFF)
+        drawn = torch.multinomial(scores / scores.sum(), count, replacement=False, generator=generator)
+        return [ids[index] for index in drawn.tolist()]
 
     def metrics(self) -> dict[str, float]:
         scores = [score for score, _ in self._entries.values()]

@@ -5,7 +5,10 @@ A zero-advantage filtered batch (driver/rollouts/filtering.py) is trained with t
 unfiltered step, which makes its update equal to the unfiltered one when beta = 0. Under torchrun
 each rank trains its shard the same way (driver/rollouts/shard_batch.py); every rank runs as many passes as
 the busiest one (FSDP's collectives must pair up), and its loss is scaled by the world size because
-FSDP averages the gradients of ranks whose losses are already shares of the whole step."""
+FSDP averages the gradients of ranks whose losses are already shares of the whole step.
+
+An algorithm may weigh the policy loss and add a cross-entropy term on each prompt's ground truth
+(EBFT: rl_coef and ce_coef; driver/update/ground_truth_loss.py), scored in the completions' forward."""
 
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ from driver.rollouts.batch import RolloutBatch
 
 # merge is re-exported: callers merge a step's rollout batches with the update's module
 from driver.rollouts.filtering import check_counts, merge, micro_batches, split_steps  # noqa: F401
+from driver.update.ground_truth_loss import (GroundTruthLoss, check_ground_truths, logprobs_and_document_nll,
+                                             micro_batch_documents)
 from driver.update.optim import optimizer_steps
 from driver.update.loss_terms import high_entropy_mask, loss_options
 from driver.update.losses import (StepNormalizers, all_zero, connected_zero, importance_weights,
@@ -49,11 +54,16 @@ def frozen_logprobs(policy: Policy, batch: RolloutBatch, parts: list[slice], tem
     return out
 
 
-def optimize(config: Config, policy: Policy, batch: RolloutBatch, optimizer, scheduler) -> dict[str, float]:
+def optimize(config: Config, policy: Policy, batch: RolloutBatch, optimizer, scheduler,
+             term: GroundTruthLoss | None = None) -> dict[str, float]:
     """num_iterations passes over the batch, each algo.steps_per_generation optimizer updates (one per
-    part of the batch, split_steps), in TRL's order: every part once, then every part again."""
+    part of the batch, split_steps), in TRL's order: every part once, then every part again. term: the
+    algorithm's weight of the policy loss and cross-entropy on the ground truth (driver/algorithms.py
+    ground_truth_loss), or None: the policy loss alone."""
     algo = config.algo
     _check_filtered_batch(batch, algo.acts_on_every_completion)
+    if term is not None and term.trains_ground_truth:
+        check_ground_truths(batch)
     batch = batch.to(policy.device)
     parts = (split_steps(batch, algo.steps_per_generation, config.train.micro_batch_size)
              if algo.steps_per_generation > 1 else [batch])
@@ -62,17 +72,17 @@ def optimize(config: Config, policy: Policy, batch: RolloutBatch, optimizer, sch
     # their token counts: combine_metrics weighs token means by tokens, takes min of */min, ...
     micro_batch_metrics: list[Metrics] = []
     # A part without micro-batches (a step dynamic sampling left short) makes no update; the schedule still steps.
-    backward_passes = [update_pass(config, policy, part, params, micro_batch_metrics)
+    backward_passes = [update_pass(config, policy, part, params, micro_batch_metrics, term)
                        if part.counts is None or part.counts.micro_batch_rows else None for part in parts]
     updates = optimizer_steps(config, params, optimizer, scheduler, backward_passes)
     metrics = combine_metrics(micro_batch_metrics).update(updates)
-    values = distributed.reduce_metrics(metrics, summed=("loss",))  # each rank's loss is a share of the step's
+    values = distributed.reduce_metrics(metrics, summed=loss_names(term))  # each rank's: shares of the step's
     values["learning_rate"] = scheduler.get_last_lr()[0]
     return values
 
 
 def update_pass(config: Config, policy: Policy, batch: RolloutBatch, params: list[torch.nn.Parameter],
-                micro_batch_metrics: list[Metrics]) -> Callable[[], Metrics]:
+                micro_batch_metrics: list[Metrics], term: GroundTruthLoss | None = None) -> Callable[[], Metrics]:
     """The backward pass of one optimizer update on `batch` (its micro-batches' metrics appended to
     micro_batch_metrics), with the frozen logprobs it needs computed now, before any update."""
     algo, temperature = config.algo, config.rollout.sampling.temperature
@@ -88,29 +98,36 @@ def update_pass(config: Config, policy: Policy, batch: RolloutBatch, params: lis
     padding = distributed.max_int(len(parts)) - len(parts)
     # A skipped micro-batch runs no FSDP forward, so ranks would fall out of step: only single-process.
     # filter: no zero rows reach here from assembly, and an unfiltered batch is skipped the same way.
+    # A cross-entropy term on the ground truth acts on every row, as the KL does.
     skip_zero = (algo.zero_advantage != "keep" and not algo.acts_on_every_completion
-                 and not distributed.world().distributed)
+                 and not distributed.world().distributed and not (term is not None and term.trains_ground_truth))
 
     def backward_pass() -> Metrics:
         policy.model.train()
-        skipped, step_loss = 0, 0.0
+        skipped, step_losses = 0, dict.fromkeys(loss_names(term), 0.0)
         for part, normalizers in parts:
             # Never after filtering (no zero rows are left); the unfiltered path without KL or entropy keeps it.
             if skip_zero and all_zero(batch.advantages[part]):
                 connected_zero(params).backward()  # keeps the graph connected (DDP-style hooks fire)
                 skipped += 1
                 continue
-            metrics = micro_batch_loss(config, policy, batch, part, normalizers, old_logps, ref_logps)
-            step_loss += metrics.values.pop("loss")  # micro-batch losses are normalized to sum to the step's
+            metrics = micro_batch_loss(config, policy, batch, part, normalizers, old_logps, ref_logps, term)
+            for key in step_losses:  # micro-batch losses are normalized to sum to the step's
+                step_losses[key] += metrics.values.pop(key)
             micro_batch_metrics.append(metrics)
         for _ in range(padding):
             padding_pass(policy, temperature, backward=True)
         if batch.counts is not None:
             zero_missing_grads(params)
-        return Metrics({"loss": step_loss, "skipped_micro_batch_fraction": skipped / len(parts) if parts else 0.0},
+        return Metrics({**step_losses, "skipped_micro_batch_fraction": skipped / len(parts) if parts else 0.0},
                        {"skipped_micro_batch_fraction": float(len(parts))})
 
     return backward_pass
+
+
+def loss_names(term: GroundTruthLoss | None) -> tuple[str, ...]:
+    """The metrics that are shares of the step's loss, summed over micro-batches and ranks: loss and its parts."""
+    return ("loss", *(term.metric_names if term is not None else ()))
 
 
 def padding_pass(policy: Policy, temperature: float, backward: bool) -> None:
@@ -173,13 +190,21 @@ def _check_filtered_batch(batch: RolloutBatch, every_row: bool) -> None:
 
 
 def micro_batch_loss(config: Config, policy: Policy, batch: RolloutBatch, part: slice, normalizers: StepNormalizers,
-                     old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None) -> Metrics:
+                     old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None,
+                     term: GroundTruthLoss | None = None) -> Metrics:
     """Backward of this micro-batch's share of the step loss; its metrics, "loss" (the share) among them."""
     algo = config.algo
-    packed = pack(batch.prompt_ids[part], batch.completion_ids[part], device=policy.device)
+    prompts, completions = batch.prompt_ids[part], batch.completion_ids[part]
     # The entropy is a metric unless the loss has an entropy bonus: only then does it need a gradient.
-    logps, entropy, mask = completion_logprobs(policy.model, packed, config.rollout.sampling.temperature,
-                                               return_entropy=True, entropy_grad=algo.entropy_coef > 0)
+    temperature, entropy_grad = config.rollout.sampling.temperature, algo.entropy_coef > 0
+    if term is not None and term.trains_ground_truth:  # the documents' sequences join the completions' forward
+        documents = micro_batch_documents(prompts, batch.ground_truth_ids[part])
+        logps, entropy, mask, document_nll = logprobs_and_document_nll(
+            policy.model, prompts, completions, documents, temperature, entropy_grad, policy.device)
+    else:
+        packed, documents, document_nll = pack(prompts, completions, device=policy.device), None, None
+        logps, entropy, mask = completion_logprobs(policy.model, packed, temperature, return_entropy=True,
+                                                   entropy_grad=entropy_grad)
     width = logps.shape[1]
     # The batch's mask may exclude whole rows from the loss (mask_truncated_completions).
     loss_mask = mask * batch.mask[part, :width]
@@ -203,9 +228,12 @@ def micro_batch_loss(config: Config, policy: Policy, batch: RolloutBatch, part: 
         is_weights=weights if sampling_correction.level != "none" else None,
         keep_sequences=keep if algo.off_policy_mask_threshold is not None else None,
         options=loss_options(algo), entropy=entropy, keep_tokens=keep_tokens)
+    metrics.update(mask_metrics).update(loss_metrics)
+    if term is not None:
+        loss, term_metrics = term.total(loss, documents, document_nll, normalizers.num_sequences)
+        metrics.update(term_metrics)
     (loss * distributed.world().size).backward()  # FSDP divides by the world size; the loss is a share already
     num_tokens = loss_mask.sum()
     entropy_mean = float((entropy.detach() * loss_mask).sum() / num_tokens.clamp(min=1))
-    metrics.update(mask_metrics).update(loss_metrics)
     return metrics.update(Metrics({"loss": float(loss.detach()), "entropy": entropy_mean},
                                   {"entropy": float(num_tokens)}))

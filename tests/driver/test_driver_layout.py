@@ -27,7 +27,7 @@ ALLOWED = {
     "rollouts": {"config", "cli", "data", "distributed", "engine", "metrics", "policy", "rewards"},
     "update": {"config", "data", "distributed", "metrics", "policy", "rollouts"},
     "ebft": {"config", "cli", "data", "distributed", "engine", "metrics", "policy", "rewards", "rollouts", "update"},
-    "algorithms": {"config", "cli", "data", "ebft", "policy", "rewards"},
+    "algorithms": {"config", "cli", "data", "ebft", "policy", "rewards", "rollouts", "update"},
     "checkpoint": {"config", "data", "distributed"},
     "merge_lora": {"cli", "data", "policy"},  # a tool of its own: the adapter of a finished run into its base
     "train": {"algorithms", "checkpoint", "cli", "config", "data", "distributed", "engine", "interrupt",

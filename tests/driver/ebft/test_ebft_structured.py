@@ -32,7 +32,6 @@ def ebft_config(**sections) -> Config:
 # -- config --
 
 @pytest.mark.parametrize("sections, message", [
-    ({"ebft": {"ce_coef": 0.03}}, "ce_coef = 0.03: the cross-entropy term on the ground truth exists only in"),
     ({"ebft": {"gt_length_multiplier": 0.05}}, "gt_length_multiplier"),
     ({"rewards": {"functions": [{"path": "driver.data.gsm8k.gsm8k_correct"}]}}, "rewards.functions are not used"),
     ({"rewards": {"reward_num_workers": 2}}, "reward_num_workers must be 0"),

@@ -11,7 +11,8 @@ from driver.cli import ConfigError
 from driver.config import DataConfig
 from driver.data.prompts import PromptSource, load_rows
 from driver.data.tiny_model import resolve_model_path
-from driver.ebft.transforms import all_turns, first_turn, last_turn, last_turn_answer_only, strip_thinking
+from driver.ebft.transforms import (all_turns, check_later_turns, first_turn, last_turn, last_turn_answer_only,
+                                    strip_thinking)
 
 SYSTEM = {"role": "system", "content": "You are terse."}
 USER_1 = {"role": "user", "content": "Name a river."}
@@ -26,6 +27,8 @@ CONVERSATION = {"id": 7, "source": "unit", "messages": [SYSTEM, USER_1, ASSISTAN
 FIRST = {"id": 7, "source": "unit", "prompt": [SYSTEM, USER_1], "ground_truth": "The Nile."}
 SECOND = {"id": 7, "source": "unit", "prompt": [SYSTEM, USER_1, ASSISTANT_1, USER_2],
           "ground_truth": "About 6650 km."}
+# first_turn keeps what follows its ground truth (axolotl's ebft_chat_multiturn.transform).
+FIRST_WITH_LATER_TURNS = {**FIRST, "remaining_turns": [USER_2, ASSISTANT_2, USER_3, ASSISTANT_3]}
 LAST = {"id": 7, "source": "unit", "prompt": [SYSTEM, USER_1, ASSISTANT_1, USER_2, ASSISTANT_2, USER_3],
         "ground_truth": "<think>\nList them.\n</think>\n\nEleven, e.g. Egypt."}
 
@@ -52,7 +55,7 @@ def write_jsonl(path, rows):
 # --- transforms on one 3-turn conversation ---
 
 def test_first_turn():
-    assert first_turn(copy.deepcopy(CONVERSATION)) == FIRST
+    assert first_turn(copy.deepcopy(CONVERSATION)) == FIRST_WITH_LATER_TURNS
 
 
 def test_last_turn():
@@ -69,11 +72,31 @@ def test_transforms_leave_the_input_alone_and_rows_share_no_messages():
     assert row == CONVERSATION
     rows[0]["prompt"][0]["content"] = "changed"
     assert rows[1]["prompt"][0] == SYSTEM and row["messages"][0] == SYSTEM
+    first = first_turn(row)
+    first["remaining_turns"][0]["content"] = "changed"
+    assert row == CONVERSATION
 
 
 def test_without_system_message():
     row = {"messages": [USER_1, ASSISTANT_1]}
-    assert first_turn(row) == last_turn(row) == {"prompt": [USER_1], "ground_truth": "The Nile."}
+    assert last_turn(row) == {"prompt": [USER_1], "ground_truth": "The Nile."}
+    assert first_turn(row) == {"prompt": [USER_1], "ground_truth": "The Nile.", "remaining_turns": []}
+
+
+def test_first_turn_drops_a_final_user_turn_that_has_no_answer():
+    row = {"messages": [USER_1, ASSISTANT_1, USER_2, ASSISTANT_2, USER_3]}
+    assert first_turn(row)["remaining_turns"] == [USER_2, ASSISTANT_2]
+    assert first_turn({"messages": [USER_1, ASSISTANT_1, USER_2]})["remaining_turns"] == []
+
+
+@pytest.mark.parametrize("messages,message", [
+    ([USER_1, ASSISTANT_1, ASSISTANT_2], r"messages\[2\] must be a user turn .* got \{'role': 'assistant'"),
+    ([USER_1, ASSISTANT_1, USER_2, USER_3, ASSISTANT_2], r"messages\[3\] must be an assistant turn"),
+    ([USER_1, ASSISTANT_1, SYSTEM, USER_2, ASSISTANT_2], r"messages\[2\] must be a user turn .* 'system'"),
+])
+def test_first_turn_needs_later_turns_that_alternate_user_and_assistant(messages, message):
+    with pytest.raises(ValueError, match=message):
+        first_turn({"messages": messages})
 
 
 @pytest.mark.parametrize("ground_truth,answer", [
@@ -114,11 +137,24 @@ def test_bad_rows_raise(transform, row, message):
 
 
 def test_an_assistant_turn_after_an_assistant_turn():
-    row = {"messages": [USER_1, ASSISTANT_1, ASSISTANT_2]}
-    assert first_turn(row) == {"prompt": [USER_1], "ground_truth": "The Nile."}  # the later turn is dropped
+    row = {"messages": [USER_1, ASSISTANT_1, ASSISTANT_2]}  # first_turn: see the test of its later turns
     for transform in (last_turn, all_turns):
         with pytest.raises(ValueError, match=r"messages\[2\] is an assistant turn after assistant"):
             transform(row)
+
+
+@pytest.mark.parametrize("turns,message", [
+    ("hi", r"remaining_turns must be a list of chat messages, got str"),
+    ([USER_2], r"remaining_turns must end with an assistant turn .* at remaining_turns\[0\]"),
+    ([ASSISTANT_2], r"remaining_turns\[0\] must be a user turn"),
+    ([USER_2, {"role": "assistant", "content": 5}], r"remaining_turns\[1\] must be an assistant turn"),
+    ([USER_2, ASSISTANT_2, "Why?"], r"remaining_turns\[2\] must be a user turn .* got 'Why\?'"),
+])
+def test_later_turns_given_as_a_column_are_checked_too(turns, message):
+    with pytest.raises(ValueError, match=message):
+        check_later_turns(turns)
+    check_later_turns([USER_2, ASSISTANT_2, USER_3, ASSISTANT_3])
+    check_later_turns([])
 
 
 def test_strip_thinking_needs_a_ground_truth():
