@@ -5,7 +5,7 @@ else it reports is dead and goes.
 # ruff: noqa: B018 (bare attribute accesses are how vulture whitelists are written)
 
 import benchmarks.async_in_driver
-import driver.data.axolotl_transforms
+import driver.axolotl.transforms
 import driver.data.gsm8k
 import driver.data.toy_tasks
 import driver.ebft.transforms
@@ -24,12 +24,17 @@ benchmarks.async_in_driver.slow_digit_fraction
 driver.ebft.transforms.first_turn
 driver.ebft.transforms.all_turns
 driver.ebft.transforms.last_turn_answer_only
-# axolotl's EBFT dataset types: named by path in the configs driver/axolotl_config.py translates.
-driver.data.axolotl_transforms.ebft_opencode
-driver.data.axolotl_transforms.ebft_strided_structured
-driver.data.axolotl_transforms.ebft_pretrain
+# axolotl's EBFT dataset types: named by path in the configs driver/axolotl/ translates.
+driver.axolotl.transforms.ebft_opencode
+driver.axolotl.transforms.ebft_strided_structured
+driver.axolotl.transforms.ebft_pretrain
 # Factories of built-in rewards: named by rewards.functions[].path (with kwargs) in YAML (docs/rewards.md).
 driver.rewards.builtin.get_soft_overlong_punishment
+# The toy tool-calling task's tool and reward, and the environment's reward: named by path in YAML
+# (examples/tiny-tools-grpo.yaml, docs/environments.md).
+driver.environments.toy.add
+driver.environments.toy.sum_reward
+driver.environments.rewards.environment_reward
 
 # Attributes set on library objects, which read them (tokenizers' Tokenizer, transformers' config).
 _.pre_tokenizer  # noqa: F821

@@ -2,7 +2,7 @@
 
 Every config mistake (unknown key, wrong type, missing file, unimportable function) becomes one
 message naming the key and exits with status 2 — no traceback. An axolotl config (recognized by its
-keys, or named so with --from axolotl) is translated first (driver/axolotl_config.py) and the
+keys, or named so with --from axolotl) is translated first (driver/axolotl/) and the
 translation printed; overrides then apply to the translation.
 """
 
@@ -18,7 +18,7 @@ from typing import Any, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from driver.axolotl_config import AXOLOTL_MARKERS, UntranslatableConfig, is_axolotl_config, translate, translation_yaml
+from driver.axolotl import AXOLOTL_MARKERS, UntranslatableConfig, is_axolotl_config, translate, translation_yaml
 from driver.config import Config
 
 USAGE = "usage: python -m driver.train [config.yaml] [--from axolotl] [--section.key=value ...] [--help]"
@@ -94,7 +94,8 @@ def format_validation_error(error: ValidationError) -> str:
 
 # Modules configs name that moved when the driver became packages: they keep working, with one
 # warning giving the new name.
-MOVED_MODULES = {"driver.reward_functions": "driver.data.gsm8k", "driver.toy_tasks": "driver.data.toy_tasks"}
+MOVED_MODULES = {"driver.reward_functions": "driver.data.gsm8k", "driver.toy_tasks": "driver.data.toy_tasks",
+                 "driver.data.axolotl_transforms": "driver.axolotl.transforms"}
 
 
 def import_dotted(path: str, what: str):

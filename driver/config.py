@@ -9,7 +9,7 @@ import re
 import warnings
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -84,9 +84,10 @@ class LoraSettings(Section):
 
 class DataConfig(Section):
     source: str = Field("toy:digits", description="toy:<name> for a built-in toy set (digits, digits-gt, "
-                        "digits-chat), a local .jsonl / .json / .parquet / .csv file, a local dataset directory, "
-                        "or a Hugging Face Hub dataset id (org/name), read with `datasets` (its cache and "
-                        "HF_HUB_OFFLINE apply)")
+                        "digits-chat), reasoning_gym:<task>[?size=500&seed=0&<config field>=...] for a "
+                        "reasoning-gym task (docs/rewards.md), a local .jsonl / .json / .parquet / .csv file, a "
+                        "local dataset directory, or a Hugging Face Hub dataset id (org/name), read with "
+                        "`datasets` (its cache and HF_HUB_OFFLINE apply)")
     name: str | None = Field(None, description="the dataset's configuration (subset), e.g. main for openai/gsm8k")
     split: str = Field("train", description="the split of a dataset directory or Hub dataset")
     revision: str | None = Field(None, description="Hub dataset: a branch, tag or commit")
@@ -104,10 +105,15 @@ class DataConfig(Section):
     max_prompt_length: int = Field(256, ge=1, description="prompts longer than this many tokens are cut from the left")
 
     def source_kind(self) -> str:
-        """toy | file | directory | hub (what driver/data/sources.py loads); ValueError for anything else."""
+        """toy | reasoning_gym | file | directory | hub (what driver/data/sources.py loads); ValueError for
+        anything else."""
         source = self.source
         if source.startswith("toy:"):
             return "toy"
+        if source.startswith("reasoning_gym:"):
+            if not source[len("reasoning_gym:"):].partition("?")[0]:
+                raise ValueError("reasoning_gym: needs a task, e.g. reasoning_gym:basic_arithmetic")
+            return "reasoning_gym"
         path = Path(source)
         if path.is_file():
             if path.suffix not in DATA_FILE_FORMATS:
@@ -217,13 +223,44 @@ class RolloutConfig(Section):
     backend: Literal["colocate", "server", "transformers"] = Field(
         "colocate", description="in-process vLLM engine, a vLLM OpenAI server, or transformers' generate on the "
         "trainer's own weights (no vLLM: TRL's use_vllm=False; one process, no async_prefetch)")
-    server_url: str | None = Field(None, description="server backend: URL of a running vLLM server; empty "
-                                   "launches one on 127.0.0.1")
+    server_url: str | list[str] | None = Field(
+        None, description="server backend: URL of a running vLLM server (`python -m driver.vllm_serve cfg.yaml` "
+        "starts one), or a list of URLs of data-parallel servers: each request goes to one of them, round-robin, "
+        "and every sync loads the adapter into each; empty launches one on 127.0.0.1")
     api_key: str | None = Field(None, description="server backend: API key of the server")
     server_timeout: float = Field(600.0, gt=0, description="seconds to wait for a launched server to be healthy")
+    request_timeout: float = Field(1800.0, gt=0, description="server backend: seconds one HTTP request to the server "
+                                   "may take (a request carries a whole group's generation) before it is retried")
+    max_retries: int = Field(3, ge=0, description="server backend: retries of a request that could not connect, timed "
+                             "out or got HTTP 429 / 5xx, before the run stops with an error naming the server")
+    retry_backoff: float = Field(1.0, ge=0, description="server backend: seconds before the first retry, doubled "
+                                 "before each next one")
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="vLLM memory fraction (on CPU: of one "
                                           "NUMA node's memory)")
     max_model_len: int = Field(512, ge=16, description="vLLM context length")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM engine: GPUs each model replica is split across "
+                                      "(CUDA only)")
+    data_parallel_size: int = Field(1, ge=1, description="vLLM engine: model replicas in one server, each "
+                                    "tensor_parallel_size GPUs (a launched or driver.vllm_serve server; CUDA only)")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="vLLM engine: dtype of the served model (null: model.dtype; another dtype makes the sync "
+        "check compare how the probe moves, not its values)")
+    quantization: str | None = Field(
+        None, description="vLLM engine: quantization of the served base, vLLM's --quantization (e.g. fp8: online "
+        "FP8 of the bf16 weights; the accepted names are checked against the installed vLLM when it starts; the "
+        "sync check then compares how the probe moves)")
+    enforce_eager: bool = Field(False, description="vLLM engine: no CUDA graphs (slower decoding, less memory, "
+                                "faster start)")
+    enable_prefix_caching: bool | None = Field(None, description="vLLM engine: reuse the KV cache of shared prompt "
+                                               "prefixes (null: vLLM's default, on)")
+    max_num_seqs: int | None = Field(None, ge=1, description="vLLM engine: sequences in one engine batch at most "
+                                     "(null: vLLM's default)")
+    seed: int | None = Field(None, description="vLLM engine: its seed (null: train.seed); every request is seeded "
+                             "from train.seed in any case")
+    enable_sleep_mode: bool = Field(False, description="colocate on CUDA: after each generation vLLM sleeps (level "
+                                    "1: weights to CPU memory, KV cache freed) while the trainer trains, and wakes "
+                                    "before the next (TRL's vllm_enable_sleep_mode); not with async_prefetch, whose "
+                                    "thread generates while the trainer trains")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="sampling parameters")
     sync: Literal["auto", "lora", "weights"] = Field(
         "auto", description="how vLLM gets new weights: load each adapter version (lora), or merge it and "
@@ -250,6 +287,50 @@ class RolloutConfig(Section):
         None, ge=1, description="partial rollouts: generate at most this many tokens per sample per round; unfinished "
         "groups are continued from their token ids in later batches (with newer adapters) instead of holding "
         "this one back (null: off)")
+
+    @field_validator("server_url")
+    @classmethod
+    def _http_urls(cls, value: str | list[str] | None) -> str | list[str] | None:
+        urls = [value] if isinstance(value, str) else value or []
+        if isinstance(value, list) and not value:
+            raise ValueError("an empty list: give one URL or more, or null to launch a server")
+        bad = [url for url in urls if not url.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: URLs start with http:// or https://")
+        duplicates = sorted({url for url in urls if urls.count(url) > 1})
+        if duplicates:
+            raise ValueError(f"{', '.join(duplicates)} given twice: each server once")
+        return value
+
+    @model_validator(mode="after")
+    def _check_engine_options(self) -> RolloutConfig:
+        """The combinations no engine can run (what this machine's devices allow is checked when the
+        engine starts: driver/engine/options.py)."""
+        if self.enable_sleep_mode and self.sync == "weights":
+            raise ValueError("enable_sleep_mode with sync = weights: the merged weights are written into the engine "
+                             "in place, which a sleeping engine cannot take; use sync = lora (auto on CUDA)")
+        if self.data_parallel_size > 1 and self.backend == "colocate":
+            raise ValueError(f"data_parallel_size = {self.data_parallel_size} needs backend = server (one in-process "
+                             "engine serves a colocated run; a server runs the replicas)")
+        if self.enable_sleep_mode and self.backend != "colocate":
+            raise ValueError(f"enable_sleep_mode needs backend = colocate (got {self.backend}): it frees the colocated "
+                             "engine's memory for the trainer; a server keeps its own GPUs")
+        if self.enable_sleep_mode and self.async_prefetch:
+            raise ValueError("enable_sleep_mode with async_prefetch: the prefetch thread generates while the trainer "
+                             "trains, so the engine is never idle to sleep; turn one off")
+        if self.backend == "transformers":
+            engine_only = [key for key, on in (("tensor_parallel_size", self.tensor_parallel_size > 1),
+                                               ("data_parallel_size", self.data_parallel_size > 1),
+                                               ("quantization", self.quantization is not None)) if on]
+            if engine_only:
+                raise ValueError(f"{', '.join(engine_only)}: vLLM engine options, not used by backend = transformers")
+        return self
+
+    def server_urls(self) -> list[str]:
+        """server_url as a list, each without a trailing / or /v1 (the OpenAI client's spelling: every
+        path the driver requests starts with /v1)."""
+        urls = [self.server_url] if isinstance(self.server_url, str) else self.server_url or []
+        return [url.rstrip("/").removesuffix("/v1") for url in urls]
 
 
 class ImportanceSamplingConfig(Section):
@@ -624,6 +705,25 @@ class CheckpointConfig(Section):
     keep: int = Field(2, ge=1, description="checkpoints kept on disk")
 
 
+class EnvironmentConfig(Section):
+    """Multi-turn episodes (driver/environments): after each model turn the environment answers (tool results,
+    a user turn) or ends the episode; the sample is the whole episode, only the model's tokens train."""
+
+    name: str | None = Field(None, description="null: one completion per sample (single turn, rewards as "
+                             "configured); tools: the model calls the Python functions in `tools`; conversation: "
+                             "the user turns of a data column (user_turns_field) follow each model turn; or the "
+                             "dotted path of a factory kwargs -> Environment (docs/environments.md)")
+    tools: list[str] = Field(default_factory=list, description="name: tools: dotted paths of Python functions the "
+                             "model may call (typed arguments and a docstring: their JSON schemas go in the prompt)")
+    tool_parser: str = Field("hermes", description="vLLM's tool-call parser that reads the calls from a model turn "
+                             "(hermes: <tool_call>{json}</tool_call>, as Qwen2.5/3; see vLLM's --tool-call-parser)")
+    max_turns: int = Field(8, ge=1, description="model turns per episode at most (then it ends as it is); the "
+                           "episode's tokens, the environment's included, are capped by rollout.sampling.max_tokens")
+    user_turns_field: str = Field("user_turns", description="name: conversation: the data column holding the "
+                                  "later user messages (a list of strings) of each row")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of a custom factory")
+
+
 class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="the policy model")
     lora: LoraSettings = Field(default_factory=LoraSettings, description="the adapter")
@@ -632,6 +732,8 @@ class Config(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="generation with vLLM")
     algo: AlgoConfig = Field(default_factory=AlgoConfig, description="the RL algorithm")
     ebft: EbftConfig = Field(default_factory=EbftConfig, description="energy-based fine-tuning (algo.name: ebft)")
+    environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig, description="multi-turn episodes: "
+                                           "the model's turns alternate with an environment's (tools, users)")
     train: TrainConfig = Field(default_factory=TrainConfig, description="optimization")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="outputs")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="checkpoints")
@@ -648,6 +750,10 @@ class Config(Section):
                              f"prefetch_depth = {self.prefetch_depth} and vllm_sync_interval = "
                              f"{rollout.vllm_sync_interval} samples are {staleness} versions old "
                              "when trained on; raise it or lower those")
+        if rollout.partial_rollout_tokens is not None and rollout.sampling.structured_outputs is not None:
+            raise ValueError("rollout.partial_rollout_tokens cannot go with rollout.sampling.structured_outputs: a "
+                             "continued completion is a new request, whose grammar would start again from its "
+                             "beginning in the middle of the completion")
         if rollout.partial_rollout_tokens is not None and rollout.partial_rollout_tokens >= rollout.sampling.max_tokens:
             raise ValueError(f"rollout.partial_rollout_tokens = {rollout.partial_rollout_tokens} must be below "
                              f"rollout.sampling.max_tokens = {rollout.sampling.max_tokens} (or null for off)")
@@ -664,11 +770,25 @@ class Config(Section):
                              "a group and needs at least 2")
         if self.algo.name == "ebft":
             self._check_ebft()
+        if self.environment.name is not None:
+            self._check_environment()
         self.algo.check_dynamic_sampling(self.rollout)
         self._check_steps_per_generation()
         if self.model.adapter == "none":
             self._check_full_finetuning()
         return self
+
+    def _check_environment(self) -> None:
+        environment = self.environment
+        if self.algo.name != "grpo":
+            raise ValueError(f"environment.name = {environment.name}: environments train with algo.name = grpo (ebft's "
+                             "multi-turn rollouts come from the data: driver.ebft.transforms.first_turn)")
+        if environment.name == "tools" and not environment.tools:
+            raise ValueError("environment.name = tools needs environment.tools: the dotted paths of the Python "
+                             "functions the model may call")
+        if environment.tools and environment.name != "tools":
+            raise ValueError(f"environment.tools is set but environment.name = {environment.name}: tools are called "
+                             "by the tools environment only")
 
     def _check_full_finetuning(self) -> None:
         conflicts = [key for key, on in (("model.qlora", self.model.qlora),

@@ -31,6 +31,7 @@ from driver.distributed import world as distributed
 from driver.distributed.fsdp import shard_policy
 from driver.engine import RolloutError, make_generator
 from driver.engine import adapter_sync as sync
+from driver.environments.factory import prompt_tools
 from driver.interrupt import GracefulInterrupt
 from driver.metrics import memory
 from driver.metrics.console import LOG_FILE, Terminal, library_output_to_file
@@ -76,7 +77,8 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
     policy = load_policy(config)
     if world.distributed:
         shard_policy(policy)  # before the optimizer: FSDP replaces the parameters
-    prompts = PromptSource(config.data, policy.tokenizer, config.train.seed) if world.is_main else None
+    prompts = (PromptSource(config.data, policy.tokenizer, config.train.seed,
+                            tools=prompt_tools(config, policy.tokenizer)) if world.is_main else None)
     if prompts is not None:
         algo.check_prompts(config, prompts)
     optimizer = build_optimizer(policy.trainable_parameters(), config.train)

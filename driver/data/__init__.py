@@ -1,5 +1,5 @@
 """Prompts and what generation makes of them: dataset files (via `datasets`) and `data.transform`s
-(`prompts`; axolotl's EBFT dataset types as transforms: `axolotl_transforms`), the built-in tasks
+(`prompts`; axolotl's EBFT dataset types live in driver/axolotl/transforms.py), the built-in tasks
 with their rewards (`toy_tasks`, `gsm8k`), the tiny random models and tokenizer the default config
 trains (`tiny_model`), and the groups of samples generated for a prompt, each token tagged with the
 adapter version that sampled it (`records`).

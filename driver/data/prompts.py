@@ -106,8 +106,10 @@ def chat_token_ids(tokenizer, messages: list[dict], **template_kwargs) -> list[i
 class PromptSource:
     """Endless, epoch-shuffled prompts. state_dict()/load_state_dict() make the order resumable."""
 
-    def __init__(self, config: DataConfig, tokenizer, seed: int) -> None:
+    def __init__(self, config: DataConfig, tokenizer, seed: int, tools: list[dict] | None = None) -> None:
+        """tools: JSON schemas the chat template renders into every prompt (an environment's tools)."""
         self.config, self.seed = config, seed
+        self.tools = tools
         self.has_chat_template = getattr(tokenizer, "chat_template", None) is not None
         self.prompts = [self._tokenize(i, row, tokenizer) for i, row in enumerate(load_rows(config))]
         self.epoch, self.position = 0, 0
@@ -115,7 +117,9 @@ class PromptSource:
 
     def _tokenize(self, index: int, row: dict, tokenizer) -> Prompt:
         prompt = row[self.config.prompt_field]
-        template_kwargs = self.config.chat_template_kwargs
+        template_kwargs = dict(self.config.chat_template_kwargs)
+        if self.tools:
+            template_kwargs["tools"] = self.tools
         if (isinstance(prompt, list) or self.config.chat_template) and not self.has_chat_template:
             need = "is a conversation, which needs" if isinstance(prompt, list) else "needs (data.chat_template: true)"
             raise ConfigError(f"data: row {index} {need} the chat template, but the model's tokenizer has none; "

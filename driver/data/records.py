@@ -26,6 +26,21 @@ class Span:
 
 
 @dataclass
+class Episode:
+    """A multi-turn sample's conversation with its environment (driver/environments): the sample's token ids
+    hold the model's turns and, between them, the environment's messages rendered with the chat template,
+    whose tokens carry no loss and no importance weight."""
+
+    messages: list[dict] = field(default_factory=list)  # after the prompt: assistant turns and environment messages
+    environment_spans: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of environment tokens
+    turns: int = 0  # model turns so far
+    tool_calls: int = 0
+    tool_failures: int = 0  # tool calls that raised, named no known tool, or could not be parsed
+    done: bool = False  # the environment ended the episode (else it was capped, or is still running)
+    reward: float | None = None  # the environment's reward when it gives one (driver.environments.environment_reward)
+
+
+@dataclass
 class Sample:
     token_ids: list[int]
     logprobs: list[float]  # the engine's sampling logprobs, one per token (behaviour policy)
@@ -34,6 +49,8 @@ class Sample:
     # EBFT multi-turn: the assistant turns generated after the data's later user turns, in order, never
     # trained (driver/ebft/multi_turn.py). A class default, so samples of older checkpoints read ().
     later_turns: tuple[str, ...] = ()
+    # A multi-turn episode with an environment (None: one completion). A class default, as later_turns.
+    episode: Episode | None = None
 
     @property
     def version(self) -> int:

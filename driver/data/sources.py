@@ -1,7 +1,8 @@
-"""Where prompts come from: a built-in toy set, a local file, a local dataset directory (a Hub dataset
-repository's layout: data files, optionally a README.md whose `configs:` name them), or a Hugging Face
-Hub dataset by id (`org/name`), loaded with `datasets` (its cache, and HF_HUB_OFFLINE /
-HF_DATASETS_OFFLINE, apply as everywhere: an offline run finds a dataset downloaded before)."""
+"""Where prompts come from: a built-in toy set, a reasoning-gym task (driver/data/reasoning_gym.py), a
+local file, a local dataset directory (a Hub dataset repository's layout: data files, optionally a
+README.md whose `configs:` name them), or a Hugging Face Hub dataset by id (`org/name`), loaded with
+`datasets` (its cache, and HF_HUB_OFFLINE / HF_DATASETS_OFFLINE, apply as everywhere: an offline run
+finds a dataset downloaded before)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 from driver.cli import ConfigError
 from driver.config import DATA_FILE_FORMATS, DataConfig
+from driver.data.reasoning_gym import reasoning_gym_rows
 from driver.data.toy_tasks import toy_dataset
 
 
@@ -19,6 +21,8 @@ def load_source_rows(config: DataConfig) -> list[dict]:
         raise ConfigError(f"data.source: {error}") from None
     if kind == "toy":
         return toy_dataset(config.source[len("toy:"):])
+    if kind == "reasoning_gym":
+        return reasoning_gym_rows(config.source[len("reasoning_gym:"):])
     import datasets
 
     if kind == "file":

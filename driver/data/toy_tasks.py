@@ -12,6 +12,10 @@ template); completions then reach the reward functions as [{"role": "assistant",
 which matches the features of the completions to those of the ground truth instead of scoring a
 reward): a tiny model fits it by learning to write digits, so the feature-matching loss falls.
 
+`toy:add-tools`: tool-calling episodes (environment.name: tools with driver.environments.toy.add):
+"What is a + b?" as a chat prompt, with the operands and the answer as columns for
+driver.environments.toy.sum_reward.
+
 `toy:digits-conversations`: EBFT chat data, a `messages` column of three user turns, each answered with
 digit groups (driver.ebft.transforms.first_turn makes the first answer the ground truth and keeps the
 other two as `remaining_turns`, which multi-turn EBFT rolls out).
@@ -37,11 +41,13 @@ SYSTEM_MESSAGE = "Answer with digits only."
 
 
 def toy_dataset(name: str, size: int = 256, seed: int = 0) -> list[dict]:
+    if name == "add-tools":
+        return add_tool_rows(size, seed)
     task = {**GROUND_TRUTH_TASKS, **CHAT_TASKS, **CONVERSATION_TASKS}.get(name, name)
     if task not in TASKS:
         raise ValueError(f"unknown toy dataset 'toy:{name}'; choose one of "
                          + ", ".join(f"toy:{n}" for n in [*TASKS, *GROUND_TRUTH_TASKS, *CHAT_TASKS,
-                                                           *CONVERSATION_TASKS]))
+                                                           *CONVERSATION_TASKS, "add-tools"]))
     rng = random.Random(seed)
     rows = []
     for index in range(size):
@@ -58,6 +64,17 @@ def toy_dataset(name: str, size: int = 256, seed: int = 0) -> list[dict]:
             users = [row.pop("prompt"), *FOLLOW_UPS]
             row["messages"] = [message for user in users for message in (
                 {"role": "user", "content": user}, {"role": "assistant", "content": digit_groups(rng)})]
+    return rows
+
+
+def add_tool_rows(size: int, seed: int) -> list[dict]:
+    rng = random.Random(f"{seed}:add-tools")
+    rows = []
+    for index in range(size):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        question = f"What is {a} + {b}? Call add, then answer with the number."
+        rows.append({"prompt": [{"role": "user", "content": question}], "a": a, "b": b, "answer": str(a + b),
+                     "id": index})
     return rows
 
 

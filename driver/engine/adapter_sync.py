@@ -23,7 +23,10 @@ def make_verifier(config: Config, policy: Policy) -> SyncVerifier | None:
         return None
     probe = policy.tokenizer(PROBE_TEXT, add_special_tokens=False).input_ids
     # QLoRA: the engine serves the NF4 round-trip of the base (driver/engine/__init__.py), the same base.
-    return SyncVerifier(probe, dtype=getattr(torch, config.model.dtype), same_base=serves_trained_base(config),
+    # The noise is the coarser dtype's, the trainer's or the engine's (rollout.dtype).
+    dtype = max((getattr(torch, name) for name in (config.model.dtype, config.rollout.dtype or config.model.dtype)),
+                key=lambda candidate: torch.finfo(candidate).eps)
+    return SyncVerifier(probe, dtype=dtype, same_base=serves_trained_base(config),
                         tolerance=config.rollout.sync_tolerance)
 
 
@@ -52,7 +55,9 @@ def push_adapter(config: Config, policy: Policy, generator: Generator, verifier:
     generator.sync(directory, version)
     metrics = {}
     if verifier is not None:
-        metrics = verifier.check(generator.prompt_logprobs(verifier.probe_ids), trainer, version)
+        verify_each = getattr(generator, "verify_each", None)  # servers: every one probed (server.py)
+        metrics = (verify_each(verifier, trainer, version) if verify_each is not None
+                   else verifier.check(generator.prompt_logprobs(verifier.probe_ids), trainer, version))
     for old in sorted(adapters.glob("v*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     metrics["time/sync"] = time.perf_counter() - started

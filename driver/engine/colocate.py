@@ -11,6 +11,7 @@ from pathlib import Path
 from driver.cli import ConfigError
 from driver.config import Config, SamplingConfig
 from driver.engine.base import Completion, Request, RolloutError, SyncError, generate_by_stream
+from driver.engine.options import check_engine_options
 
 # vLLM accepts only these LoRA ranks as the engine's maximum.
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
@@ -28,11 +29,18 @@ LORA_ENGINE_KEYS = ("enable_lora", "max_lora_rank", "max_loras")
 
 def engine_kwargs(config: Config, model_dir: str) -> dict:
     """Arguments shared by the colocated engine and a launched server (without the LoRA ones under
-    full fine-tuning, where every sync replaces the weights)."""
+    full fine-tuning, where every sync replaces the weights); a ConfigError naming the key when this
+    machine or the installed vLLM cannot run them (driver/engine/options.py)."""
+    rollout = config.rollout
+    check_engine_options(config, cuda_available())
     kwargs = dict(
-        model=model_dir, dtype=config.model.dtype, seed=config.train.seed,
-        max_model_len=config.rollout.max_model_len,
-        gpu_memory_utilization=config.rollout.gpu_memory_utilization,
+        model=model_dir, dtype=rollout.dtype or config.model.dtype,
+        seed=config.train.seed if rollout.seed is None else rollout.seed,
+        max_model_len=rollout.max_model_len, gpu_memory_utilization=rollout.gpu_memory_utilization,
+        tensor_parallel_size=rollout.tensor_parallel_size, data_parallel_size=rollout.data_parallel_size,
+        quantization=rollout.quantization, enforce_eager=rollout.enforce_eager,
+        enable_prefix_caching=rollout.enable_prefix_caching, max_num_seqs=rollout.max_num_seqs,
+        enable_sleep_mode=rollout.enable_sleep_mode,
         # Engine calls are serialized and each names one version, so one engine batch holds one
         # adapter; the second slot keeps the previous version loaded for the job prefetched with it.
         enable_lora=True, max_lora_rank=engine_lora_rank(config.lora.r), max_loras=2,
@@ -83,11 +91,17 @@ def sampling_params(sampling: SamplingConfig, n: int, seed: int, max_tokens: int
 
 
 class ColocatedGenerator:
+    # rollout.enable_sleep_mode: the engine sleeps between generations (a subclass with an engine of its
+    # own, whose weights are written in place, never does).
+    _sleeps = False
+    _asleep = False
+
     def __init__(self, config: Config, model_dir: str) -> None:
         set_cpu_defaults()  # before vllm is imported: it reads these at import
         from vllm import LLM
 
         self.config = config
+        self._sleeps = config.rollout.enable_sleep_mode
         self.adapter_version = 0
         self.keep_versions = 2
         self._lora = None
@@ -108,17 +122,39 @@ class ColocatedGenerator:
 
         lora = self._lora_of(version)
         params = [self._sampling_params(r.n, r.seed, r.max_tokens) for r in requests]
-        ids = self.llm.enqueue([TokensPrompt(prompt_token_ids=r.token_ids) for r in requests], params,
-                               lora_request=lora, use_tqdm=False)
-        # Outputs carry the id given to the engine, before it appends a random suffix.
-        index_of = {request_id.split("-", 1)[0]: index for index, request_id in enumerate(ids)}
-        engine = self.llm.llm_engine
-        while index_of and engine.has_unfinished_requests():
-            for output in engine.step():
-                if output.finished and output.request_id in index_of:
-                    yield index_of.pop(output.request_id), [_completion(s) for s in output.outputs]
-        if index_of:
-            raise RolloutError(f"vLLM finished without answering {len(index_of)} of {len(requests)} requests")
+        self._wake_up()
+        try:
+            ids = self.llm.enqueue([TokensPrompt(prompt_token_ids=r.token_ids) for r in requests], params,
+                                   lora_request=lora, use_tqdm=False)
+            # Outputs carry the id given to the engine, before it appends a random suffix.
+            index_of = {request_id.split("-", 1)[0]: index for index, request_id in enumerate(ids)}
+            engine = self.llm.llm_engine
+            while index_of and engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished and output.request_id in index_of:
+                        yield index_of.pop(output.request_id), [_completion(s) for s in output.outputs]
+            if index_of:
+                raise RolloutError(f"vLLM finished without answering {len(index_of)} of {len(requests)} requests")
+        finally:
+            self._sleep()
+
+    def _sleep(self) -> None:
+        """rollout.enable_sleep_mode, after a generation: level 1 moves the weights to CPU memory and frees
+        the KV cache (its contents forgotten) for the trainer's update. The engine is idle: every call
+        into it holds the rollouts' engine_lock, the trainer's thread makes them all (sleep mode is
+        refused with async_prefetch, whose thread generates while the trainer trains), and a generation
+        left unfinished (its consumer failed) is aborted."""
+        if self._sleeps and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def _wake_up(self) -> None:
+        """Before the engine computes anything: weights back on the GPU, the KV cache allocated again.
+        A sync needs no wake-up (an adapter is loaded by the first request naming it); the probe after
+        it leaves the engine awake for the generation that follows."""
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
 
     def _lora_of(self, version: int):
         if not self._loras and version == 0:
@@ -143,6 +179,7 @@ class ColocatedGenerator:
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+        self._wake_up()
         output = self.llm.generate([TokensPrompt(prompt_token_ids=token_ids)], params, lora_request=self._lora,
                                    use_tqdm=False)[0]
         return [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], token_ids[1:])]

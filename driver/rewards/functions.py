@@ -59,8 +59,17 @@ def group_call(group: Group, texts: list[str]) -> dict:
     messages = group.prompt.messages
     prompts = [group.prompt.text] * size if messages is None else [list(messages) for _ in range(size)]
     completions = list(texts) if messages is None else [as_assistant_message(text) for text in texts]
-    return reward_kwargs(prompts, completions, [group.prompt.columns] * size,
-                         [list(sample.token_ids) for sample in group.samples])
+    kwargs = reward_kwargs(prompts, completions, [group.prompt.columns] * size,
+                           [list(sample.token_ids) for sample in group.samples])
+    if any(sample.episode is not None for sample in group.samples):
+        # Multi-turn episodes (driver/environments): the completion is the episode's messages after the
+        # prompt (model turns with their tool calls, tool results, user turns), as TRL passes them, and the
+        # environment's own reward goes along for driver.environments.rewards.environment_reward.
+        kwargs["completions"] = [list(sample.episode.messages) if sample.episode is not None else completion
+                                 for sample, completion in zip(group.samples, completions)]
+        kwargs["environment_reward"] = [sample.episode.reward if sample.episode is not None else None
+                                        for sample in group.samples]
+    return kwargs
 
 
 def reward_column(name: str, values, completions: list[str]) -> list[float]:

@@ -24,6 +24,7 @@ from driver.data.records import Group
 from driver.metrics.logger import TOKENS_IN_STEP, json_safe
 from driver.rewards.functions import RewardError
 from driver.rewards.scorer import Scorer
+from driver.environments.episodes import episode_stats
 from driver.rollouts.batch import RolloutBatch, batch_from_groups
 from driver.rollouts.dynamic_sampling import select_groups_with_signal
 from driver.rollouts.filtering import extend_batch, filter_zero_advantage
@@ -96,6 +97,7 @@ def assemble(config: Config, job: Job, step: int, scorer: Scorer, submit: bool,
                               mask_truncated=config.algo.mask_truncated_completions, ground_truth_ids=ground_truth_ids)
     batch.table = completions_table(groups, getattr(scorer, "names", None))
     metrics.update(completion_stats(groups))
+    metrics.update(episode_stats(groups))
     micro_batch_size = config.train.micro_batch_size
     every_row = config.algo.acts_on_every_completion
     if config.algo.zero_advantage == "filter":

@@ -80,6 +80,9 @@ def batch_from_groups(groups: list[Group], texts: list[list[str]] | None = None,
     ground_truth_ids(prompt): each row's ground truth ids, when the update trains on them."""
     samples = [sample for group in groups for sample in group.samples]
     sampling, mask = padded_rows([sample.logprobs for sample in samples])
+    for row, sample in enumerate(samples):  # an episode's environment tokens: no loss, no importance weight
+        for start, end in sample.episode.environment_spans if sample.episode is not None else ():
+            mask[row, start:end] = 0.0
     if mask_truncated:
         truncated = torch.tensor([sample.finish_reason == "length" for sample in samples], dtype=torch.bool)
         mask[truncated] = 0.0

@@ -33,6 +33,7 @@ from driver.rollouts.assemble import assemble
 from driver.rollouts.batch import RolloutBatch
 from driver.rollouts.kl_penalty import set_kl_penalties
 from driver.rollouts.prefetch import Prefetcher
+from driver.environments.factory import episode_runner
 from driver.rollouts.producer import GenerationHooks, Job, Producer
 from driver.rollouts.replay import ReplayBuffer
 from driver.rollouts.reroll import RerollQueue, delay_steps
@@ -71,7 +72,8 @@ class Rollouts:
         self.stream_rewards = self.scorer.in_workers or self.depth == 0
         self.producer = Producer(config, generator, prompts, policy.tokenizer,
                                  on_finished=self.scorer.submit_group if self.stream_rewards else None,
-                                 max_tokens=hooks.max_tokens, extend_finished=hooks.extend_finished)
+                                 max_tokens=hooks.max_tokens, extend_finished=hooks.extend_finished,
+                                 episodes=episode_runner(config, policy.tokenizer))
         # Checkpoints under prefetch: the producer's state before each job not assembled yet, and the
         # re-rolled prompts each took from the queue (both under _state_lock).
         self._state_lock = threading.Lock()

@@ -10,6 +10,10 @@ stay per token, so importance sampling corrects every span against the policy th
 group whose oldest span would be older than max_staleness when trained on is dropped (and its prompt
 generated afresh under stale_policy = regenerate), and so is a finished group that waited too long.
 
+Multi-turn episodes (driver/environments) use the same continuation: a sample whose turn ended gets its
+environment's answer appended (tokens without loss) and is continued as the model's next turn in the
+next round, until its episode ends; a group finishes when all its episodes have.
+
 Everything here is a pure function of (job index, version, seeds, the engine): a prefetch thread and
 the synchronous loop produce the same jobs.
 """
@@ -26,6 +30,7 @@ from driver.config import Config
 from driver.data.prompts import Prompt, PromptSource
 from driver.data.records import Group, Sample, Span
 from driver.engine.base import Completion, Generator, Request
+from driver.environments.episodes import EpisodeRunner
 from driver.rollouts.schedule import staleness
 
 IN_FLIGHT_FACTOR = 2  # partial rollouts: groups in flight at most, per group of a job's quota
@@ -73,9 +78,12 @@ class Producer:
     def __init__(self, config: Config, generator: Generator, prompts: PromptSource, tokenizer,
                  on_finished: Callable[[Group], None] | None = None,
                  max_tokens: Callable[[Prompt], int] | None = None,
-                 extend_finished: Callable[[Generator, list[Group], int], dict[str, float]] | None = None) -> None:
+                 extend_finished: Callable[[Generator, list[Group], int], dict[str, float]] | None = None,
+                 episodes: EpisodeRunner | None = None) -> None:
+        """episodes: multi-turn episodes with an environment (driver/environments/episodes.py): a sample whose
+        turn ended gets the environment's answer appended and is continued in the next round."""
         self.config, self.generator, self.prompts, self.tokenizer = config, generator, prompts, tokenizer
-        self.on_finished, self.extend_finished = on_finished, extend_finished
+        self.on_finished, self.extend_finished, self.episodes = on_finished, extend_finished, episodes
         self.max_tokens = max_tokens or (lambda prompt: config.rollout.sampling.max_tokens)
         self.quota = config.train.prompts_per_step * config.train.gradient_accumulation_steps
         self.budget = config.rollout.partial_rollout_tokens or config.rollout.sampling.max_tokens
@@ -95,7 +103,10 @@ class Producer:
         finished = [g for g in self.ready if not self._stale(g, job, metrics)]
         kept = {g.group_id for g in finished}
         dropped = [g.group_id for g in self.ready if g.group_id not in kept]
-        self.in_flight = [g for g in self.in_flight if not self._stale(g, job, metrics)]
+        live = [g for g in self.in_flight if not self._stale(g, job, metrics)]
+        if self.episodes is not None:  # the environments of episodes dropped unfinished
+            self.episodes.forget({g.group_id for g in self.in_flight} - {g.group_id for g in live})
+        self.in_flight = live
         self.ready = []
         rounds = continued = truncated = sampled = 0
         while len(finished) < quota:
@@ -142,6 +153,7 @@ class Producer:
         stopped by the budget, samples generated) and adds extend_finished's metrics to `metrics`."""
         seed, group_size = self.config.train.seed, self.config.algo.num_generations
         requests, targets = [], []  # targets[i]: (group, sample index or None for a whole new group)
+        turns = 0  # continuations that are an episode's next model turn
         for group in self.in_flight:
             max_tokens = self.max_tokens(group.prompt)
             if not group.samples:
@@ -152,11 +164,14 @@ class Producer:
             for index, sample in enumerate(group.samples):
                 if not sample.finished:
                     length = len(sample.token_ids)
+                    # The model's next turn of an episode, or the rest of a turn the round's budget cut.
+                    next_turn = self._ends_with_environment(sample)
+                    turns += next_turn
                     requests.append(Request(group.prompt.token_ids + sample.token_ids, 1,
                                             continuation_seed(seed, group.group_id, index, length),
                                             min(self.budget, max_tokens - length)))
                     targets.append((group, index))
-        continued = sum(index is not None for _, index in targets)
+        continued = sum(index is not None for _, index in targets) - turns
         truncated = sampled = 0
         done, finished_ids = [], set()
         for request_index, completions in self.generator.stream(requests, version):
@@ -169,6 +184,9 @@ class Producer:
             changed = group.samples if index is None else [group.samples[index]]
             sampled += len(changed)
             truncated += sum(sample.finish_reason == "partial" for sample in changed)
+            if self.episodes is not None:  # ended turns: the environment answers, or the episode ends
+                for sample_index in range(len(group.samples)) if index is None else [index]:
+                    self.episodes.turn_ended(group, sample_index, max_tokens)
             if group.finished and group.group_id not in finished_ids:
                 finished_ids.add(group.group_id)
                 group.texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in group.samples]
@@ -183,6 +201,11 @@ class Producer:
                 if self.on_finished is not None:
                     self.on_finished(group)
         return done, continued, truncated, sampled
+
+    @staticmethod
+    def _ends_with_environment(sample: Sample) -> bool:
+        spans = sample.episode.environment_spans if sample.episode is not None else []
+        return bool(spans) and spans[-1][1] == len(sample.token_ids)
 
     def _sample(self, completion: Completion, version: int, max_tokens: int) -> Sample:
         sample = Sample([], [], "partial", [])

@@ -37,7 +37,7 @@ import zlib
 import torch
 
 from driver.data.prompts import Prompt
-from driver.data.records import Group, Sample, Span
+from driver.data.records import Episode, Group, Sample, Span
 from driver.rewards.advantages import _nanstd  # the same unbiased, NaN-ignoring std as the advantages
 from driver.rollouts.schedule import staleness
 
@@ -172,6 +172,13 @@ class ReplayBuffer:
 
 def group_from_dict(fields: dict) -> Group:
     """The inverse of dataclasses.asdict(group)."""
-    samples = [Sample(**{**sample, "spans": [Span(**span) for span in sample["spans"]]})
+    samples = [Sample(**{**sample, "spans": [Span(**span) for span in sample["spans"]],
+                         "episode": _episode(sample.get("episode"))})
                for sample in fields["samples"]]
     return Group(**{**fields, "prompt": Prompt(**fields["prompt"]), "samples": samples})
+
+
+def _episode(fields: dict | None) -> Episode | None:
+    if fields is None:
+        return None
+    return Episode(**{**fields, "environment_spans": [tuple(span) for span in fields["environment_spans"]]})

@@ -1,4 +1,4 @@
-"""axolotl configs translated into ours (driver/axolotl_config.py): axolotl's own example configs
+"""axolotl configs translated into ours (driver/axolotl/): axolotl's own example configs
 (tests/driver/axolotl_configs/, copied from the reference documents) translate to valid configs with
 the values axolotl would run, every key that cannot be honoured is named in one message, and the
 command line recognizes, prints and refuses as docs/axolotl-differences.md says."""
@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from driver.axolotl_config import (BUILTIN_DATASET_TYPES, UntranslatableConfig, is_axolotl_config, translate,
-                                   translation_yaml)
+from driver.axolotl import (BUILTIN_DATASET_TYPES, UntranslatableConfig, is_axolotl_config, translate,
+                            translation_yaml)
+from driver.axolotl import transforms as axolotl_transforms
 from driver.cli import ConfigError, config_from_argv, import_dotted, load_config
 from driver.config import Config
-from driver.data import axolotl_transforms
 
 EXAMPLES = Path(__file__).parent / "axolotl_configs"
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -54,7 +54,7 @@ EXPECTED = {
     "ebft-quickstart.yaml": {  # use_data_producer: axolotl's async trainer, token_truncate at 3
         "algo.name": "ebft", "ebft.mode": "structured", "ebft.feature_layers": [0.25, 0.5, 0.75],
         "ebft.embed_method": "last_token", "ebft.gt_length_multiplier": 1.5, "ebft.advantage_estimator": "group_norm",
-        "data.transform": "driver.data.axolotl_transforms.ebft_opencode", "data.split": "train[:500]",
+        "data.transform": "driver.axolotl.transforms.ebft_opencode", "data.split": "train[:500]",
         "rollout.backend": "server", "rollout.vllm_sync_interval": 3, "rollout.async_prefetch": False,
         "rollout.max_model_len": 1024, "rollout.sampling.max_tokens": 256, "algo.loss_type": "grpo",
         "algo.num_generations": 4, "algo.importance_sampling.mode": "truncate", "train.prompts_per_step": 2,
@@ -62,7 +62,7 @@ EXPECTED = {
     "llama-1b-ebft-strided.yaml": {  # strided: documents x samples per micro-batch, ebft:'s own sampling
         "ebft.mode": "strided", "ebft.ground_truth_field": None, "ebft.whitening": True, "ebft.stride": 8,
         "ebft.context_length": 8, "ebft.generate_max_len": 8, "ebft.max_document_length": 256,
-        "ebft.advantage_estimator": "rloo", "data.transform": "driver.data.axolotl_transforms.ebft_pretrain",
+        "ebft.advantage_estimator": "rloo", "data.transform": "driver.axolotl.transforms.ebft_pretrain",
         "data.max_prompt_length": 256, "algo.num_generations": 4, "rollout.sampling.temperature": 0.6,
         "train.prompts_per_step": 2, "train.micro_batch_size": 4, "train.steps": 5, "train.lr": 1e-6,
         "train.warmup_steps": 2, "lora.dropout": 0.05, "logging.report_to": ["wandb"], "logging.project": "ebft",
@@ -150,13 +150,12 @@ def quickstart(**changes) -> dict:
 
 def test_one_message_names_every_key_it_cannot_honour():
     data = quickstart(deepspeed="zero3.json", tf32=True, num_epochs=3, max_steps=None, warmup_ratio=0.1,
-                      colour="blue", trl={"sync_ref_model": True, "rollout_func": "x.y",
-                                          "vllm_enable_sleep_mode": True, "typo_key": 1})
+                      colour="blue", trl={"sync_ref_model": True, "rollout_func": "x.y", "typo_key": 1})
     with pytest.raises(UntranslatableConfig) as error:
         translate(data)
     message = str(error.value)
-    for key in ("deepspeed", "tf32", "max_steps", "colour", "trl.sync_ref_model",
-                "trl.rollout_func", "trl.vllm_enable_sleep_mode", "trl.typo_key"):
+    for key in ("deepspeed", "tf32", "max_steps", "colour", "trl.sync_ref_model", "trl.rollout_func",
+                "trl.typo_key"):
         assert f"\n  {key}: " in message, key
     assert "num_epochs 3" in error.value.refused["max_steps"]
 
@@ -200,6 +199,15 @@ def test_one_message_names_every_key_it_cannot_honour():
      {"rollout.async_prefetch": True, "rollout.prefetch_depth": 2, "algo.replay_buffer_size": 64,
       "rewards.reward_num_workers": 4}),
     ({"trl": {"vllm_mode": "colocate"}}, {"rollout.backend": "colocate", "rollout.gpu_memory_utilization": 0.85}),
+    # The vllm: section's engine options configure the colocated engine and driver.vllm_serve alike.
+    ({"trl": {"vllm_mode": "colocate", "vllm_enable_sleep_mode": True}, "vllm": {"tensor_parallel_size": 2}},
+     {"rollout.enable_sleep_mode": True, "rollout.tensor_parallel_size": 2, "rollout.gpu_memory_utilization": 0.9}),
+    ({"vllm": {"host": "0.0.0.0", "port": 8000, "tensor_parallel_size": 2, "data_parallel_size": 4,
+               "enforce_eager": True, "enable_prefix_caching": False, "dtype": "float16"}},
+     {"rollout.server_url": "http://0.0.0.0:8000", "rollout.tensor_parallel_size": 2,
+      "rollout.data_parallel_size": 4, "rollout.enforce_eager": True, "rollout.enable_prefix_caching": False,
+      "rollout.dtype": "float16", "model.dtype": "bfloat16", "rollout.gpu_memory_utilization": 0.9}),
+    ({"vllm": {"dtype": "bfloat16"}}, {"rollout.dtype": None}),  # the trainer's: nothing to say
     ({"trl": {"use_vllm": False, "async_prefetch": None}}, {"rollout.backend": "transformers"}),
     ({"trl": {"reward_funcs": ["OpenAssistant/reward-model-deberta-v3-large-v2", "rewards.format_reward"],
               "reward_weights": [1.0, 0.3], "multi_objective_aggregation": "normalize_then_sum"}},
@@ -266,6 +274,11 @@ def test_keys_map_as_axolotl_runs_them(changes, expected):
      "pad_token only"),
     ({"val_set_size": 0.05}, "val_set_size", "no evaluation"),
     ({"vllm": {"max_model_len": 512}}, "vllm.max_model_len", "leaves no room for a prompt"),
+    ({"trl": {"vllm_mode": "colocate"}, "vllm": {"data_parallel_size": 2}}, "vllm.data_parallel_size",
+     "one in-process engine"),
+    ({"trl": {"vllm_mode": "colocate", "vllm_enable_sleep_mode": True, "async_prefetch": True}},
+     "trl.vllm_enable_sleep_mode", "never idle to sleep"),
+    ({"vllm": {"dtype": "int4"}}, "vllm.dtype", "auto, bfloat16"),
     ({"resume_from_checkpoint": "./grpo-output/checkpoint-100"}, "resume_from_checkpoint", "--checkpoint.resume"),
     ({"plugins": ["axolotl.integrations.liger.LigerPlugin"]}, "plugins", "do not run here"),
 ])
@@ -342,6 +355,13 @@ def one_column_transform(cfg):
             {"remove_columns": "question"})
 
 
+def test_translations_kept_from_before_the_move_still_load():
+    """The dataset types moved from driver/data/axolotl_transforms.py to driver/axolotl/transforms.py."""
+    with pytest.warns(FutureWarning, match="is now driver.axolotl.transforms.ebft_opencode"):
+        assert import_dotted("driver.data.axolotl_transforms.ebft_opencode", "data.transform") is \
+            axolotl_transforms.ebft_opencode
+
+
 def test_axolotl_transforms_remove_columns_as_datasets_map_does():
     from driver.data.prompts import apply_transform
 
@@ -353,11 +373,11 @@ def test_axolotl_transforms_remove_columns_as_datasets_map_does():
 
 def test_the_server_command_says_how_to_start_vllm():
     notes = "\n".join(translate(example("grpo-quickstart.yaml")).notes)
-    assert ("VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 python -m vllm.entrypoints.openai.api_server" in notes
-            and "--model Qwen/Qwen2.5-1.5B-Instruct --enable-lora --max-lora-rank 32" in notes
-            and "--max-model-len 2048 --gpu-memory-utilization 0.85 --host 0.0.0.0 --port 8000" in notes)
+    assert "python -m driver.vllm_serve <this file>" in notes and "on 0.0.0.0:8000" in notes
     full = "\n".join(translate(quickstart(adapter=None, lora_r=None, lora_alpha=None, lora_target_linear=None)).notes)
-    assert "VLLM_SERVER_DEV_MODE=1" in full and "--enable-lora" not in full
+    assert "VLLM_SERVER_DEV_MODE=1" in full and "VLLM_SERVER_DEV_MODE=1" not in notes
+    ignored = translate(quickstart(trl={"vllm_enable_sleep_mode": True})).notes
+    assert any("trl.vllm_enable_sleep_mode: ignored with rollout.backend server" in note for note in ignored)
 
 
 @pytest.mark.parametrize("path", sorted(REPOSITORY.glob("examples/*.yaml")), ids=lambda path: path.name)

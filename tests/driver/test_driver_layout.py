@@ -16,21 +16,24 @@ DRIVER = Path(__file__).resolve().parents[2] / "driver"
 ALLOWED = {
     "config": set(),
     "interrupt": set(),
-    "axolotl_config": {"config"},
-    "cli": {"config", "axolotl_config"},
+    "axolotl": {"config"},
+    "cli": {"config", "axolotl"},
     "metrics": set(),
     "distributed": {"metrics"},
     "data": {"config", "cli"},
     "policy": {"config", "cli", "data", "distributed"},
     "engine": {"config", "cli", "data", "policy"},
     "rewards": {"config", "cli", "data"},
-    "rollouts": {"config", "cli", "data", "distributed", "engine", "metrics", "policy", "rewards"},
+    "environments": {"config", "cli", "data"},
+    "rollouts": {"config", "cli", "data", "distributed", "engine", "environments", "metrics", "policy", "rewards"},
     "update": {"config", "data", "distributed", "metrics", "policy", "rollouts"},
     "ebft": {"config", "cli", "data", "distributed", "engine", "metrics", "policy", "rewards", "rollouts", "update"},
     "algorithms": {"config", "cli", "data", "ebft", "policy", "rewards", "rollouts", "update"},
     "checkpoint": {"config", "data", "distributed"},
     "merge_lora": {"cli", "data", "policy"},  # a tool of its own: the adapter of a finished run into its base
-    "train": {"algorithms", "checkpoint", "cli", "config", "data", "distributed", "engine", "interrupt",
+    "vllm_serve": {"cli", "config", "data", "engine"},  # a tool of its own: the server a run would launch
+    "train": {"algorithms", "checkpoint", "cli", "config", "data", "distributed", "engine", "environments",
+              "interrupt",
               "metrics", "policy", "rewards", "rollouts", "update"},  # EBFT only through algorithms
 }
 

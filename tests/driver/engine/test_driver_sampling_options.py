@@ -69,7 +69,7 @@ def test_cpu_engines_never_split_a_prefill(monkeypatch):
     seen with chat prompts on the launched server; CUDA keeps vLLM's default."""
     import driver.engine.colocate as colocate
     from driver.config import Config
-    from driver.engine.server import cli_flags
+    from driver.engine.launch import cli_flags
 
     monkeypatch.setattr(colocate, "cuda_available", lambda: False)
     kwargs = colocate.engine_kwargs(Config(), "model")

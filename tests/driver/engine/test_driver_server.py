@@ -20,7 +20,8 @@ from driver.data.tiny_model import resolve_model_path
 from driver.engine.adapter_sync import trainer_probe
 from driver.engine.base import Request
 from driver.engine.colocate import engine_kwargs
-from driver.engine.server import LOG_NAME, ServerError, ServerGenerator, cli_flags
+from driver.engine.launch import LOG_NAME, ServerError, cli_flags
+from driver.engine.server import ServerGenerator
 from driver.engine.sync_check import PROBE_TEXT
 from driver.policy.logprobs import completion_logprobs, pack
 from driver.policy.model import load_policy
@@ -72,6 +73,11 @@ def save_random_adapter(policy, seed: int, directory):
             if "lora_B" in name:
                 parameter.copy_(LORA_B_SCALE * torch.randn(parameter.shape, generator=generator))
     return policy.save_trained(directory)
+
+
+def served(generator: ServerGenerator) -> str:
+    """The model name requests give now: the newest adapter, or the base."""
+    return generator.model_name(generator.url, generator.adapter_version)
 
 
 def served_names(url: str) -> list[str]:
@@ -156,7 +162,7 @@ def test_generate_matches_trainer_logprobs(server, policy, tmp_path):
 
 def test_sync_serves_each_new_adapter_and_unloads_those_no_longer_kept(server, policy, probe_ids, tmp_path):
     server.sync(save_random_adapter(policy, seed=2, directory=tmp_path / "a"), version=2)
-    first_name, first_trainer = server.served_model, trainer_probe(policy, probe_ids)
+    first_name, first_trainer = served(server), trainer_probe(policy, probe_ids)
     first_engine = torch.tensor(server.prompt_logprobs(probe_ids))
     assert float((first_engine - first_trainer).abs().max()) < LOGPROB_ATOL
 
@@ -166,10 +172,10 @@ def test_sync_serves_each_new_adapter_and_unloads_those_no_longer_kept(server, p
     second_engine = torch.tensor(server.prompt_logprobs(probe_ids))
     assert float((second_engine - second_trainer).abs().max()) < LOGPROB_ATOL  # not the stale first adapter
 
-    assert server.adapter_version == 3 and server.served_model.startswith("adapter-v3-")
+    assert server.adapter_version == 3 and served(server).startswith("adapter-v3-")
     assert server.keep_versions == 2
     names = served_names(server.url)
-    assert server.served_model in names and first_name in names  # prefetched jobs may still sample with it
+    assert served(server) in names and first_name in names  # prefetched jobs may still sample with it
     server.sync(save_random_adapter(policy, seed=5, directory=tmp_path / "c"), version=4)
     assert first_name not in served_names(server.url)
     stale = requests.post(f"{server.url}/v1/completions", json={"model": first_name, "prompt": probe_ids,
@@ -181,17 +187,17 @@ def test_connect_to_running_server_and_close_leaves_it_running(server, policy, p
     config = make_config(tmp_path, server_url=server.url + "/v1", api_key="unused")
     client = ServerGenerator(config, "model dir unused: the server has its own")
     assert client.base_model == server.base_model and not (tmp_path / LOG_NAME).exists()
-    assert client._session.headers["Authorization"] == "Bearer unused"
+    assert client._client.session.headers["Authorization"] == "Bearer unused"
     client.sync(save_random_adapter(policy, seed=4, directory=tmp_path / "adapter"), version=7)
     engine = torch.tensor(client.prompt_logprobs(probe_ids))
     assert float((engine - trainer_probe(policy, probe_ids)).abs().max()) < LOGPROB_ATOL
     assert [len(group) for group in client.generate([probe_ids[:5]], n=2, seed=0)] == [2]
 
-    client_adapter = client.served_model
+    client_adapter = served(client)
     client.close()
     assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
     names = served_names(server.url)
-    assert client_adapter not in names and server.served_model in names  # ours freed, the other kept
+    assert client_adapter not in names and served(server) in names  # ours freed, the other kept
     assert len(server.generate([probe_ids[:5]], n=2, seed=0)[0]) == 2
 
 
@@ -205,7 +211,7 @@ def test_full_weights_are_reloaded_in_place_and_verified_by_the_probe(policy, pr
     full = load_policy(config)
     generator = ServerGenerator(config, model_dir)
     try:
-        assert generator.serves_one_version and generator.served_model == generator.base_model
+        assert generator.serves_one_version and served(generator) == generator.base_model
         base = torch.tensor(generator.prompt_logprobs(probe_ids))
         torch.manual_seed(0)
         with torch.no_grad():
@@ -232,12 +238,13 @@ def test_a_server_without_the_reload_endpoint_is_named(policy, tmp_path, tiny_vl
     config = make_config(tmp_path / "out", server_url=tiny_vllm_server)
     config.model.adapter = "none"
     generator = ServerGenerator(config, "unused")
-    original = generator._request
+    original = generator._client.request
 
-    def without_rpc(method, path, payload=None, allowed=(), timeout=None):
-        return original(method, "/no-such-route" if path == "/collective_rpc" else path, payload, allowed)
+    def without_rpc(url, method, path, payload=None, allowed=(), **options):
+        return original(url, method, "/no-such-route" if path == "/collective_rpc" else path, payload, allowed,
+                        **options)
 
-    monkeypatch.setattr(generator, "_request", without_rpc)
+    monkeypatch.setattr(generator._client, "request", without_rpc)
     with pytest.raises(ServerError, match="VLLM_SERVER_DEV_MODE=1"):
         generator.sync(tmp_path, version=1)
     generator.close()

@@ -3,8 +3,8 @@
 axolotl's versions (axolotl.prompt_strategies.ebft) tokenize for its strided trainer; ours hand back
 text, which the driver tokenizes itself: the prompt (a conversation, or text without a chat
 template) and the `ground_truth` the samples are feature-matched against. Like axolotl's, they keep
-none of the original columns (its remove_columns "__all__"). driver/axolotl_config.py names them
-when it translates such a config; the chat ones are in driver/ebft/transforms.py.
+none of the original columns (its remove_columns "__all__"). driver/axolotl/keys.py names them
+(BUILTIN_DATASET_TYPES) when it translates such a config; the chat ones are in driver/ebft/transforms.py.
 """
 
 from __future__ import annotations
