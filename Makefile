@@ -30,7 +30,7 @@ INSTALLED := $(VENV)/.installed
 BUILT := $(VENV)/.built
 
 .PHONY: demo test test-fast no-nvcc test-e2e lint install build bench cuda-check clean \
-	gpu-wheels gpu-install gpu-packages gpu-build gpu-test gpu-sanitize gpu-bench gpu
+	gpu-wheels gpu-install gpu-packages gpu-build gpu-test gpu-sanitize gpu-bench gpu nemo-gym
 
 DEMO_CONFIG := examples/tiny-grpo.yaml
 DEMO_ARGS ?=  # overrides, e.g. make demo DEMO_ARGS="--model.dtype=bfloat16 --train.steps=80"
@@ -98,6 +98,34 @@ $(BUILT): $(INSTALLED) $(NATIVE_SOURCES)
 	@$(LOGGED) $(PY) -m pykernels.startup_hook --install
 	@$(PY) -c "import torch, transformers.models.qwen2, pykernels; print('built against torch', torch.__version__, \
 		pykernels.build_info())"
+	@touch $@
+
+# NeMo Gym (docs/rewards.md "NeMo Gym"): its resources servers run as their own service, in their own
+# venv, as its users run them (it needs Python >= 3.12; ours may stay on 3.11). Only what a resources
+# server and ng_run import: nemo-gym without its dependencies, then those (~50 s and 650 MB on 2 idle
+# cores, 2 min on busy ones; all of them, mlflow, datasets and ray[default]'s dashboard among them, take
+# 90 s and 1.4 GB). Not --no-compile: it halves the install's CPU, but Ray's processes run with python -B,
+# so every server start would then compile their modules again (+30 s).
+# Ray's version must be the one every NeMo Gym process runs. The stamp names the version: a new pin
+# reinstalls from scratch.
+NEMO_GYM_DIR := .nemo-gym
+NEMO_GYM_VENV := $(NEMO_GYM_DIR)/venv
+NEMO_GYM_VERSION := 0.4.0
+NEMO_GYM_DEPS := "ray==2.60.0" "openai<=2.7.2" "aiohttp>=3.14.1" fastapi uvicorn uvloop pydantic omegaconf \
+	hydra-core requests orjson itsdangerous psutil rich tqdm devtools yappi pydot gprof2dot pandas wandb
+NEMO_GYM_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
+NEMO_GYM_INSTALLED := $(NEMO_GYM_VENV)/.installed-$(NEMO_GYM_VERSION)
+
+nemo-gym: $(NEMO_GYM_INSTALLED)
+
+$(NEMO_GYM_INSTALLED): SETUP_LOG := $(NEMO_GYM_DIR)/install.log
+$(NEMO_GYM_INSTALLED):
+	@echo "setting up NeMo Gym $(NEMO_GYM_VERSION) in $(NEMO_GYM_VENV) (log: $(SETUP_LOG))"
+	@rm -rf $(NEMO_GYM_VENV) && mkdir -p $(NEMO_GYM_DIR)
+	@$(LOGGED) $(NEMO_GYM_PYTHON) -m venv $(NEMO_GYM_VENV)
+	@$(LOGGED) $(NEMO_GYM_VENV)/bin/pip install --no-deps nemo-gym==$(NEMO_GYM_VERSION)
+	@$(LOGGED) $(NEMO_GYM_VENV)/bin/pip install $(NEMO_GYM_DEPS)
+	@$(LOGGED) $(NEMO_GYM_VENV)/bin/python -c "import nemo_gym.cli.env, nemo_gym.base_resources_server"
 	@touch $@
 
 # Perf gate, one pytest session (README "Benchmarks and the performance gate"): time ours against
