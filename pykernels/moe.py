@@ -15,18 +15,21 @@ from pykernels.moe_route import route
 from pykernels.nf4_weight import NF4Weight
 from pykernels.ops import moe as _ops
 from pykernels.ops.moe import grouped_linear, sort_tokens
-from pykernels.moe_types import LoRAFactors
+from pykernels.moe_types import ClampedSwiGLU, LoRAFactors
 
 
-def _bucket(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act="silu", lora=None):
+def _bucket(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act="silu", lora=None, gate_up_bias=None,
+            down_bias=None, interleaved=False):
     experts, inter, width = gate_up_proj.shape[0], down_proj.shape[2], hidden.shape[1]
     base = "nf4" if isinstance(gate_up_proj, NF4Weight) else "dense"
     ranks = ",".join(f"{name}:r{factors.a.shape[-2]}" for name, factors in sorted((lora or {}).items()))
+    layout = ((" bias" if gate_up_bias is not None or down_bias is not None else "")
+              + (" interleaved" if interleaved else ""))
     return hidden.device, hidden.dtype, (f"tokens<={dispatch.token_bucket(hidden.shape[0])} experts={experts} "
                                          f"top_k={top_k_index.shape[1]} hidden={width} inter={inter} {act} {base}"
-                                         + (f" lora={ranks}" if ranks else ""))
+                                         + layout + (f" lora={ranks}" if ranks else ""))
 
 
 experts_forward = dispatch.dispatched("moe", _ops.experts_forward, _bucket, torch_fn=torch_experts_forward)
 
-__all__ = ["LoRAFactors", "experts_forward", "grouped_linear", "route", "sort_tokens"]
+__all__ = ["ClampedSwiGLU", "LoRAFactors", "experts_forward", "grouped_linear", "route", "sort_tokens"]

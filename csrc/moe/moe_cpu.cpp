@@ -10,8 +10,10 @@
 // the slots' input rows are gathered straight into a packed GEMM operand, and the GEMM runs
 // transposed, out^T = W_e x^T, so that W_e's rows stream through unpacked (read once per item,
 // the dominant traffic at a few dozen tokens per expert); LoRA adds s B_e (A_e x^T) with the same
-// micro-kernel; the epilogue gates, rounds and writes the slots' rows. The bf16 backward for frozen
-// expert weights is described at backward_bf16. Everything else (other dtypes, CPUs without
+// micro-kernel; the epilogue gates, rounds and writes the slots' rows. Expert weights stored
+// [E, in, out] (GPT-OSS' layout, passed as a transposed view) are read where they are, never copied:
+// their forward packs W_e^T like the backward packs W_e (forward_n_major). The bf16 backward for
+// frozen expert weights is described at backward_bf16. Everything else (other dtypes, CPUs without
 // AVX-512 BF16, weight gradients) uses torch's GEMMs on fp32 copies.
 #include <ATen/Parallel.h>
 #include <ATen/core/LegacyTypeDispatch.h>
@@ -35,7 +37,8 @@ using BelowAutograd = at::AutoDispatchBelowADInplaceOrView;  // see lora_cpu.cpp
 
 constexpr int64_t kSlotChunk = 256;  // slots per work item (packed x: kSlotChunk x in bf16)
 constexpr int64_t kOutBlock = 512;   // rows of W_e per GEMM call: its A block (512 x 512 bf16) stays in L2
-constexpr int64_t kInBlock = 128;    // dx columns per backward work item: W_e's packed [out, 128] slice
+constexpr int64_t kColBlock = 128;   // output columns per work item where W_e is the packed B operand
+                                     // (the backward's dx; the forward of weights stored [E, in, out])
 constexpr int64_t kItemsPerThread = 8;  // forward: split output rows until each thread has this many items
 
 // fn(i) for i in [0, n), items claimed one at a time by the threads (a shared counter): items of
@@ -90,6 +93,7 @@ struct ExpertSlots {
 struct Problem {
   Sizes size;
   at::Tensor x, weight, sorted_token_idx, gates_flat;  // gates_flat: [T*k] in compute dtype, or undefined
+  bool weight_n_major;  // weight [E, out, in] is a transposed view of a contiguous [E, in, out] tensor
   std::optional<at::Tensor> lora_a, lora_b;
   double scaling;
   bool grouped_in, grouped_out;
@@ -123,10 +127,11 @@ Problem make_problem(const at::Tensor& x, const at::Tensor& weight, const at::Te
                      bool grouped_in, bool grouped_out, const std::optional<at::Tensor>& gates,
                      const std::optional<at::Tensor>& lora_a, const std::optional<at::Tensor>& lora_b,
                      double scaling) {
+  const bool n_major = !weight.is_contiguous() && weight.transpose(1, 2).is_contiguous();
   Problem p{check_grouped_linear(x, weight, sorted_expert_idx, sorted_token_idx, expert_offsets, top_k, grouped_in,
                                  gates, lora_a, lora_b),
-            x.contiguous(), weight.contiguous(), sorted_token_idx, {}, lora_a, lora_b, scaling, grouped_in,
-            grouped_out, {}, compute_dtype(x)};
+            x.contiguous(), n_major ? weight : weight.contiguous(), sorted_token_idx, {}, n_major, lora_a, lora_b,
+            scaling, grouped_in, grouped_out, {}, compute_dtype(x)};
   check_routing_values(sorted_token_idx, expert_offsets);
   const int64_t* off = expert_offsets.data_ptr<int64_t>();
   p.offsets.assign(off, off + p.size.experts + 1);
@@ -205,23 +210,17 @@ void sum_per_token(const Problem& p, const uint16_t* slot_rows, int64_t cols, at
   });
 }
 
-// The op's output in bf16 (see the header of this file). Each slot's row is written once, to its
-// place in the output (slot or assignment order), or, when gated rows are summed per token, to a
-// workspace kept across calls (fresh pages cost more than the sum on a VM) and then summed.
-at::Tensor forward_bf16(const Problem& p) {
+// Where the bf16 forward writes slot s's row: bf16 [out] at dst + dst_row[s] * out, times gates[s].
+struct ForwardRows {
+  uint16_t* dst;
+  const int64_t* dst_row;  // [slots]
+  const float* gates;      // [slots], or null: 1
+};
+
+// The forward for weights stored [E, out, in] (see the header of this file).
+void forward_k_major(const Problem& p, const ForwardRows& out) {
   const Sizes& z = p.size;
-  const bool combine = p.gates_flat.defined() && !p.grouped_out;
   const int64_t* assignment = p.sorted_token_idx.data_ptr<int64_t>();
-  const int64_t valid = p.offsets[z.experts];
-  std::vector<int64_t> dst_row(z.slots);
-  for (int64_t s = 0; s < z.slots; ++s) dst_row[s] = p.grouped_out || combine ? s : assignment[s];
-  at::Tensor y = at::empty({combine ? z.tokens : z.slots, z.out}, p.x.options());
-  thread_local AlignedVector<uint16_t> workspace;  // this calling thread's slot rows when combining
-  if (combine) workspace.resize(z.slots * z.out);
-  uint16_t* dst = combine ? workspace.data() : reinterpret_cast<uint16_t*>(y.data_ptr());
-  if (!combine) {
-    for (int64_t s = valid; s < z.slots; ++s) std::fill_n(dst + dst_row[s] * z.out, z.out, uint16_t{0});  // dropped
-  }
   // Work items: kSlotChunk slots of one expert x a group of output rows. With few experts
   // (Mixtral: 8) the rows are split too, so that the threads get several items each to balance.
   struct Item {
@@ -244,7 +243,6 @@ at::Tensor forward_bf16(const Problem& p) {
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) {  // largest first
     return (a.s1 - a.s0) * (a.o1 - a.o0) > (b.s1 - b.s0) * (b.o1 - b.o0);
   });
-  const at::Tensor gate_of_slot = p.gate_of_slot();
   at::Tensor lora_a, lora_b_t;  // lora_b_t [E, out, r]
   if (p.lora_a) {
     lora_a = p.lora_a->contiguous();
@@ -278,7 +276,7 @@ at::Tensor forward_bf16(const Problem& p) {
       packed_u.resize(gemm::panels(m) * gemm::panel_stride(r_pad));
       gemm::pack_rows(u_bf16.data(), z.rank, r_pad, m, ld, packed_u.data());
     }
-    const float* gates = gate_of_slot.defined() ? gate_of_slot.data_ptr<float>() + it.s0 : nullptr;
+    const float* gates = out.gates ? out.gates + it.s0 : nullptr;
     for (int64_t o0 = it.o0; o0 < it.o1; o0 += kOutBlock) {
       const int64_t rows = std::min(kOutBlock, it.o1 - o0);
       tile.resize(rows * ld);
@@ -288,9 +286,121 @@ at::Tensor forward_bf16(const Problem& p) {
         gemm::gemm_bf16(rows, m, z.rank, b + (it.e * z.out + o0) * z.rank, z.rank, packed_u.data(),
                         gemm::panel_stride(r_pad), tile.data(), ld, true);
       }
-      cpu::store_transposed_bf16(tile.data(), ld, rows, m, gates, dst + o0, dst_row.data() + it.s0, z.out);
+      cpu::store_transposed_bf16(tile.data(), ld, rows, m, gates, out.dst + o0, out.dst_row + it.s0, z.out);
     }
   });
+}
+
+// u_s = bf16(s x_s A_e^T) for every routed slot, rounded like a bf16 LoRA's x A^T: x_sorted the slots'
+// input rows [valid, in], u [valid, r_pad] (the padding column zero). Experts split over the threads.
+void lora_rows_bf16(const Problem& p, const uint16_t* x_sorted, uint16_t* u_out, int64_t r_pad) {
+  const Sizes& z = p.size;
+  const at::Tensor lora_a = p.lora_a->contiguous();
+  at::parallel_for(0, z.experts, 1, [&](int64_t e0, int64_t e1) {
+    thread_local AlignedVector<uint32_t> packed_at;
+    thread_local AlignedVector<float> u;
+    for (int64_t e = e0; e < e1; ++e) {
+      const int64_t s0 = p.offsets[e], m = p.offsets[e + 1] - s0;
+      if (m == 0) continue;
+      packed_at.resize(gemm::panels(z.rank) * gemm::panel_stride(z.in));
+      gemm::pack_transposed(bf16_data(lora_a) + e * z.rank * z.in, z.rank, z.in, z.in, packed_at.data());
+      u.resize(m * z.rank);
+      gemm::gemm_bf16(m, z.rank, z.in, x_sorted + s0 * z.in, z.in, packed_at.data(), gemm::panel_stride(z.in),
+                      u.data(), z.rank, false);
+      for (int64_t j = 0; j < m; ++j) {
+        uint16_t* dst = u_out + (s0 + j) * r_pad;
+        for (int64_t q = 0; q < z.rank; ++q) dst[q] = round_to_bf16(static_cast<float>(p.scaling) * u[j * z.rank + q]);
+        if (r_pad > z.rank) dst[z.rank] = 0;
+      }
+    }
+  });
+}
+
+// The forward for weights stored [E, in, out] (a transposed view): y = x W_e^T with the slots' rows
+// of x (gathered once, in slot order) as the A operand and W_e^T, the stored [in, out] matrix, packed
+// kColBlock columns at a time; work items (expert, column block) as in backward_bf16, so W is read
+// once. LoRA's rank-r rows u = s x A_e^T (bf16, like the K-major forward's) are computed once per
+// slot and add u B_e^T as r more K steps.
+void forward_n_major(const Problem& p, const ForwardRows& out) {
+  const Sizes& z = p.size;
+  const int64_t valid = p.offsets[z.experts], k_pad = round_up(z.in, 2), r_pad = round_up(z.rank, 2);
+  const int64_t* assignment = p.sorted_token_idx.data_ptr<int64_t>();
+  const uint16_t *x = bf16_data(p.x), *w = bf16_data(p.weight);
+  thread_local AlignedVector<uint16_t> x_workspace, u_workspace;  // x's rows [valid, in], u [valid, r_pad]
+  x_workspace.resize(valid * z.in);
+  uint16_t* x_sorted = x_workspace.data();
+  at::parallel_for(0, valid, 64, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      std::copy_n(x + (p.grouped_in ? s : assignment[s] / z.top_k) * z.in, z.in, x_sorted + s * z.in);
+    }
+  });
+  at::Tensor lora_b_t;  // [E, out, r]
+  if (p.lora_a) {
+    lora_b_t = p.lora_b_by_expert();
+    u_workspace.resize(valid * r_pad);
+    lora_rows_bf16(p, x_sorted, u_workspace.data(), r_pad);
+  }
+  struct Item {
+    int64_t e, block;
+  };
+  std::vector<Item> items;
+  for (int64_t e = 0; e < z.experts; ++e) {
+    if (p.offsets[e + 1] == p.offsets[e]) continue;
+    for (int64_t block = 0; block * kColBlock < z.out; ++block) items.push_back({e, block});
+  }
+  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {  // most slots first
+    return p.offsets[a.e + 1] - p.offsets[a.e] > p.offsets[b.e + 1] - p.offsets[b.e];
+  });
+  for_each_item(static_cast<int64_t>(items.size()), [&](int64_t i) {
+    thread_local AlignedVector<uint32_t> packed_w, packed_b;
+    thread_local AlignedVector<float> c;
+    const int64_t e = items[i].e, c0 = items[i].block * kColBlock, cols = std::min(kColBlock, z.out - c0);
+    const int64_t ldc = gemm::padded_ld(cols);
+    packed_w.resize(gemm::panels(cols) * gemm::panel_stride(k_pad));
+    gemm::pack_rows(w + e * z.in * z.out + c0, z.in, k_pad, cols, z.out, packed_w.data());
+    if (p.lora_a) {  // B_e^T [r, cols]: B_e's rows c0.. of lora_b_t[e]
+      packed_b.resize(gemm::panels(cols) * gemm::panel_stride(z.rank));
+      gemm::pack_transposed(bf16_data(lora_b_t) + (e * z.out + c0) * z.rank, cols, z.rank, z.rank, packed_b.data());
+    }
+    for (int64_t s0 = p.offsets[e]; s0 < p.offsets[e + 1]; s0 += kSlotChunk) {
+      const int64_t m = std::min(kSlotChunk, p.offsets[e + 1] - s0);
+      c.resize(m * ldc);
+      gemm::gemm_bf16(m, cols, z.in, x_sorted + s0 * z.in, z.in, packed_w.data(), gemm::panel_stride(k_pad),
+                      c.data(), ldc, false);
+      if (p.lora_a) {
+        gemm::gemm_bf16(m, cols, z.rank, u_workspace.data() + s0 * r_pad, r_pad, packed_b.data(),
+                        gemm::panel_stride(z.rank), c.data(), ldc, true);
+      }
+      cpu::gate_rows_bf16(c.data(), ldc, m, cols, out.gates ? out.gates + s0 : nullptr, nullptr, nullptr, nullptr,
+                          out.dst + c0, out.dst_row + s0, z.out);
+    }
+  });
+}
+
+// The op's output in bf16. Each slot's row is written once, to its place in the output (slot or
+// assignment order), or, when gated rows are summed per token, to a workspace kept across calls
+// (fresh pages cost more than the sum on a VM) and then summed.
+at::Tensor forward_bf16(const Problem& p) {
+  const Sizes& z = p.size;
+  const bool combine = p.gates_flat.defined() && !p.grouped_out;
+  const int64_t* assignment = p.sorted_token_idx.data_ptr<int64_t>();
+  const int64_t valid = p.offsets[z.experts];
+  std::vector<int64_t> dst_row(z.slots);
+  for (int64_t s = 0; s < z.slots; ++s) dst_row[s] = p.grouped_out || combine ? s : assignment[s];
+  at::Tensor y = at::empty({combine ? z.tokens : z.slots, z.out}, p.x.options());
+  thread_local AlignedVector<uint16_t> workspace;  // this calling thread's slot rows when combining
+  if (combine) workspace.resize(z.slots * z.out);
+  uint16_t* dst = combine ? workspace.data() : reinterpret_cast<uint16_t*>(y.data_ptr());
+  if (!combine) {
+    for (int64_t s = valid; s < z.slots; ++s) std::fill_n(dst + dst_row[s] * z.out, z.out, uint16_t{0});  // dropped
+  }
+  const at::Tensor gate_of_slot = p.gate_of_slot();
+  const ForwardRows rows{dst, dst_row.data(), gate_of_slot.defined() ? gate_of_slot.data_ptr<float>() : nullptr};
+  if (p.weight_n_major) {
+    forward_n_major(p, rows);
+  } else {
+    forward_k_major(p, rows);
+  }
   if (combine) sum_per_token(p, dst, z.out, y);
   return y;
 }
@@ -395,7 +505,7 @@ void lora_backward_expert(const LoraBackward& l, int64_t e, int64_t s0, int64_t 
 
 // bf16 backward for frozen expert weights (grad_x, grad_gates, LoRA grads). dx = dy W_e runs on the
 // micro-kernel with K = out, W's row index, so W_e must be packed: work items are (expert, block of
-// kInBlock columns of dx), each packing its [out, kInBlock] slice of W_e into a buffer that stays
+// kColBlock columns of dx), each packing its [out, kColBlock] slice of W_e into a buffer that stays
 // in cache while every slot chunk of the expert runs against it. W is read from memory once, never
 // written back packed, and small-E models (Mixtral: 8 experts) still split evenly over the threads.
 // dy's rows in slot order (the GEMM's A operand) are gathered once for all items. The rank-r LoRA
@@ -460,7 +570,7 @@ Grads backward_bf16(const Problem& p, const at::Tensor& g, const at::Tensor& gra
   }
 
   // dx and the gates' gradients, by (expert, column block).
-  const int64_t col_blocks = (z.in + kInBlock - 1) / kInBlock;
+  const int64_t col_blocks = (z.in + kColBlock - 1) / kColBlock;
   struct Item {
     int64_t e, block;
   };
@@ -474,6 +584,8 @@ Grads backward_bf16(const Problem& p, const at::Tensor& g, const at::Tensor& gra
   });
   std::vector<float> dgate_parts(compute_grad_gates ? col_blocks * valid : 0, 0.0f);  // [block][slot]
   const uint16_t* w = bf16_data(p.weight);
+  std::vector<int64_t> stored_rows(kColBlock);  // weights stored [E, in, out]: element offset of row c of a block
+  for (int64_t c = 0; c < kColBlock; ++c) stored_rows[c] = c * z.out;
   const uint16_t* a_bf16 = lora_a_bf16.defined() ? bf16_data(lora_a_bf16) : nullptr;
   if (compute_grad_x || compute_grad_gates) {
     for_each_item(static_cast<int64_t>(items.size()), [&](int64_t i) {
@@ -482,10 +594,14 @@ Grads backward_bf16(const Problem& p, const at::Tensor& g, const at::Tensor& gra
       thread_local AlignedVector<float> c;
       thread_local AlignedVector<uint16_t> scratch;  // dx rows when only the gates' gradients are asked for
       thread_local std::vector<int64_t> dst_rows;
-      const int64_t e = items[i].e, c0 = items[i].block * kInBlock, cols = std::min(kInBlock, z.in - c0);
+      const int64_t e = items[i].e, c0 = items[i].block * kColBlock, cols = std::min(kColBlock, z.in - c0);
       const int64_t ldc = gemm::padded_ld(cols);
       packed_w.resize(gemm::panels(cols) * gemm::panel_stride(k_pad));
-      gemm::pack_rows(w + e * z.out * z.in + c0, z.out, k_pad, cols, z.in, packed_w.data());
+      if (p.weight_n_major) {  // W_e [out, cols] from its transpose: the stored [in, out] rows c0..
+        gemm::pack_transposed_gather(w + (e * z.in + c0) * z.out, stored_rows.data(), cols, z.out, packed_w.data());
+      } else {
+        gemm::pack_rows(w + e * z.out * z.in + c0, z.out, k_pad, cols, z.in, packed_w.data());
+      }
       if (a_bf16 != nullptr) {
         packed_a.resize(gemm::panels(cols) * gemm::panel_stride(r_pad));
         gemm::pack_rows(a_bf16 + e * z.rank * z.in + c0, z.rank, r_pad, cols, z.in, packed_a.data());

@@ -20,7 +20,8 @@ void store_transposed_bf16(const float* tile, int64_t ld, int64_t rows, int64_t 
 void sum_slots_bf16(const uint16_t* rows, const int64_t* slot_of, int64_t tokens, int64_t top_k, int64_t n,
                     uint16_t* out);
 
-// The backward's epilogue on an expert's d(x) tile c [rows][ldc] fp32 (ungated: dy W_e + LoRA):
+// The epilogue of a GEMM tile c [rows = slots][ldc] fp32, ungated (the backward's d(x) = dy W_e +
+// LoRA; the forward's y for weights stored [E, in, out], without dgate and x):
 // dgate[j] = dot(c[j], x row j) when dgate is given (x rows at x + x_offsets[j], cols each), and
 // dst[dst_rows[j] * ld_dst + col] = bf16(gate[j] * c[j][col]) (gates may be null: 1).
 void gate_rows_bf16(const float* c, int64_t ldc, int64_t rows, int64_t cols, const float* gates, const uint16_t* x,

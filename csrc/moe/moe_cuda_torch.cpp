@@ -17,6 +17,10 @@
 // u and v are rounded to x's dtype (like the CPU's bf16 path) and padded to r8 = r rounded up to 8
 // columns of zeros, which keeps their rows 16-byte aligned for the tensor-core kernels.
 //
+// Expert weights stored [E, in, out] (GPT-OSS; the op gets a transposed view) are read in place by the
+// sm_90a GEMMs (the B operand's other major-ness); the sm80 kernels take a contiguous [E, out, in]
+// copy per call.
+//
 // On Hopper (compute capability 9.0, bf16, feature sizes multiples of 8) the products with W and
 // the LoRA products on the base's rows (u B^T, v A) run as CUTLASS sm_90a grouped GEMMs on rows in
 // slot order (common/grouped_gemm_sm90.cu). The gather of x / dy into slot order, the scatter and
@@ -66,6 +70,7 @@ ExpertMatrix n_major(const at::Tensor& w, int64_t k_limit) {
 struct Problem {
   Sizes size;
   at::Tensor x, weight, sorted_token_idx, expert_offsets;
+  bool weight_n_major;       // weight [E, out, in] is a transposed view of a contiguous [E, in, out] tensor
   at::Tensor gates;          // [T * k] contiguous, or undefined
   at::Tensor lora_a, lora_b; // contiguous, or undefined
   float scaling;
@@ -79,6 +84,8 @@ struct Problem {
   int64_t padded_rank() const { return (size.rank + 7) / 8 * 8; }
   SlotRows x_rows() const { return slot_rows(x, grouped_in ? at::Tensor() : token_of_slot); }
   at::Tensor lora_a_by_expert() const { return lora_a.view({size.experts, size.rank, size.in}); }  // A_e = [e]
+  // The weight as the sm80 kernels read it, contiguous [E, out, in] (a copy for transposed storage).
+  at::Tensor k_major_weight() const { return weight_n_major ? weight.contiguous() : weight; }
 };
 
 // Inputs already checked (check_grouped_linear: shapes, dtypes, devices), under a guard of x's device.
@@ -89,7 +96,8 @@ Problem make_problem(const Sizes& size, const at::Tensor& x, const at::Tensor& w
                      double scaling) {
   TORCH_CHECK_VALUE(size.slots < (int64_t{1} << 31), "the number of assignments T * k must be below 2^31, got ",
                     size.slots);
-  Problem p{size, x.contiguous(), weight.contiguous(), sorted_token_idx, expert_offsets,
+  const bool n_major = !weight.is_contiguous() && weight.transpose(1, 2).is_contiguous();
+  Problem p{size, x.contiguous(), n_major ? weight : weight.contiguous(), sorted_token_idx, expert_offsets, n_major,
             gates ? gates->reshape(-1).contiguous() : at::Tensor(),
             lora_a ? lora_a->contiguous() : at::Tensor(), lora_b ? lora_b->contiguous() : at::Tensor(),
             static_cast<float>(scaling), grouped_in, grouped_out, current_stream(x), {}, {}, {}};
@@ -256,7 +264,11 @@ at::Tensor grouped_linear_sm90(const Problem& p) {
   const Sizes& z = p.size;
   const at::Tensor xs = in_slot_order(p, p.x, p.grouped_in ? at::Tensor() : p.token_of_slot);
   at::Tensor rows = at::empty({z.slots, z.out}, p.x.options());  // slot order, ungated
-  sm90_rows(p, Sm90GemmKind::kRowsKMajorB, xs, z.in, p.weight, z.in, z.out * z.in, rows, false);
+  if (p.weight_n_major) {  // W_e^T, the stored [in, out] matrix, as B [k, n]
+    sm90_rows(p, Sm90GemmKind::kRowsNMajorB, xs, z.in, p.weight, z.out, z.out * z.in, rows, false);
+  } else {
+    sm90_rows(p, Sm90GemmKind::kRowsKMajorB, xs, z.in, p.weight, z.in, z.out * z.in, rows, false);
+  }
   if (p.lora()) {
     // K = r8: both operands carry zero padding columns, so every TMA extent is a multiple of 16 bytes
     const at::Tensor u = lora_u(p), b = lora_b_by_expert(p);  // [slots, r8], [E, out, r8]
@@ -281,7 +293,11 @@ void grouped_linear_backward_sm90(const Problem& p, const at::Tensor& dy, const 
       in_slot_order(p, dy, p.grouped_out ? at::Tensor() : p.summed() ? p.token_of_slot : p.sorted_token_idx);
   if (compute_grad_x || compute_grad_gates) {
     at::Tensor dx_rows = at::empty({z.slots, z.in}, p.x.options());  // dy_s W_e + v_s A_e, ungated
-    sm90_rows(p, Sm90GemmKind::kRowsNMajorB, dys, z.out, p.weight, z.in, z.out * z.in, dx_rows, false);
+    if (p.weight_n_major) {  // W_e = the stored [in, out] matrix transposed: B [n, k]
+      sm90_rows(p, Sm90GemmKind::kRowsKMajorB, dys, z.out, p.weight, z.out, z.out * z.in, dx_rows, false);
+    } else {
+      sm90_rows(p, Sm90GemmKind::kRowsNMajorB, dys, z.out, p.weight, z.in, z.out * z.in, dx_rows, false);
+    }
     if (v.defined()) {  // K = r8 as in the forward: A_e padded with zero rows
       at::Tensor a = at::zeros({z.experts, p.padded_rank(), z.in}, p.x.options());
       a.narrow(1, 0, z.rank).copy_(p.lora_a_by_expert());
@@ -360,7 +376,8 @@ at::Tensor grouped_linear_cuda(const at::Tensor& x, const at::Tensor& weight, co
   at::Tensor rows = at::empty({z.slots, z.out}, p.x.options());
   GroupedRowsParams g = rows_gemm(p, z.out);
   g.a = p.x_rows();
-  g.b = k_major(p.weight);
+  const at::Tensor weight_k_major = p.k_major_weight();
+  g.b = k_major(weight_k_major);
   at::Tensor u, b_by_expert;
   if (p.lora()) {
     u = lora_u(p);
@@ -423,7 +440,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> grouped_l
   } else if (compute_grad_x || compute_grad_gates) {
     GroupedRowsParams g = rows_gemm(p, z.in);
     g.a = dy_rows;
-    g.b = n_major(p.weight, z.out);
+    const at::Tensor weight_k_major = p.k_major_weight();
+    g.b = n_major(weight_k_major, z.out);
     if (p.lora()) {
       g.a2 = slot_rows(v);
       g.b2 = n_major(p.lora_a_by_expert(), z.rank);

@@ -2,7 +2,9 @@
 
 Nothing can be downloaded at run time, so the default config, the tests and the demo train
 models built here: `tiny://qwen2` (dense), `tiny://qwen2-wide` (hidden 512), `tiny://qwen3-moe` (8
-experts, top-2), `tiny://qwen3-moe-wide` (hidden 512, 32 experts, top-4) and `tiny://llama`. Head
+experts, top-2), `tiny://qwen3-moe-wide` (hidden 512, 32 experts, top-4), `tiny://llama`, and the
+other MoE architectures `tiny://gpt-oss`, `tiny://ernie4.5-moe`, `tiny://gemma4-moe` (8 experts,
+top-2). Head
 dim is 64 (vLLM's CPU attention does not support 16), embeddings are untied (vLLM's weight reload
 does not refresh a tied lm_head). The same name always gives the same bytes.
 """
@@ -50,6 +52,25 @@ ARCHITECTURES = {
                        dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=2, intermediate_size=1024,
                             moe_intermediate_size=256, num_local_experts=32, num_experts_per_tok=4,
                             norm_topk_prob=True, head_dim=64)),
+    # More MoE architectures (8 experts, top-2, experts of 64), each as transformers defines it: GPT-OSS
+    # (clamped SwiGLU, interleaved gate/up, expert biases, attention sinks: model.attention eager),
+    # Ernie 4.5 (a shared expert, a router correction bias) and Gemma 4's text model with its MoE block
+    # beside the dense MLP (LoRA on experts: lora.expert_targets [experts.gate_up_proj,
+    # experts.down_proj]). No Mistral 4: transformers 5.19 does not map it to AutoModelForCausalLM.
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(intermediate_size=64, num_local_experts=8, num_experts_per_tok=2, head_dim=64,
+                     layer_types=["sliding_attention", "full_attention"], sliding_window=128,
+                     # GPT-OSS' YaRN (vLLM requires it), its factor 32 stretching 32 positions to 1024
+                     rope_parameters=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                                          truncate=False, original_max_position_embeddings=32,
+                                          rope_theta=150000.0))),
+    "ernie4.5-moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM",
+                     dict(intermediate_size=256, moe_intermediate_size=64, moe_num_experts=8, moe_k=2,
+                          moe_num_shared_experts=1, moe_layer_start_index=0, head_dim=64)),
+    "gemma4-moe": ("Gemma4TextConfig", "Gemma4ForCausalLM",
+                   dict(intermediate_size=256, enable_moe_block=True, num_experts=8, top_k_experts=2,
+                        moe_intermediate_size=64, head_dim=64, global_head_dim=64, hidden_size_per_layer_input=0,
+                        layer_types=["sliding_attention", "full_attention"], sliding_window=128)),
 }
 
 

@@ -3,6 +3,8 @@ pure-torch statement in pykernels/reference/moe.py)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from pykernels import backend
@@ -10,7 +12,7 @@ from pykernels._extension import check_device, ops
 from pykernels.nf4_weight import NF4Weight
 from pykernels.ops import moe_nf4
 from pykernels.reference import moe as reference
-from pykernels.moe_types import ACTIVATIONS, LoRAFactors
+from pykernels.moe_types import Activation, LoRAFactors, check_activation, gated_activation
 
 _EMPTY_SHAPE = (0,)
 
@@ -134,20 +136,29 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, sorted_expert_idx: tor
 
 
 def experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                    gate_up_proj: torch.Tensor | NF4Weight, down_proj: torch.Tensor | NF4Weight, act: str = "silu",
-                    lora: dict[str, LoRAFactors] | None = None) -> torch.Tensor:
+                    gate_up_proj: torch.Tensor | NF4Weight, down_proj: torch.Tensor | NF4Weight,
+                    act: Activation = "silu", lora: dict[str, LoRAFactors] | None = None,
+                    gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                    interleaved: bool = False) -> torch.Tensor:
     """Gated expert MLP of a transformers MoE block: out[t] = sum_j w[t, j] down_e(act(gate_e x_t) *
-    up_e x_t), e = top_k_index[t, j]. hidden [T, H]; gate_up_proj [E, 2I, H] (gate rows, then up);
-    down_proj [E, H, I]; top_k_weights [T, k] (fp32 or hidden's dtype); lora maps "gate_up_proj" /
-    "down_proj" to LoRAFactors. Gradients to hidden, top_k_weights, the expert weights and LoRA.
-    The expert weights may both be frozen NF4Weights [E, out, in] (QLoRA): only the experts that
-    received tokens are dequantized, in the forward and again in the backward.
+    up_e x_t), e = top_k_index[t, j]. hidden [T, H]; gate_up_proj [E, 2I, H] (gate rows, then up;
+    alternating gate and up rows when interleaved, GPT-OSS); down_proj [E, H, I] (weights stored
+    [E, in, out] go in as transposed views: the CPU kernels and the Hopper GEMMs read them in place,
+    the sm80 kernels copy them per call); top_k_weights
+    [T, k] (fp32 or hidden's dtype); act a name of pykernels.moe_types.ACTIVATIONS, "clamped_swiglu"
+    or a ClampedSwiGLU (GPT-OSS); lora maps "gate_up_proj" / "down_proj" to LoRAFactors; optional
+    per-expert biases gate_up_bias [E, 2I] and down_bias [E, H] (GPT-OSS), added before the routing
+    weight. Gradients to hidden, top_k_weights, the expert weights, the biases and LoRA. The expert
+    weights may both be frozen NF4Weights [E, out, in] (QLoRA): only the experts that received
+    tokens are dequantized, in the forward and again in the backward.
+
+    The biases and the activation run as torch epilogues around the two grouped GEMMs (elementwise
+    work on the [T*k, 2I] and [T, k, H] rows the GEMMs write anyway).
 
     Example:
         >>> out = pykernels.moe.experts_forward(h, idx, w, experts.gate_up_proj, experts.down_proj)
     """
-    if act not in ACTIVATIONS:
-        raise ValueError(f"act must be one of {sorted(ACTIVATIONS)}, got {act!r}")
+    check_activation(act)
     nf4 = isinstance(gate_up_proj, NF4Weight)
     if nf4 != isinstance(down_proj, NF4Weight):
         raise ValueError("gate_up_proj and down_proj must both be NF4Weights or both be tensors, got "
@@ -159,6 +170,11 @@ def experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weigh
     if top_k_index.dim() != 2 or top_k_weights.shape != top_k_index.shape:
         raise ValueError("top_k_index and top_k_weights must both be [tokens, top_k], got "
                          f"{tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}")
+    biases = {"gate_up_bias": (gate_up_bias, gate_up_shape[:2]), "down_bias": (down_bias, down_shape[:2])}
+    for name, (bias, shape) in biases.items():
+        if bias is not None and tuple(bias.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} ([E, out_features] of its weight), got "
+                             f"{tuple(bias.shape)}")
     lora = lora or {}
     unknown = set(lora) - {"gate_up_proj", "down_proj"}
     if unknown:
@@ -166,18 +182,42 @@ def experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weigh
     if _reference_for(hidden):
         if nf4:
             gate_up_proj, down_proj = gate_up_proj.dequantize(hidden.dtype), down_proj.dequantize(hidden.dtype)
-        return reference.experts_forward(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act, lora)
+        return reference.experts_forward(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act, lora,
+                                         gate_up_bias, down_bias, interleaved)
     routing = sort_tokens(top_k_index, gate_up_shape[0])
     if nf4:
-        return _experts_forward_nf4(hidden, top_k_weights, gate_up_proj, down_proj, act, lora, routing)
-    gate_up = grouped_linear(hidden, gate_up_proj, *routing, grouped_out=True, lora=lora.get("gate_up_proj"))
-    gate, up = gate_up.chunk(2, dim=-1)
-    inner = ACTIVATIONS[act](gate) * up
-    return grouped_linear(inner, down_proj, *routing, grouped_in=True, gates=top_k_weights,
-                          lora=lora.get("down_proj"))
+        gate_up_linear, down_linear = _nf4_linears(hidden, top_k_weights, gate_up_proj, down_proj, routing)
+    else:
+        gate_up_linear = functools.partial(grouped_linear, weight=gate_up_proj, sorted_expert_idx=routing[0],
+                                           sorted_token_idx=routing[1], expert_offsets=routing[2])
+        down_linear = functools.partial(grouped_linear, weight=down_proj, sorted_expert_idx=routing[0],
+                                        sorted_token_idx=routing[1], expert_offsets=routing[2])
+    gate_up = gate_up_linear(hidden, grouped_out=True, lora=lora.get("gate_up_proj"))
+    if gate_up_bias is not None:
+        gate_up = gate_up + _bias_of_slots(gate_up_bias, routing[0])
+    inner = gated_activation(gate_up, act, interleaved)
+    out = down_linear(inner, grouped_in=True, gates=top_k_weights, lora=lora.get("down_proj"))
+    if down_bias is None:
+        return out
+    return (out.float() + _weighted_bias(down_bias, top_k_index, top_k_weights)).to(out.dtype)
 
 
-def _experts_forward_nf4(hidden, top_k_weights, gate_up_proj: NF4Weight, down_proj: NF4Weight, act, lora, routing):
+def _bias_of_slots(bias: torch.Tensor, sorted_expert_idx: torch.Tensor) -> torch.Tensor:
+    """[T*k, out]: bias[e] for each slot's expert e, zeros for dropped slots (sorted_expert_idx == E)."""
+    return torch.cat([bias, bias.new_zeros(1, bias.shape[1])]).index_select(0, sorted_expert_idx)
+
+
+def _weighted_bias(bias: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """[T, out] fp32: sum_j w[t, j] bias[top_k_index[t, j]], ids outside [0, E) adding nothing."""
+    num_experts = bias.shape[0]
+    index = top_k_index.long()
+    index = torch.where((index >= 0) & (index < num_experts), index, num_experts)
+    rows = torch.cat([bias, bias.new_zeros(1, bias.shape[1])]).float()[index]  # [T, k, out]
+    return torch.bmm(top_k_weights.float().unsqueeze(1), rows).squeeze(1)
+
+
+def _nf4_linears(hidden, top_k_weights, gate_up_proj: NF4Weight, down_proj: NF4Weight, routing):
+    """grouped_linear's NF4 twins for one call: only the routed experts are dequantized."""
     if down_proj.shape[0] != gate_up_proj.shape[0]:
         raise ValueError(f"gate_up_proj has {gate_up_proj.shape[0]} experts and down_proj {down_proj.shape[0]}")
     for weight, name in ((gate_up_proj, "gate_up_proj"), (down_proj, "down_proj")):
@@ -185,9 +225,5 @@ def _experts_forward_nf4(hidden, top_k_weights, gate_up_proj: NF4Weight, down_pr
             raise ValueError(f"{name} is on {weight.device} but hidden is on {hidden.device}")
     routed = moe_nf4.compact_routing(*routing)
     top_k = top_k_weights.shape[1]
-    gate_up = moe_nf4.grouped_linear_nf4(hidden, gate_up_proj, routed, top_k, grouped_out=True,
-                                         lora=lora.get("gate_up_proj"))
-    gate, up = gate_up.chunk(2, dim=-1)
-    inner = ACTIVATIONS[act](gate) * up
-    return moe_nf4.grouped_linear_nf4(inner, down_proj, routed, top_k, grouped_in=True, gates=top_k_weights,
-                                      lora=lora.get("down_proj"))
+    return (functools.partial(moe_nf4.grouped_linear_nf4, weight=gate_up_proj, routing=routed, top_k=top_k),
+            functools.partial(moe_nf4.grouped_linear_nf4, weight=down_proj, routing=routed, top_k=top_k))

@@ -10,13 +10,16 @@ parallelism) are dropped: they contribute nothing and get no gradient.
 LoRA on experts uses PEFT's layout for target_parameters (peft/tuners/lora/layer.py, ParamWrapper):
 lora_a [r * E, in] expert-major (A_e = lora_a[e * r:(e + 1) * r]), lora_b [out, r * E]
 expert-minor (B_e = lora_b[:, e::E]); weight[e] + scaling * B_e @ A_e is what PEFT uses.
+
+Per-expert biases (GPT-OSS): gate_up_bias [E, 2I] is added to each of expert e's gate_up rows,
+down_bias [E, H] to its down rows, both before the routing weight.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pykernels.moe_types import ACTIVATIONS, LoRAFactors
+from pykernels.moe_types import Activation, LoRAFactors, gated_activation
 
 
 def sort_tokens(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -69,17 +72,34 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, sorted_expert_idx: tor
 
 
 def experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                    gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act: str = "silu",
-                    lora: dict[str, LoRAFactors] | None = None) -> torch.Tensor:
-    """Gated expert MLP: out[t] = sum_j w[t, j] down_e(act(gate_e x_t) * up_e x_t), e = top_k_index[t, j].
-    lora maps "gate_up_proj" / "down_proj" to LoRAFactors. The intermediate activation is rounded
-    to hidden's dtype between the two GEMMs, as transformers' experts do."""
+                    gate_up_proj: torch.Tensor, down_proj: torch.Tensor, act: Activation = "silu",
+                    lora: dict[str, LoRAFactors] | None = None, gate_up_bias: torch.Tensor | None = None,
+                    down_bias: torch.Tensor | None = None, interleaved: bool = False) -> torch.Tensor:
+    """Gated expert MLP: out[t] = sum_j w[t, j] (down_e(act(gate_e x_t + bg_e, up_e x_t + bu_e)) + bd_e),
+    e = top_k_index[t, j], act(g, u) = act(g) * u or ClampedSwiGLU (moe_types.gated_activation, which
+    also says where gate and up sit in gate_up_proj's rows), biases 0 when absent. lora maps
+    "gate_up_proj" / "down_proj" to LoRAFactors. The gate_up rows are rounded to hidden's dtype before
+    the bias and the activation, as transformers' experts do."""
     lora = lora or {}
     top_k = top_k_index.shape[1]
     sorted_expert_idx, sorted_token_idx, offsets = sort_tokens(top_k_index, gate_up_proj.shape[0])
     gate_up = grouped_linear(hidden, gate_up_proj, sorted_expert_idx, sorted_token_idx, offsets, top_k,
                              grouped_out=True, lora=lora.get("gate_up_proj"))
-    gate, up = gate_up.chunk(2, dim=-1)
-    inner = ACTIVATIONS[act](gate) * up
-    return grouped_linear(inner, down_proj, sorted_expert_idx, sorted_token_idx, offsets, top_k, grouped_in=True,
-                          gates=top_k_weights, lora=lora.get("down_proj"))
+    if gate_up_bias is not None:
+        gate_up = gate_up + _bias_rows(gate_up_bias, sorted_expert_idx)
+    inner = gated_activation(gate_up, act, interleaved)
+    if down_bias is None:
+        return grouped_linear(inner, down_proj, sorted_expert_idx, sorted_token_idx, offsets, top_k, grouped_in=True,
+                              gates=top_k_weights, lora=lora.get("down_proj"))
+    # Each slot's row with its expert's bias, then weighted and summed per token in fp32.
+    down = grouped_linear(inner, down_proj, sorted_expert_idx, sorted_token_idx, offsets, top_k, grouped_in=True,
+                          grouped_out=True, lora=lora.get("down_proj"))
+    down = down.float() + _bias_rows(down_bias, sorted_expert_idx).float()
+    down = torch.zeros_like(down).index_copy(0, sorted_token_idx, down)  # assignment order
+    out = (down.view(-1, top_k, down.shape[1]) * top_k_weights.float().unsqueeze(-1)).sum(1)
+    return out.to(hidden.dtype)
+
+
+def _bias_rows(bias: torch.Tensor, sorted_expert_idx: torch.Tensor) -> torch.Tensor:
+    """bias[e] for each slot's expert e; zeros for dropped slots (sorted_expert_idx == E)."""
+    return torch.cat([bias, bias.new_zeros(1, bias.shape[1])]).index_select(0, sorted_expert_idx)
