@@ -750,6 +750,12 @@ class Config(Section):
                              f"prefetch_depth = {self.prefetch_depth} and vllm_sync_interval = "
                              f"{rollout.vllm_sync_interval} samples are {staleness} versions old "
                              "when trained on; raise it or lower those")
+        if rollout.sampling.structured_outputs is not None and self.algo.importance_sampling.level != "none":
+            warnings.warn("rollout.sampling.structured_outputs with algo.importance_sampling: vLLM's sampling logprobs "
+                          "are of the grammar-constrained distribution and the trainer's are not, so the importance "
+                          "weights measure the grammar (a forced token: ratio p / 1), not the engine gap; set "
+                          "algo.importance_sampling.level: none (TRL does not correct under guided decoding either)",
+                          stacklevel=2)
         if rollout.partial_rollout_tokens is not None and rollout.sampling.structured_outputs is not None:
             raise ValueError("rollout.partial_rollout_tokens cannot go with rollout.sampling.structured_outputs: a "
                              "continued completion is a new request, whose grammar would start again from its "
