@@ -32,7 +32,9 @@ STOP_TIMEOUT_S = 180
 
 
 def lines_of(process: subprocess.Popen) -> queue.Queue:
-    """The process's output, line by line, read by a thread (so that its pipe never fills)."""
+    """The process's output, line by line, read by a thread (so that its pipe never fills: a reader that
+    died, say on bytes that are not UTF-8, would leave vllm_serve and its server blocked on a full pipe;
+    hence errors="replace")."""
     lines: queue.Queue = queue.Queue()
 
     def read() -> None:
@@ -66,7 +68,8 @@ def served(tmp_path_factory):
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "driver.vllm_serve", str(EXAMPLE), "--port", str(port),
                                 "--rollout.server_timeout=200"], cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                               stderr=subprocess.STDOUT, encoding="utf-8", errors="replace",
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
     output: list[str] = []
     try:
         lines = lines_of(process)
