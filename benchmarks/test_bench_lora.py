@@ -18,13 +18,13 @@ from torch import nn
 
 import pykernels.lora as lora
 import pykernels.nf4 as nf4
-from benchmarks.conftest import run_device_class
+from benchmarks.conftest import AVX512_CPU_CLASSES, run_device_class
 
 SHAPES = {"4096x4096": (4096, 4096), "4096x14336": (4096, 14336), "2048x768": (2048, 768)}  # (in, out)
 
 
 def cases(device_class: str) -> list[tuple[str, int, int]]:
-    if device_class == "cpu":
+    if device_class in AVX512_CPU_CLASSES:
         return [(name, 1024, 16) for name in SHAPES] + [("4096x4096", 1024, r) for r in (8, 64)]
     if device_class == "cpu-scalar":
         return [("4096x4096", 32, 16), ("2048x768", 256, 16)]

@@ -22,7 +22,7 @@ import torch
 import transformers
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from benchmarks.conftest import run_device_class
+from benchmarks.conftest import AVX512_CPU_CLASSES, run_device_class
 from pykernels.integrations.transformers import apply_moe_kernels
 
 LORA_RANK = 16
@@ -32,7 +32,7 @@ SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral": (4096, 14336, 8, 2),
 
 
 def cases(device_class: str) -> list[tuple[str, int]]:  # (shape, tokens)
-    if device_class == "cpu":
+    if device_class in AVX512_CPU_CLASSES:
         return [("qwen3-30b-a3b", 512), ("mixtral-i3584", 512)]
     if device_class == "cpu-scalar":
         return [("qwen3-30b-a3b", 32)]
@@ -45,7 +45,7 @@ def impls(shape: str, tokens: int, mode: str, lora: bool, device_class: str) -> 
     # eager + PEFT forward+backward with LoRA on the experts takes 75 s a call on the CPU at Qwen3
     # shapes (PEFT's dense B A for 128 experts, twice, and its backward; measured once in
     # results/cpu.md), ~6 s at Mixtral's 8 experts: only the latter is in the suite.
-    slow_eager = device_class == "cpu" and lora and mode == "forward_backward" and shape == "qwen3-30b-a3b"
+    slow_eager = device_class in AVX512_CPU_CLASSES and lora and mode == "forward_backward" and shape == "qwen3-30b-a3b"
     batched = batched_bytes <= 2**31 and device_class != "cpu-scalar"  # 4.8 s a call there at T=32
     return ["ours"] + ([] if slow_eager else ["eager"]) + ["grouped_mm"] + (["batched_mm"] if batched else [])
 
