@@ -33,6 +33,7 @@ DRIVER_OWNED_SAMPLING_KEYS = {"n", "seed", "logprobs", "prompt_logprobs", "max_t
 TRANSFORMERS_WARPER_KEYS = {"top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
                             "repetition_penalty", "logits_processor"}
 STRUCTURED_OUTPUT_KINDS = {"json", "regex", "choice", "grammar", "json_object", "structural_tag"}
+FORMER_SYNC_VALUES = {"lora": "adapter", "weights": "merged"}  # rollout.sync -> rollout.weight_sync
 
 
 class Section(BaseModel):
@@ -262,9 +263,16 @@ class RolloutConfig(Section):
                                     "before the next (TRL's vllm_enable_sleep_mode); not with async_prefetch, whose "
                                     "thread generates while the trainer trains")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="sampling parameters")
-    sync: Literal["auto", "lora", "weights"] = Field(
-        "auto", description="how vLLM gets new weights: load each adapter version (lora), or merge it and "
-        "overwrite the engine's weights in place (weights; colocate only); auto = weights for MoE on CPU")
+    weight_sync: Literal["auto", "adapter", "merged"] = Field(
+        "auto", description="how vLLM serves the trained LoRA adapter: adapter loads each version as a LoRA adapter "
+        "(vLLM's LoRA path at every token); merged writes base + scaling * B @ A into the engine's weights in place "
+        "at every sync, always from the trainer's untouched base (TRL's way: no LoRA at generation, one version "
+        "served at a time; a server reloads them from a file through /collective_rpc); auto: merged for a colocated "
+        "float32 engine (exact there, and ~2x faster on 2 CPU cores) and for MoE on CPU, adapter otherwise "
+        "(in bf16 a merged weight loses deltas below its rounding; servers, QLoRA, torchrun, sleep mode). Full "
+        "fine-tuning always pushes whole weights")
+    sync: Literal["auto", "lora", "weights"] | None = Field(
+        None, description="former name of weight_sync (lora = adapter, weights = merged), still read")
     verify_sync: bool = Field(True, description="after every adapter sync, score a probe with vLLM and the "
                               "trainer and fail when vLLM still serves old weights")
     sync_tolerance: float = Field(1e-3, gt=0, description="float32 with a dense base: largest probe logprob "
@@ -302,13 +310,39 @@ class RolloutConfig(Section):
             raise ValueError(f"{', '.join(duplicates)} given twice: each server once")
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _former_sync_name(cls, data: Any) -> Any:
+        """sync (its former name) decides weight_sync when given; both given and different is an error."""
+        if not isinstance(data, dict) or data.get("sync") in (None, "auto"):
+            return data
+        meant = FORMER_SYNC_VALUES.get(data["sync"])
+        if meant is None:
+            return data  # the field's own check names the allowed values
+        given = data.get("weight_sync", "auto")
+        if given not in ("auto", meant):
+            raise ValueError(f"sync = {data['sync']} (the former name of weight_sync, = {meant}) and weight_sync = "
+                             f"{given} disagree: give weight_sync alone")
+        return {**data, "weight_sync": meant}
+
+    def weight_sync_key(self) -> str:
+        """'weight_sync = merged', or the former spelling when the config used it (for messages)."""
+        return f"sync = {self.sync}" if self.sync not in (None, "auto") else f"weight_sync = {self.weight_sync}"
+
     @model_validator(mode="after")
     def _check_engine_options(self) -> RolloutConfig:
         """The combinations no engine can run (what this machine's devices allow is checked when the
         engine starts: driver/engine/options.py)."""
-        if self.enable_sleep_mode and self.sync == "weights":
-            raise ValueError("enable_sleep_mode with sync = weights: the merged weights are written into the engine "
-                             "in place, which a sleeping engine cannot take; use sync = lora (auto on CUDA)")
+        if self.enable_sleep_mode and self.weight_sync == "merged":
+            raise ValueError(f"enable_sleep_mode with {self.weight_sync_key()}: the merged weights are written into "
+                             "the engine in place, which a sleeping engine cannot take; use weight_sync = adapter")
+        if self.weight_sync == "merged" and self.backend == "colocate" and self.tensor_parallel_size > 1:
+            raise ValueError(f"{self.weight_sync_key()} with tensor_parallel_size = {self.tensor_parallel_size}: the "
+                             "merged weights go by reference into an engine running in this process, one worker; use "
+                             "weight_sync = adapter, or backend = server")
+        if self.backend == "transformers" and self.weight_sync != "auto":
+            raise ValueError(f"{self.weight_sync_key()} with backend = transformers: it samples with the trainer's own "
+                             "weights, there is nothing to sync (leave weight_sync at auto)")
         if self.data_parallel_size > 1 and self.backend == "colocate":
             raise ValueError(f"data_parallel_size = {self.data_parallel_size} needs backend = server (one in-process "
                              "engine serves a colocated run; a server runs the replicas)")
@@ -782,6 +816,11 @@ class Config(Section):
         self._check_steps_per_generation()
         if self.model.adapter == "none":
             self._check_full_finetuning()
+        elif self.model.qlora and self.rollout.weight_sync == "merged":
+            raise ValueError(f"rollout.{self.rollout.weight_sync_key()} with model.qlora: the trainer's base is NF4, "
+                             "and merging would write dequantize(NF4) + scaling * B @ A into the engine as dense "
+                             "weights, which the driver does not do; use rollout.weight_sync = adapter (the engine "
+                             "serves the NF4 round trip of the base with the adapter: the trainer's function)")
         return self
 
     def _check_environment(self) -> None:
@@ -799,11 +838,13 @@ class Config(Section):
     def _check_full_finetuning(self) -> None:
         conflicts = [key for key, on in (("model.qlora", self.model.qlora),
                                           ("algo.name = ebft", self.algo.name == "ebft"),
-                                          ("rollout.sync = lora", self.rollout.sync == "lora")) if on]
+                                          (f"rollout.{self.rollout.weight_sync_key()}",
+                                           self.rollout.weight_sync == "adapter")) if on]
         if conflicts:
             raise ValueError(f"model.adapter = none (full fine-tuning) cannot go with {', '.join(conflicts)}: QLoRA "
                              "trains an adapter on a frozen NF4 base, EBFT's features come from the base with the "
-                             "adapter disabled, and the engine must receive whole weights (rollout.sync: auto)")
+                             "adapter disabled, and the engine must receive whole weights (rollout.weight_sync: "
+                             "auto or merged)")
 
     def _check_steps_per_generation(self) -> None:
         steps, train = self.algo.steps_per_generation, self.train

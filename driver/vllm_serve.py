@@ -75,10 +75,11 @@ def main(argv: list[str] | None = None) -> int:
         command = server_command(config, model_dir, host, port)
     except ConfigError as error:
         exit_on_config_error(error)
-    # Full fine-tuning reloads the weights through /collective_rpc, a development endpoint.
-    full = config.model.adapter == "none"
+    # Full fine-tuning and merged weights reload the weights through /collective_rpc, a development endpoint.
+    full = config.model.adapter == "none" or config.rollout.weight_sync == "merged"
     if full and host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"warning: model.adapter = none: the server runs with VLLM_SERVER_DEV_MODE=1 on {host}, and anyone "
+        why = "model.adapter = none" if config.model.adapter == "none" else "rollout.weight_sync = merged"
+        print(f"warning: {why}: the server runs with VLLM_SERVER_DEV_MODE=1 on {host}, and anyone "
               f"who reaches port {port} can call its development endpoints", file=sys.stderr, flush=True)
     local_url = f"http://{'127.0.0.1' if host in WILDCARD_HOSTS else host}:{port}"
     public_url = f"http://{socket.gethostname() if host in WILDCARD_HOSTS else host}:{port}"

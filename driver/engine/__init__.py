@@ -15,20 +15,63 @@ from driver.config import Config
 from driver.engine.base import Completion, Generator, RolloutError, SyncError
 
 
-def sync_method(config: Config, model_config) -> str:
-    """'lora' (the engine loads each adapter version) or 'weights' (merged weights pushed in place).
+def weight_sync_mode(config: Config, model_config) -> str:
+    """'adapter' (the engine loads each adapter version as a LoRA adapter) or 'merged' (base + adapter
+    merged, written into the engine's weights in place; under full fine-tuning: the whole weights).
 
-    auto picks 'weights' for MoE models on CPU, where vLLM's LoRA path for expert layers does not
-    run (it is Triton-only), and 'lora' everywhere else."""
+    auto picks merged where it is both faster and exact: a colocated float32 engine that takes the weights
+    in place (one in-process worker, awake between generations) with a dense trained base; measured on 2
+    CPU cores, its step is 1.4-2x shorter (generation in this process on every core, without vLLM's LoRA
+    path: benchmarks/results/cpu.md). Also MoE on CPU, whatever the dtype: there vLLM's LoRA path for expert
+    layers does not run (it is Triton-only). adapter everywhere else: in bf16/fp16 a merged weight is
+    rounded to the dtype, so adapter deltas below half a unit in the last place of the base weight are
+    lost (TRL's merged sync has the same loss; an adapter keeps them), and a server would reload its
+    weights from a file at every sync; QLoRA, torchrun, sleep mode and tensor parallelism cannot take it."""
     if config.model.adapter == "none":
-        return "weights"  # full fine-tuning: no adapter to load
-    if config.rollout.sync != "auto":
-        return config.rollout.sync
+        return "merged"  # full fine-tuning: no adapter to load
+    mode = config.rollout.weight_sync if config.rollout.weight_sync != "auto" else _auto(config, model_config)
+    if mode == "merged":
+        _check_merged(config, model_config)
+    return mode
+
+
+def _auto(config: Config, model_config) -> str:
     import torch
 
     from driver.policy.model import is_moe
 
-    return "weights" if is_moe(model_config) and not torch.cuda.is_available() else "lora"
+    rollout = config.rollout
+    if is_moe(model_config) and not torch.cuda.is_available():
+        return "merged"  # the only way vLLM on CPU serves LoRA on experts (colocated: _check_merged)
+    exact = (rollout.dtype or config.model.dtype) == "float32" and not config.model.qlora
+    in_place = (rollout.backend == "colocate" and rollout.tensor_parallel_size == 1 and not rollout.enable_sleep_mode
+                and not _distributed())
+    return "merged" if exact and in_place and not is_moe(model_config) else "adapter"
+
+
+def _distributed() -> bool:
+    import torch.distributed
+
+    distributed = torch.distributed
+    return distributed.is_available() and distributed.is_initialized() and distributed.get_world_size() > 1
+
+
+def _check_merged(config: Config, model_config) -> None:
+    """What merged serving cannot do that the config alone does not show (driver/config.py checks the rest):
+    a ConfigError naming the keys, before the engine starts."""
+    import torch
+
+    from driver.cli import ConfigError
+    from driver.policy.model import is_moe
+
+    key = f"rollout.{config.rollout.weight_sync_key()}"
+    if _distributed():
+        raise ConfigError(f"{key} under torchrun: the adapter and the base are sharded over the ranks (FSDP) and "
+                          "the merge would need every rank's shards; use rollout.weight_sync = adapter")
+    if config.rollout.backend == "server" and is_moe(model_config) and not torch.cuda.is_available():
+        raise ConfigError(f"{key} with rollout.backend = server and a mixture-of-experts model on CPU: a server "
+                          "reloading its weights re-packs CPU experts wrongly (driver/engine/weight_sync.py), and "
+                          "only the colocated engine can be fixed up; use rollout.backend = colocate")
 
 
 def serves_trained_base(config: Config) -> bool:
@@ -65,26 +108,23 @@ def make_generator(config: Config, policy) -> Generator:
         from driver.engine.transformers_backend import TransformersGenerator
 
         return TransformersGenerator(config, policy)
-    method = sync_method(config, policy.causal_lm.config)
-    if method == "weights" and config.rollout.backend == "server" and config.model.adapter == "none":
+    method = weight_sync_mode(config, policy.causal_lm.config)
+    if config.rollout.backend == "server":
         from driver.engine.server import ServerGenerator
 
-        # Reloads the whole weights from disk at every sync.
-        return ServerGenerator(config, engine_model_dir(config, policy))
-    if method == "weights":
-        if config.rollout.backend != "colocate" or config.model.qlora:
-            raise SyncError("rollout.sync = weights (used for MoE models on CPU) needs rollout.backend = colocate "
-                            "and a dense base (model.qlora = false)")
+        # merged: every sync writes the merged weights into a file the server reloads in place.
+        merges = method == "merged" and config.model.adapter != "none"  # full fine-tuning saves whole weights
+        return ServerGenerator(config, engine_model_dir(config, policy), merge_from=policy.model if merges else None)
+    if method == "merged":
+        if config.model.qlora:  # auto's merged for MoE on CPU (explicit merged + QLoRA is a config error)
+            raise SyncError("QLoRA on a mixture-of-experts model cannot run with vLLM on CPU: vLLM's LoRA path for "
+                            "experts is Triton-only, and merged weights need a dense base (model.qlora = false)")
         from driver.engine.colocate_weights import WeightSyncGenerator
 
         return WeightSyncGenerator(config, policy.model_dir, policy.model)
-    if config.rollout.backend == "colocate":
-        from driver.engine.colocate import ColocatedGenerator
+    from driver.engine.colocate import ColocatedGenerator
 
-        return ColocatedGenerator(config, engine_model_dir(config, policy))
-    from driver.engine.server import ServerGenerator
-
-    return ServerGenerator(config, engine_model_dir(config, policy))
+    return ColocatedGenerator(config, engine_model_dir(config, policy))
 
 
 __all__ = ["Completion", "Generator", "RolloutError", "SyncError", "make_generator"]

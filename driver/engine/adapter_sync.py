@@ -1,5 +1,6 @@
-"""Adapter sync: save the trainer's adapter as a new version, make the engine serve it, and verify
-with a probe that it does (driver/engine/sync_check.py)."""
+"""Adapter sync: save the trainer's adapter as a new version, make the engine serve it (as an adapter, or
+merged into its weights: rollout.weight_sync), and verify with a probe that it does
+(driver/engine/sync_check.py)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,9 @@ def trainer_probe(policy: Policy, token_ids: list[int]) -> torch.Tensor:
 def push_adapter(config: Config, policy: Policy, generator: Generator, verifier: SyncVerifier | None,
                  version: int, keep: int = ADAPTERS_KEPT) -> dict[str, float]:
     """Save version `version` of the adapter, serve it, verify; keep the newest `keep` directories
-    (an engine loads an adapter from disk lazily, when a request first names its version)."""
+    (an engine loads an adapter from disk lazily, when a request first names its version). An engine
+    that takes the weights by reference (the colocated merged engine: reads_saved_weights False) gets
+    no directory: nothing is written."""
     started = time.perf_counter()
     if getattr(generator, "shares_weights", False):  # samples with the trainer's weights: nothing to move
         generator.sync(None, version)
@@ -50,7 +53,8 @@ def push_adapter(config: Config, policy: Policy, generator: Generator, verifier:
     # Under torchrun the gather and the probe forward are collectives of every rank
     # (driver/rollouts/distributed_feed.py): both run before the engine is called, so an engine failure
     # cannot leave the other ranks waiting in one.
-    directory = policy.save_trained(adapters / f"v{version:06d}")
+    directory = (policy.save_trained(adapters / f"v{version:06d}") if getattr(generator, "reads_saved_weights", True)
+                 else None)
     trainer = trainer_probe(policy, verifier.probe_ids) if verifier is not None else None
     generator.sync(directory, version)
     metrics = {}

@@ -28,9 +28,9 @@ LORA_ENGINE_KEYS = ("enable_lora", "max_lora_rank", "max_loras")
 
 
 def engine_kwargs(config: Config, model_dir: str) -> dict:
-    """Arguments shared by the colocated engine and a launched server (without the LoRA ones under
-    full fine-tuning, where every sync replaces the weights); a ConfigError naming the key when this
-    machine or the installed vLLM cannot run them (driver/engine/options.py)."""
+    """Arguments shared by the colocated engine and a launched server (without the LoRA ones under full
+    fine-tuning and rollout.weight_sync = merged, where every sync replaces the weights); a ConfigError
+    naming the key when this machine or the installed vLLM cannot run them (driver/engine/options.py)."""
     rollout = config.rollout
     check_engine_options(config, cuda_available())
     kwargs = dict(
@@ -53,7 +53,7 @@ def engine_kwargs(config: Config, model_dir: str) -> dict:
         # budget, so prefills are never split there.
         enable_chunked_prefill=False if not cuda_available() else None,
     )
-    if config.model.adapter == "none":
+    if config.model.adapter == "none" or config.rollout.weight_sync == "merged":  # merged weights: no LoRA slots
         kwargs = {key: value for key, value in kwargs.items() if key not in LORA_ENGINE_KEYS}
     return kwargs
 

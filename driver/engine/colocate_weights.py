@@ -1,6 +1,8 @@
-"""Colocated vLLM without LoRA: every sync merges the adapter into full weights and loads them into
-the running engine in place (driver/engine/weight_sync.py). Used for MoE policies on CPU, where
-vLLM's LoRA path for expert layers is Triton-only and does not run."""
+"""Colocated vLLM without LoRA (rollout.weight_sync = merged): every sync merges the adapter into full
+weights, computed from the trainer's untouched base, and loads them into the running engine in place
+(driver/engine/weight_sync.py); under full fine-tuning it loads the trained weights themselves. No
+LoRA at generation time; the only way vLLM on CPU serves LoRA on MoE experts (its LoRA path for
+expert layers is Triton-only)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from driver.engine.weight_sync import create_inprocess_engine, push_merged, shut
 
 class WeightSyncGenerator(ColocatedGenerator):
     serves_one_version = True  # in-place weights: a job of an older version cannot run after a push
+    reads_saved_weights = False  # the weights go by reference: push_adapter writes no directory
 
     # Does not call super().__init__(): that builds a LoRA engine.
     def __init__(self, config: Config, model_dir: str, policy_model: nn.Module) -> None:
@@ -24,8 +27,8 @@ class WeightSyncGenerator(ColocatedGenerator):
         kwargs = {k: v for k, v in engine_kwargs(config, model_dir).items() if k not in LORA_ENGINE_KEYS}
         self.llm = create_inprocess_engine(**kwargs)
 
-    def sync(self, adapter_dir: Path, version: int) -> None:
-        push_merged(self.llm, self._policy_model)  # the saved adapter_dir is not needed: weights go by reference
+    def sync(self, adapter_dir: Path | None, version: int) -> None:
+        push_merged(self.llm, self._policy_model)
         self.adapter_version = version
 
     def _lora_of(self, version: int):

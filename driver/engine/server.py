@@ -3,10 +3,12 @@ reached at rollout.server_url, one URL or several data-parallel servers (driver/
 timeouts, retries, round-robin).
 
 Every sync hot-loads the adapter under a new name (/v1/load_lora_adapter) into every server and unloads
-those older than the newest keep_versions (prefetched jobs may still sample with them); generation and
-the sync probe go through /v1/completions with token-id prompts, so nothing is re-tokenized on the way
-and the sampled token ids come back exactly ("token_id:123" strings). The probe runs on every server,
-each checked against the trainer on its own.
+those older than the newest keep_versions (prefetched jobs may still sample with them); with
+rollout.weight_sync = merged (and under full fine-tuning) it writes the merged (whole) weights into the
+version's directory instead and every server reloads them in place (/collective_rpc reload_weights), one
+version served at a time. Generation and the sync probe go through /v1/completions with token-id
+prompts, so nothing is re-tokenized on the way and the sampled token ids come back exactly
+("token_id:123" strings). The probe runs on every server, each checked against the trainer on its own.
 """
 
 from __future__ import annotations
@@ -19,13 +21,16 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from driver.config import Config, SamplingConfig
 from driver.engine.base import Completion, Request, SyncError, generate_by_stream
 from driver.engine.launch import LaunchedServer, ServerError
 from driver.engine.server_client import MAX_CONNECTIONS, ServerClient
 from driver.engine.sync_check import SyncVerifier
+from driver.engine.weight_sync import save_merged
 
+MERGED_DIR = "merged"  # in a version's directory: the merged weights a server reloads
 CLOSE_TIMEOUT_S = 10.0  # best-effort cleanup on a server we only connected to
 TOKEN_ID_PREFIX = "token_id:"  # how return_tokens_as_token_ids spells a token
 MODE_CHECK_TEMPERATURE = 2.0  # hot, so most sampled tokens are not the likeliest one
@@ -47,12 +52,19 @@ def server_sampling(sampling: SamplingConfig) -> dict:
 
 
 class ServerGenerator:
-    def __init__(self, config: Config, model_dir: str) -> None:
+    def __init__(self, config: Config, model_dir: str, merge_from: nn.Module | None = None) -> None:
+        """merge_from: the trainer's PEFT model, whose base + adapter every sync writes merged for the servers to
+        reload (rollout.weight_sync = merged); None loads each adapter version (or, under full fine-tuning,
+        reloads the whole model the trainer saved)."""
         self.config = config
         self.adapter_version = 0
-        self.keep_versions = 2
-        # Full fine-tuning: each sync reloads every weight in place, so one version is served at a time.
-        self.full_weights = self.serves_one_version = config.model.adapter == "none"
+        self._merge_from = merge_from
+        # Full fine-tuning and merged weights: each sync reloads weights in place, one version served at a time
+        # (and its directory is read during the sync: no older one is kept).
+        self.full_weights = self.serves_one_version = config.model.adapter == "none" or merge_from is not None
+        self.keep_versions = 1 if self.full_weights else 2
+        self._roots: dict[str, str] = {}  # url -> the weights that server started with (merged: restored at close)
+        self._merged_pushed = False
         self._names: dict[int, str] = {}  # version -> adapter name, the newest keep_versions
         self._server: LaunchedServer | None = None
         self._client: ServerClient | None = None
@@ -99,10 +111,12 @@ class ServerGenerator:
 
     def _base_model_name(self, url: str) -> str:
         models = self._json(url, "GET", "/v1/models")["data"]
-        bases = [model["id"] for model in models if not model.get("parent")]  # adapters name a parent
+        bases = [model for model in models if not model.get("parent")]  # adapters name a parent
         if not bases:
             raise ServerError(f"the vLLM server at {url} lists no base model in /v1/models: {models}")
-        return bases[0]
+        if bases[0].get("root"):
+            self._roots[url] = bases[0]["root"]
+        return bases[0]["id"]
 
     def _check_processed_logprobs(self, url: str) -> None:
         """Refuse a server that reports sampling logprobs before temperature (vLLM's default
@@ -140,6 +154,11 @@ class ServerGenerator:
         return self._names.get(version) or self._bases[url]
 
     def sync(self, adapter_dir: Path, version: int) -> None:
+        if self._merge_from is not None:
+            # Its own directory: a server reloads every *.safetensors of the one it is given (not the adapter's).
+            self._merged_pushed = True
+            self._reload_weights(save_merged(self._merge_from, Path(adapter_dir) / MERGED_DIR), version)
+            return
         if self.full_weights:
             self._reload_weights(adapter_dir, version)
             return
@@ -166,24 +185,28 @@ class ServerGenerator:
             self._on_every_server(functools.partial(self._unload, name=self._names.pop(old)))
 
     def _reload_weights(self, model_dir: Path, version: int) -> None:
-        """Full fine-tuning: every server reloads every weight from model_dir in place (vLLM's
-        reload_weights through /collective_rpc, a development endpoint), then drops its prefix cache,
+        """Full fine-tuning and merged weights: every server reloads every weight from model_dir in place
+        (vLLM's reload_weights through /collective_rpc, a development endpoint), then drops its prefix cache,
         computed with the old weights."""
         path = str(Path(model_dir).resolve())
 
         def reload(url: str) -> None:
             try:
-                self._client.request(url, "POST", "/collective_rpc",
-                                     {"method": "reload_weights", "kwargs": {"weights_path": path}})
-                self._client.request(url, "POST", "/reset_prefix_cache")
+                self._reload_at(url, path)
             except ServerError as error:
                 hint = (" The server has no /collective_rpc: start it with VLLM_SERVER_DEV_MODE=1 in its environment "
-                        "(full fine-tuning reloads the weights through it)." if error.status == 404 else "")
+                        "(full fine-tuning and rollout.weight_sync = merged reload the weights through it)."
+                        if error.status == 404 else "")
                 raise ServerError(f"reloading the weights of version {version} from {path} failed: {error}.{hint} It "
                                   "must be able to read that directory.", error.status) from error
 
         self._on_every_server(reload)
         self.adapter_version = version
+
+    def _reload_at(self, url: str, weights_path: str, **options) -> None:
+        self._client.request(url, "POST", "/collective_rpc",
+                             {"method": "reload_weights", "kwargs": {"weights_path": weights_path}}, **options)
+        self._client.request(url, "POST", "/reset_prefix_cache", **options)
 
     def _unload(self, url: str, name: str, **options) -> None:
         # 404: already gone (e.g. unloaded by whoever runs the server, or by a retried call); nothing to free.
@@ -253,6 +276,13 @@ class ServerGenerator:
         client = self._client
         if server is not None:
             server.stop()
+        elif client is not None and self._merged_pushed:
+            # Servers we only connected to keep running: the weights they started with, not our merged ones.
+            for url, root in self._roots.items():
+                try:
+                    self._reload_at(url, root, retries=0)
+                except ServerError:
+                    pass  # best effort: the server may be gone already
         elif client is not None:
             # Servers we only connected to keep running; free the adapters we loaded into them.
             for name in self._names.values():

@@ -1,8 +1,11 @@
 """After every adapter sync, prove the engine serves the new weights.
 
 The same fixed probe sequence is scored by the engine (prompt logprobs) and by the trainer after
-each sync. The two never agree exactly outside float32: vLLM's and transformers' bf16 kernels
-differ by up to ~0.05 per token on the same weights, by more as the adapter grows, and an MoE
+each sync, whatever the engine serves: the adapter (rollout.weight_sync: adapter), or base + adapter
+merged into its weights (merged), against the trainer's unmerged PEFT forward, so a merge that went
+wrong (a stale, partial or accumulated one) shows as any stale engine does. The two never agree
+exactly outside float32: vLLM's and transformers' bf16 kernels differ by up to ~0.05 per token on
+the same weights, by more as the adapter grows, and an MoE
 router near a tie can send one token to other experts in each (one token off by 1.5 while the rest
 agree). With QLoRA the trainer's base is NF4 while vLLM serves the unquantized one, so the same
 adapter acts on different weights. What a stale engine cannot fake is movement: the trainer's

@@ -25,9 +25,12 @@ merged tensors reach the worker by reference; with worker processes they would b
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import random
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -38,6 +41,7 @@ from driver.engine.colocate import set_cpu_defaults
 # Read by vLLM when the engine is built (and cached for the rest of the process after the first
 # engine): set it before the first `LLM(...)` in this process, importing vllm earlier is fine.
 INPROCESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+MERGED_SHARD_BYTES = 2 << 30  # save_merged: the merged weights written for a server, shard by shard
 
 
 def create_inprocess_engine(**engine_kwargs):
@@ -72,19 +76,29 @@ def shutdown_engine(llm) -> None:
 
 
 @torch.no_grad()
-def merged_weights(peft_model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_weights(peft_model: nn.Module, changed_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every weight of base + active LoRA adapters merged, in transformers' names.
 
     Names are those of the unwrapped model (`...q_proj.weight`, fused MoE experts as
     `...mlp.experts.gate_up_proj` [E, 2I, H] and `...mlp.experts.down_proj` [E, H, I]), which vLLM's
-    loaders accept. Adapted weights are new tensors W + delta, with delta from PEFT's own
-    `get_delta_weight` (lora.Linear: scaling * B @ A; ParamWrapper on 3-D expert parameters: the
-    per-expert product, in the parameter's layout); all other weights are the trainer's tensors
-    themselves, not copies. Yields lazily, so at most one merged tensor is alive beyond the
-    engine's per-layer buffer.
+    loaders accept. Adapted weights are new tensors W + delta, computed from the trainer's weight W,
+    which is never modified (so each sync merges onto the pristine base, never onto an earlier merge),
+    with delta from PEFT's own `get_delta_weight` (lora.Linear: scaling * B @ A; ParamWrapper on 3-D
+    expert parameters: the per-expert product, in the parameter's layout); all other weights are the
+    trainer's tensors themselves, not copies. Yields lazily, so at most one merged tensor is alive
+    beyond the engine's per-layer buffer.
+
+    changed_only: only what a LoRA sync can change, the weights under the parent of every adapted
+    module (`...self_attn.*` for q_proj: vLLM fuses q/k/v and gate/up into one layer, which must be
+    given whole); embeddings, norms, the lm_head and unadapted blocks are left out (a dense base
+    only: MoE models and full fine-tuning give every weight).
     """
+    from driver.policy.model import is_moe
+
     base = peft_model.get_base_model() if hasattr(peft_model, "get_base_model") else peft_model
-    adapters_of = _adapters_by_parameter(base)
+    adapters_of, adapted_parents = _adapters_by_parameter(base)
+    if not adapted_parents or is_moe(base.config):
+        changed_only = False
     for name, param in base.named_parameters():
         parts = name.split(".")
         if any(part.startswith("lora_") for part in parts):
@@ -93,6 +107,8 @@ def merged_weights(peft_model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             raise SyncError(f"{name} has dtype {param.dtype}: full-weight sync needs a dense base (QLoRA's "
                             "quantized weights would have to be dequantized first)")
         clean_name = ".".join(part for part in parts if part != "base_layer")
+        if changed_only and not clean_name.startswith(adapted_parents):
+            continue
         weight = param.detach()
         layers = adapters_of.get(id(param), ())
         if layers:
@@ -105,23 +121,76 @@ def merged_weights(peft_model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 def push_weights(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Overwrite the in-process engine's weights with `weights` (transformers' names) and drop
-    everything computed with the old ones (prefix cache). Every weight of the model must be given:
-    a layer that receives nothing keeps its old weights."""
+    everything computed with the old ones (prefix cache). A layer that receives nothing keeps its
+    weights; one that receives some of its weights (q without k and v of a fused qkv layer) would be
+    rebuilt from those alone: give every layer whole or not at all."""
     _require_inprocess(llm)
-    llm.collective_rpc(_reload_in_place, args=(iter(weights),))
+    with _layers_left_as_they_are():
+        llm.collective_rpc(_reload_in_place, args=(iter(weights),))
     llm.reset_prefix_cache()
 
 
+@contextlib.contextmanager
+def _layers_left_as_they_are():
+    """vLLM's reload warns at every push about what it received nothing for and keeps as it was: the
+    layers a changed_only push leaves out on purpose ("<layer>: Failed to load weights", then the list
+    of "weights [that] were not loaded") and the rotary cos/sin cache (a buffer computed at start-up,
+    in no checkpoint). Silenced during our pushes only; a layer that should have changed and did not
+    is what the sync probe catches."""
+    quiet = _KeptLayerFilter()
+    loggers = [logging.getLogger(f"vllm.model_executor.model_loader.reload.{module}")
+               for module in ("layerwise", "inplace")]
+    for logger in loggers:
+        logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(quiet)
+
+
+class _KeptLayerFilter(logging.Filter):
+    KEPT = ("%s: Failed to load weights", "Following weights were not loaded from checkpoint: %s")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg not in self.KEPT
+
+
 def push_merged(llm, peft_model: nn.Module) -> None:
-    """Make the engine serve `peft_model` (base + its active adapters, merged)."""
-    push_weights(llm, merged_weights(peft_model))
+    """Make the engine serve `peft_model` (base + its active adapters, merged): the weights a sync can
+    change (the engine started with the trainer's base, and every push rewrites them all)."""
+    push_weights(llm, merged_weights(peft_model, changed_only=True))
 
 
-def _adapters_by_parameter(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
-    """id(base parameter) -> the (LoRA layer, adapter name) pairs whose delta is to be added to it."""
+def save_merged(peft_model: nn.Module, directory: Path, changed_only: bool = True,
+                shard_bytes: int = MERGED_SHARD_BYTES) -> Path:
+    """Write merged_weights(peft_model, changed_only) into directory as safetensors shards of at most
+    ~shard_bytes each (what a vLLM server reloads from disk: every *.safetensors there; the layers not
+    in them keep their weights); at most one shard is held in memory."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    shard: dict[str, torch.Tensor] = {}
+    size = count = 0
+    for name, tensor in merged_weights(peft_model, changed_only=changed_only):
+        shard[name] = tensor.contiguous()
+        size += tensor.numel() * tensor.element_size()
+        if size >= shard_bytes:
+            count += 1
+            save_file(shard, str(directory / f"model-{count:05d}.safetensors"))
+            shard, size = {}, 0
+    if shard:
+        save_file(shard, str(directory / f"model-{count + 1:05d}.safetensors"))
+    return directory
+
+
+def _adapters_by_parameter(model: nn.Module) -> tuple[dict[int, list[tuple[nn.Module, str]]], tuple[str, ...]]:
+    """id(base parameter) -> the (LoRA layer, adapter name) pairs whose delta is to be added to it; and
+    the parents of the adapted modules, as name prefixes ('model.layers.0.self_attn.')."""
     from peft.tuners.lora import LoraLayer, ParamWrapper
 
     adapters: dict[int, list[tuple[nn.Module, str]]] = {}
+    parents: set[str] = set()
     for name, layer in model.named_modules():
         if not isinstance(layer, LoraLayer) or layer.disable_adapters or layer.merged:
             continue  # disabled: the base is what is served; merged: the delta is already in the weight
@@ -134,7 +203,8 @@ def _adapters_by_parameter(model: nn.Module) -> dict[int, list[tuple[nn.Module, 
             base_layer = layer.get_base_layer()
             target = getattr(base_layer, layer.parameter_name) if isinstance(layer, ParamWrapper) else base_layer.weight
             adapters.setdefault(id(target), []).append((layer, adapter))
-    return adapters
+            parents.add(name.rsplit(".", 1)[0] + "." if "." in name else "")
+    return adapters, tuple(sorted(parents))
 
 
 def _reload_in_place(worker, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
