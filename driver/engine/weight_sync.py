@@ -116,7 +116,23 @@ def merged_weights(peft_model: nn.Module, changed_only: bool = False) -> Iterato
             for layer, adapter in layers:
                 merged += layer.get_delta_weight(adapter).to(torch.float32)
             weight = merged.to(param.dtype)
-        yield clean_name, weight
+        yield _checkpoint_name(base.config.model_type, clean_name), weight
+
+
+# transformers renames some weights on load (its conversion_mapping.py) to names vLLM's loaders do not
+# know; those go back to the checkpoint's. Only where vLLM needs it: its loaders take transformers' fused
+# expert names (gate_up_proj) and Mixtral's .mlp. as they are.
+CHECKPOINT_RENAMES = {
+    # Ernie 4.5: vLLM maps the checkpoint's mlp.moe_statics.* to its mlp.gate.*; transformers' own name
+    # would land on mlp.gate.gate.* and be dropped (the router's correction bias never updated).
+    "ernie4_5_moe": ((".mlp.gate.moe_statics.", ".mlp.moe_statics."),),
+}
+
+
+def _checkpoint_name(model_type: str, name: str) -> str:
+    for ours, checkpoint in CHECKPOINT_RENAMES.get(model_type, ()):
+        name = name.replace(ours, checkpoint)
+    return name
 
 
 def push_weights(llm, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

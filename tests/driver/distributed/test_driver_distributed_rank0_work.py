@@ -69,7 +69,7 @@ def test_two_processes_train_with_vllm_colocated_on_rank_0(tmp_path):
     """rollout.backend = colocate under torchrun: rank 0 runs the engine in its process (vLLM's engine core
     in a child process of rank 0), as one process does, and serves the adapter gathered from the shards."""
     one, two = tmp_path / "one", tmp_path / "two"
-    colocate = ["--rollout.backend=colocate", "--train.steps=2"]
+    colocate = ["--rollout.backend=colocate", "--rollout.weight_sync=adapter", "--train.steps=2"]  # as under torchrun
     train(one, None, *colocate)
     train(two, None, *colocate, processes=2)
     rows_one, rows_two = metrics(one), metrics(two)

@@ -24,6 +24,10 @@ LORA_TARGETS = {
     "qwen2": dict(target_modules=ATTENTION + ["gate_proj", "up_proj", "down_proj"]),
     "qwen3-moe": dict(target_modules=ATTENTION,
                       target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+    # A router correction bias that transformers names differently from the checkpoint (weight_sync's
+    # CHECKPOINT_RENAMES) and a shared expert.
+    "ernie4.5-moe": dict(target_modules=ATTENTION,
+                         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
 }
 # Longer than one KV block (128 tokens on CPU), so that generating from it fills the prefix cache.
 LONG_PROMPT_TOKENS = 200
@@ -100,9 +104,11 @@ def served(request):
 
 def test_merged_weights_equal_peft_merge_and_unload(served):
     kind, peft_model, _, _ = served
-    from driver.engine.weight_sync import merged_weights
+    from driver.engine.weight_sync import _checkpoint_name, merged_weights
 
-    expected = copy.deepcopy(peft_model).merge_and_unload().state_dict()
+    model_type = peft_model.config.model_type
+    expected = {_checkpoint_name(model_type, name): tensor
+                for name, tensor in copy.deepcopy(peft_model).merge_and_unload().state_dict().items()}
     merged = dict(merged_weights(peft_model))
     assert sorted(merged) == sorted(expected)
     for name, tensor in merged.items():
