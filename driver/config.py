@@ -739,13 +739,44 @@ class CheckpointConfig(Section):
     keep: int = Field(2, ge=1, description="checkpoints kept on disk")
 
 
+class NemoGymAgentConfig(Section):
+    """environment.name = nemo_gym_agent: each episode is one POST /run to a NeMo Gym agent server (its model server
+    calling this run's vLLM server), reached at agent_url, found through a running ng_run's head server, or started
+    by the run (resources_server)."""
+
+    agent_url: str | None = Field(None, description="a running agent server (http://host:port) whose model server "
+                                  "calls this run's vLLM server (rollout.server_url)")
+    head_server_url: str | None = Field(None, description="a running ng_run's head server (http://host:port; axolotl's "
+                                        "nemo_gym_head_port): the agent named agent_name is looked up in its config")
+    agent_name: str | None = Field(None, description="with head_server_url: the agent server's name in the ng_run "
+                                   "config (e.g. example_single_tool_call_simple_agent)")
+    resources_server: str | None = Field(None, description="the run starts ng_run (NeMo Gym's venv, 127.0.0.1) with "
+                                         "this resources server of the nemo-gym package (e.g. "
+                                         "example_single_tool_call), policy_model (vllm_model on this run's vLLM "
+                                         "server) and simple_agent (max_steps = environment.max_turns)")
+    resources_server_options: dict[str, Any] = Field(default_factory=dict, description="with resources_server: its "
+                                                     "config fields, over the package's")
+    venv: str = Field(".nemo-gym/venv", description="with resources_server: NeMo Gym's venv (`make nemo-gym`)")
+    timeout: float = Field(600.0, gt=0, description="seconds one /run (a whole episode) may take before it is "
+                           "retried (axolotl's nemo_gym_verify_timeout)")
+    retries: int = Field(3, ge=0, description="more tries of a /run the agent did not answer (refused, timed out, "
+                         "HTTP 429 / 5xx), waiting retry_backoff * 2**k seconds before the k-th")
+    retry_backoff: float = Field(1.0, ge=0, description="seconds before the first retry, doubled before each next one")
+    max_concurrency: int = Field(16, ge=1, description="/run calls in flight at once")
+
+    def source_keys(self) -> list[str]:
+        """Which of the three ways to reach an agent the config gives."""
+        return [key for key in ("agent_url", "head_server_url", "resources_server") if getattr(self, key)]
+
+
 class EnvironmentConfig(Section):
     """Multi-turn episodes (driver/environments): after each model turn the environment answers (tool results,
     a user turn) or ends the episode; the sample is the whole episode, only the model's tokens train."""
 
     name: str | None = Field(None, description="null: one completion per sample (single turn, rewards as "
                              "configured); tools: the model calls the Python functions in `tools`; conversation: "
-                             "the user turns of a data column (user_turns_field) follow each model turn; or the "
+                             "the user turns of a data column (user_turns_field) follow each model turn; "
+                             "nemo_gym_agent: a NeMo Gym agent server's /run plays each episode (nemo_gym); or the "
                              "dotted path of a factory kwargs -> Environment (docs/environments.md)")
     tools: list[str] = Field(default_factory=list, description="name: tools: dotted paths of Python functions the "
                              "model may call (typed arguments and a docstring: their JSON schemas go in the prompt)")
@@ -756,6 +787,8 @@ class EnvironmentConfig(Section):
     user_turns_field: str = Field("user_turns", description="name: conversation: the data column holding the "
                                   "later user messages (a list of strings) of each row")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of a custom factory")
+    nemo_gym: NemoGymAgentConfig = Field(default_factory=NemoGymAgentConfig, description="name: nemo_gym_agent: "
+                                         "the NeMo Gym agent server whose /run plays each episode")
 
 
 class Config(Section):
@@ -834,6 +867,36 @@ class Config(Section):
         if environment.tools and environment.name != "tools":
             raise ValueError(f"environment.tools is set but environment.name = {environment.name}: tools are called "
                              "by the tools environment only")
+        if environment.name == "nemo_gym_agent":
+            self._check_nemo_gym_agent()
+        elif environment.nemo_gym.model_fields_set:
+            raise ValueError(f"environment.nemo_gym is set but environment.name = {environment.name}: it configures "
+                             "the nemo_gym_agent environment only")
+
+    def _check_nemo_gym_agent(self) -> None:
+        """The agent's model server calls our vLLM server by the base model's name, at any time during a /run: it
+        needs a server (rollout.backend) holding one set of weights, the current version's, under that name."""
+        agent, rollout = self.environment.nemo_gym, self.rollout
+        sources = agent.source_keys()
+        if len(sources) != 1:
+            raise ValueError("environment.name = nemo_gym_agent needs exactly one of environment.nemo_gym.agent_url, "
+                             "head_server_url (with agent_name) or resources_server (the run starts ng_run), got "
+                             f"{', '.join(sources) or 'none'}")
+        if agent.head_server_url and not agent.agent_name:
+            raise ValueError("environment.nemo_gym.head_server_url needs environment.nemo_gym.agent_name: the agent "
+                             "server's name in that ng_run's config")
+        if rollout.backend != "server":
+            raise ValueError(f"environment.name = nemo_gym_agent with rollout.backend = {rollout.backend}: NeMo Gym's "
+                             "model server calls the policy over HTTP; use rollout.backend = server")
+        if self.model.adapter != "none" and rollout.sync != "weights":
+            raise ValueError(f"environment.name = nemo_gym_agent with model.adapter = {self.model.adapter} and "
+                             f"rollout.sync = {rollout.sync}: the agent's model server names one model, the base, so "
+                             "the server must serve the trained weights under it, one version at a time: use "
+                             "rollout.weight_sync = merged (formerly rollout.sync = weights), or model.adapter = none "
+                             "(full fine-tuning); LoRA adapters are served under names of their own")
+        if rollout.partial_rollout_tokens is not None:
+            raise ValueError("environment.name = nemo_gym_agent with rollout.partial_rollout_tokens: a /run plays a "
+                             "whole episode, it cannot be paused and continued")
 
     def _check_full_finetuning(self) -> None:
         conflicts = [key for key, on in (("model.qlora", self.model.qlora),

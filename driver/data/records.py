@@ -38,6 +38,9 @@ class Episode:
     tool_failures: int = 0  # tool calls that raised, named no known tool, or could not be parsed
     done: bool = False  # the environment ended the episode (else it was capped, or is still running)
     reward: float | None = None  # the environment's reward when it gives one (driver.environments.environment_reward)
+    # NeMo Gym /run: a later model call's prompt did not extend the sequence (a template re-rendering earlier
+    # turns), so the episode was cut at the last consistent turn (driver/environments/nemo_gym_episode.py)
+    prefix_mismatch: bool = False
 
 
 @dataclass

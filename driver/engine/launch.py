@@ -64,6 +64,10 @@ def server_command(config: Config, model_dir: str, host: str, port: int) -> list
     if kwargs["data_parallel_size"] > 1:
         # One API process in front of the replicas: vLLM refuses runtime LoRA loading with several.
         kwargs["api_server_count"] = 1
+    if config.environment.name == "nemo_gym_agent":
+        # NeMo Gym's model server sends the rows' tools to /v1/chat/completions (tool_choice auto), which vLLM
+        # answers only with a tool-call parser: it reads the calls out of the model's turns.
+        kwargs.update(enable_auto_tool_choice=True, tool_call_parser=config.environment.tool_parser)
     return [sys.executable, "-m", API_SERVER, *cli_flags(kwargs), "--host", host, "--port", str(port)]
 
 

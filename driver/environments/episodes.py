@@ -131,7 +131,8 @@ class EpisodeRunner:
 def episode_stats(groups: list[Group]) -> dict[str, float]:
     """The step's episodes: model turns per episode, TRL's tools/call_frequency (calls per episode) and
     tools/failure_frequency (failed calls per call), the fraction the environment ended (the others hit
-    environment.max_turns or the token budget) and the environment's tokens per episode. {} without episodes."""
+    environment.max_turns or the token budget), the environment's tokens per episode and the fraction of NeMo Gym
+    episodes cut at a prefix mismatch. {} without episodes."""
     episodes = [sample.episode for group in groups for sample in group.samples if sample.episode is not None]
     if not episodes:
         return {}
@@ -142,6 +143,8 @@ def episode_stats(groups: list[Group]) -> dict[str, float]:
         "episodes/done_fraction": sum(episode.done for episode in episodes) / len(episodes),
         "episodes/environment_tokens_mean": sum(end - start for episode in episodes
                                                 for start, end in episode.environment_spans) / len(episodes),
+        # NeMo Gym /run episodes cut where a later prompt re-rendered earlier turns (nemo_gym_episode.py)
+        "episodes/prefix_mismatch_fraction": sum(episode.prefix_mismatch for episode in episodes) / len(episodes),
         "tools/call_frequency": calls / len(episodes),
         "tools/failure_frequency": sum(episode.tool_failures for episode in episodes) / calls if calls else 0.0,
     }

@@ -11,16 +11,18 @@ from driver.environments.episodes import EpisodeRunner
 
 
 def episode_runner(config: Config, tokenizer) -> EpisodeRunner | None:
-    """The producer's episodes when the run has an environment (None: one completion per sample)."""
-    if config.environment.name is None:
+    """The producer's episodes when the run has an environment (None: one completion per sample, or NeMo Gym
+    agent episodes, which the agent server plays whole: driver/rollouts/agent_runs.py)."""
+    if config.environment.name in (None, "nemo_gym_agent"):
         return None
     factory, tools = make_factory(config.environment, tokenizer)
     return EpisodeRunner(config, tokenizer, factory, tools)
 
 
 def prompt_tools(config: Config, tokenizer) -> list[dict] | None:
-    """The tools' JSON schemas the chat template renders into every prompt (None: no tools)."""
-    if config.environment.name is None:
+    """The tools' JSON schemas the chat template renders into every prompt (None: no tools; a NeMo Gym agent's
+    come with each row, and the prompt trained on is the one its model server rendered)."""
+    if config.environment.name in (None, "nemo_gym_agent"):
         return None
     return make_factory(config.environment, tokenizer)[1] or None
 

@@ -165,29 +165,36 @@ class NemoGymVerify:
 
     def request(self, method: str, path: str, body: dict | None = None):
         """The JSON answer, after up to `retries` more tries of a request not answered (or answered 429/5xx)."""
-        data = None if body is None else json.dumps(body, default=str).encode()
-        headers = {"Content-Type": "application/json"} if data is not None else {}
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
-            try:
-                request = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
-                with urllib.request.urlopen(request, timeout=self.timeout) as reply:
-                    text = reply.read()
-                return json.loads(text or b"null")
-            except urllib.error.HTTPError as error:
-                detail = error.read().decode(errors="replace")[:500]
-                if error.code not in RETRIED_STATUSES:
-                    raise NemoGymRequestFailed(f"NeMo Gym resources server {self.url}: {method} {path} answered "
-                                               f"HTTP {error.code}: {detail}") from None
-                failure = f"HTTP {error.code}: {detail}"
-            except urllib.error.URLError as error:  # refused, unknown host: the reason names it
-                failure = str(error.reason)
-            except (TimeoutError, ConnectionError, http.client.HTTPException) as error:
-                failure = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-            except json.JSONDecodeError:
-                raise NemoGymRequestFailed(f"NeMo Gym resources server {self.url}: {method} {path} answered "
-                                           f"something other than JSON: {text[:200]!r}") from None
-        raise NemoGymUnavailable(f"NeMo Gym resources server {self.url} did not answer {method} {path} "
-                                 f"({self.retries + 1} tries, each within {self.timeout:g} s; last: {failure}): is it "
-                                 f"running? ({START_COMMAND} starts one)")
+        return json_request(self.url, method, path, body, self.timeout, self.retries, self.backoff)
+
+
+def json_request(url: str, method: str, path: str, body: dict | None, timeout: float, retries: int, backoff: float,
+                 server: str = "NeMo Gym resources server", start_hint: str = START_COMMAND):
+    """The JSON answer of the `server` at url, after up to `retries` more tries of a request not answered (or
+    answered 429/5xx), waiting backoff * 2**k seconds before the k-th. NemoGymUnavailable names the server and
+    how to start one (start_hint); NemoGymRequestFailed carries its error answer."""
+    data = None if body is None else json.dumps(body, default=str).encode()
+    headers = {"Content-Type": "application/json"} if data is not None else {}
+    for attempt in range(retries + 1):
+        if attempt:
+            time.sleep(backoff * 2 ** (attempt - 1))
+        try:
+            request = urllib.request.Request(url + path, data=data, headers=headers, method=method)
+            with urllib.request.urlopen(request, timeout=timeout) as reply:
+                text = reply.read()
+            return json.loads(text or b"null")
+        except urllib.error.HTTPError as error:
+            detail = error.read().decode(errors="replace")[:500]
+            if error.code not in RETRIED_STATUSES:
+                raise NemoGymRequestFailed(f"{server} {url}: {method} {path} answered HTTP {error.code}: "
+                                           f"{detail}") from None
+            failure = f"HTTP {error.code}: {detail}"
+        except urllib.error.URLError as error:  # refused, unknown host: the reason names it
+            failure = str(error.reason)
+        except (TimeoutError, ConnectionError, http.client.HTTPException) as error:
+            failure = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        except json.JSONDecodeError:
+            raise NemoGymRequestFailed(f"{server} {url}: {method} {path} answered something other than JSON: "
+                                       f"{text[:200]!r}") from None
+    raise NemoGymUnavailable(f"{server} {url} did not answer {method} {path} ({retries + 1} tries, each within "
+                             f"{timeout:g} s; last: {failure}): is it running? ({start_hint})")

@@ -101,16 +101,23 @@ class ResourcesServer:
         self.access_log, self.startup_timeout = access_log, startup_timeout
         self.process: subprocess.Popen | None = None
 
+    def ng_run_config(self) -> dict:
+        """ng_run's config: {instance name: {server type: {server directory: block}}}."""
+        return {self.name: {"resources_servers": {self.name: self.block}}}
+
     def start(self) -> ResourcesServer:
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        config = self.ng_run_config()
         config_path = self.work_dir / f"{self.name}.yaml"
-        config_path.write_text(yaml.safe_dump({self.name: {"resources_servers": {self.name: self.block}}}))
-        # ng_run looks for a server's venv at <uv_venv_dir>/resources_servers/<name>/.venv
+        config_path.write_text(yaml.safe_dump(config))
+        # ng_run looks for a server's venv at <uv_venv_dir>/<server type>/<server directory>/.venv
         venvs = self.work_dir / "venvs"
-        linked = venvs / "resources_servers" / self.name / ".venv"
-        linked.parent.mkdir(parents=True, exist_ok=True)
-        if not linked.exists():
-            linked.symlink_to(self.venv.resolve(), target_is_directory=True)
+        for server_type, directory in {(kind, name) for instance in config.values()
+                                       for kind, servers in instance.items() for name in servers}:
+            linked = venvs / server_type / directory / ".venv"
+            linked.parent.mkdir(parents=True, exist_ok=True)
+            if not linked.exists():
+                linked.symlink_to(self.venv.resolve(), target_is_directory=True)
         command = [str(self.venv / "bin" / "ng_run"), f"+config_paths=[{config_path}]", "+skip_venv_if_present=true",
                    f"+uv_venv_dir={venvs}", f"+head_server={{host: {HOST}, port: {free_port()}}}",
                    f"+uvicorn_logging_show_200_ok={str(self.access_log).lower()}"]
@@ -128,18 +135,25 @@ class ResourcesServer:
             raise
         return self
 
+    def live_urls(self) -> list[str]:
+        """The servers that must answer before start() returns."""
+        return [self.url]
+
     def _wait_until_live(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
+        waiting = self.live_urls()
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise NemoGymSetupError(f"ng_run exited ({self.process.returncode}) before the {self.name} server "
+                raise NemoGymSetupError(f"ng_run exited ({self.process.returncode}) before the {self.name} servers "
                                         f"answered:\n{self.log_tail()}\n(whole log: {self.log_path})")
             try:
-                with urllib.request.urlopen(self.url + "/", timeout=5):
+                with urllib.request.urlopen(waiting[0] + "/", timeout=5):
+                    waiting.pop(0)
+                if not waiting:
                     return
             except (urllib.error.URLError, OSError):
                 time.sleep(0.5)
-        raise NemoGymSetupError(f"the {self.name} server did not answer at {self.url} within "
+        raise NemoGymSetupError(f"the {self.name} servers did not all answer ({', '.join(waiting)} did not) within "
                                 f"{self.startup_timeout:g} s:\n{self.log_tail()}\n(whole log: {self.log_path})")
 
     def log_tail(self, lines: int = 30) -> str:

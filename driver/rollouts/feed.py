@@ -34,6 +34,7 @@ from driver.rollouts.batch import RolloutBatch
 from driver.rollouts.kl_penalty import set_kl_penalties
 from driver.rollouts.prefetch import Prefetcher
 from driver.environments.factory import episode_runner
+from driver.rollouts.agent_runs import agent_runs
 from driver.rollouts.producer import GenerationHooks, Job, Producer
 from driver.rollouts.replay import ReplayBuffer
 from driver.rollouts.reroll import RerollQueue, delay_steps
@@ -70,10 +71,11 @@ class Rollouts:
         # Rewards in worker processes can start the moment a group finishes, in any thread; rewards in
         # this process must run in the main thread (signal.alarm), so only the synchronous loop streams them.
         self.stream_rewards = self.scorer.in_workers or self.depth == 0
+        self.agent = agent_runs(config, generator)  # NeMo Gym's /run (started with ng_run when configured)
         self.producer = Producer(config, generator, prompts, policy.tokenizer,
                                  on_finished=self.scorer.submit_group if self.stream_rewards else None,
                                  max_tokens=hooks.max_tokens, extend_finished=hooks.extend_finished,
-                                 episodes=episode_runner(config, policy.tokenizer))
+                                 episodes=episode_runner(config, policy.tokenizer), agent=self.agent)
         # Checkpoints under prefetch: the producer's state before each job not assembled yet, and the
         # re-rolled prompts each took from the queue (both under _state_lock).
         self._state_lock = threading.Lock()
@@ -196,3 +198,5 @@ class Rollouts:
             self.prefetcher.stop()
             self.prefetcher = None
         self.scorer.close()
+        if self.agent is not None:
+            self.agent.close()

@@ -14,6 +14,9 @@ Multi-turn episodes (driver/environments) use the same continuation: a sample wh
 environment's answer appended (tokens without loss) and is continued as the model's next turn in the
 next round, until its episode ends; a group finishes when all its episodes have.
 
+NeMo Gym agent episodes (environment.name: nemo_gym_agent) are played whole by the agent server's /run, one
+per sample, in place of the engine's rounds (driver/rollouts/agent_runs.py).
+
 Everything here is a pure function of (job index, version, seeds, the engine): a prefetch thread and
 the synchronous loop produce the same jobs.
 """
@@ -31,6 +34,7 @@ from driver.data.prompts import Prompt, PromptSource
 from driver.data.records import Group, Sample, Span
 from driver.engine.base import Completion, Generator, Request
 from driver.environments.episodes import EpisodeRunner
+from driver.rollouts.agent_runs import AgentRuns
 from driver.rollouts.schedule import staleness
 
 IN_FLIGHT_FACTOR = 2  # partial rollouts: groups in flight at most, per group of a job's quota
@@ -79,11 +83,13 @@ class Producer:
                  on_finished: Callable[[Group], None] | None = None,
                  max_tokens: Callable[[Prompt], int] | None = None,
                  extend_finished: Callable[[Generator, list[Group], int], dict[str, float]] | None = None,
-                 episodes: EpisodeRunner | None = None) -> None:
+                 episodes: EpisodeRunner | None = None, agent: AgentRuns | None = None) -> None:
         """episodes: multi-turn episodes with an environment (driver/environments/episodes.py): a sample whose
-        turn ended gets the environment's answer appended and is continued in the next round."""
+        turn ended gets the environment's answer appended and is continued in the next round. agent: episodes
+        played whole by a NeMo Gym agent server instead of the engine (driver/rollouts/agent_runs.py)."""
         self.config, self.generator, self.prompts, self.tokenizer = config, generator, prompts, tokenizer
         self.on_finished, self.extend_finished, self.episodes = on_finished, extend_finished, episodes
+        self.agent = agent
         self.max_tokens = max_tokens or (lambda prompt: config.rollout.sampling.max_tokens)
         self.quota = config.train.prompts_per_step * config.train.gradient_accumulation_steps
         self.budget = config.rollout.partial_rollout_tokens or config.rollout.sampling.max_tokens
@@ -151,6 +157,8 @@ class Producer:
     def _round(self, version: int, metrics: dict[str, float]) -> tuple[list[Group], int, int, int]:
         """One round over every group in flight; returns (groups finished, continuations, samples
         stopped by the budget, samples generated) and adds extend_finished's metrics to `metrics`."""
+        if self.agent is not None:
+            return self._agent_round(version)
         seed, group_size = self.config.train.seed, self.config.algo.num_generations
         requests, targets = [], []  # targets[i]: (group, sample index or None for a whole new group)
         turns = 0  # continuations that are an episode's next model turn
@@ -201,6 +209,17 @@ class Producer:
                 if self.on_finished is not None:
                     self.on_finished(group)
         return done, continued, truncated, sampled
+
+    def _agent_round(self, version: int) -> tuple[list[Group], int, int, int]:
+        """NeMo Gym: every group in flight is new, and each of its samples one /run, a whole episode."""
+        groups = self.in_flight
+        seeds = [group_seed(self.config.train.seed, group.group_id) for group in groups]
+        for group in self.agent.play(groups, version, seeds, self.config.algo.num_generations):
+            group.texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in group.samples]
+            if self.on_finished is not None:
+                self.on_finished(group)
+        self.in_flight = []
+        return groups, 0, 0, sum(len(group.samples) for group in groups)
 
     @staticmethod
     def _ends_with_environment(sample: Sample) -> bool:
