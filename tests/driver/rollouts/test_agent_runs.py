@@ -183,7 +183,8 @@ def test_the_agent_is_found_through_the_head_server(stand_in):
                          "weather_agent": {"responses_api_agents": {"simple_agent": {
                              "host": "127.0.0.1", "port": int(stand_in.url.rsplit(":", 1)[1])}}}})
     try:
-        environment = {"name": "nemo_gym_agent", "nemo_gym": {"head_server_url": head.url, "agent_name": "weather_agent"}}
+        environment = {"name": "nemo_gym_agent",
+                       "nemo_gym": {"head_server_url": head.url, "agent_name": "weather_agent"}}
         assert AgentRuns(agent_config(environment=environment), OneVersionServer()).url == stand_in.url
         environment["nemo_gym"]["agent_name"] = "other"
         with pytest.raises(RolloutError, match="runs no such agent server \\(its agents: weather_agent\\)"):
