@@ -107,14 +107,16 @@ $(BUILT): $(INSTALLED) $(NATIVE_SOURCES)
 # 90 s and 1.4 GB). Not --no-compile: it halves the install's CPU, but Ray's processes run with python -B,
 # so every server start would then compile their modules again (+30 s).
 # Ray's version must be the one every NeMo Gym process runs. The stamp names the version: a new pin
-# reinstalls from scratch.
+# reinstalls from scratch. anthropic: the model and agent servers' base module imports it (multi-turn /run,
+# docs/environments.md "NeMo Gym agents"); the stamp's -agents says a venv from before has it.
 NEMO_GYM_DIR := .nemo-gym
 NEMO_GYM_VENV := $(NEMO_GYM_DIR)/venv
 NEMO_GYM_VERSION := 0.4.0
 NEMO_GYM_DEPS := "ray==2.60.0" "openai<=2.7.2" "aiohttp>=3.14.1" fastapi uvicorn uvloop pydantic omegaconf \
-	hydra-core requests orjson itsdangerous psutil rich tqdm devtools yappi pydot gprof2dot pandas wandb
+	hydra-core requests orjson itsdangerous psutil rich tqdm devtools yappi pydot gprof2dot pandas wandb \
+	"anthropic<=0.109.2"
 NEMO_GYM_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
-NEMO_GYM_INSTALLED := $(NEMO_GYM_VENV)/.installed-$(NEMO_GYM_VERSION)
+NEMO_GYM_INSTALLED := $(NEMO_GYM_VENV)/.installed-$(NEMO_GYM_VERSION)-agents
 
 nemo-gym: $(NEMO_GYM_INSTALLED)
 
@@ -125,7 +127,8 @@ $(NEMO_GYM_INSTALLED):
 	@$(LOGGED) $(NEMO_GYM_PYTHON) -m venv $(NEMO_GYM_VENV)
 	@$(LOGGED) $(NEMO_GYM_VENV)/bin/pip install --no-deps nemo-gym==$(NEMO_GYM_VERSION)
 	@$(LOGGED) $(NEMO_GYM_VENV)/bin/pip install $(NEMO_GYM_DEPS)
-	@$(LOGGED) $(NEMO_GYM_VENV)/bin/python -c "import nemo_gym.cli.env, nemo_gym.base_resources_server"
+	@$(LOGGED) $(NEMO_GYM_VENV)/bin/python -c "import nemo_gym.cli.env, nemo_gym.base_resources_server, \
+		responses_api_models.vllm_model.app, responses_api_agents.simple_agent.app"
 	@touch $@
 
 # Perf gate, one pytest session (README "Benchmarks and the performance gate"): time ours against

@@ -758,7 +758,7 @@ class NemoGymAgentConfig(Section):
                                                      "config fields, over the package's")
     venv: str = Field(".nemo-gym/venv", description="with resources_server: NeMo Gym's venv (`make nemo-gym`)")
     timeout: float = Field(600.0, gt=0, description="seconds one /run (a whole episode) may take before it is "
-                           "retried (axolotl's nemo_gym_verify_timeout)")
+                           "retried (axolotl's nemo_gym_run_timeout)")
     retries: int = Field(3, ge=0, description="more tries of a /run the agent did not answer (refused, timed out, "
                          "HTTP 429 / 5xx), waiting retry_backoff * 2**k seconds before the k-th")
     retry_backoff: float = Field(1.0, ge=0, description="seconds before the first retry, doubled before each next one")

@@ -88,7 +88,7 @@ class ResourcesServer:
 
     def __init__(self, name: str, options: dict | None = None, venv: Path = DEFAULT_VENV, work_dir: Path | None = None,
                  port: int | None = None, access_log: bool = False, startup_timeout: float = 180.0) -> None:
-        self.venv, self.name = Path(venv), name
+        self.venv, self.name = Path(venv).absolute(), name  # ng_run runs in work_dir
         server_dir = resources_servers_dir(self.venv) / name
         if not (server_dir / "app.py").is_file():
             known = sorted(p.parent.name for p in server_dir.parent.glob("*/app.py"))

@@ -17,6 +17,7 @@ every chat completion request it makes for the episode.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 from collections.abc import Iterator
@@ -53,15 +54,7 @@ class AgentRuns:
         self.max_concurrency = agent.max_concurrency
         self.servers = None
         if agent.resources_server:
-            from driver.rewards.nemo_gym_agent_server import AgentServers
-
-            venv = Path(agent.venv).expanduser()
-            venv = venv if venv.is_absolute() or venv.exists() else ROOT / venv
-            self.servers = AgentServers(agent.resources_server, generator.urls, generator.base_model,
-                                        agent.resources_server_options, max_steps=config.environment.max_turns,
-                                        api_key=config.rollout.api_key, venv=venv,
-                                        work_dir=Path(config.logging.output_dir) / "nemo-gym").start()
-            self.url = self.servers.url
+            self.url = self._start_servers(config, generator)
         elif agent.head_server_url:
             self.url = self._agent_url_from_head(agent.head_server_url.rstrip("/"), agent.agent_name)
         else:
@@ -77,6 +70,25 @@ class AgentRuns:
         self.extra_body = {key: value for key, value in server_sampling(sampling).items()
                            if key not in RESPONSES_SAMPLING and value is not None}
         self.template_kwargs = dict(config.data.chat_template_kwargs)
+
+    def _start_servers(self, config: Config, generator) -> str:
+        """ng_run with the resources server, policy_model on our vLLM server and simple_agent; the agent's URL.
+        Stopped by close(), or at exit when the run fails before it has one to call."""
+        from driver.rewards.nemo_gym_agent_server import AgentServers
+        from driver.rewards.nemo_gym_server import NemoGymSetupError
+
+        agent = config.environment.nemo_gym
+        venv = Path(agent.venv).expanduser()
+        venv = venv if venv.is_absolute() or venv.exists() else ROOT / venv
+        try:
+            self.servers = AgentServers(agent.resources_server, generator.urls, generator.base_model,
+                                        agent.resources_server_options, max_steps=config.environment.max_turns,
+                                        api_key=config.rollout.api_key, venv=venv,
+                                        work_dir=Path(config.logging.output_dir) / "nemo-gym").start()
+        except NemoGymSetupError as error:
+            raise RolloutError(f"environment.nemo_gym.resources_server = {agent.resources_server}: {error}") from None
+        atexit.register(self.close)
+        return self.servers.url
 
     def _agent_url_from_head(self, head_url: str, name: str) -> str:
         """The agent's http://host:port from the head server's global config (NeMo Gym's own lookup)."""

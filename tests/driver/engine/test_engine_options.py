@@ -238,3 +238,12 @@ def test_without_sleep_mode_the_engine_never_sleeps(monkeypatch):
     list(generator.stream([Request([1, 2], 1, 0, 4)], version=0))
     generator.prompt_logprobs([1, 2, 3])
     assert "sleep(1)" not in engine.calls and "wake_up" not in engine.calls
+
+
+def test_a_nemo_gym_agent_run_starts_the_server_with_a_tool_call_parser(vllm_parser):
+    """NeMo Gym's model server sends the rows' tools to the chat endpoint: vLLM answers that only with these."""
+    config = config_of(**{"rollout.backend": "server", "model.adapter": "none", "environment.name": "nemo_gym_agent",
+                          "environment.nemo_gym.agent_url": "http://127.0.0.1:1"})
+    args = vllm_parser.parse_args(server_command(config, "/m", "127.0.0.1", 1)[3:])
+    assert args.enable_auto_tool_choice and args.tool_call_parser == "hermes"
+    assert not vllm_parser.parse_args(server_command(Config(), "/m", "127.0.0.1", 1)[3:]).enable_auto_tool_choice
