@@ -5,7 +5,8 @@ version that sampled them), run ahead by a background thread (`prefetch`) as far
 schedule allows (`schedule`), with partial rollouts, re-rolls of failed prompts (`reroll`) and a
 replay buffer of high-signal groups (`replay`); `assemble` turns a job's scored groups into the
 step's batch, zero-advantage rows filtered out (`filtering`), or only groups with signal kept and
-more generated until the step is full (`dynamic_sampling`, DAPO). Under torchrun rank 0 runs all of
+more generated until the step is full (`dynamic_sampling`, DAPO). NeMo Gym agent episodes are played whole
+by an agent server's /run instead of the engine's rounds (`agent_runs`). Under torchrun rank 0 runs all of
 it and every rank trains its share (`distributed_feed`, `shard_batch`).
 
 Interface: `source.BatchSource` (typed Protocol): `next_batch(step)`, `push(step)` (the engine serves

@@ -24,6 +24,7 @@ the synchronous loop produce the same jobs.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 import zlib
 from collections.abc import Callable
@@ -215,6 +216,9 @@ class Producer:
         groups = self.in_flight
         seeds = [group_seed(self.config.train.seed, group.group_id) for group in groups]
         for group in self.agent.play(groups, version, seeds, self.config.algo.num_generations):
+            # The prompt is now the one the agent's model server rendered (its tools included): logs show that one.
+            group.prompt = dataclasses.replace(
+                group.prompt, text=self.tokenizer.decode(group.prompt.token_ids, skip_special_tokens=False))
             group.texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in group.samples]
             if self.on_finished is not None:
                 self.on_finished(group)

@@ -1,20 +1,23 @@
 """NeMo Gym multi-turn end to end: `python -m driver.train` with environment.name = nemo_gym_agent launches its
 vLLM server (full fine-tuning: one set of weights, reloaded in place at every sync, under the base model's
 name), then ng_run from the `make nemo-gym` venv with the package's example_single_tool_call resources server,
-vllm_model on that vLLM server and simple_agent; every episode is one /run, trained for 2 steps.
+vllm_model on that vLLM server and simple_agent; every episode is one /run. Two runs of 2 steps each: they check
+the episodes' structure and reward (always 1.0 from this server), not learning.
 
-The tiny random model writes no tool calls of its own: a grammar (rollout.sampling.structured_outputs, which
-reaches vLLM through vllm_model's per-request extra_body) makes each turn either a get_weather call, which the
-hermes parser reads and the agent runs on the resources server, or a short answer, which ends the episode.
-The test checks the episodes' structure and reward (always 1.0 from this server), not learning: a second model
-call is either appended after its environment tokens or, when the vLLM server's chat template rendered the
-first one with other tokens than the grammar sampled, cut as a prefix mismatch.
+- Free sampling: the tiny random model writes no tool call, so each episode is one model call, ended by
+  max_output_tokens or its end of turn. The trainer scores the /run's token ids, the prompt being the vLLM
+  server's own rendering (tools included): in float32 its logprobs must be the ones the server sampled with.
+- A grammar (rollout.sampling.structured_outputs, which reaches vLLM through vllm_model's per-request extra_body)
+  makes every turn a get_weather call, which the hermes parser reads and the agent runs on the resources server,
+  up to max_turns calls. The tiny model's chat template renders no tool calls, so the second call's prompt does
+  not extend the first call's tokens: every episode is cut there, as a prefix mismatch (appended environment
+  tokens are tested on hand-written /run answers: tests/driver/environments/test_nemo_gym_episode.py). A
+  grammar's logprobs are of the constrained distribution: no logprob check there.
 """
 
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,38 +29,42 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (DEFAULT_VENV / "bin" / "
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-grpo.yaml"
 STEPS, PROMPTS, GENERATIONS, MAX_TURNS = 2, 2, 4, 2
-TOOL_OR_ANSWER = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "sf"\}\}</tool_call>|[a-z]{1,3}'
+TOOL_CALL = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "(sf|la)"\}\}</tool_call>'
 
 
-def test_nemo_gym_agent_episodes_train(tmp_path):
+def train(output_dir: Path, *overrides: str) -> list[dict]:
     rows = resources_servers_dir(DEFAULT_VENV) / "example_single_tool_call" / "data" / "example.jsonl"
-    output_dir = tmp_path / "run"
     command = [
         sys.executable, "-m", "driver.train", str(EXAMPLE), f"--logging.output_dir={output_dir}",
         "--logging.progress=false", "--logging.plots=false", "--logging.report_to=[]",
-        "--logging.log_completions_every=1", "--model.adapter=none", "--train.lr=3e-4",
-        "--rollout.backend=server", "--rollout.sampling.max_tokens=160",
-        f"--rollout.sampling.structured_outputs={{regex: '{TOOL_OR_ANSWER}'}}",
-        "--algo.importance_sampling={level: none}", "--algo.zero_advantage=keep",
+        "--model.adapter=none", "--train.lr=3e-4", "--rollout.backend=server", "--algo.zero_advantage=keep",
         f"--train.steps={STEPS}", f"--train.prompts_per_step={PROMPTS}", f"--algo.num_generations={GENERATIONS}",
         f"--data.source={rows}", "--data.transform=driver.rewards.nemo_gym.prompt_from_row",
         "--environment.name=nemo_gym_agent", f"--environment.max_turns={MAX_TURNS}",
         "--environment.nemo_gym.resources_server=example_single_tool_call",
-        "--rewards.functions=[{path: driver.environments.rewards.environment_reward}]"]
-    started = time.perf_counter()
+        "--rewards.functions=[{path: driver.environments.rewards.environment_reward}]", *overrides]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    print(f"train: {time.perf_counter() - started:.0f} s")
     assert result.returncode == 0, result.stderr[-3000:]
+    assert (output_dir / "nemo-gym" / "server.log").is_file()
     metrics = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == STEPS
+    assert all(row["rewards/environment_reward/mean"] == 1.0 for row in metrics)  # /run's reward, every episode
+    assert all(row["sync/probe_max_abs_diff"] < 1e-3 for row in metrics)  # the server serves the trainer's weights
+    return metrics
+
+
+def test_free_episodes_are_scored_on_the_tokens_the_server_sampled(tmp_path):
+    metrics = train(tmp_path / "free", "--rollout.sampling.max_tokens=8")
     for row in metrics:
-        assert row["rewards/environment_reward/mean"] == 1.0  # /run's reward, every episode
-        assert 1 <= row["episodes/turns_mean"] <= MAX_TURNS
-        # Every second model call was either appended or cut: turns = 1 + (the calls after a tool call that
-        # extended the sequence); the environment's tokens come only with those.
-        extended = row["episodes/turns_mean"] - 1
-        assert extended + row["episodes/prefix_mismatch_fraction"] <= row["tools/call_frequency"] + 1e-6
-        assert (row["episodes/environment_tokens_mean"] > 0) == (extended > 0)
-        assert row["grad_norm"] > 0 and row["sync/probe_verified"] == 1  # the server follows the trained weights
-    assert sum(row["tools/call_frequency"] for row in metrics) > 0  # get_weather ran on the resources server
-    assert (output_dir / "nemo-gym" / "server.log").is_file()
+        assert row["episodes/turns_mean"] == 1 and row["episodes/environment_tokens_mean"] == 0
+        assert row["sampling/sampling_logp_difference/max"] < 1e-4  # measured: 4e-6
+
+
+def test_tool_calls_run_on_the_resources_server_and_extend_the_episode(tmp_path):
+    metrics = train(tmp_path / "tools", "--rollout.sampling.max_tokens=200", "--algo.importance_sampling={level: none}",
+                    f"--rollout.sampling.structured_outputs={{regex: '{TOOL_CALL}'}}")
+    for row in metrics:
+        assert row["tools/call_frequency"] == 1 and row["tools/failure_frequency"] == 0  # the first call, kept
+        assert row["episodes/prefix_mismatch_fraction"] == 1 and row["episodes/done_fraction"] == 0
+        assert row["episodes/turns_mean"] == 1 and row["episodes/environment_tokens_mean"] == 0
+        assert row["completions/clipped_ratio"] == 1  # cut episodes are truncated (mask_truncated_completions)

@@ -215,4 +215,5 @@ def test_the_producer_plays_a_job_through_the_agent(stand_in):
     job = producer.produce(0, version=3)
     assert len(job.groups) == 3 and len(finished) == 3 and not producer.in_flight
     assert all(g.texts == ["7 8", "7 8"] and g.finished for g in job.groups)
+    assert all(g.prompt.token_ids == [1, 2, 3] and g.prompt.text == "1 2 3" for g in job.groups)
     assert len(stand_in.requests) == 3 * 2
