@@ -888,12 +888,12 @@ class Config(Section):
         if rollout.backend != "server":
             raise ValueError(f"environment.name = nemo_gym_agent with rollout.backend = {rollout.backend}: NeMo Gym's "
                              "model server calls the policy over HTTP; use rollout.backend = server")
-        if self.model.adapter != "none" and rollout.sync != "weights":
+        if self.model.adapter != "none" and rollout.weight_sync != "merged":
             raise ValueError(f"environment.name = nemo_gym_agent with model.adapter = {self.model.adapter} and "
-                             f"rollout.sync = {rollout.sync}: the agent's model server names one model, the base, so "
-                             "the server must serve the trained weights under it, one version at a time: use "
-                             "rollout.weight_sync = merged (formerly rollout.sync = weights), or model.adapter = none "
-                             "(full fine-tuning); LoRA adapters are served under names of their own")
+                             f"rollout.weight_sync = {rollout.weight_sync}: the agent's model server names one model, "
+                             "the base, so the server must serve the trained weights under it, one version at a time: "
+                             "use rollout.weight_sync = merged, or model.adapter = none (full fine-tuning); LoRA "
+                             "adapters are served under names of their own")
         if rollout.partial_rollout_tokens is not None:
             raise ValueError("environment.name = nemo_gym_agent with rollout.partial_rollout_tokens: a /run plays a "
                              "whole episode, it cannot be paused and continued")

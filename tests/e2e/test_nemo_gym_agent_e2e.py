@@ -1,7 +1,8 @@
 """NeMo Gym multi-turn end to end: `python -m driver.train` with environment.name = nemo_gym_agent launches its
-vLLM server (full fine-tuning: one set of weights, reloaded in place at every sync, under the base model's
-name), then ng_run from the `make nemo-gym` venv with the package's example_single_tool_call resources server,
-vllm_model on that vLLM server and simple_agent; every episode is one /run. Two runs of 2 steps each: they check
+vLLM server (one set of weights, reloaded in place at every sync, under the base model's name: LoRA with
+rollout.weight_sync = merged in the first run, full fine-tuning in the second), then ng_run from the `make
+nemo-gym` venv with the package's example_single_tool_call resources server, vllm_model on that vLLM server
+and simple_agent; every episode is one /run. Two runs of 2 steps each: they check
 the episodes' structure and reward (always 1.0 from this server), not learning.
 
 - Free sampling: the tiny random model writes no tool call, so each episode is one model call, ended by
@@ -37,7 +38,7 @@ def train(output_dir: Path, *overrides: str) -> list[dict]:
     command = [
         sys.executable, "-m", "driver.train", str(EXAMPLE), f"--logging.output_dir={output_dir}",
         "--logging.progress=false", "--logging.plots=false", "--logging.report_to=[]",
-        "--model.adapter=none", "--train.lr=3e-4", "--rollout.backend=server", "--algo.zero_advantage=keep",
+        "--train.lr=3e-4", "--rollout.backend=server", "--algo.zero_advantage=keep",
         f"--train.steps={STEPS}", f"--train.prompts_per_step={PROMPTS}", f"--algo.num_generations={GENERATIONS}",
         f"--data.source={rows}", "--data.transform=driver.rewards.nemo_gym.prompt_from_row",
         "--environment.name=nemo_gym_agent", f"--environment.max_turns={MAX_TURNS}",
@@ -54,14 +55,15 @@ def train(output_dir: Path, *overrides: str) -> list[dict]:
 
 
 def test_free_episodes_are_scored_on_the_tokens_the_server_sampled(tmp_path):
-    metrics = train(tmp_path / "free", "--rollout.sampling.max_tokens=8")
+    metrics = train(tmp_path / "free", "--rollout.sampling.max_tokens=8", "--rollout.weight_sync=merged")
     for row in metrics:
         assert row["episodes/turns_mean"] == 1 and row["episodes/environment_tokens_mean"] == 0
         assert row["sampling/sampling_logp_difference/max"] < 1e-4  # measured: 4e-6
 
 
 def test_tool_calls_run_on_the_resources_server_and_extend_the_episode(tmp_path):
-    metrics = train(tmp_path / "tools", "--rollout.sampling.max_tokens=200", "--algo.importance_sampling={level: none}",
+    metrics = train(tmp_path / "tools", "--model.adapter=none", "--rollout.sampling.max_tokens=200",
+                    "--algo.importance_sampling={level: none}",
                     f"--rollout.sampling.structured_outputs={{regex: '{TOOL_CALL}'}}")
     for row in metrics:
         assert row["tools/call_frequency"] == 1 and row["tools/failure_frequency"] == 0  # the first call, kept

@@ -51,7 +51,7 @@ def test_config_refusals_name_the_keys(sections, message):
 
 
 def test_merged_lora_weights_on_a_server_are_accepted():
-    config = agent_config(model={"adapter": "lora"}, rollout={**AGENT_ROLLOUT, "sync": "weights"})
+    config = agent_config(model={"adapter": "lora"}, rollout={**AGENT_ROLLOUT, "weight_sync": "merged"})
     assert config.environment.nemo_gym.agent_url
 
 
