@@ -62,6 +62,18 @@ def listen_address(config: Config, host: str | None, port: int | None) -> tuple[
     return host if host is not None else DEFAULT_HOST, port if port is not None else DEFAULT_PORT
 
 
+def served_merged(config, model_dir: str) -> bool:
+    """Whether the training runs that connect to this server sync merged (or whole) weights into it:
+    rollout.weight_sync as driver.engine.weight_sync_mode resolves it for a server and this model."""
+    from transformers import AutoConfig
+
+    from driver.engine import weight_sync_mode
+
+    as_server = config.model_copy(deep=True)
+    as_server.rollout.backend = "server"
+    return weight_sync_mode(as_server, AutoConfig.from_pretrained(model_dir)) == "merged"
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         rest, host, port = split_address_args(sys.argv[1:] if argv is None else argv)
@@ -72,11 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(path, overrides, source_format)
         host, port = listen_address(config, host, port)
         model_dir = served_base_dir(config, resolve_model_path(config.model.path), launched=True)
-        command = server_command(config, model_dir, host, port)
+        # Full fine-tuning and merged weights (as a training run connecting to a server resolves auto) reload the
+        # weights through /collective_rpc, a development endpoint, and need no LoRA slots.
+        full = served_merged(config, model_dir)
+        command = server_command(config, model_dir, host, port, lora=not full)
     except ConfigError as error:
         exit_on_config_error(error)
-    # Full fine-tuning and merged weights reload the weights through /collective_rpc, a development endpoint.
-    full = config.model.adapter == "none" or config.rollout.weight_sync == "merged"
     if full and host not in ("127.0.0.1", "localhost", "::1"):
         why = "model.adapter = none" if config.model.adapter == "none" else "rollout.weight_sync = merged"
         print(f"warning: {why}: the server runs with VLLM_SERVER_DEV_MODE=1 on {host}, and anyone "

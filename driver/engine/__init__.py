@@ -31,7 +31,7 @@ def weight_sync_mode(config: Config, model_config) -> str:
         return "merged"  # full fine-tuning: no adapter to load
     mode = config.rollout.weight_sync if config.rollout.weight_sync != "auto" else _auto(config, model_config)
     if mode == "merged":
-        _check_merged(config, model_config)
+        _check_merged(config)
     return mode
 
 
@@ -56,22 +56,15 @@ def _distributed() -> bool:
     return distributed.is_available() and distributed.is_initialized() and distributed.get_world_size() > 1
 
 
-def _check_merged(config: Config, model_config) -> None:
+def _check_merged(config: Config) -> None:
     """What merged serving cannot do that the config alone does not show (driver/config.py checks the rest):
     a ConfigError naming the keys, before the engine starts."""
-    import torch
-
     from driver.cli import ConfigError
-    from driver.policy.model import is_moe
 
     key = f"rollout.{config.rollout.weight_sync_key()}"
     if _distributed():
         raise ConfigError(f"{key} under torchrun: the adapter and the base are sharded over the ranks (FSDP) and "
                           "the merge would need every rank's shards; use rollout.weight_sync = adapter")
-    if config.rollout.backend == "server" and is_moe(model_config) and not torch.cuda.is_available():
-        raise ConfigError(f"{key} with rollout.backend = server and a mixture-of-experts model on CPU: a server "
-                          "reloading its weights re-packs CPU experts wrongly (driver/engine/weight_sync.py), and "
-                          "only the colocated engine can be fixed up; use rollout.backend = colocate")
 
 
 def serves_trained_base(config: Config) -> bool:

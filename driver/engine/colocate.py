@@ -27,11 +27,15 @@ def engine_lora_rank(r: int) -> int:
 LORA_ENGINE_KEYS = ("enable_lora", "max_lora_rank", "max_loras")
 
 
-def engine_kwargs(config: Config, model_dir: str) -> dict:
-    """Arguments shared by the colocated engine and a launched server (without the LoRA ones under full
-    fine-tuning and rollout.weight_sync = merged, where every sync replaces the weights); a ConfigError
-    naming the key when this machine or the installed vLLM cannot run them (driver/engine/options.py)."""
+def engine_kwargs(config: Config, model_dir: str, lora: bool | None = None) -> dict:
+    """Arguments shared by the colocated engine and a launched server; a ConfigError naming the key when this
+    machine or the installed vLLM cannot run them (driver/engine/options.py). lora: with the LoRA ones, which a
+    server reloading merged weights must not have (with LoRA slots vLLM on CPU takes a Triton-only path for
+    experts); None: unless under full fine-tuning or with rollout.weight_sync = merged given (the caller knows
+    what auto resolves to: driver.engine.weight_sync_mode)."""
     rollout = config.rollout
+    if lora is None:
+        lora = config.model.adapter != "none" and rollout.weight_sync != "merged"
     check_engine_options(config, cuda_available())
     kwargs = dict(
         model=model_dir, dtype=rollout.dtype or config.model.dtype,
@@ -53,7 +57,7 @@ def engine_kwargs(config: Config, model_dir: str) -> dict:
         # budget, so prefills are never split there.
         enable_chunked_prefill=False if not cuda_available() else None,
     )
-    if config.model.adapter == "none" or config.rollout.weight_sync == "merged":  # merged weights: no LoRA slots
+    if not lora:  # every sync replaces the weights: no LoRA slots
         kwargs = {key: value for key, value in kwargs.items() if key not in LORA_ENGINE_KEYS}
     return kwargs
 

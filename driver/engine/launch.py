@@ -20,6 +20,7 @@ import requests
 from driver.config import Config
 from driver.engine.base import RolloutError
 from driver.engine.colocate import engine_kwargs, set_cpu_defaults
+from driver.engine.server_worker import EXTENSION
 
 LOG_NAME = "vllm-server.log"  # in config.output_dir
 LOG_TAIL_LINES = 30  # quoted in launch errors
@@ -58,12 +59,14 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def server_command(config: Config, model_dir: str, host: str, port: int) -> list[str]:
-    """The api_server command line of the engine the config describes, serving model_dir."""
-    kwargs = engine_kwargs(config, model_dir)
+def server_command(config: Config, model_dir: str, host: str, port: int, lora: bool | None = None) -> list[str]:
+    """The api_server command line of the engine the config describes, serving model_dir (lora: engine_kwargs')."""
+    kwargs = engine_kwargs(config, model_dir, lora)
     if kwargs["data_parallel_size"] > 1:
         # One API process in front of the replicas: vLLM refuses runtime LoRA loading with several.
         kwargs["api_server_count"] = 1
+    # Its reload re-arms the MoE experts' prepacking, which vLLM's own skips on CPU (server_worker.py).
+    kwargs["worker_extension_cls"] = EXTENSION
     if config.environment.name == "nemo_gym_agent":
         # NeMo Gym's model server sends the rows' tools to /v1/chat/completions (tool_choice auto), which vLLM
         # answers only with a tool-call parser: it reads the calls out of the model's turns.
@@ -164,7 +167,7 @@ class LaunchedServer(ServerProcess):
     """The server a run launches when rollout.server_url is empty: on 127.0.0.1 (so its development
     endpoints are this machine's only), a free port, its output in output_dir/vllm-server.log."""
 
-    def __init__(self, config: Config, model_dir: str) -> None:
+    def __init__(self, config: Config, model_dir: str, lora: bool | None = None) -> None:
         port = free_port()
-        super().__init__(server_command(config, model_dir, "127.0.0.1", port), server_env(dev_mode=True),
+        super().__init__(server_command(config, model_dir, "127.0.0.1", port, lora), server_env(dev_mode=True),
                          f"http://127.0.0.1:{port}", config.output_dir / LOG_NAME, config.rollout.server_timeout)

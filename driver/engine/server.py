@@ -27,6 +27,7 @@ from driver.config import Config, SamplingConfig
 from driver.engine.base import Completion, Request, SyncError, generate_by_stream
 from driver.engine.launch import LaunchedServer, ServerError
 from driver.engine.server_client import MAX_CONNECTIONS, ServerClient
+from driver.engine.server_worker import EXTENSION, RELOAD_METHOD
 from driver.engine.sync_check import SyncVerifier
 from driver.engine.weight_sync import save_merged
 
@@ -65,6 +66,7 @@ class ServerGenerator:
         self.keep_versions = 1 if self.full_weights else 2
         self._roots: dict[str, str] = {}  # url -> the weights that server started with (merged: restored at close)
         self._merged_pushed = False
+        self._reload_methods: dict[str, str] = {}  # url -> the worker method reloading its weights
         self._names: dict[int, str] = {}  # version -> adapter name, the newest keep_versions
         self._server: LaunchedServer | None = None
         self._client: ServerClient | None = None
@@ -73,7 +75,8 @@ class ServerGenerator:
         try:
             urls = config.rollout.server_urls()
             if not urls:
-                self._server = LaunchedServer(config, model_dir)
+                # Merged weights (auto's choice included): no LoRA slots.
+                self._server = LaunchedServer(config, model_dir, lora=None if merge_from is None else False)
                 urls = [self._server.url]
             self._client = ServerClient(urls, config.rollout, exit_note=self._exit_note)
             self._bases = {url: self._base_model_name(url) for url in urls}  # each server's name for its base
@@ -205,8 +208,37 @@ class ServerGenerator:
 
     def _reload_at(self, url: str, weights_path: str, **options) -> None:
         self._client.request(url, "POST", "/collective_rpc",
-                             {"method": "reload_weights", "kwargs": {"weights_path": weights_path}}, **options)
+                             {"method": self._reload_method(url), "kwargs": {"weights_path": weights_path}}, **options)
         self._client.request(url, "POST", "/reset_prefix_cache", **options)
+
+    def _reload_method(self, url: str) -> str:
+        """The worker method that reloads that server's weights: our extension's where the server runs it (every
+        server the driver starts does: driver/engine/server_worker.py), vLLM's reload_weights elsewhere, except
+        for a mixture-of-experts model on CPU, whose experts vLLM's own reload corrupts."""
+        if url not in self._reload_methods:
+            try:
+                config = self._json(url, "GET", "/server_info?config_format=json").get("vllm_config") or {}
+            except ServerError as error:
+                if error.status != 404:
+                    raise
+                config = {}  # no development endpoints: the reload itself fails and says how to enable them
+            extension = (config.get("parallel_config") or {}).get("worker_extension_cls")
+            if extension == EXTENSION:
+                self._reload_methods[url] = RELOAD_METHOD
+            elif self._moe_on_cpu():
+                raise ServerError(f"the vLLM server at {url} reloads a mixture-of-experts model's weights on CPU with "
+                                  "vLLM's reload_weights, which corrupts its experts (it skips their prepacking); "
+                                  f"start it with --worker-extension-cls {EXTENSION}, as python -m driver.vllm_serve "
+                                  "and the servers the driver launches do")
+            else:
+                self._reload_methods[url] = "reload_weights"
+        return self._reload_methods[url]
+
+    def _moe_on_cpu(self) -> bool:
+        from driver.policy.model import is_moe
+
+        model_config = getattr(self._merge_from, "config", None)
+        return model_config is not None and is_moe(model_config) and not torch.cuda.is_available()
 
     def _unload(self, url: str, name: str, **options) -> None:
         # 404: already gone (e.g. unloaded by whoever runs the server, or by a retried call); nothing to free.

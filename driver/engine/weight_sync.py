@@ -226,11 +226,11 @@ def _adapters_by_parameter(model: nn.Module) -> tuple[dict[int, list[tuple[nn.Mo
 def _reload_in_place(worker, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
     """Runs on the vLLM worker (same process): vLLM's layerwise in-place reload, with the MoE
     experts' post-load prepacking re-armed (see the module docstring)."""
-    _rearm_expert_prepacking(worker.model_runner.get_model())
+    rearm_expert_prepacking(worker.model_runner.get_model())
     worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
 
 
-def _rearm_expert_prepacking(model: nn.Module) -> int:
+def rearm_expert_prepacking(model: nn.Module) -> int:
     """Clear the kernel of every unquantized MoE layer whose experts transform their weights after
     loading, so that the next process_weights_after_loading runs that transform again."""
     from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts

@@ -91,16 +91,41 @@ def test_auto_picks_merged_where_it_is_exact_and_in_place(monkeypatch, overrides
     assert weight_sync_mode(config_of(**overrides), model) == chosen
 
 
-@pytest.mark.parametrize("weight_sync", ["merged", "auto"])
-def test_a_merged_server_with_moe_on_cpu_is_refused(monkeypatch, weight_sync):
-    """No vLLM path serves LoRA on experts from a CPU server: its LoRA path is Triton-only, and its reload
-    re-packs CPU experts wrongly (only the colocated engine is fixed up)."""
+@pytest.mark.parametrize(("extension", "moe", "cuda", "method"), [
+    ("driver.engine.server_worker.ReloadExtension", True, False, "reload_weights_rearmed"),
+    ("driver.engine.server_worker.ReloadExtension", False, False, "reload_weights_rearmed"),
+    (None, False, False, "reload_weights"),
+    (None, True, True, "reload_weights"),
+    (None, True, False, "corrupts its experts"),  # vLLM's own reload of CPU experts
+])
+def test_a_server_reloads_with_our_worker_extension_where_it_runs_it(monkeypatch, extension, moe, cuda, method):
+    """Which worker method reloads a server's weights, read from its /server_info once per server; a server
+    without our extension cannot reload an MoE model on CPU: a ServerError that says how to start it."""
+    from driver.engine.server import ServerError, ServerGenerator
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    server = ServerGenerator.__new__(ServerGenerator)  # no server: only the choice is tested
+    server._reload_methods = {}
+    server._merge_from = SimpleNamespace(config=MOE if moe else DENSE)
+    asked = []
+
+    def server_info(url, verb, path, payload=None):
+        asked.append(path)
+        return {"vllm_config": {"parallel_config": {"worker_extension_cls": extension}}}
+
+    server._json = server_info
+    if method.startswith("reload_"):
+        assert server._reload_method("http://a") == server._reload_method("http://a") == method
+        assert asked == ["/server_info?config_format=json"]
+    else:
+        with pytest.raises(ServerError, match=f"{method}.*--worker-extension-cls driver.engine.server_worker"):
+            server._reload_method("http://a")
+
+
+def test_merged_moe_on_a_cpu_server_is_a_valid_config(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    config = config_of(**{"rollout.weight_sync": weight_sync, "rollout.backend": "server"})
-    assert weight_sync_mode(config, DENSE) == ("merged" if weight_sync == "merged" else "adapter")
-    with pytest.raises(ConfigError, match=f"rollout.weight_sync = {weight_sync} with rollout.backend = server and "
-                                          "a mixture-of-experts model on CPU"):
-        weight_sync_mode(config, MOE)
+    config = config_of(**{"rollout.backend": "server"})
+    assert weight_sync_mode(config, MOE) == "merged"  # vLLM's LoRA path for experts is Triton-only
 
 
 def test_merged_engines_and_servers_get_no_lora_slots():
@@ -290,3 +315,36 @@ def test_a_merged_server_reloads_each_version_and_gets_its_base_back(policy, pro
         assert gap(restored.prompt_logprobs(probe_ids), base) < TOLERANCE
     finally:
         restored.close()
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_a_launched_server_serves_a_merged_moe_adapter_on_cpu(tmp_path):
+    """MoE on CPU, server mode: every sync reloads the merged weights through our worker extension, which
+    re-arms the experts' prepacking (vLLM's own reload corrupts them: max logprob gap ~3); the probe must agree
+    with the trainer to float32 noise after each of two syncs, LoRA on the experts included."""
+    from driver.engine import make_generator
+    from driver.engine.adapter_sync import make_verifier, push_adapter, trainer_probe
+    from driver.engine.server import ServerGenerator
+    from driver.engine.sync_check import PROBE_TEXT
+    from driver.policy.model import load_policy
+
+    config = config_of(**{"model.path": "tiny://qwen3-moe", "rollout.backend": "server",
+                          "logging.output_dir": tmp_path / "run"})
+    moe_policy = load_policy(config)
+    assert any("experts" in name and "lora_B" in name for name, _ in moe_policy.model.named_parameters())
+    probe = moe_policy.tokenizer(PROBE_TEXT, add_special_tokens=False).input_ids
+    server = make_generator(config, moe_policy)
+    assert isinstance(server, ServerGenerator) and server.serves_one_version
+    verifier = make_verifier(config, moe_policy)
+    try:
+        base = torch.tensor(server.prompt_logprobs(probe))
+        for version, seed in enumerate((31, 32), start=1):
+            randomize_lora_B(moe_policy.model, seed=seed)
+            metrics = push_adapter(config, moe_policy, server, verifier, version=version, keep=server.keep_versions)
+            assert metrics["sync/probe_max_abs_diff"] < TOLERANCE
+            assert gap(server.prompt_logprobs(probe), trainer_probe(moe_policy, probe)) < TOLERANCE
+        assert server._reload_methods == {server.url: "reload_weights_rearmed"}
+        assert gap(trainer_probe(moe_policy, probe), base) > MIN_PROBE_CHANGE
+    finally:
+        server.close()
