@@ -36,6 +36,11 @@ driver.environments.toy.add
 driver.environments.toy.sum_reward
 driver.environments.rewards.environment_reward
 
+# vLLM's worker extension, named by a string in the server's command line; its method is called by name
+# through /collective_rpc (driver/engine/server_worker.py).
+driver.engine.server_worker.ReloadExtension
+driver.engine.server_worker.ReloadExtension.reload_weights_rearmed
+
 # Attributes set on library objects, which read them (tokenizers' Tokenizer, transformers' config).
 _.pre_tokenizer  # noqa: F821
 _.use_cache  # noqa: F821
