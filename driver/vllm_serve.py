@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"starting vLLM for {model_dir} on {host}:{port} (rollout.server_timeout = "
           f"{config.rollout.server_timeout:g} s to become healthy)", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # as Ctrl-C: stop the server, exit 0
+    # Ctrl-C stops the server even when this process started with SIGINT ignored (Python then leaves it ignored:
+    # a child of a background job, e.g. `nohup ... &`, where SIGINT sent to it did nothing and the server ran on).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")  # a run hides vLLM's log; a server's is its only output
     server = None
     try:

@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-grpo.yaml"
 QUIET = ["--logging.progress=false", "--logging.log_completions=0", "--logging.plots=false", "--logging.report_to=[]"]
 START_TIMEOUT_S = 240
-# Ctrl-C: ~1 s on an idle machine; over 60 s once in CI with both cores saturated by other work (the
-# server's SIGTERM grace is 20 s, then SIGKILL): the bound is for a hung stop, not a slow one.
+# Ctrl-C: ~1 s on an idle machine (the server's SIGTERM grace is 20 s, then SIGKILL): the bound is for a hung
+# stop, not a slow one.
 STOP_TIMEOUT_S = 180
 
 
@@ -66,10 +66,13 @@ def wait_for_url(lines: queue.Queue, output: list[str]) -> str:
 def served(tmp_path_factory):
     """(URL, the vllm_serve process, its output so far) of one vllm_serve run for the tiny config."""
     port = free_port()
+    # Started with SIGINT ignored, as a background job's children are (CI run with nohup ... &): Ctrl-C must
+    # still stop it (it did not, before vllm_serve restored the handler: the test hung on its wait).
     process = subprocess.Popen([sys.executable, "-m", "driver.vllm_serve", str(EXAMPLE), "--port", str(port),
                                 "--rollout.server_timeout=200"], cwd=ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, encoding="utf-8", errors="replace",
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     output: list[str] = []
     try:
         lines = lines_of(process)
