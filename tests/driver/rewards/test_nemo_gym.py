@@ -9,9 +9,6 @@ from __future__ import annotations
 import json
 import pickle
 import socket
-import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -20,77 +17,20 @@ from driver.config import DataConfig, RewardsConfig
 from driver.data.prompts import load_rows
 from driver.rewards import nemo_gym
 from driver.rewards.functions import RewardFunctions
+from tests.json_stand_in import ScriptedJSONServer
 
 FAST = {"timeout": 2.0, "backoff": 0.01}  # retries without the real waits
 
 
-class QuietServer(ThreadingHTTPServer):
-    def handle_error(self, request, client_address) -> None:
-        pass  # a scripted "drop" fails the handler's last write: expected
-
-
-class StandIn:
-    """Answers POST /verify with reward = len(the response's output_text) / 10, after `delay` s;
-    `script` (a list, consumed one request at a time) overrides the next answers: an HTTP status
-    code, "drop" (close the connection unanswered) or a dict (answered as it is)."""
-
-    def __init__(self) -> None:
-        self.requests: list[dict] = []
-        self.script: list = []
-        self.delay = 0.0
-        self.in_flight = self.most_in_flight = 0
-        self.lock = threading.Lock()
-        stand_in = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                self.answer(200, {"status": "ok"})
-
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with stand_in.lock:
-                    stand_in.requests.append(body)
-                    step = stand_in.script.pop(0) if stand_in.script else None
-                    stand_in.in_flight += 1
-                    stand_in.most_in_flight = max(stand_in.most_in_flight, stand_in.in_flight)
-                time.sleep(stand_in.delay)
-                # Out of flight before the answer leaves: a client that has it may send its next request at once.
-                with stand_in.lock:
-                    stand_in.in_flight -= 1
-                if step == "drop":
-                    self.close_connection = True
-                    self.connection.shutdown(socket.SHUT_RDWR)
-                elif isinstance(step, int):
-                    self.answer(step, {"detail": f"scripted {step}"})
-                elif isinstance(step, dict):
-                    self.answer(200, step)
-                else:
-                    text = body["response"]["output"][0]["content"][0]["text"]
-                    self.answer(200, {**body, "reward": len(text) / 10})
-
-            def answer(self, status: int, payload: dict) -> None:
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = QuietServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+def verify_answer(body: dict) -> dict:
+    """The stand-in resources server's /verify: reward = len(the response's output_text) / 10."""
+    text = body["response"]["output"][0]["content"][0]["text"]
+    return {**body, "reward": len(text) / 10}
 
 
 @pytest.fixture
 def stand_in():
-    server = StandIn()
+    server = ScriptedJSONServer(verify_answer)
     yield server
     server.stop()
 

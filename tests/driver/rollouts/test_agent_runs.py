@@ -6,8 +6,6 @@ runs the real ng_run stack."""
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import yaml
@@ -18,6 +16,7 @@ from driver.data.records import Group
 from driver.engine.base import RolloutError
 from driver.rollouts.agent_runs import AgentRuns
 from driver.rollouts.producer import Producer
+from tests.json_stand_in import ScriptedJSONServer
 
 AGENT_ROLLOUT = {"backend": "server", "server_url": "http://127.0.0.1:1", "sampling": {
     "temperature": 0.7, "top_p": 0.9, "top_k": 5, "max_tokens": 32}}
@@ -62,52 +61,16 @@ def run_answer(body: dict, prompt=(1, 2, 3)) -> dict:
     return {**body, "response": {"output": [item]}, "reward": 0.5}
 
 
-class StandInAgent:
-    """GET / and /global_config_dict_yaml; POST /run answered by run_answer, or by the next `script` entry (an
-    HTTP status, or a dict answered as it is)."""
-
-    def __init__(self, head_config: dict | None = None) -> None:
-        self.requests: list[dict] = []
-        self.script: list = []
-        stand_in = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                self.answer(200, json.dumps(yaml.safe_dump(head_config)) if self.path.startswith("/global") else {})
-
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with threading.Lock():
-                    stand_in.requests.append(body)
-                    step = stand_in.script.pop(0) if stand_in.script else None
-                if isinstance(step, int):
-                    self.answer(step, {"detail": f"scripted {step}"})
-                else:
-                    self.answer(200, step if isinstance(step, dict) else run_answer(body))
-
-            def answer(self, status: int, payload) -> None:
-                data = (payload if isinstance(payload, str) else json.dumps(payload)).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+def stand_in_agent(head_config: dict | None = None) -> ScriptedJSONServer:
+    """POST /run answered by run_answer (or the next `script` entry); GET /global_config_dict_yaml: head_config
+    as the head server gives it (YAML text in a JSON string), any other GET: {}."""
+    return ScriptedJSONServer(run_answer, get=lambda path: yaml.safe_dump(head_config) if path.startswith("/global")
+                              else {})
 
 
 @pytest.fixture
 def stand_in():
-    server = StandInAgent()
+    server = stand_in_agent()
     yield server
     server.stop()
 
@@ -179,7 +142,7 @@ def test_an_agent_that_is_down_fails_at_start_naming_it(stand_in):
 
 
 def test_the_agent_is_found_through_the_head_server(stand_in):
-    head = StandInAgent({"head_server": {"host": "127.0.0.1", "port": 1},
+    head = stand_in_agent({"head_server": {"host": "127.0.0.1", "port": 1},
                          "weather_agent": {"responses_api_agents": {"simple_agent": {
                              "host": "127.0.0.1", "port": int(stand_in.url.rsplit(":", 1)[1])}}}})
     try:
