@@ -12,7 +12,7 @@ from torch import nn
 
 from driver.config import Config
 from driver.engine.base import RolloutError
-from driver.engine.colocate import LORA_ENGINE_KEYS, ColocatedGenerator, engine_kwargs
+from driver.engine.colocate import ColocatedGenerator, engine_kwargs
 from driver.engine.weight_sync import create_inprocess_engine, push_merged, shutdown_engine
 
 
@@ -24,8 +24,7 @@ class WeightSyncGenerator(ColocatedGenerator):
     def __init__(self, config: Config, model_dir: str, policy_model: nn.Module) -> None:
         self.config, self.adapter_version, self._lora, self.keep_versions = config, 0, None, 1
         self._policy_model = policy_model
-        kwargs = {k: v for k, v in engine_kwargs(config, model_dir).items() if k not in LORA_ENGINE_KEYS}
-        self.llm = create_inprocess_engine(**kwargs)
+        self.llm = create_inprocess_engine(**engine_kwargs(config, model_dir, lora=False))
 
     def sync(self, adapter_dir: Path | None, version: int) -> None:
         push_merged(self.llm, self._policy_model)
