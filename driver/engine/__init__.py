@@ -12,6 +12,7 @@ is what a launched engine loads (also `python -m driver.vllm_serve`'s). Depends 
 from __future__ import annotations
 
 from driver.config import Config
+from driver.distributed.world import world
 from driver.engine.base import Completion, Generator, RolloutError, SyncError
 
 
@@ -45,15 +46,8 @@ def _auto(config: Config, model_config) -> str:
         return "merged"  # the only way vLLM on CPU serves LoRA on experts (colocated: _check_merged)
     exact = (rollout.dtype or config.model.dtype) == "float32" and not config.model.qlora
     in_place = (rollout.backend == "colocate" and rollout.tensor_parallel_size == 1 and not rollout.enable_sleep_mode
-                and not _distributed())
+                and not world().distributed)
     return "merged" if exact and in_place and not is_moe(model_config) else "adapter"
-
-
-def _distributed() -> bool:
-    import torch.distributed
-
-    distributed = torch.distributed
-    return distributed.is_available() and distributed.is_initialized() and distributed.get_world_size() > 1
 
 
 def _check_merged(config: Config) -> None:
@@ -62,7 +56,7 @@ def _check_merged(config: Config) -> None:
     from driver.cli import ConfigError
 
     key = f"rollout.{config.rollout.weight_sync_key()}"
-    if _distributed():
+    if world().distributed:
         raise ConfigError(f"{key} under torchrun: the adapter and the base are sharded over the ranks (FSDP) and "
                           "the merge would need every rank's shards; use rollout.weight_sync = adapter")
 

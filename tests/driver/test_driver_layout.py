@@ -22,7 +22,7 @@ ALLOWED = {
     "distributed": {"metrics"},
     "data": {"config", "cli"},
     "policy": {"config", "cli", "data", "distributed"},
-    "engine": {"config", "cli", "data", "policy"},
+    "engine": {"config", "cli", "data", "distributed", "policy"},
     "rewards": {"config", "cli", "data"},
     "environments": {"config", "cli", "data"},
     "rollouts": {"config", "cli", "data", "distributed", "engine", "environments", "metrics", "policy", "rewards"},

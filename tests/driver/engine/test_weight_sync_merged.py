@@ -91,6 +91,17 @@ def test_auto_picks_merged_where_it_is_exact_and_in_place(monkeypatch, overrides
     assert weight_sync_mode(config_of(**overrides), model) == chosen
 
 
+def test_under_torchrun_auto_serves_the_adapter_and_merged_is_refused(monkeypatch):
+    """The adapter and the base are FSDP shards there: no rank holds what a merge needs."""
+    import driver.engine
+    from driver.distributed.world import World
+
+    monkeypatch.setattr(driver.engine, "world", lambda: World(rank=0, size=2))
+    assert weight_sync_mode(config_of(), DENSE) == "adapter"  # the tiny default, merged in one process
+    with pytest.raises(ConfigError, match="rollout.weight_sync = merged under torchrun"):
+        weight_sync_mode(config_of(**{"rollout.weight_sync": "merged"}), DENSE)
+
+
 @pytest.mark.parametrize(("extension", "moe", "cuda", "method"), [
     ("driver.engine.server_worker.ReloadExtension", True, False, "reload_weights_rearmed"),
     ("driver.engine.server_worker.ReloadExtension", False, False, "reload_weights_rearmed"),
