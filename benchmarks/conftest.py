@@ -59,9 +59,11 @@ def pytest_collection_modifyitems(session, config, items):
 PEAK_BANDWIDTH = {"H100 80GB HBM3": 3.35e12, "H100 PCIe": 2.0e12, "H100": 3.35e12, "H200": 4.8e12}
 PEAK_BF16_FLOPS = {"H100 80GB HBM3": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12}
 TARGET_SECONDS_PER_CASE = 1.0  # total timed wall time per benchmark, split into rounds
-# The suite's budget (the CPU logprobs cases take 1-17 s a call): calls this long get 2 timed rounds,
-# the best of two absorbing one disturbed call; calls of HEAVY_SECONDS or more get one (on the CPU
-# only N=4096 logprobs, ~11-19 s). A failing rule is re-timed in a fresh process before it fails.
+# The suite's budget (the CPU logprobs cases take 1-17 s a call): calls this long are timed twice,
+# the best of two absorbing one disturbed call. On the CPU the warm call that sized the rounds (or
+# the caller's timed memory probe) is one of the two: the same call, timed the same way, one call
+# fewer per case (~40 s of the suite). On a GPU calls of HEAVY_SECONDS or more get one round. A
+# failing rule is re-timed in a fresh process before it fails.
 SLOW_CALL_SECONDS = 1.0
 HEAVY_SECONDS = 5.0
 
@@ -211,6 +213,22 @@ def device() -> Device:
                   f"measured torch {label} matmul")
 
 
+def round_plan(seconds_per_call: float, device_type: str) -> tuple[int, int, bool]:
+    """(calls per round, rounds to run, whether the timed sizing call counts as one more round) for a
+    call of seconds_per_call (SLOW_CALL_SECONDS above)."""
+    once = max(seconds_per_call, 1e-7)
+    # On a GPU a single launch is too short to time with a wall clock: repeat inside one call.
+    repeats = 1 if device_type == "cpu" else max(1, int(2e-3 / once))
+    call_seconds = once * repeats
+    if device_type == "cpu" and call_seconds >= SLOW_CALL_SECONDS:
+        return repeats, 1, True
+    if call_seconds >= HEAVY_SECONDS:
+        return repeats, 1, False
+    if call_seconds >= SLOW_CALL_SECONDS:
+        return repeats, 2, False
+    return repeats, max(3, min(50, int(TARGET_SECONDS_PER_CASE / call_seconds))), False
+
+
 @pytest.fixture
 def measure(benchmark, device):
     """measure(fn, bytes_moved=..., flops=..., family=..., op=..., case=..., impl=...) times fn and
@@ -234,22 +252,14 @@ def measure(benchmark, device):
             fn()
             synchronize(dev)
             seconds_per_call = time.perf_counter() - start
-        once = max(seconds_per_call, 1e-7)
-        # On a GPU a single launch is too short to time with a wall clock: repeat inside one call.
-        repeats = 1 if dev.type == "cpu" else max(1, int(2e-3 / once))
+        repeats, rounds, sizing_counts = round_plan(seconds_per_call, dev.type)
+        counted = seconds_per_call if sizing_counts else None
 
         def timed():
             for _ in range(repeats):
                 fn()
             synchronize(dev)
 
-        call_seconds = once * repeats
-        if call_seconds >= HEAVY_SECONDS:
-            rounds = 1
-        elif call_seconds >= SLOW_CALL_SECONDS:
-            rounds = 2
-        else:
-            rounds = max(3, min(50, int(TARGET_SECONDS_PER_CASE / call_seconds)))
         benchmark.group = f"{labels['family']}.{labels['op']}.{labels['case']}"
         benchmark.extra_info.update(labels, device_class=device.device_class, repeats=repeats,
                                     bytes_per_call=bytes_moved, peak_bandwidth=device.peak_bandwidth,
@@ -259,6 +269,8 @@ def measure(benchmark, device):
         if planted:
             benchmark.extra_info["planted_slowdown"] = 2
         benchmark.pedantic(timed, rounds=rounds, iterations=1, warmup_rounds=0)
+        if benchmark.stats is not None and counted is not None:
+            benchmark.stats.stats.update(counted)  # how pytest-benchmark records a round; read below
         if benchmark.stats is not None:
             seconds = benchmark.stats.stats.min / repeats  # best round: interference only adds time
             if bytes_moved:

@@ -9,9 +9,12 @@ extra_info: TFLOP/s (2NHV forward, 8NHV forward+backward, 6NHV with a frozen lm_
 backward recomputes the logits, so these count the work we do, not the work torch does),
 peak_extra_bytes (working memory: the peak beyond the inputs, less the logprobs and gradients
 every implementation must return). bf16 throughout.
-GPUs run N in {4096, 16384}; the 2-core CPU runs N=512, H=2048 so the suite stays within minutes, plus one
-case at N=4096 (the issue's smallest size, where its CPU targets are stated) for forward+backward
-with a trainable lm_head against materialized torch: ~11 s and ~14-19 s a call, one timed round each.
+GPUs run N in {4096, 16384}; the 2-core CPU runs N=512, H=2048 so the suite stays within minutes. On
+Zen 5 ("cpu") one more case at N=4096 (the issue's smallest size, where its CPU targets are stated)
+times forward+backward with a trainable lm_head against materialized torch (~11 s and ~14-19 s a
+call, one timed round each), for its time floor. Zen 4 ("cpu-zen4", the CI machine) leaves it out:
+there both run at the GEMM's peak (0.96x, no floor can hold), the N=512 memory rule already catches
+materialized logits, and its three calls per implementation cost CI 155 s.
 A CPU without AVX-512 ("cpu-scalar": ours multiplies fp32 copies; torch's bf16 GEMM has no vector
 path there, ~1 s forward and 35-85 s forward+backward a call at N=64-256, H=1024) runs the forward
 at N=256, V=32000 and N=64, V=151936, and the backward modes at N=16, V=32000 only.
@@ -44,8 +47,9 @@ def cases(device_class: str) -> list[tuple[int, int, int]]:  # (N, H, V)
 
 # At N=512 a trainable lm_head is the one mode near parity on the CPU: torch's [N, V] logits are
 # small next to its 1.2 GB weight gradient and its GEMMs dominate (ours does 8NHV to its 6NHV). At
-# N=4096 its logits passes are ~6 GB and it is slower than ours; this case keeps that measured.
+# N=4096 its logits passes are ~6 GB and on Zen 5 it is slower than ours; this case keeps that measured.
 CPU_LARGE = (4096, 2048, 151936)
+CPU_LARGE_CLASSES = ("cpu",)
 MODES = ("forward", "forward_backward", "forward_backward_frozen")
 CPU_SCALAR_BACKWARD = (16, 1024, 32000)  # torch's bf16 backward GEMMs crawl without AVX-512
 
@@ -56,7 +60,7 @@ def params() -> list:
     if device_class == "cpu-scalar":
         runs = [run for run in runs if run[2] == "forward"]
         runs += [(impl, CPU_SCALAR_BACKWARD, mode) for mode in MODES[1:] for impl in IMPLS]
-    if device_class in AVX512_CPU_CLASSES:
+    if device_class in CPU_LARGE_CLASSES:
         runs += [(impl, CPU_LARGE, "forward_backward") for impl in ("ours", "torch_materialized")]
     return [pytest.param(*run, id=f"{run[2]}-N{run[1][0]}-H{run[1][1]}-V{run[1][2]}-{run[0]}") for run in runs]
 
