@@ -62,6 +62,7 @@ def tiny_vllm_server(tmp_path_factory) -> str:
     config = Config()
     config.logging.output_dir = str(tmp_path_factory.mktemp("shared-vllm-server"))
     config.rollout.server_timeout = 300.0
+    config.rollout.enforce_eager = True  # vLLM's torch.compile of the tiny model: ~7 s a start, nothing gained
     server = LaunchedServer(config, resolve_model_path("tiny://qwen2"))
     yield server.url
     server.stop()

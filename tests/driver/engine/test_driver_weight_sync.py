@@ -90,7 +90,7 @@ def served(request):
     peft_model = get_peft_model(base, lora).eval()
     saved_env = dict(os.environ)
     llm = create_inprocess_engine(model=model_dir, dtype="float32", seed=0, max_model_len=256,
-                                  gpu_memory_utilization=0.3)
+                                  gpu_memory_utilization=0.3, enforce_eager=True)
     try:
         yield kind, peft_model, probe, llm
     finally:

@@ -212,6 +212,7 @@ def merged_engine(policy, tmp_path_factory):
     config = Config()
     config.logging.output_dir = str(tmp_path_factory.mktemp("merged-run"))
     config.rollout.max_model_len = 256
+    config.rollout.enforce_eager = True  # as the tiny examples: no torch.compile of a tiny model
     saved_env = dict(os.environ)
     generator = make_generator(config, policy)
     assert isinstance(generator, WeightSyncGenerator)
@@ -341,7 +342,7 @@ def test_a_launched_server_serves_a_merged_moe_adapter_on_cpu(tmp_path):
     from driver.policy.model import load_policy
 
     config = config_of(**{"model.path": "tiny://qwen3-moe", "rollout.backend": "server",
-                          "logging.output_dir": tmp_path / "run"})
+                          "rollout.enforce_eager": "true", "logging.output_dir": tmp_path / "run"})
     moe_policy = load_policy(config)
     assert any("experts" in name and "lora_B" in name for name, _ in moe_policy.model.named_parameters())
     probe = moe_policy.tokenizer(PROBE_TEXT, add_special_tokens=False).input_ids
