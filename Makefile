@@ -71,6 +71,9 @@ lint: $(INSTALLED)
 
 install: $(INSTALLED)
 
+# pip byte-compiles what it installs (~29,000 modules, ~60 s of a core): keep it. These machines set
+# PYTHONDONTWRITEBYTECODE=1, so with --no-compile no .pyc is ever written and every process compiles
+# its imports from source (measured: make test 100 s slower, every vLLM start slower).
 # $(TOOLS): the venv with torch and the build tools (enough for cuda-check); $(INSTALLED): the other
 # third-party packages (pyproject's dependencies and the cpu/test/bench extras); $(BUILT): the
 # extension, built once on a fresh clone and again when native sources change.
