@@ -9,15 +9,19 @@
 //             Hopper (bf16, logprobs_sm90.h): the GEMM's epilogue folds z in registers and leaves
 //             one softmax partial per (token, 128-entry vocab tile); a small pass folds those into
 //             the running stats; the target logits come from one dot per token. No z tile.
-//   backward  for each vocab chunk W_c:  dW_c = 0 (fp32)
+//   backward  trainable lm_head: for each vocab chunk W_c:  dW_c = 0 (fp32)
 //               for each token chunk:   z = h_t W_c^T / T, dz = scale dL/dz (input dtype)
 //                                       dh_t += dz W_c          (fp32, C = D; cuBLAS)
 //                                       dW_c += dz^T h_t        (fp32, C = D; cuBLAS)
 //               grad_weight[c] = dW_c   (rounded once: fp32 sums across token chunks)
+//             frozen lm_head (LoRA): token chunks outermost, dh_t = sum over W_c of dz W_c in
+//               an fp32 buffer of one chunk, rounded once into dh.
 //             Hopper: the GEMM's epilogue writes dz (bf16) straight from the accumulators (z never
 //             leaves registers); a small pass adds the target column's term.
-// Extra memory: one fp32 tile and one dz tile (kTokenChunk x kVocabChunk), an fp32 [vocab chunk, H]
-// dW buffer and an fp32 [N, H] dh buffer; never [N, V].
+// Extra memory, never [N, V]: trainable, one fp32 tile (sm80) and one dz tile (kTokenChunk x
+// kVocabChunk), an fp32 [vocab chunk, H] dW buffer and an fp32 [N, H] dh buffer; frozen, the same
+// tiles and an fp32 dh buffer of kFrozenTokenChunk rows (8 MiB each at H 4096 on Hopper: 16 MiB
+// where chunked torch holds 375 MiB at V 32000 and 1.8 GiB at V 151936).
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -225,6 +229,120 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_logprobs_cuda(
   return {logprobs, entropy, lse, no_terms};
 }
 
+// dz for one (token chunk, vocab chunk) of the backward: scale dL/dz in the input dtype, rows padded
+// to ld. Hopper: from the GEMM's epilogue (z never leaves registers), then the target column's term;
+// else the fp32 logits tile z and the grad kernel.
+class LogitGrads {
+ public:
+  LogitGrads(const BackwardInputs& in, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+             float scale, int64_t token_chunk, cudaStream_t stream)
+      : in_(in), hidden_(hidden), weight_(weight), targets_(targets), scale_(scale), stream_(stream),
+        // CUTLASS's TMA store of dz needs each chunk's vocabulary width in 16-byte units: a vocabulary
+        // that is no multiple of 8 (GPT-2's 50257) takes the sm80 grad kernel (the forward has no such store).
+        sm90_(use_sm90(hidden, weight) && in.sizes.v % 8 == 0),
+        ld_(padded_row_length(std::min(kVocabChunk, in.sizes.v))) {
+    dz_ = at::empty({token_chunk, ld_}, hidden.options());
+    if (sm90_) {
+      z_target_ = target_logits(hidden, weight, targets, scale, stream);
+      shift_ = in.entropy - in.lse;
+    } else {
+      z_ = at::empty({token_chunk, ld_}, hidden.options().dtype(at::kFloat));
+    }
+  }
+
+  // dz [tokens, rows] of tokens t0.. and vocabulary rows v0.. (a view of the reused buffer).
+  at::Tensor operator()(int64_t t0, int64_t tokens, int64_t v0, int64_t rows) {
+    const Sizes& s = in_.sizes;
+    const int64_t elem = hidden_.element_size();
+    float* lse = in_.lse.data_ptr<float>();
+    float* entropy = in_.entropy.data_ptr<float>();
+    float* g_lp = in_.grad_logprob.data_ptr<float>();
+    float* g_ent = in_.grad_entropy.data_ptr<float>();
+    if (sm90_) {
+      const LogitGradSm90Params p{{static_cast<const char*>(hidden_.data_ptr()) + t0 * s.h * elem,
+                                   static_cast<const char*>(weight_.data_ptr()) + v0 * s.h * elem, tokens, rows, s.h,
+                                   scale_},
+                                  lse + t0,
+                                  shift_.data_ptr<float>() + t0,
+                                  g_lp + t0,
+                                  g_ent + t0,
+                                  dz_.data_ptr(),
+                                  ld_};
+      const int device = hidden_.get_device();
+      const at::Tensor space = gemm::sm90_workspace(logit_grad_sm90_workspace_bytes(p, device), device);
+      check_launch(launch_logit_grad_sm90(p, space.data_ptr(), device, stream_));
+      check_launch(launch_fix_target_grads({tokens, rows, t0, v0, targets_.data_ptr<int64_t>(),
+                                            z_target_.data_ptr<float>(), lse, entropy, g_lp, g_ent, scale_,
+                                            dz_.data_ptr(), ld_},
+                                           stream_));
+    } else {
+      logits_tile(hidden_, weight_, t0, tokens, v0, rows, scale_, z_, ld_, stream_);
+      check_launch(launch_grad({z_.data_ptr<float>(), tokens, rows, ld_, t0, v0, targets_.data_ptr<int64_t>(), lse,
+                                entropy, g_lp, g_ent, scale_, dz_.data_ptr(), ld_, dtype_of(hidden_)},
+                               stream_));
+    }
+    return dz_.narrow(0, 0, tokens).narrow(1, 0, rows);
+  }
+
+ private:
+  const BackwardInputs& in_;
+  const at::Tensor &hidden_, &weight_, &targets_;
+  const float scale_;
+  const cudaStream_t stream_;
+  const bool sm90_;
+  const int64_t ld_;
+  at::Tensor dz_, z_, z_target_, shift_;
+};
+
+// Frozen lm_head (LoRA / QLoRA): only dh. Token chunks outermost, so the fp32 accumulator covers one
+// chunk of kFrozenTokenChunk tokens and each chunk's dh is rounded once into the output.
+at::Tensor grad_hidden_only(const BackwardInputs& in, const at::Tensor& hidden, const at::Tensor& weight,
+                            const at::Tensor& targets, float scale, cudaStream_t stream) {
+  const Sizes& s = in.sizes;
+  const int64_t chunk = std::min(kFrozenTokenChunk, s.n);
+  LogitGrads dz_of(in, hidden, weight, targets, scale, chunk, stream);
+  at::Tensor dh = at::empty({s.n, s.h}, hidden.options());
+  at::Tensor dh_chunk = at::empty({chunk, s.h}, hidden.options().dtype(at::kFloat));
+  for (int64_t tc = 0; tc < chunk_count(s.n, kFrozenTokenChunk); ++tc) {
+    const auto [t0, tokens] = chunk_at(s.n, kFrozenTokenChunk, tc);
+    at::Tensor dh_t = dh_chunk.narrow(0, 0, tokens);
+    for (int64_t vc = 0; vc < chunk_count(s.v, kVocabChunk); ++vc) {
+      const auto [v0, rows] = chunk_at(s.v, kVocabChunk, vc);
+      accumulate_fp32(dh_t, dz_of(t0, tokens, v0, rows), weight.narrow(0, v0, rows), /*accumulate=*/vc > 0, stream);
+    }
+    dh.narrow(0, t0, tokens).copy_(dh_t);
+  }
+  return dh;
+}
+
+// Trainable lm_head: vocab chunks outermost, so each chunk's dW is summed over all tokens in fp32
+// and rounded once; dh accumulates over the vocab chunks in an fp32 [N, H] buffer.
+std::tuple<at::Tensor, at::Tensor> grads_with_weight(const BackwardInputs& in, const at::Tensor& hidden,
+                                                     const at::Tensor& weight, const at::Tensor& targets, float scale,
+                                                     bool compute_grad_hidden, cudaStream_t stream) {
+  const Sizes& s = in.sizes;
+  const auto f32 = hidden.options().dtype(at::kFloat);
+  LogitGrads dz_of(in, hidden, weight, targets, scale, std::min(kTokenChunk, s.n), stream);
+  at::Tensor dh = compute_grad_hidden ? at::zeros({s.n, s.h}, f32) : at::Tensor();
+  at::Tensor grad_weight = at::empty_like(weight);
+  at::Tensor dw = at::empty({std::min(kVocabChunk, s.v), s.h}, f32);
+  for (int64_t vc = 0; vc < chunk_count(s.v, kVocabChunk); ++vc) {
+    const auto [v0, rows] = chunk_at(s.v, kVocabChunk, vc);
+    at::Tensor dw_c = dw.narrow(0, 0, rows);
+    for (int64_t tc = 0; tc < chunk_count(s.n, kTokenChunk); ++tc) {
+      const auto [t0, tokens] = chunk_at(s.n, kTokenChunk, tc);
+      const at::Tensor dz_t = dz_of(t0, tokens, v0, rows);
+      if (compute_grad_hidden) {  // dh[t0:] += dz W_c
+        at::Tensor dh_t = dh.narrow(0, t0, tokens);
+        accumulate_fp32(dh_t, dz_t, weight.narrow(0, v0, rows), /*accumulate=*/true, stream);
+      }
+      accumulate_fp32(dw_c, dz_t.t(), hidden.narrow(0, t0, tokens), /*accumulate=*/t0 > 0, stream);  // dW_c (+)= dz^T h_t
+    }
+    grad_weight.narrow(0, v0, rows).copy_(dw_c);
+  }
+  return {compute_grad_hidden ? dh.to(hidden.scalar_type()) : at::empty({0}, hidden.options()), grad_weight};
+}
+
 std::tuple<at::Tensor, at::Tensor> token_logprobs_backward_cuda(
     const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy, const at::Tensor& hidden,
     const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& lse, const at::Tensor& entropy,
@@ -233,66 +351,15 @@ std::tuple<at::Tensor, at::Tensor> token_logprobs_backward_cuda(
   const BackwardInputs in = check_backward_inputs(grad_logprobs, grad_entropy, hidden, weight, targets, lse, entropy,
                                                   temperature, ignore_index);
   const Sizes& s = in.sizes;
-  const cudaStream_t stream = current_stream(hidden);
-  const auto f32 = hidden.options().dtype(at::kFloat);
-  const at::Tensor &g_lp = in.grad_logprob, &g_ent = in.grad_entropy, &lse_c = in.lse, &ent_c = in.entropy;
-  at::Tensor dh = compute_grad_hidden ? at::zeros({s.n, s.h}, f32) : at::Tensor();
-  at::Tensor grad_weight = compute_grad_weight ? at::empty_like(weight) : at::empty({0}, weight.options());
+  const at::Tensor no_weight_grad = at::empty({0}, weight.options());
   if (s.n == 0 || !(compute_grad_hidden || compute_grad_weight)) {
-    if (compute_grad_weight) grad_weight.zero_();
-    return {compute_grad_hidden ? at::zeros_like(hidden) : at::empty({0}, hidden.options()), grad_weight};
+    return {compute_grad_hidden ? at::zeros_like(hidden) : at::empty({0}, hidden.options()),
+            compute_grad_weight ? at::zeros_like(weight) : no_weight_grad};
   }
+  const cudaStream_t stream = current_stream(hidden);
   const float scale = static_cast<float>(1.0 / temperature);
-  const int64_t ld = padded_row_length(std::min(kVocabChunk, s.v)), chunk = std::min(kTokenChunk, s.n);
-  // CUTLASS's TMA store of dz needs each chunk's vocabulary width in 16-byte units: a vocabulary that
-  // is no multiple of 8 (GPT-2's 50257) takes the sm80 grad kernel (the forward has no such store).
-  const bool sm90 = use_sm90(hidden, weight) && s.v % 8 == 0;
-  const int device = hidden.get_device();
-  at::Tensor z = sm90 ? at::Tensor() : at::empty({chunk, ld}, f32);
-  at::Tensor dz = at::empty({chunk, ld}, hidden.options());
-  at::Tensor dw = compute_grad_weight ? at::empty({std::min(kVocabChunk, s.v), s.h}, f32) : at::Tensor();
-  const at::Tensor z_target = sm90 ? target_logits(hidden, weight, targets, scale, stream) : at::Tensor();
-  const at::Tensor shift = sm90 ? ent_c - lse_c : at::Tensor();
-  const int64_t elem = hidden.element_size();
-  for (int64_t vc = 0; vc < chunk_count(s.v, kVocabChunk); ++vc) {
-    const auto [v0, rows] = chunk_at(s.v, kVocabChunk, vc);
-    const char* w_chunk = static_cast<const char*>(weight.data_ptr()) + v0 * s.h * elem;
-    for (int64_t tc = 0; tc < chunk_count(s.n, kTokenChunk); ++tc) {
-      const auto [t0, tokens] = chunk_at(s.n, kTokenChunk, tc);
-      const char* h_chunk = static_cast<const char*>(hidden.data_ptr()) + t0 * s.h * elem;
-      if (sm90) {  // dz from the GEMM's epilogue, then the target column's term
-        const LogitGradSm90Params p{{h_chunk, w_chunk, tokens, rows, s.h, scale},
-                                    lse_c.data_ptr<float>() + t0,
-                                    shift.data_ptr<float>() + t0,
-                                    g_lp.data_ptr<float>() + t0,
-                                    g_ent.data_ptr<float>() + t0,
-                                    dz.data_ptr(),
-                                    ld};
-        const at::Tensor space = gemm::sm90_workspace(logit_grad_sm90_workspace_bytes(p, device), device);
-        check_launch(launch_logit_grad_sm90(p, space.data_ptr(), device, stream));
-        check_launch(launch_fix_target_grads({tokens, rows, t0, v0, targets.data_ptr<int64_t>(),
-                                              z_target.data_ptr<float>(), lse_c.data_ptr<float>(),
-                                              ent_c.data_ptr<float>(), g_lp.data_ptr<float>(),
-                                              g_ent.data_ptr<float>(), scale, dz.data_ptr(), ld}, stream));
-      } else {
-        logits_tile(hidden, weight, t0, tokens, v0, rows, scale, z, ld, stream);
-        check_launch(launch_grad({z.data_ptr<float>(), tokens, rows, ld, t0, v0, targets.data_ptr<int64_t>(),
-                                  lse_c.data_ptr<float>(), ent_c.data_ptr<float>(), g_lp.data_ptr<float>(),
-                                  g_ent.data_ptr<float>(), scale, dz.data_ptr(), ld, dtype_of(hidden)}, stream));
-      }
-      const at::Tensor dz_t = dz.narrow(0, 0, tokens).narrow(1, 0, rows);
-      if (compute_grad_hidden) {  // dh[t0:] += dz W_c
-        at::Tensor dh_t = dh.narrow(0, t0, tokens);
-        accumulate_fp32(dh_t, dz_t, weight.narrow(0, v0, rows), /*accumulate=*/true, stream);
-      }
-      if (compute_grad_weight) {  // dW_c (+)= dz^T h_t
-        at::Tensor dw_c = dw.narrow(0, 0, rows);
-        accumulate_fp32(dw_c, dz_t.t(), hidden.narrow(0, t0, tokens), /*accumulate=*/t0 > 0, stream);
-      }
-    }
-    if (compute_grad_weight) grad_weight.narrow(0, v0, rows).copy_(dw.narrow(0, 0, rows));
-  }
-  return {compute_grad_hidden ? dh.to(hidden.scalar_type()) : at::empty({0}, hidden.options()), grad_weight};
+  if (!compute_grad_weight) return {grad_hidden_only(in, hidden, weight, targets, scale, stream), no_weight_grad};
+  return grads_with_weight(in, hidden, weight, targets, scale, compute_grad_hidden, stream);
 }
 
 }  // namespace

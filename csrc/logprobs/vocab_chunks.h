@@ -12,6 +12,11 @@ namespace pykernels::logprobs {
 
 inline constexpr int64_t kTokenChunk = 4096;
 inline constexpr int64_t kVocabChunk = 8192;  // fp32 tile 128 MiB at most
+// The backward with a frozen lm_head walks tokens outermost, holding an fp32 dh buffer of this many
+// rows and a dz tile of this many rows (8 + 8 MiB at H 4096 on Hopper): the working memory stays
+// under 1/16 of chunked torch's at V 32000 (its 1024-token fp32 logits, log-softmax and gradient:
+// 375 MiB). 512 rows still fill an H100 with the dz GEMM's 128 x 128 tiles (4 x 64 per vocab chunk).
+inline constexpr int64_t kFrozenTokenChunk = 512;
 
 // Chunk i of [0, extent) in chunks of `chunk`: [begin, begin + size).
 struct Chunk {

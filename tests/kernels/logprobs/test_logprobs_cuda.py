@@ -51,6 +51,38 @@ def test_against_fp64_and_cpu(n, h, v, dtype, temperature):
     assert not gh[~valid].any()
 
 
+
+# A frozen lm_head (LoRA) takes the backward that walks tokens outermost (kFrozenTokenChunk = 512 rows):
+# 1100 and 4099 tokens end on a partial chunk, 513 on a chunk of one token, 300 fits in one.
+FROZEN_CASES = [(1100, 128, 9000), (4099, 64, 9000), (513, 128, 151936), (300, 33, 1517)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+@pytest.mark.parametrize("n,h,v", FROZEN_CASES)
+def test_frozen_lm_head_against_fp64_and_the_trainable_backward(n, h, v, dtype, temperature):
+    hidden, weight, targets = make(n, h, v, dtype, seed=n + v)
+    generator = torch.Generator().manual_seed(2)
+    grad_lp, grad_ent = torch.randn(n, generator=generator), torch.randn(n, generator=generator)
+    lp64, ent64, h64, _ = fp64_oracle(hidden, weight, targets, temperature)
+    (lp64 * grad_lp.double() + ent64 * grad_ent.double()).sum().backward()
+    cuda = [t.cuda() for t in (hidden, weight, targets, grad_lp, grad_ent)]
+    t_gh = torch_lowprec(*cuda[:3], temperature, *cuda[3:])[2].cpu()
+
+    def grad_hidden(train_weight: bool) -> torch.Tensor:
+        hid, wt = cuda[0].clone().requires_grad_(), cuda[1].clone().requires_grad_(train_weight)
+        lp, ent = token_logprobs(hid, wt, cuda[2], temperature, return_entropy=True)
+        (lp * cuda[3] + ent * cuda[4]).sum().backward()
+        assert wt.grad is None or train_weight
+        return hid.grad.cpu()
+
+    frozen, trainable = grad_hidden(False), grad_hidden(True)
+    rounding = h64.grad.abs().max().item() * (2**-8 if dtype != torch.float32 else 1e-5)
+    assert max_err(frozen, h64.grad) <= max_err(t_gh, h64.grad) + rounding
+    # Both sum the same fp32 products per token, in the same vocabulary order: one rounding apart.
+    torch.testing.assert_close(frozen.float(), trainable.float(), atol=rounding, rtol=0)
+    assert not frozen[targets == IGNORE_INDEX].any()
+
 def test_opcheck_cuda():
     hidden, weight, targets = (t.cuda() for t in make(11, 24, 70, torch.bfloat16))
     torch.library.opcheck(torch.ops.pykernels.token_logprobs, (hidden, weight, targets, 0.8, IGNORE_INDEX))
