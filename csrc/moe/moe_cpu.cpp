@@ -335,10 +335,13 @@ void forward_n_major(const Problem& p, const ForwardRows& out) {
     }
   });
   at::Tensor lora_b_t;  // [E, out, r]
+  uint16_t* u_sorted = nullptr;  // the work items below run on other threads: they get the pointer, since
+                                 // u_workspace named inside them would be each thread's own (empty) buffer
   if (p.lora_a) {
     lora_b_t = p.lora_b_by_expert();
     u_workspace.resize(valid * r_pad);
-    lora_rows_bf16(p, x_sorted, u_workspace.data(), r_pad);
+    u_sorted = u_workspace.data();
+    lora_rows_bf16(p, x_sorted, u_sorted, r_pad);
   }
   struct Item {
     int64_t e, block;
@@ -368,7 +371,7 @@ void forward_n_major(const Problem& p, const ForwardRows& out) {
       gemm::gemm_bf16(m, cols, z.in, x_sorted + s0 * z.in, z.in, packed_w.data(), gemm::panel_stride(k_pad),
                       c.data(), ldc, false);
       if (p.lora_a) {
-        gemm::gemm_bf16(m, cols, z.rank, u_workspace.data() + s0 * r_pad, r_pad, packed_b.data(),
+        gemm::gemm_bf16(m, cols, z.rank, u_sorted + s0 * r_pad, r_pad, packed_b.data(),
                         gemm::panel_stride(z.rank), c.data(), ldc, true);
       }
       cpu::gate_rows_bf16(c.data(), ldc, m, cols, out.gates ? out.gates + s0 : nullptr, nullptr, nullptr, nullptr,
