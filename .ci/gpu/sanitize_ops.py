@@ -1,7 +1,8 @@
 """The workload gpu-sanitize runs under compute-sanitizer: every public op once, forward and
 backward, on small odd shapes, with our kernels forced (PYKERNELS_KERNELS=ours); and once more on
 sizes whose bf16 GEMMs a Hopper GPU runs on the sm_90a core (multiples of 8: csrc/common/
-gemm_sm90_torch.h), MoE with LoRA on its experts and a dropped assignment. On CPU (the dry run) the
+gemm_sm90_torch.h), MoE with LoRA on its experts and a dropped assignment, GPT-OSS' expert layout, and
+the logprobs backward of a frozen lm_head over two token chunks. On CPU (the dry run) the
 same calls check that this script still matches the ops' signatures.
 
     python .ci/gpu/sanitize_ops.py [--device cuda|cpu]
@@ -58,6 +59,12 @@ def run_logprobs(device: str) -> None:
         targets = logprobs.packed_targets(ids, torch.tensor([0, 4, 9], dtype=torch.int32, device=device))
         lp, entropy = logprobs.token_logprobs(hidden, weight, targets, temperature=0.7, return_entropy=True)
         (lp.sum() + entropy.sum()).backward()
+    # A frozen lm_head (LoRA): the backward walks token chunks of 512 (kFrozenTokenChunk); 515 tokens
+    # end on a chunk of 3.
+    hidden = randn(515, 64, device=device, grad=True)
+    weight = randn(776, 64, device=device)
+    targets = torch.randint(0, 776, (515,), generator=GENERATOR).to(device)
+    logprobs.token_logprobs(hidden, weight, targets, temperature=0.7).sum().backward()
 
 
 def run_moe(device: str) -> None:
@@ -79,6 +86,16 @@ def run_moe(device: str) -> None:
                 for name, out_f, in_f in (("gate_up_proj", 2 * intermediate, hidden_size),
                                           ("down_proj", hidden_size, intermediate))}
     out = moe.experts_forward(hidden, top_k_index, top_k_weights.to(DTYPE), gate_up, down, lora=adapters)
+    out.float().square().sum().backward()
+    # GPT-OSS' experts: weights stored [E, in, out] (transposed views, read in place on Hopper), gate and
+    # up rows interleaved, biases, the clamped SwiGLU
+    stored_gate_up = randn(experts, hidden_size, 2 * intermediate, device=device, grad=True)
+    stored_down = randn(experts, intermediate, hidden_size, device=device, grad=True)
+    biases = randn(experts, 2 * intermediate, device=device, grad=True), randn(experts, hidden_size, device=device,
+                                                                              grad=True)
+    out = moe.experts_forward(hidden, top_k_index, top_k_weights.to(DTYPE), stored_gate_up.transpose(1, 2),
+                              stored_down.transpose(1, 2), moe.ClampedSwiGLU(alpha=1.702, limit=7.0), adapters,
+                              *biases, True)
     out.float().square().sum().backward()
 
 
