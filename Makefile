@@ -61,7 +61,7 @@ no-nvcc:
 # engine through a fixture start it once.
 E2E_WORKERS ?= 2
 test-e2e: $(BUILT)
-	$(PY) -m pytest tests -q -m slow --durations=15 -n $(E2E_WORKERS) --dist loadscope
+	$(PY) -m pytest tests -q -m slow --durations=15 -n $(E2E_WORKERS) --dist loadscope --no-loadscope-reorder
 
 # ruff (pyproject [tool.ruff]) and dead code: vulture (pyproject [tool.vulture], whitelist with reasons
 # in .ci/dead_code_whitelist.py).

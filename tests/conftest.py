@@ -68,9 +68,39 @@ def tiny_vllm_server(tmp_path_factory) -> str:
     server.stop()
 
 
+# The end-to-end tier's longest scopes (a module, or a class: what --dist loadscope keeps on one worker),
+# longest first, with their seconds in the CI of 2026-11-26. pytest-xdist hands scopes out in collection
+# order (make test-e2e turns off its reordering by test count, which put two-test modules of 2 minutes
+# last): longest first, the two workers end within seconds of each other instead of ~1 minute apart.
+# A stale entry only costs balance; every other test keeps its place.
+E2E_LONGEST_FIRST = (
+    "tests/driver/distributed/test_driver_distributed_rank0_work.py",  # 172 s
+    "tests/e2e/test_ebft_e2e.py",  # 130 s
+    "tests/e2e/test_nemo_gym_agent_e2e.py",  # 125 s
+    "tests/e2e/test_driver_e2e.py::TestBf16",  # 103 s
+    "tests/e2e/test_driver_e2e.py::test_",  # its module-level tests, 113 s
+    "tests/e2e/test_environments_e2e.py",  # 56 s
+    "tests/driver/distributed/test_driver_distributed.py",  # 52 s
+    "tests/e2e/test_driver_e2e.py::TestTheDemoRun",  # 47 s
+    "tests/driver/engine/test_driver_server.py",  # 44 s
+    "tests/e2e/test_vllm_serve_e2e.py",  # 42 s
+    "tests/driver/engine/test_weight_sync_merged.py",  # 39 s
+)
+
+
+def longest_first(items) -> None:
+    """Stable sort: E2E_LONGEST_FIRST's scopes first, in its order."""
+    def rank(item) -> int:
+        return next((i for i, prefix in enumerate(E2E_LONGEST_FIRST) if item.nodeid.startswith(prefix)),
+                    len(E2E_LONGEST_FIRST))
+    items.sort(key=rank)
+
+
 def pytest_collection_modifyitems(config, items):
     """`make gpu-test` selects `-m cuda` (.ci/gpu/test.py): a test skipped here for want of a CUDA
-    device must carry the marker, or the GPU stage would never run it."""
+    device must carry the marker, or the GPU stage would never run it. Then the longest end-to-end
+    scopes go first (E2E_LONGEST_FIRST)."""
+    longest_first(items)
     unmarked = [item.nodeid for item in items if item.get_closest_marker("cuda") is None and any(
         "CUDA device" in str(mark.kwargs.get("reason", "")) for mark in item.iter_markers("skipif"))]
     if unmarked:
