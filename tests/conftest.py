@@ -69,7 +69,7 @@ def tiny_vllm_server(tmp_path_factory) -> str:
 
 
 # The end-to-end tier's longest scopes (a module, or a class: what --dist loadscope keeps on one worker),
-# longest first, with their seconds in the CI of 2026-11-26. pytest-xdist hands scopes out in collection
+# longest first, with their seconds measured on 2026-11-26. pytest-xdist hands scopes out in collection
 # order (make test-e2e turns off its reordering by test count, which put two-test modules of 2 minutes
 # last): longest first, the two workers end within seconds of each other instead of ~1 minute apart.
 # A stale entry only costs balance; every other test keeps its place.
@@ -98,8 +98,8 @@ def longest_first(items) -> None:
 
 def pytest_collection_modifyitems(config, items):
     """`make gpu-test` selects `-m cuda` (.ci/gpu/test.py): a test skipped here for want of a CUDA
-    device must carry the marker, or the GPU stage would never run it. Then the longest end-to-end
-    scopes go first (E2E_LONGEST_FIRST)."""
+    device must carry the marker, or the GPU stage would never run it. Also puts the longest
+    end-to-end scopes first (E2E_LONGEST_FIRST)."""
     longest_first(items)
     unmarked = [item.nodeid for item in items if item.get_closest_marker("cuda") is None and any(
         "CUDA device" in str(mark.kwargs.get("reason", "")) for mark in item.iter_markers("skipif"))]

@@ -336,7 +336,8 @@ std::tuple<at::Tensor, at::Tensor> grads_with_weight(const BackwardInputs& in, c
         at::Tensor dh_t = dh.narrow(0, t0, tokens);
         accumulate_fp32(dh_t, dz_t, weight.narrow(0, v0, rows), /*accumulate=*/true, stream);
       }
-      accumulate_fp32(dw_c, dz_t.t(), hidden.narrow(0, t0, tokens), /*accumulate=*/t0 > 0, stream);  // dW_c (+)= dz^T h_t
+      // dW_c (+)= dz^T h_t
+      accumulate_fp32(dw_c, dz_t.t(), hidden.narrow(0, t0, tokens), /*accumulate=*/t0 > 0, stream);
     }
     grad_weight.narrow(0, v0, rows).copy_(dw_c);
   }
