@@ -94,7 +94,7 @@ def run_moe(device: str) -> None:
     biases = randn(experts, 2 * intermediate, device=device, grad=True), randn(experts, hidden_size, device=device,
                                                                               grad=True)
     out = moe.experts_forward(hidden, top_k_index, top_k_weights.to(DTYPE), stored_gate_up.transpose(1, 2),
-                              stored_down.transpose(1, 2), moe.ClampedSwiGLU(alpha=1.702, limit=7.0), adapters,
+                              stored_down.transpose(1, 2), moe.ClampedSwiGLU(), adapters,
                               *biases, True)
     out.float().square().sum().backward()
 

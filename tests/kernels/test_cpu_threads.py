@@ -90,7 +90,7 @@ def test_moe_gpt_oss_experts_with_lora():
         x, w, gate_up, down, gate_up_bias, down_bias, a1, b1, a2, b2 = inputs = leaves(*base)
         factors = {"gate_up_proj": moe.LoRAFactors(a1, b1, 0.5), "down_proj": moe.LoRAFactors(a2, b2, 2.0)}
         out = moe.experts_forward(x, index, w, gate_up.transpose(1, 2), down.transpose(1, 2),
-                                  moe.ClampedSwiGLU(alpha=1.702, limit=7.0), factors, gate_up_bias, down_bias, True)
+                                  moe.ClampedSwiGLU(), factors, gate_up_bias, down_bias, True)
         return outputs_and_grads(out, inputs)
 
     for one, two in on_1_and_2_threads(run):
