@@ -7,8 +7,6 @@ Environment knobs:
   PYKERNELS_BUILD_TYPE   CMake build type (default Release)
   MAX_JOBS               parallel compile jobs (default: CPU count)
   CUTLASS_DIR            CUTLASS include dir (default: the nvidia-cutlass wheel's headers)
-  PYKERNELS_SM90_TILE    tile of the Hopper GEMM core, MxNxK (default 128x128x64), and
-  PYKERNELS_SM90_CLUSTER its thread-block cluster, MxN (default 1x1): to time others on a GPU
 The wheel also carries pykernels-startup.pth (see pykernels/startup_hook.py).
 """
 
@@ -27,8 +25,6 @@ from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).parent.resolve()
 TORCH_MARKER = "torch-location.txt"  # in each build directory: the torch its CMake cache points at
-# Passed on every configure: CMake's cache would otherwise keep a tile an earlier build asked for.
-DEFAULT_SM90_SHAPES = {"PYKERNELS_SM90_TILE": "128x128x64", "PYKERNELS_SM90_CLUSTER": "1x1"}
 
 
 def build_tool(name: str) -> str:
@@ -87,8 +83,6 @@ class CMakeBuild(build_ext):
             configure.append(f"-DPYKERNELS_CUDA_ARCHS={os.environ['PYKERNELS_CUDA_ARCHS']}")
         if "CUTLASS_DIR" in os.environ:
             configure.append(f"-DCUTLASS_DIR={os.environ['CUTLASS_DIR']}")
-        for knob in ("PYKERNELS_SM90_TILE", "PYKERNELS_SM90_CLUSTER"):
-            configure.append(f"-D{knob}={os.environ.get(knob, DEFAULT_SM90_SHAPES[knob])}")
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
         subprocess.run(configure, cwd=build_dir, check=True)
         subprocess.run(

@@ -3,21 +3,13 @@
 # for sm_90a alone when PYKERNELS_CUDA_ARCHS lists it (PYKERNELS_SM90A_GEMM: the kernels are in);
 # otherwise for the listed archs without it, leaving launchers that say the kernels are not built.
 # NDEBUG always: CUTLASS's debug asserts make ptxas serialize the wgmma pipeline (warning C7510).
+# The GEMM core's tiles are one file each (common/grouped_gemm_tile_*_sm90.cu), compiled in parallel.
 function(pykernels_add_sm90_objects name)
   add_library(${name} OBJECT ${PYKERNELS_CUDA_SM90_SOURCES})
   target_include_directories(${name} PRIVATE ${CMAKE_SOURCE_DIR}/csrc ${CUTLASS_DIR})
-  if(NOT PYKERNELS_SM90_TILE MATCHES "^([0-9]+)x([0-9]+)x([0-9]+)$")
-    message(FATAL_ERROR "PYKERNELS_SM90_TILE must be MxNxK (e.g. 128x256x64), got '${PYKERNELS_SM90_TILE}'")
-  endif()
-  set(tile PYKERNELS_SM90_TILE_M=${CMAKE_MATCH_1} PYKERNELS_SM90_TILE_N=${CMAKE_MATCH_2}
-      PYKERNELS_SM90_TILE_K=${CMAKE_MATCH_3})
-  if(NOT PYKERNELS_SM90_CLUSTER MATCHES "^([0-9]+)x([0-9]+)$")
-    message(FATAL_ERROR "PYKERNELS_SM90_CLUSTER must be MxN (e.g. 2x1), got '${PYKERNELS_SM90_CLUSTER}'")
-  endif()
-  list(APPEND tile PYKERNELS_SM90_CLUSTER_M=${CMAKE_MATCH_1} PYKERNELS_SM90_CLUSTER_N=${CMAKE_MATCH_2})
   if("90a" IN_LIST PYKERNELS_CUDA_ARCHS)
     set_target_properties(${name} PROPERTIES CUDA_ARCHITECTURES 90a)
-    target_compile_definitions(${name} PRIVATE PYKERNELS_SM90A_GEMM NDEBUG ${tile})
+    target_compile_definitions(${name} PRIVATE PYKERNELS_SM90A_GEMM NDEBUG)
   else()
     set_target_properties(${name} PROPERTIES CUDA_ARCHITECTURES "${PYKERNELS_CUDA_ARCHS}")
   endif()

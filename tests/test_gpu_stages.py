@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_DIR = ROOT / ".ci" / "gpu"
@@ -169,7 +170,7 @@ def run_lease(tmp_path, stages: str) -> subprocess.CompletedProcess:
 def test_lease_script_refuses_an_unknown_stage(tmp_path):
     result = run_lease(tmp_path, "tests build")
     assert result.returncode == 2, result.stdout + result.stderr
-    assert "unknown stage tests (build, test, sanitize, bench, breakdown)" in result.stdout
+    assert "unknown stage tests (build, test, sanitize, bench, breakdown, sweep)" in result.stdout
 
 
 def test_lease_script_with_no_stage_prints_only_the_summary(tmp_path):
@@ -183,3 +184,21 @@ def test_lease_script_fails_when_a_stage_fails(tmp_path):
     result = run_lease(tmp_path, "build")
     assert result.returncode == 1, result.stdout + result.stderr
     assert "build: exit 2" in result.stdout and (tmp_path / "build.log").exists()
+
+
+def test_tile_sweep_names_what_it_needs(monkeypatch):
+    """benchmarks/tile_sweep.py (the lease's sweep stage) refuses unknown tiles or ops by name, and a
+    machine without a Hopper GPU in one line, before it builds anything."""
+    from benchmarks import tile_sweep
+
+    def refusal(*args):
+        monkeypatch.setattr(sys, "argv", ["tile_sweep", *args])
+        with pytest.raises(SystemExit) as exited:
+            tile_sweep.main()
+        return str(exited.value.code)
+
+    assert refusal("--tiles", "128x128,256x128") == \
+        "unknown tile 256x128: the core's tiles are 128x128, 128x256, 64x128, auto"
+    assert refusal("--ops", "moe,mlp") == "unknown op mlp: moe, lora"
+    if not torch.cuda.is_available():
+        assert "needs a compute capability 9.0 GPU" in refusal()

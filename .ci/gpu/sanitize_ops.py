@@ -2,8 +2,9 @@
 backward, on small odd shapes, with our kernels forced (PYKERNELS_KERNELS=ours); and once more on
 sizes whose bf16 GEMMs a Hopper GPU runs on the sm_90a core (multiples of 8: csrc/common/
 gemm_sm90_torch.h), MoE with LoRA on its experts and a dropped assignment, GPT-OSS' expert layout, and
-the logprobs backward of a frozen lm_head over two token chunks. On CPU (the dry run) the
-same calls check that this script still matches the ops' signatures.
+the logprobs backward of a frozen lm_head over two token chunks; the MoE calls then run again on each
+other tile of the Hopper GEMM core (PYKERNELS_SM90_TILE, csrc/common/sm90_tiles.h). On CPU (the dry
+run) the same calls check that this script still matches the ops' signatures.
 
     python .ci/gpu/sanitize_ops.py [--device cuda|cpu]
 """
@@ -11,6 +12,7 @@ same calls check that this script still matches the ops' signatures.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import stage  # noqa: F401  (puts the repository root on sys.path)
@@ -21,6 +23,7 @@ import pykernels.logprobs as logprobs
 import pykernels.lora as lora
 import pykernels.moe as moe
 import pykernels.nf4 as nf4
+from pykernels import _C
 
 DTYPE = torch.bfloat16
 
@@ -112,6 +115,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.device == "cuda":
             torch.cuda.synchronize()
         print(f"{family}: ran on {args.device}", flush=True)
+    for tile in _C.host_logic.gemm_sm90_tiles[1:]:  # the first, the default, ran above
+        os.environ["PYKERNELS_SM90_TILE"] = tile
+        run_moe(args.device)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        print(f"moe on the GEMM core's {tile} tile: ran on {args.device}", flush=True)
+    os.environ.pop("PYKERNELS_SM90_TILE")
     return 0
 
 

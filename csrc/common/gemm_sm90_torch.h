@@ -3,7 +3,8 @@
 // the workspace from torch's caching allocator. Included by *_cuda_torch.cpp files only.
 //
 // PYKERNELS_SM90=0 in the environment keeps every op on its sm80 kernels (to compare the two on one
-// GPU, or to step around a Hopper kernel while the dispatcher's check has not caught it).
+// GPU, or to step around a Hopper kernel while the dispatcher's check has not caught it);
+// PYKERNELS_SM90_TILE picks the core's tile (common/sm90_tiles.h).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -35,7 +36,11 @@ inline at::Tensor sm90_workspace(int64_t bytes, int device) {
   return at::empty({bytes}, at::TensorOptions().device(at::kCUDA, device).dtype(at::kByte));
 }
 
-inline void run_grouped_gemm_sm90(const GroupedGemmSm90Params& g, int device, cudaStream_t stream) {
+// Runs g on the tile PYKERNELS_SM90_TILE names (read on every call, so one process can time every
+// tile: benchmarks/tile_sweep.py), else the default (common/sm90_tiles.h).
+inline void run_grouped_gemm_sm90(GroupedGemmSm90Params g, int device, cudaStream_t stream) {
+  const char* tile_error = sm90_tile_for(std::getenv("PYKERNELS_SM90_TILE"), mean_group_rows(g), g.n, &g.tile);
+  TORCH_CHECK(tile_error == nullptr, tile_error);
   const at::Tensor workspace = sm90_workspace(grouped_gemm_sm90_workspace_bytes(g, device), device);
   const char* error = launch_grouped_gemm_sm90(g, workspace.data_ptr(), device, stream);
   TORCH_CHECK(error == nullptr, error);

@@ -3,16 +3,8 @@
 // grouped MoE GEMMs use it too), which matters while this code rarely meets a GPU. The MoE ops run
 // their expert GEMMs on it, the LoRA and logprobs ops their dense GEMMs (one group).
 //
-// problems  One thread per group writes the group's (M, N, K), operand pointers and strides into
-//           the workspace from expert_offsets on the device (gemm_groups.h, tested on the host);
-//           CUTLASS gets no host copy of the shapes, so nothing waits on the host. Its persistent
-//           tile scheduler walks the groups' tiles.
-// kernel    TMA loads into a multi-stage shared-memory pipeline (a producer warp), two consumer
-//           warpgroups issuing wgmma on 128x128x64 tiles with fp32 accumulators, TMA stores in the
-//           epilogue (D = alpha acc + beta C). TMA zero-fills the M, N and K tails of a group, so
-//           any size works.
-// scope     bf16 operands (the training dtype on Hopper; fp16 and fp32 keep the sm80 kernels), bf16
-//           or fp32 D. Six kernels: three operand layouts x two output types.
+// This file checks a call and hands it to its tile's kernels (p.tile, common/sm90_tiles.h): each tile
+// is its own file, grouped_gemm_tile_*_sm90.cu, built from grouped_gemm_sm90_kernels.cuh.
 //
 // Compiled for sm_90a alone (cmake/sm90_sources.cmake); without PYKERNELS_SM90A_GEMM (archs
 // without sm_90a) the launcher reports that the kernels are not built.
@@ -21,205 +13,26 @@
 #include <cstdint>
 #include <string>
 
-#include "common/gemm_groups.h"
 #include "common/grouped_gemm_sm90.h"
-
-#ifdef PYKERNELS_SM90A_GEMM
-#include "cute/tensor.hpp"
-#include "cutlass/cutlass.h"
-#include "cutlass/epilogue/collective/collective_builder.hpp"
-#include "cutlass/epilogue/thread/linear_combination.h"
-#include "cutlass/gemm/collective/collective_builder.hpp"
-#include "cutlass/gemm/device/gemm_universal_adapter.h"
-#include "cutlass/gemm/dispatch_policy.hpp"
-#include "cutlass/gemm/group_array_problem_shape.hpp"
-#include "cutlass/gemm/kernel/gemm_universal.hpp"
-#include "common/cutlass_sm90.cuh"
-#endif
+#include "common/grouped_gemm_sm90_tiles.h"
 
 namespace pykernels::gemm {
-namespace {
 
-const char* fail_sm90(std::string message) {
+const char* sm90_failure(std::string message) {
   thread_local std::string last;
   last = "grouped GEMM (sm_90a): " + std::move(message);
   return last.c_str();
 }
 
-}  // namespace
-
 #ifdef PYKERNELS_SM90A_GEMM
 namespace {
-using namespace cute;
 
-using ElementAB = cutlass::bfloat16_t;
-// Tile and cluster: 128x128x64 on 1x1 unless the build asks for others (PYKERNELS_SM90_TILE and
-// PYKERNELS_SM90_CLUSTER, setup.py). On an H100 this tile ran at 470-600 TFLOP/s where cuBLAS, with
-// 192x192 to 320x128 tiles on 2-CTA clusters, reaches 720-810 (benchmarks/results/h100.md): the
-// knob lets a lent GPU time the alternatives without editing code.
-#ifndef PYKERNELS_SM90_TILE_M
-#define PYKERNELS_SM90_TILE_M 128
-#define PYKERNELS_SM90_TILE_N 128
-#define PYKERNELS_SM90_TILE_K 64
-#define PYKERNELS_SM90_CLUSTER_M 1
-#define PYKERNELS_SM90_CLUSTER_N 1
-#endif
-using TileShape = Shape<Int<PYKERNELS_SM90_TILE_M>, Int<PYKERNELS_SM90_TILE_N>, Int<PYKERNELS_SM90_TILE_K>>;
-using ClusterShape = Shape<Int<PYKERNELS_SM90_CLUSTER_M>, Int<PYKERNELS_SM90_CLUSTER_N>, _1>;
-
-// The epilogues, D = alpha acc + beta C with 16-byte TMA stores, for bf16 and fp32 D (and C).
-// Spelled out rather than an alias template: g++ 12 fails to parse CUTLASS's epilogue builder in
-// a dependent context (through nvcc's host pass).
-using EpilogueBf16 = cutlass::epilogue::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-    cutlass::epilogue::collective::EpilogueTileAuto, float, float, cutlass::bfloat16_t, cutlass::layout::RowMajor*, 8,
-    cutlass::bfloat16_t, cutlass::layout::RowMajor*, 8, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
-    cutlass::epilogue::fusion::LinearCombination<cutlass::bfloat16_t, float>>::CollectiveOp;
-using EpilogueFp32 = cutlass::epilogue::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-    cutlass::epilogue::collective::EpilogueTileAuto, float, float, float, cutlass::layout::RowMajor*, 4, float,
-    cutlass::layout::RowMajor*, 4, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
-    cutlass::epilogue::fusion::LinearCombination<float, float>>::CollectiveOp;
-
-// One CUTLASS grouped GEMM: bf16 A and B in the given layouts, row-major D by Epilogue.
-template <class LayoutA, class LayoutB, class EpilogueT>
-struct GroupedGemm {
-  using Element = ElementAB;
-  using Epilogue = EpilogueT;
-  using ElementD = typename Epilogue::ElementD;
-  using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, 8, Element, LayoutB*, 8, float,
-      TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename EpilogueT::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  using StrideA = typename Kernel::InternalStrideA;
-  using StrideB = typename Kernel::InternalStrideB;
-  using StrideD = typename Kernel::InternalStrideD;
-  using Shape3 = typename ProblemShape::UnderlyingProblemShape;
-};
-
-using RowMajor = cutlass::layout::RowMajor;
-using ColumnMajor = cutlass::layout::ColumnMajor;
-
-// The per-group arrays CUTLASS reads, carved from the front of the workspace.
-template <class G>
-struct GroupArrays {
-  typename G::Shape3* shapes;
-  const typename G::Element** a;
-  const typename G::Element** b;
-  const typename G::ElementD** c;
-  typename G::ElementD** d;
-  typename G::StrideA* stride_a;
-  typename G::StrideB* stride_b;
-  typename G::StrideD* stride_d;
-  void* cutlass_workspace;
-};
-
-constexpr int64_t kWorkspaceAlignment = 256;
-int64_t aligned(int64_t bytes) { return (bytes + kWorkspaceAlignment - 1) / kWorkspaceAlignment * kWorkspaceAlignment; }
-
-template <class G>
-GroupArrays<G> carve(void* workspace, int64_t groups, int64_t* bytes_used = nullptr) {
-  char* at = static_cast<char*>(workspace);
-  int64_t used = 0;
-  auto take = [&](int64_t bytes) {
-    void* p = at == nullptr ? nullptr : at + used;
-    used += aligned(bytes);
-    return p;
-  };
-  GroupArrays<G> arrays{};
-  arrays.shapes = static_cast<typename G::Shape3*>(take(groups * sizeof(typename G::Shape3)));
-  arrays.a = static_cast<const typename G::Element**>(take(groups * sizeof(void*)));
-  arrays.b = static_cast<const typename G::Element**>(take(groups * sizeof(void*)));
-  arrays.c = static_cast<const typename G::ElementD**>(take(groups * sizeof(void*)));
-  arrays.d = static_cast<typename G::ElementD**>(take(groups * sizeof(void*)));
-  arrays.stride_a = static_cast<typename G::StrideA*>(take(groups * sizeof(typename G::StrideA)));
-  arrays.stride_b = static_cast<typename G::StrideB*>(take(groups * sizeof(typename G::StrideB)));
-  arrays.stride_d = static_cast<typename G::StrideD*>(take(groups * sizeof(typename G::StrideD)));
-  arrays.cutlass_workspace = at == nullptr ? nullptr : at + used;
-  if (bytes_used != nullptr) *bytes_used = used;
-  return arrays;
-}
-
-constexpr int kSetupThreads = 128;
-
-// Thread e writes group e.
-template <class G>
-__global__ void __launch_bounds__(kSetupThreads) group_setup_kernel(const GroupedGemmSm90Params p, GroupArrays<G> out) {
-  const int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (e >= p.experts) return;
-  const GroupProblem g =
-      p.kind == Sm90GemmKind::kWeightGrad
-          ? weight_grad_group(p.expert_offsets, p.experts, p.slots, e, p.m, p.n, p.lda, p.ldb, p.d_expert_stride)
-          : rows_group(p.expert_offsets, p.experts, p.slots, e, p.n, p.k, p.lda, p.b_expert_stride, p.ldd);
-  using Element = typename G::Element;
-  using ElementD = typename G::ElementD;
-  const Element* zeros = static_cast<const Element*>(p.zeros);
-  out.shapes[e] = typename G::Shape3(static_cast<int>(g.m), static_cast<int>(g.n), static_cast<int>(g.k));
-  out.a[e] = g.zeros ? zeros : static_cast<const Element*>(p.a) + g.a_offset;
-  out.b[e] = g.zeros ? zeros : static_cast<const Element*>(p.b) + g.b_offset;
-  out.d[e] = static_cast<ElementD*>(p.d) + g.d_offset;
-  out.c[e] = p.c != nullptr ? static_cast<const ElementD*>(p.c) + g.d_offset : nullptr;
-  out.stride_a[e] = leading_stride<typename G::StrideA>(p.lda);
-  out.stride_b[e] = leading_stride<typename G::StrideB>(p.ldb);
-  out.stride_d[e] = leading_stride<typename G::StrideD>(p.ldd);
-}
-
-template <class G>
-typename G::Gemm::Arguments arguments(const GroupedGemmSm90Params& p, const GroupArrays<G>& arrays, int device) {
-  cutlass::KernelHardwareInfo hw;
-  hw.device_id = device;
-  hw.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
-  typename G::Gemm::Arguments args{};
-  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.problem_shape = {static_cast<int>(p.experts), arrays.shapes, nullptr};  // shapes on the device only
-  args.mainloop = {arrays.a, arrays.stride_a, arrays.b, arrays.stride_b};
-  auto& fusion = args.epilogue.thread;
-  fusion.alpha = p.alpha;
-  fusion.beta = p.beta;
-  args.epilogue.ptr_C = p.c != nullptr ? arrays.c : nullptr;  // no C: the epilogue loads no source
-  args.epilogue.dC = arrays.stride_d;
-  args.epilogue.ptr_D = arrays.d;
-  args.epilogue.dD = arrays.stride_d;
-  args.hw_info = hw;
-  return args;
-}
-
-template <class G>
-int64_t workspace_bytes(const GroupedGemmSm90Params& p, int device) {
-  int64_t arrays_bytes = 0;
-  const GroupArrays<G> arrays = carve<G>(nullptr, p.experts, &arrays_bytes);
-  return arrays_bytes + aligned(int64_t(G::Gemm::get_workspace_size(arguments<G>(p, arrays, device))));
-}
-
-template <class G>
-const char* run(const GroupedGemmSm90Params& p, void* workspace, int device, cudaStream_t stream) {
-  const GroupArrays<G> arrays = carve<G>(workspace, p.experts);
-  const int blocks = static_cast<int>((p.experts + kSetupThreads - 1) / kSetupThreads);
-  group_setup_kernel<G><<<blocks, kSetupThreads, 0, stream>>>(p, arrays);
-  if (const cudaError_t error = cudaGetLastError(); error != cudaSuccess)
-    return fail_sm90(std::string("group setup launch failed: ") + cudaGetErrorString(error));
-  const std::string error =
-      run_cutlass_gemm<typename G::Gemm>(arguments<G>(p, arrays, device), arrays.cutlass_workspace, stream);
-  return error.empty() ? nullptr : fail_sm90(error);
-}
-
-template <class Epilogue, class F>
-auto with_layouts(Sm90GemmKind kind, F&& f) {
-  switch (kind) {
-    case Sm90GemmKind::kRowsKMajorB: return f(GroupedGemm<RowMajor, ColumnMajor, Epilogue>{});
-    case Sm90GemmKind::kRowsNMajorB: return f(GroupedGemm<RowMajor, RowMajor, Epilogue>{});
-    default: return f(GroupedGemm<ColumnMajor, RowMajor, Epilogue>{});
+const Sm90TileKernels& kernels_of(Sm90Tile tile) {
+  switch (tile) {
+    case Sm90Tile::k128x256: return kSm90Tile128x256;
+    case Sm90Tile::k64x128: return kSm90Tile64x128;
+    default: return kSm90Tile128x128;
   }
-}
-
-// f(GroupedGemm<...>{}) for the kernel of p's kind and output type.
-template <class F>
-auto with_kernel(const GroupedGemmSm90Params& p, F&& f) {
-  return p.d_dtype == DType::kFloat32 ? with_layouts<EpilogueFp32>(p.kind, f) : with_layouts<EpilogueBf16>(p.kind, f);
 }
 
 }  // namespace
@@ -249,7 +62,7 @@ bool grouped_gemm_sm90_available(int device) {
 
 int64_t grouped_gemm_sm90_workspace_bytes(const GroupedGemmSm90Params& p, int device) {
 #ifdef PYKERNELS_SM90A_GEMM
-  return with_kernel(p, [&](auto g) { return workspace_bytes<decltype(g)>(p, device); });
+  return kernels_of(p.tile).workspace_bytes(p, device);
 #else
   return 0;
 #endif
@@ -257,11 +70,11 @@ int64_t grouped_gemm_sm90_workspace_bytes(const GroupedGemmSm90Params& p, int de
 
 const char* launch_grouped_gemm_sm90(const GroupedGemmSm90Params& p, void* workspace, int device, cudaStream_t stream) {
 #ifdef PYKERNELS_SM90A_GEMM
-  if (const char* error = grouped_gemm_sm90_error(p)) return fail_sm90(error);
+  if (const char* error = grouped_gemm_sm90_error(p)) return sm90_failure(error);
   if (p.slots == 0 && p.kind != Sm90GemmKind::kWeightGrad) return nullptr;
-  return with_kernel(p, [&](auto g) { return run<decltype(g)>(p, workspace, device, stream); });
+  return kernels_of(p.tile).launch(p, workspace, device, stream);
 #else
-  return fail_sm90("not built (the extension's CUDA archs do not include 90a)");
+  return sm90_failure("not built (the extension's CUDA archs do not include 90a)");
 #endif
 }
 

@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "common/dtype.h"
+#include "common/sm90_tiles.h"
 #include "common/tails.h"
 
 typedef struct CUstream_st* cudaStream_t;
@@ -44,7 +45,14 @@ struct GroupedGemmSm90Params {
   DType d_dtype;                  // kBFloat16 or kFloat32
   float alpha, beta;
   const void* zeros;              // grouped kWeightGrad: max(m, n) bf16 zeros, 16-byte aligned
+  Sm90Tile tile;                  // the kernels' tile configuration (common/sm90_tiles.h)
 };
+
+// The mean group's M, for the tile rule (sm90_tile_for): a rows GEMM's slots per group, a weight
+// gradient's m (every group's).
+inline int64_t mean_group_rows(const GroupedGemmSm90Params& p) {
+  return p.kind == Sm90GemmKind::kWeightGrad ? p.m : p.slots / (p.experts > 0 ? p.experts : 1);
+}
 
 // What TMA and the 32-bit CUTLASS problem shapes need of p, or null (checked by the launcher;
 // host-tested through pykernels._C.host_logic).

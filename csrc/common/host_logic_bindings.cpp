@@ -105,6 +105,18 @@ py::object gemm_sm90_error(const std::string& kind, bool grouped, int64_t expert
   return error ? py::object(py::str(error)) : py::object(py::none());
 }
 
+// common/sm90_tiles.h through grouped_gemm_sm90.h: the tile a GEMM of this kind and sizes runs on when
+// PYKERNELS_SM90_TILE is `setting` (None: unset), or the error message.
+std::string gemm_sm90_tile(const std::optional<std::string>& setting, const std::string& kind, int64_t experts,
+                           int64_t slots, int64_t m, int64_t n) {
+  gemm::GroupedGemmSm90Params g{};
+  g.kind = kind == "weight_grad" ? gemm::Sm90GemmKind::kWeightGrad : gemm::Sm90GemmKind::kRowsKMajorB;
+  g.experts = experts, g.slots = slots, g.m = m, g.n = n;
+  const char* error = gemm::sm90_tile_for(setting ? setting->c_str() : nullptr, gemm::mean_group_rows(g), g.n, &g.tile);
+  require(error == nullptr, error ? error : "");
+  return gemm::sm90_tile_name(g.tile);
+}
+
 // ------------------------------------------------------------------ MoE
 // The sm_90a grouped GEMM's problem list, as group_setup_kernel writes it (one entry per group):
 // (m, n, k, a_offset, b_offset, d_offset, zeros). kind "rows" or "weight_grad"; offsets None: a
@@ -411,6 +423,13 @@ void define_host_logic(py::module_& m) {
         py::arg("slots"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("lda"), py::arg("ldb"),
         py::arg("b_expert_stride"), py::arg("ldd"), py::arg("d_expert_stride"), py::arg("d_dtype"),
         py::arg("accumulate"), py::arg("zeros"));
+  m.def("gemm_sm90_tile", &gemm_sm90_tile, py::arg("setting"), py::arg("kind"), py::arg("experts"), py::arg("slots"),
+        py::arg("m"), py::arg("n"));
+  {
+    std::vector<std::string> tiles;
+    for (const gemm::Sm90Tile tile : gemm::kSm90Tiles) tiles.emplace_back(gemm::sm90_tile_name(tile));
+    m.attr("gemm_sm90_tiles") = tiles;
+  }
   // common/gemm_groups.h
   m.def("gemm_sm90_groups", &gemm_sm90_groups, py::arg("kind"), py::arg("offsets"), py::arg("slots"), py::arg("m"),
         py::arg("n"), py::arg("k"), py::arg("lda"), py::arg("ldb"), py::arg("b_expert_stride"), py::arg("ldd"),

@@ -4,7 +4,7 @@ No CUDA kernel of this project has run on a GPU yet, and index arithmetic is whe
 wrong. The arithmetic lives in __host__ __device__ headers (csrc/common/tails.h,
 common/online_softmax.h, common/gemm_groups.h, nf4/nf4_layout.h, moe/moe_schedule.h,
 logprobs/vocab_chunks.h) that the .cu kernels call, and in the torch-free parameter logic of the
-Hopper GEMM core (common/grouped_gemm_sm90.h, common/gemm_sm90_dense.h);
+Hopper GEMM core (common/grouped_gemm_sm90.h, common/gemm_sm90_dense.h, common/sm90_tiles.h);
 pykernels._C.host_logic compiles the same functions for the host. Each test
 compares them with an independent Python computation (direct enumeration, fp64 math, bitsandbytes)
 on adversarial sizes.
@@ -277,6 +277,35 @@ def test_sm90_core_check_on_the_moe_calls():
     assert "zero buffer" in H.gemm_sm90_error(**{**grad, "zeros": False})
     assert H.gemm_sm90_error(**{**grad, "grouped": False, "experts": 1, "zeros": False}) is None
     assert "K >= 1" in H.gemm_sm90_error(**{**grad, "grouped": False, "experts": 1, "slots": 0})
+
+
+def torch_grouped_mm_tile(mean_m: int, n: int) -> str:
+    """torch._grouped_mm's sm90 rule (aten/src/ATen/native/cuda/GroupMM.cu): small when M or N <= 128."""
+    return "64x128" if mean_m <= 128 or n <= 128 else "128x256"
+
+
+@pytest.mark.parametrize(("kind", "experts", "slots", "m", "n"), [
+    ("rows", 128, 4096, 0, 1536),      # Qwen3-30B-A3B gate_up at T 512: 32 rows per expert
+    ("rows", 128, 131072, 0, 1536),    # ... at T 16384: 1024 rows per expert
+    ("rows", 128, 131072, 0, 128),     # 128 columns: small
+    ("rows", 8, 1024, 0, 14336),       # Mixtral at T 512: 128 rows per expert, the boundary
+    ("rows", 8, 1032, 0, 14336),       # 129
+    ("rows", 1, 8192, 0, 16),          # LoRA's dense u B^T-like product: one group, 16 columns
+    ("weight_grad", 128, 4096, 1536, 2048),
+    ("weight_grad", 128, 4096, 16, 2048),  # a LoRA A gradient: 16 rows
+])
+def test_sm90_tile_choice(kind, experts, slots, m, n):
+    """Unset (or empty) PYKERNELS_SM90_TILE runs the measured default; a tile's name runs that tile on
+    every call; auto follows torch._grouped_mm's rule on the mean group (a rows GEMM's slots per
+    expert, a weight gradient's m); anything else is refused naming the choices."""
+    args = dict(kind=kind, experts=experts, slots=slots, m=m, n=n)
+    assert H.gemm_sm90_tile(None, **args) == H.gemm_sm90_tile("", **args) == "128x128"
+    for tile in H.gemm_sm90_tiles:
+        assert H.gemm_sm90_tile(tile, **args) == tile
+    mean_m = m if kind == "weight_grad" else slots // experts
+    assert H.gemm_sm90_tile("auto", **args) == torch_grouped_mm_tile(mean_m, n)
+    with pytest.raises(ValueError, match="128x128 .the default., 128x256, 64x128 or auto"):
+        H.gemm_sm90_tile("256x128", **args)
 
 
 @FAST

@@ -63,22 +63,39 @@ def sm90_kernels_ptx(source: str, tmp_path: Path) -> dict[str, str]:
     return kernels_ptx(source, tmp_path, flags=flags)
 
 
+# The GEMM core's tiles (common/sm90_tiles.h), one file each, and the wgmma shape each one issues: a
+# consumer warpgroup's 64 rows by the tile's N.
+SM90_CORE_TILES = {"128x128": "m64n128k16", "128x256": "m64n256k16", "64x128": "m64n128k16"}
+
+
 @pytest.mark.hopper_ptx
-def test_hopper_gemm_core_is_wgmma_fed_by_tma(tmp_path):
-    """The sm_90a GEMM core (common/grouped_gemm_sm90.cu) runs the MoE expert GEMMs (bf16 out:
-    forward, grad_x, weight gradient), the LoRA GEMMs (bf16 out) and the logprobs GEMMs (fp32 out:
-    logit tiles, dh, dW). Each of its six kernels must issue bf16 wgmma from shared memory that TMA
-    fills: a CUTLASS configuration mistake falls back to mma.sync or to cp.async loads without a
-    word."""
-    kernels = sm90_kernels_ptx("common/grouped_gemm_sm90.cu", tmp_path)
+@pytest.mark.parametrize("tile", SM90_CORE_TILES)
+def test_hopper_gemm_core_is_wgmma_fed_by_tma(tmp_path, tile):
+    """The sm_90a GEMM core (common/grouped_gemm_sm90.cu dispatching to a file per tile) runs the MoE
+    expert GEMMs (bf16 out: forward, grad_x, weight gradient), the LoRA GEMMs (bf16 out) and the
+    logprobs GEMMs (fp32 out: dh, dW). Each tile's six kernels must issue bf16 wgmma of the tile's
+    width from shared memory that TMA fills: a CUTLASS configuration mistake falls back to mma.sync or
+    to cp.async loads without a word."""
+    kernels = sm90_kernels_ptx(f"common/grouped_gemm_tile_{tile}_sm90.cu", tmp_path)
     gemms = {name: ptx for name, ptx in kernels.items() if "GemmUniversal" in name}
     assert len(gemms) == 6, list(kernels)
     for name, ptx in gemms.items():
-        assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16", ptx), f"{name}: no bf16 wgmma"
+        wgmma = rf"wgmma\.mma_async\.sync\.aligned\.{SM90_CORE_TILES[tile]}\.f32\.bf16\.bf16"
+        assert re.search(wgmma, ptx), f"{name}: no bf16 wgmma {SM90_CORE_TILES[tile]}"
         assert "cp.async.bulk.tensor" in ptx, f"{name}: operands not loaded by TMA"
         assert "mma.sync" not in ptx, f"{name}: an Ampere mma.sync path"
     fp32_out = [name for name in gemms if "EpilogueScheduleIfEEEfNS" in name or "LinearCombinationIffff" in name]
     assert len(fp32_out) == 3, "three kernels with fp32 D (the logprobs GEMMs)"
+
+
+def test_every_core_tile_has_its_file_and_ptx_check():
+    """A tile added to common/sm90_tiles.h without its kernels' file (or without a PTX check here)
+    would build, and fail only on a GPU at the first call that picks it."""
+    from pykernels import _C
+
+    files = {path.name.removeprefix("grouped_gemm_tile_").removesuffix("_sm90.cu")
+             for path in (ROOT / "csrc" / "common").glob("grouped_gemm_tile_*_sm90.cu")}
+    assert files == set(_C.host_logic.gemm_sm90_tiles) == set(SM90_CORE_TILES)
 
 
 @pytest.mark.hopper_ptx

@@ -6,9 +6,10 @@ tiles over 128 experts. Shapes from the issue that set the Hopper targets: Qwen3
 (E=128, top-8, H=2048, I=768) at T=16384 with and without LoRA r=16 on them; a 151936-token lm_head
 at H=4096, N=16384; LoRA r=16 on a 4096x14336 projection at T=8192. All bf16.
 
-On a Hopper GPU every case runs twice: on the sm_90a GEMM core (the default) and with it switched
-off (PYKERNELS_SM90=0, read on every call), so both generations of kernels are checked at these
-sizes in one run. Elsewhere the second run would repeat the first and is skipped.
+On a Hopper GPU every case runs four times: on the sm_90a GEMM core's default tile, on its other two
+tiles (PYKERNELS_SM90_TILE, common/sm90_tiles.h) and with the core switched off (PYKERNELS_SM90=0;
+both read on every call), so every kernel a user can pick is checked at these sizes in one run.
+Elsewhere the other runs would repeat the first and are skipped.
 
 Bound: max|ours - fp32| <= TOLERANCE * max|fp32| per output. Our outputs round intermediates to
 bf16 where the fp32 oracle does not (an expert MLP's gate_up rows, the LoRA activations), which
@@ -28,12 +29,14 @@ TOLERANCE = 2.5e-2
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-@pytest.fixture(params=["sm90_core", "sm80_kernels"])
+@pytest.fixture(params=["sm90_core", "sm90_tile_128x256", "sm90_tile_64x128", "sm80_kernels"])
 def gemm_generation(request, monkeypatch):
+    if request.param != "sm90_core" and not HOPPER:
+        pytest.skip("not a Hopper GPU: the sm80 kernels already ran")
     if request.param == "sm80_kernels":
-        if not HOPPER:
-            pytest.skip("not a Hopper GPU: the sm80 kernels already ran")
         monkeypatch.setenv("PYKERNELS_SM90", "0")
+    elif request.param.startswith("sm90_tile_"):
+        monkeypatch.setenv("PYKERNELS_SM90_TILE", request.param.removeprefix("sm90_tile_"))
     return request.param
 
 

@@ -184,6 +184,22 @@ def test_grouped_linear_big_odd_sizes(dtype):
     check_against_oracles(case, False, False, dtype)
 
 
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+SM90_TILES = ["128x128", "128x256", "64x128"]  # common/sm90_tiles.h; the PTX test checks the list
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Hopper GEMM core's tiles run on compute capability 9.0")
+@pytest.mark.parametrize("tile", SM90_TILES)
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[2], (7, 1, 1, 24, 40, 8)], ids=shape_id)
+def test_every_hopper_tile_matches_fp64_and_cpu(shape, tile, monkeypatch):
+    """Each tile of the Hopper GEMM core (PYKERNELS_SM90_TILE, read on every call) on bf16 shapes it
+    takes, gated sums with LoRA: experts with several 128-row tiles (300 tokens x 4 over 8), most of
+    512 experts empty (a 2-CTA cluster over groups of 0 or 1 rows), one 7-row expert."""
+    monkeypatch.setenv("PYKERNELS_SM90_TILE", tile)
+    case = make_case(shape, False, True, True, torch.bfloat16, seed=3)
+    check_against_oracles(case, False, False, torch.bfloat16)
+
+
 @pytest.mark.parametrize(("grouped_in", "grouped_out", "with_gates", "with_lora"), FLAGS, ids=FLAG_IDS)
 def test_unaligned_and_non_contiguous_inputs(grouped_in, grouped_out, with_gates, with_lora):
     """x starting one element into its allocation (SIMT instead of tensor cores) and a strided x
