@@ -1,15 +1,19 @@
-"""Times every tile of the Hopper GEMM core (common/sm90_tiles.h) on the ops that run on it, in one
-process on one build: PYKERNELS_SM90_TILE is read on every call, so a lent GPU measures them all
-without rebuilding (~2 minutes of a 15-minute lease per build). For choosing the default tile and the
-`auto` rule; the timings that count stay the benchmarks' (pytest --benchmark).
+"""Times every tile of the Hopper kernels on the ops that run on them, in one process on one build:
+the GEMM core's (PYKERNELS_SM90_TILE, common/sm90_tiles.h) on MoE and LoRA, the lm_head GEMMs'
+(PYKERNELS_SM90_LOGPROBS_TILE, logprobs/logprobs_sm90.h) on logprobs. Both are read on every call,
+so a lent GPU measures them all without rebuilding (~2 minutes of a 15-minute lease per build). For
+choosing the defaults and the core's `auto` rule; the timings that count stay the benchmarks'
+(pytest --benchmark).
 
 Each case is forward+backward, our kernels forced, CUDA-event median of ROUNDS calls after warm-up,
 every tile timed back to back on the same tensors. MoE: Qwen3-30B-A3B's experts at T 512 / 4096 /
 16384 and Mixtral's at T 512 / 4096, with and without LoRA r 16 on the experts (benchmarks/
 test_bench_moe.py's modules). LoRA: r 16 on 4096 x 14336 at T 8192 (only its rank-r products run on
-the core; its base GEMMs are cuBLAS's).
+the core; its base GEMMs are cuBLAS's). logprobs: H 4096, V 151936 at N 4096 and 16384, trainable
+and frozen lm_head (the statistics and dz GEMMs run on the tile; dh and dW on cuBLAS).
 
-    python -m benchmarks.tile_sweep [--ops moe,lora] [--tiles 128x128,128x256,64x128,auto] [--rounds 10]
+    python -m benchmarks.tile_sweep [--ops moe,lora,logprobs] [--tiles 128x128,128x256,64x128,auto]
+                                    [--logprobs-tiles 128x128,256x128] [--rounds 10]
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 from pykernels import _C
 
 TILES = ("128x128", "128x256", "64x128", "auto")  # the first is the default (common/sm90_tiles.h)
+LOGPROBS_TILES = ("128x128", "256x128")  # the first is the default (logprobs/logprobs_sm90.h)
 ROUNDS = 10
 
 
@@ -64,7 +69,28 @@ def lora_cases():
     yield "lora 4096x14336 T8192 r16", call, 6 * 8192 * in_features * out_features
 
 
-CASES = {"moe": moe_cases, "lora": lora_cases}
+def logprobs_cases():
+    from pykernels.logprobs import token_logprobs
+
+    h, v = 4096, 151936
+    weight = (torch.randn(v, h, device="cuda") * h**-0.5).bfloat16()
+    for n in (4096, 16384):
+        hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        targets = torch.randint(0, v, (n,), device="cuda")
+        for trainable in (True, False):
+            w = weight.clone().requires_grad_(trainable)
+
+            def call(hidden=hidden, w=w, targets=targets):
+                hidden.grad = w.grad = None
+                token_logprobs(hidden, w, targets).sum().backward()
+
+            flops = (8 if trainable else 6) * n * h * v  # the GEMMs we run: the backward recomputes the logits
+            yield f"logprobs N{n} {'trainable' if trainable else 'frozen'}", call, flops
+
+
+# op: (its cases, the variable that picks the tile, the tiles' argument)
+CASES = {"moe": (moe_cases, "PYKERNELS_SM90_TILE", "tiles"), "lora": (lora_cases, "PYKERNELS_SM90_TILE", "tiles"),
+         "logprobs": (logprobs_cases, "PYKERNELS_SM90_LOGPROBS_TILE", "logprobs_tiles")}
 
 
 def median_ms(fn, rounds: int) -> float:
@@ -81,17 +107,14 @@ def median_ms(fn, rounds: int) -> float:
     return statistics.median(times)
 
 
-def sweep(cases, tiles: list[str], rounds: int) -> list[tuple[str, dict[str, float], int]]:
-    rows = []
+def sweep(cases, variable: str, tiles: list[str], rounds: int) -> None:
     for name, fn, flops in cases:
         times = {}
         for tile in tiles:
-            os.environ["PYKERNELS_SM90_TILE"] = tile
+            os.environ[variable] = tile
             times[tile] = median_ms(fn, rounds)
-        os.environ.pop("PYKERNELS_SM90_TILE")
-        rows.append((name, times, flops))
+        os.environ.pop(variable)
         print(row_line(name, times, flops, tiles), flush=True)
-    return rows
 
 
 def header(tiles: list[str]) -> str:
@@ -108,23 +131,29 @@ def row_line(name: str, times: dict[str, float], flops: int, tiles: list[str]) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ops", default=",".join(CASES))
-    parser.add_argument("--tiles", default=",".join(TILES), help="the first is the baseline of the last column")
+    parser.add_argument("--tiles", default=",".join(TILES), help="the GEMM core's; the first is the baseline")
+    parser.add_argument("--logprobs-tiles", default=",".join(LOGPROBS_TILES),
+                        help="the lm_head GEMMs'; the first is the baseline")
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     args = parser.parse_args()
-    tiles = args.tiles.split(",")
-    known = [*_C.host_logic.gemm_sm90_tiles, "auto"]
-    if unknown := [t for t in tiles if t not in known]:
-        raise SystemExit(f"unknown tile {', '.join(unknown)}: the core's tiles are {', '.join(known)}")
-    if unknown := [op for op in args.ops.split(",") if op not in CASES]:
+    ops = args.ops.split(",")
+    if unknown := [op for op in ops if op not in CASES]:
         raise SystemExit(f"unknown op {', '.join(unknown)}: {', '.join(CASES)}")
+    tiles = {"tiles": args.tiles.split(","), "logprobs_tiles": args.logprobs_tiles.split(",")}
+    known = {"tiles": [*_C.host_logic.gemm_sm90_tiles, "auto"], "logprobs_tiles": _C.host_logic.logprobs_sm90_tiles}
+    for kind, names in tiles.items():
+        if unknown := [t for t in names if t not in known[kind]]:
+            raise SystemExit(f"unknown tile {', '.join(unknown)}: --{kind.replace('_', '-')} takes "
+                             f"{', '.join(known[kind])}")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        raise SystemExit("tile_sweep times the Hopper GEMM core: it needs a compute capability 9.0 GPU")
+        raise SystemExit("tile_sweep times the Hopper kernels: it needs a compute capability 9.0 GPU")
     os.environ["PYKERNELS_KERNELS"] = "ours"
     os.environ.pop("PYKERNELS_SM90", None)
-    print(f"{torch.cuda.get_device_name()}: forward+backward, CUDA-event median of {args.rounds} calls\n")
-    print(header(tiles), flush=True)
-    for op in args.ops.split(","):
-        sweep(CASES[op](), tiles, args.rounds)
+    print(f"{torch.cuda.get_device_name()}: forward+backward, CUDA-event median of {args.rounds} calls", flush=True)
+    for op in ops:
+        cases, variable, kind = CASES[op]
+        print(f"\n{op} ({variable})\n{header(tiles[kind])}", flush=True)
+        sweep(cases(), variable, tiles[kind], args.rounds)
         torch.cuda.empty_cache()
 
 

@@ -8,7 +8,7 @@
 #   bash .ci/gpu/lease.sh                      # needs wheelhouse/ from `make gpu-wheels`
 #   BENCH_FILES="moe" STAGES="build test" bash .ci/gpu/lease.sh
 #   STAGES="build sanitize test breakdown" TEST_ARGS="tests/kernels/moe/test_moe_cuda.py" bash .ci/gpu/lease.sh
-#   STAGES="build sweep" bash .ci/gpu/lease.sh     # time every tile of the Hopper GEMM core
+#   STAGES="build sweep" bash .ci/gpu/lease.sh     # time every tile of the Hopper kernels
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-build/lease}
@@ -59,7 +59,7 @@ for stage in $STAGES; do
                 -p no:cacheprovider --benchmark-json="$OUT/bench-$family.json"
         done ;;
     breakdown) step breakdown breakdown 150 "$PY" -m benchmarks.kernel_breakdown --top 8 ;;
-    sweep) step sweep sweep 240 "$PY" -m benchmarks.tile_sweep ;;  # every tile of the GEMM core, one build
+    sweep) step sweep sweep 240 "$PY" -m benchmarks.tile_sweep ;;  # every tile of the Hopper kernels, one build
     *) echo "unknown stage $stage (build, test, sanitize, bench, breakdown, sweep)"; exit 2 ;;
     esac
 done
@@ -71,7 +71,7 @@ for log in "$OUT"/*.log; do
     grep -E "FAILED|ERROR|Error|error:|passed|failed|wall time|========= (ERROR|RACECHECK|LEAK)" "$log" | tail -25
 done
 [ -f "$OUT/breakdown.log" ] && { echo "---- breakdown.log"; grep -v "^==" "$OUT/breakdown.log" | tail -60; }
-[ -f "$OUT/sweep.log" ] && { echo "---- sweep.log"; grep -v "^==" "$OUT/sweep.log" | tail -30; }
+[ -f "$OUT/sweep.log" ] && { echo "---- sweep.log"; grep -v "^==" "$OUT/sweep.log" | tail -40; }
 echo "---- stages"
 printf '%s\n' "${summary[@]}"
 exit $failed

@@ -3,8 +3,9 @@ backward, on small odd shapes, with our kernels forced (PYKERNELS_KERNELS=ours);
 sizes whose bf16 GEMMs a Hopper GPU runs on the sm_90a core (multiples of 8: csrc/common/
 gemm_sm90_torch.h), MoE with LoRA on its experts and a dropped assignment, GPT-OSS' expert layout, and
 the logprobs backward of a frozen lm_head over two token chunks; the MoE calls then run again on each
-other tile of the Hopper GEMM core (PYKERNELS_SM90_TILE, csrc/common/sm90_tiles.h). On CPU (the dry
-run) the same calls check that this script still matches the ops' signatures.
+other tile of the Hopper GEMM core (PYKERNELS_SM90_TILE, csrc/common/sm90_tiles.h) and the logprobs
+calls on the lm_head GEMMs' other tile (PYKERNELS_SM90_LOGPROBS_TILE, csrc/logprobs/logprobs_sm90.h).
+On CPU (the dry run) the same calls check that this script still matches the ops' signatures.
 
     python .ci/gpu/sanitize_ops.py [--device cuda|cpu]
 """
@@ -122,6 +123,13 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
         print(f"moe on the GEMM core's {tile} tile: ran on {args.device}", flush=True)
     os.environ.pop("PYKERNELS_SM90_TILE")
+    for tile in _C.host_logic.logprobs_sm90_tiles[1:]:
+        os.environ["PYKERNELS_SM90_LOGPROBS_TILE"] = tile
+        run_logprobs(args.device)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        print(f"logprobs on the lm_head GEMMs' {tile} tile: ran on {args.device}", flush=True)
+    os.environ.pop("PYKERNELS_SM90_LOGPROBS_TILE")
     return 0
 
 

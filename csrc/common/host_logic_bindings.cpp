@@ -329,7 +329,8 @@ std::vector<std::pair<float, float>> logprobs_sm90_stats(const std::vector<std::
 const char* logprobs_sm90_error(int64_t tokens, int64_t rows, int64_t h, uintptr_t hidden, uintptr_t weight,
                                 int64_t ld, uintptr_t dz) {
   logprobs::LogitGradSm90Params p{};
-  p.gemm = {reinterpret_cast<const void*>(hidden), reinterpret_cast<const void*>(weight), tokens, rows, h, 1.0f};
+  p.gemm = {reinterpret_cast<const void*>(hidden), reinterpret_cast<const void*>(weight), tokens, rows, h, 1.0f,
+            logprobs::LogprobsSm90Tile::k128x128};
   p.dz = reinterpret_cast<void*>(dz);
   p.ld = ld;
   return ld == 0 ? logprobs::logits_gemm_sm90_error(p.gemm) : logprobs::logit_grad_sm90_error(p);
@@ -444,7 +445,20 @@ void define_host_logic(py::module_& m) {
         py::arg("vocab"));
   m.def("logprobs_target_claims", &logprobs_target_claims, py::arg("targets"), py::arg("vocab"), py::arg("chunk"));
   m.attr("logprobs_sm90_vocab_chunk") = logprobs::kSm90VocabChunk;
+  m.attr("logprobs_sm90_row_pad") = logprobs::kSm90RowPad;
+  m.attr("logprobs_sm90_tiles") =
+      std::vector<std::string>{logprobs::logprobs_sm90_tile_name(logprobs::LogprobsSm90Tile::k128x128),
+                               logprobs::logprobs_sm90_tile_name(logprobs::LogprobsSm90Tile::k256x128)};
   m.def("logprobs_sm90_stats", &logprobs_sm90_stats, py::arg("logits"));
+  m.def(
+      "logprobs_sm90_tile",
+      [](const std::optional<std::string>& setting) {
+        logprobs::LogprobsSm90Tile tile{};
+        const char* error = logprobs::logprobs_sm90_tile_for(setting ? setting->c_str() : nullptr, &tile);
+        require(error == nullptr, error ? error : "");
+        return std::string(logprobs::logprobs_sm90_tile_name(tile));
+      },
+      py::arg("setting"));
   // logprobs/logit_grad.h, logprobs/logprobs_sm90.h
   m.def("logprobs_logit_grad", &logprobs::logit_grad, py::arg("z"), py::arg("lse"), py::arg("shift"), py::arg("g_lp"),
         py::arg("g_ent"), py::arg("target"));

@@ -176,6 +176,15 @@ at::Tensor fold_stats(const at::Tensor& hidden, const at::Tensor& weight, const 
   return picked;
 }
 
+// The Hopper lm_head GEMMs' tile: PYKERNELS_SM90_LOGPROBS_TILE (read on every call, so one process
+// can time both: benchmarks/tile_sweep.py), else the default (logprobs_sm90.h).
+LogprobsSm90Tile sm90_tile() {
+  LogprobsSm90Tile tile{};
+  const char* error = logprobs_sm90_tile_for(std::getenv("PYKERNELS_SM90_LOGPROBS_TILE"), &tile);
+  TORCH_CHECK(error == nullptr, error);
+  return tile;
+}
+
 // The same on Hopper: per (vocab chunk, token chunk) the partials GEMM and the fold of its
 // partials; the target logits from one dot per token.
 at::Tensor fold_stats_sm90(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
@@ -185,13 +194,14 @@ at::Tensor fold_stats_sm90(const at::Tensor& hidden, const at::Tensor& weight, c
   const int64_t plane = vocab_tiles(std::min(kSm90VocabChunk, s.v)) * partial_rows(std::min(kTokenChunk, s.n));
   at::Tensor planes = at::empty({3 * plane}, hidden.options().dtype(at::kFloat));
   float* max_z = planes.data_ptr<float>();
+  const LogprobsSm90Tile tile = sm90_tile();
   for (int64_t vc = 0; vc < chunk_count(s.v, kSm90VocabChunk); ++vc) {
     const auto [v0, rows] = chunk_at(s.v, kSm90VocabChunk, vc);
     for (int64_t tc = 0; tc < chunk_count(s.n, kTokenChunk); ++tc) {
       const auto [t0, tokens] = chunk_at(s.n, kTokenChunk, tc);
       const SoftmaxPartialsSm90Params p{{static_cast<const char*>(hidden.data_ptr()) + t0 * s.h * elem,
                                          static_cast<const char*>(weight.data_ptr()) + v0 * s.h * elem, tokens, rows,
-                                         s.h, scale},
+                                         s.h, scale, tile},
                                         max_z, max_z + plane, max_z + 2 * plane};
       const at::Tensor space = gemm::sm90_workspace(softmax_partials_sm90_workspace_bytes(p, device), device);
       check_launch(launch_softmax_partials_sm90(p, space.data_ptr(), device, stream));
@@ -243,6 +253,7 @@ class LogitGrads {
         ld_(padded_row_length(std::min(kVocabChunk, in.sizes.v))) {
     dz_ = at::empty({token_chunk, ld_}, hidden.options());
     if (sm90_) {
+      tile_ = sm90_tile();
       z_target_ = target_logits(hidden, weight, targets, scale, stream);
       shift_ = in.entropy - in.lse;
     } else {
@@ -261,7 +272,7 @@ class LogitGrads {
     if (sm90_) {
       const LogitGradSm90Params p{{static_cast<const char*>(hidden_.data_ptr()) + t0 * s.h * elem,
                                    static_cast<const char*>(weight_.data_ptr()) + v0 * s.h * elem, tokens, rows, s.h,
-                                   scale_},
+                                   scale_, tile_},
                                   lse + t0,
                                   shift_.data_ptr<float>() + t0,
                                   g_lp + t0,
@@ -290,6 +301,7 @@ class LogitGrads {
   const float scale_;
   const cudaStream_t stream_;
   const bool sm90_;
+  LogprobsSm90Tile tile_{};
   const int64_t ld_;
   at::Tensor dz_, z_, z_target_, shift_;
 };

@@ -12,12 +12,20 @@
 //                     target's column (+ scale g_lp) is fixed afterwards by launch_fix_target_grads
 //                     (logprobs.h): an epilogue element does not know its column.
 // Both: bf16 h [tokens, H] and W_c [rows, H], row-major, H % 8 == 0, 16-byte aligned (TMA), the
-// CUTLASS 3.x warp-specialized cooperative kernel (TMA loads, wgmma, 128x128x64 tiles, the tile
-// scheduler walking the output tiles). Built only when the archs include sm_90a
-// (cmake/sm90_sources.cmake); the GEMM core's grouped_gemm_sm90_available says where they run.
+// CUTLASS 3.x warp-specialized cooperative kernel (TMA loads, wgmma, the tile scheduler walking the
+// output tiles) on one of two tiles, each its own file (logprobs_tile_*_sm90.cu), picked per call by
+// PYKERNELS_SM90_LOGPROBS_TILE:
+//   128x128  128x128x64 on a 1x1 cluster: the default, the one an H100 has measured (the statistics
+//            GEMM at ~470 TFLOP/s where cuBLAS runs the same product at ~750)
+//   256x128  256x128x64 on a 2x1 cluster (each vocabulary tile loaded once by TMA multicast for two
+//            CTAs of tokens): the shape of cuBLAS's and CUTLASS's fastest large bf16 GEMMs on Hopper
+// Both keep 128 vocabulary entries per tile (a partial per (token, 128 entries) whatever the tile).
+// Built only when the archs include sm_90a (cmake/sm90_sources.cmake); the GEMM core's
+// grouped_gemm_sm90_available says where they run.
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "common/tails.h"
 
@@ -25,12 +33,34 @@ typedef struct CUstream_st* cudaStream_t;
 
 namespace pykernels::logprobs {
 
+// k128x128 first: a value-initialized LogitsGemmSm90 runs the default.
+enum class LogprobsSm90Tile { k128x128, k256x128 };
+
+inline const char* logprobs_sm90_tile_name(LogprobsSm90Tile tile) {
+  return tile == LogprobsSm90Tile::k256x128 ? "256x128" : "128x128";
+}
+
+// The tile PYKERNELS_SM90_LOGPROBS_TILE (`setting`; null or empty: the default) names. Null on
+// success, else a message naming the choices.
+inline const char* logprobs_sm90_tile_for(const char* setting, LogprobsSm90Tile* tile) {
+  if (setting == nullptr || setting[0] == '\0' || std::strcmp(setting, "128x128") == 0) {
+    *tile = LogprobsSm90Tile::k128x128;
+    return nullptr;
+  }
+  if (std::strcmp(setting, "256x128") == 0) {
+    *tile = LogprobsSm90Tile::k256x128;
+    return nullptr;
+  }
+  return "PYKERNELS_SM90_LOGPROBS_TILE must be 128x128 (the default) or 256x128";
+}
+
 // The logits GEMM both kernels share: z [tokens, rows] = scale hidden W^T.
 struct LogitsGemmSm90 {
   const void* hidden;  // bf16 [tokens, h], row stride h
   const void* weight;  // bf16 [rows, h], row stride h
   int64_t tokens, rows, h;
   float scale;         // 1 / temperature
+  LogprobsSm90Tile tile;
 };
 
 struct SoftmaxPartialsSm90Params {

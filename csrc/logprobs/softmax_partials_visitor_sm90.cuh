@@ -16,6 +16,7 @@
 
 #include "common/online_softmax.h"
 #include "cute/tensor.hpp"
+#include "logprobs/vocab_chunks.h"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
 
@@ -201,8 +202,11 @@ struct Sm90SoftmaxPartials {
     fill(r_sum, 0.0f);
     fill(r_sum_z, 0.0f);
 
-    // The planes: (row, N tile) at tile * round_up(M, CTA_M) + row (logprobs/vocab_chunks.h).
-    Layout plane_layout = partials_plane_layout(take<0, 2>(args.tile_shape_mnk), make_shape(M, N, L));
+    // The planes: (row, N tile) at tile * partial_rows(M) + row (logprobs/vocab_chunks.h): the layout
+    // of a problem of partial_rows(M) rows, the same for every tile height that divides kSm90RowPad.
+    static_assert(kSm90RowPad % decltype(size<0>(args.tile_shape_mnk))::value == 0);
+    const int rows_padded = static_cast<int>(partial_rows(M));
+    Layout plane_layout = partials_plane_layout(take<0, 2>(args.tile_shape_mnk), make_shape(rows_padded, N, L));
 
     auto args_tuple = make_tuple(bool_constant<ReferenceSrc>{}, cute::move(r_max), cute::move(r_sum),
                                  cute::move(r_sum_z), args.tCcD, plane_layout, lane_layout_MN, lane_mn,

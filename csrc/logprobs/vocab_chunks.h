@@ -35,16 +35,20 @@ PYKERNELS_HOST_DEVICE inline Chunk chunk_at(int64_t extent, int64_t chunk, int64
 PYKERNELS_HOST_DEVICE inline int64_t padded_row_length(int64_t cols) { return (cols + 7) / 8 * 8; }
 
 // The Hopper path (logprobs_sm90.cu) keeps no logits tile, so it walks the vocabulary in larger
-// chunks (fewer, fuller GEMMs); its GEMM tiles are kSm90Tile x kSm90Tile (the kernels assert it).
-// For each (token chunk, vocab chunk) the statistics GEMM leaves one softmax partial per (token,
-// 128-entry vocab tile), in three fp32 planes of [vocab_tiles][rows_padded]: entry (row, tile) at
-// tile * rows_padded + row, rows padded to whole GEMM tiles (CUTLASS's layout of a per-tile column
-// reduction; the padding rows hold garbage and are never read).
+// chunks (fewer, fuller GEMMs); its GEMM tiles are kSm90Tile vocabulary entries wide and 128 or 256
+// tokens tall (logprobs_sm90.h; the kernels assert it). For each (token chunk, vocab chunk) the
+// statistics GEMM leaves one softmax partial per (token, 128-entry vocab tile), in three fp32 planes
+// of [vocab_tiles][rows_padded]: entry (row, tile) at tile * rows_padded + row, rows padded to
+// kSm90RowPad, a whole number of either tile's rows (CUTLASS's layout of a per-tile column
+// reduction over a problem of rows_padded rows; the padding rows hold garbage and are never read).
 inline constexpr int64_t kSm90VocabChunk = 65536;
 inline constexpr int64_t kSm90Tile = 128;
+inline constexpr int64_t kSm90RowPad = 256;
 
 PYKERNELS_HOST_DEVICE constexpr int64_t vocab_tiles(int64_t cols) { return ceil_div(cols, kSm90Tile); }
-PYKERNELS_HOST_DEVICE constexpr int64_t partial_rows(int64_t tokens) { return ceil_div(tokens, kSm90Tile) * kSm90Tile; }
+PYKERNELS_HOST_DEVICE constexpr int64_t partial_rows(int64_t tokens) {
+  return ceil_div(tokens, kSm90RowPad) * kSm90RowPad;
+}
 PYKERNELS_HOST_DEVICE constexpr int64_t partial_index(int64_t row, int64_t tile, int64_t rows_padded) {
   return tile * rows_padded + row;
 }

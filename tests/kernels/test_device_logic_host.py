@@ -581,18 +581,30 @@ def test_softmax_add_logit_edge_values():
 
 
 # ------------------------------------------------------------------ Hopper logprobs (logprobs_sm90.h)
-@pytest.mark.parametrize("tokens, cols", [(1, 1), (3, 127), (2, 128), (5, 129), (130, 300), (4, 1000)])
+@pytest.mark.parametrize("tokens, cols", [(1, 1), (3, 127), (2, 128), (5, 129), (130, 300), (4, 1000), (260, 3)])
 @pytest.mark.parametrize("scale, shift", [(1.0, 0.0), (30.0, -20.0), (1.0, 8000.0)])
 def test_sm90_forward_stats_match_fp64(tokens, cols, scale, shift):
     """The Hopper forward's statistics path (per-lane add_logit, the quad's shuffle tree, planes at
-    partial_index with rows padded to 128, the fold pass in tile order) gives each row's log-sum-exp
-    and entropy: partial last tiles, padding rows and tokens past one GEMM tile included."""
+    partial_index with rows padded to 256, the fold pass in tile order) gives each row's log-sum-exp
+    and entropy: partial last tiles, padding rows and tokens past one GEMM tile (of 128 or 256 rows)
+    included."""
     rng = random.Random(tokens * 1000 + cols)
     z = [logits(rng, cols, scale, shift, 0.0) for _ in range(tokens)]
     for row, (lse, entropy) in zip(z, H.logprobs_sm90_stats(z)):
         lse64, entropy64 = lse_entropy_fp64(row)
         assert math.isclose(lse, lse64, rel_tol=2e-6, abs_tol=2e-5), (lse, lse64)
         assert math.isclose(entropy, entropy64, rel_tol=1e-4, abs_tol=1e-4), (entropy, entropy64)
+
+
+def test_sm90_logprobs_tile_choice():
+    """PYKERNELS_SM90_LOGPROBS_TILE: unset or empty runs the measured default; both tiles by name (each
+    128 vocabulary entries wide, at most kSm90RowPad tokens tall: the partial planes hold either);
+    anything else is refused naming the choices."""
+    assert H.logprobs_sm90_tile(None) == H.logprobs_sm90_tile("") == "128x128"
+    assert H.logprobs_sm90_tile("128x128") == "128x128" and H.logprobs_sm90_tile("256x128") == "256x128"
+    assert H.logprobs_sm90_row_pad % 256 == 0
+    with pytest.raises(ValueError, match=r"128x128 \(the default\) or 256x128"):
+        H.logprobs_sm90_tile("128x256")
 
 
 @pytest.mark.parametrize("g_lp, g_ent", [(1.0, 0.0), (0.0, 1.0), (-0.7, 2.5), (0.0, 0.0)])

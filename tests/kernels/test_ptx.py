@@ -66,6 +66,7 @@ def sm90_kernels_ptx(source: str, tmp_path: Path) -> dict[str, str]:
 # The GEMM core's tiles (common/sm90_tiles.h), one file each, and the wgmma shape each one issues: a
 # consumer warpgroup's 64 rows by the tile's N.
 SM90_CORE_TILES = {"128x128": "m64n128k16", "128x256": "m64n256k16", "64x128": "m64n128k16"}
+LOGPROBS_TILES = ["128x128", "256x128"]  # logprobs/logprobs_sm90.h: both 128 vocabulary entries wide
 
 
 @pytest.mark.hopper_ptx
@@ -88,24 +89,28 @@ def test_hopper_gemm_core_is_wgmma_fed_by_tma(tmp_path, tile):
     assert len(fp32_out) == 3, "three kernels with fp32 D (the logprobs GEMMs)"
 
 
-def test_every_core_tile_has_its_file_and_ptx_check():
-    """A tile added to common/sm90_tiles.h without its kernels' file (or without a PTX check here)
-    would build, and fail only on a GPU at the first call that picks it."""
+def test_every_hopper_tile_has_its_file_and_ptx_check():
+    """A tile added to common/sm90_tiles.h or logprobs/logprobs_sm90.h without its kernels' file (or
+    without a PTX check here) would build, and fail only on a GPU at the first call that picks it."""
     from pykernels import _C
 
-    files = {path.name.removeprefix("grouped_gemm_tile_").removesuffix("_sm90.cu")
-             for path in (ROOT / "csrc" / "common").glob("grouped_gemm_tile_*_sm90.cu")}
-    assert files == set(_C.host_logic.gemm_sm90_tiles) == set(SM90_CORE_TILES)
+    def files(family: str, prefix: str) -> set[str]:
+        return {path.name.removeprefix(prefix).removesuffix("_sm90.cu")
+                for path in (ROOT / "csrc" / family).glob(f"{prefix}*_sm90.cu")}
+
+    assert files("common", "grouped_gemm_tile_") == set(_C.host_logic.gemm_sm90_tiles) == set(SM90_CORE_TILES)
+    assert files("logprobs", "logprobs_tile_") == set(_C.host_logic.logprobs_sm90_tiles) == set(LOGPROBS_TILES)
 
 
 @pytest.mark.hopper_ptx
-def test_hopper_logprobs_keep_the_logits_in_registers(tmp_path):
-    """The Hopper lm_head GEMMs (logprobs/logprobs_sm90.cu) are wgmma fed by TMA like the core, with
-    the softmax work in the epilogue: the statistics kernel stores no tile at all (no TMA store; its
-    only global stores are the three partial planes, per row a thread holds), and the logit-grad
-    kernel stores its bf16 dz tile by TMA. A logits tile written to global memory would show as a
-    TMA store or a flood of st.global in the first."""
-    kernels = sm90_kernels_ptx("logprobs/logprobs_sm90.cu", tmp_path)
+@pytest.mark.parametrize("tile", LOGPROBS_TILES)
+def test_hopper_logprobs_keep_the_logits_in_registers(tmp_path, tile):
+    """The Hopper lm_head GEMMs (logprobs/logprobs_sm90.cu dispatching to a file per tile) are wgmma
+    fed by TMA like the core, with the softmax work in the epilogue: the statistics kernel stores no
+    tile at all (no TMA store; its only global stores are the three partial planes, per row a thread
+    holds), and the logit-grad kernel stores its bf16 dz tile by TMA. A logits tile written to global
+    memory would show as a TMA store or a flood of st.global in the first."""
+    kernels = sm90_kernels_ptx(f"logprobs/logprobs_tile_{tile}_sm90.cu", tmp_path)
     gemms = {name: ptx for name, ptx in kernels.items() if "GemmUniversal" in name}
     assert len(gemms) == 2, list(kernels)
     for name, ptx in gemms.items():

@@ -6,9 +6,11 @@ tiles over 128 experts. Shapes from the issue that set the Hopper targets: Qwen3
 (E=128, top-8, H=2048, I=768) at T=16384 with and without LoRA r=16 on them; a 151936-token lm_head
 at H=4096, N=16384; LoRA r=16 on a 4096x14336 projection at T=8192. All bf16.
 
-On a Hopper GPU every case runs four times: on the sm_90a GEMM core's default tile, on its other two
-tiles (PYKERNELS_SM90_TILE, common/sm90_tiles.h) and with the core switched off (PYKERNELS_SM90=0;
-both read on every call), so every kernel a user can pick is checked at these sizes in one run.
+On a Hopper GPU every case runs four times: on the default tiles of the sm_90a GEMM core and of the
+lm_head GEMMs, on their other tiles (PYKERNELS_SM90_TILE, common/sm90_tiles.h;
+PYKERNELS_SM90_LOGPROBS_TILE, logprobs/logprobs_sm90.h) and with the Hopper kernels switched off
+(PYKERNELS_SM90=0; all read on every call), so every kernel a user can pick is checked at these sizes
+in one run.
 Elsewhere the other runs would repeat the first and are skipped.
 
 Bound: max|ours - fp32| <= TOLERANCE * max|fp32| per output. Our outputs round intermediates to
@@ -29,14 +31,21 @@ TOLERANCE = 2.5e-2
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-@pytest.fixture(params=["sm90_core", "sm90_tile_128x256", "sm90_tile_64x128", "sm80_kernels"])
+# The Hopper tiles besides the defaults (common/sm90_tiles.h, logprobs/logprobs_sm90.h), paired so each
+# runs once: (the GEMM core's PYKERNELS_SM90_TILE, the lm_head GEMMs' PYKERNELS_SM90_LOGPROBS_TILE).
+OTHER_TILES = {"sm90_tiles_128x256_256x128": ("128x256", "256x128"), "sm90_tiles_64x128_128x128": ("64x128", "128x128")}
+
+
+@pytest.fixture(params=["sm90_core", *OTHER_TILES, "sm80_kernels"])
 def gemm_generation(request, monkeypatch):
     if request.param != "sm90_core" and not HOPPER:
         pytest.skip("not a Hopper GPU: the sm80 kernels already ran")
     if request.param == "sm80_kernels":
         monkeypatch.setenv("PYKERNELS_SM90", "0")
-    elif request.param.startswith("sm90_tile_"):
-        monkeypatch.setenv("PYKERNELS_SM90_TILE", request.param.removeprefix("sm90_tile_"))
+    elif request.param in OTHER_TILES:
+        core, lm_head = OTHER_TILES[request.param]
+        monkeypatch.setenv("PYKERNELS_SM90_TILE", core)
+        monkeypatch.setenv("PYKERNELS_SM90_LOGPROBS_TILE", lm_head)
     return request.param
 
 

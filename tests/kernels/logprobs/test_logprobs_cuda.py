@@ -91,6 +91,29 @@ def test_frozen_lm_head_against_fp64_and_the_trainable_backward(n, h, v, dtype, 
     torch.testing.assert_close(frozen.float(), trainable.float(), atol=ulp, rtol=0)
     assert not frozen[targets == IGNORE_INDEX].any()
 
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the Hopper lm_head GEMMs' tiles run on compute capability 9.0")
+@pytest.mark.parametrize("tile", ["128x128", "256x128"])  # logprobs/logprobs_sm90.h
+@pytest.mark.parametrize("n,h,v", [(4099, 64, 9000), (513, 128, 151936), (300, 64, 776)])
+def test_every_hopper_tile_against_fp64(n, h, v, tile, monkeypatch):
+    """Each tile of the Hopper lm_head GEMMs (PYKERNELS_SM90_LOGPROBS_TILE, read on every call), bf16,
+    forward and trainable backward: 4099 tokens over two token chunks and a partial 256-row tile, 513
+    over 151936 entries (three vocabulary chunks), 300 tokens over 776 (a partial vocabulary tile)."""
+    monkeypatch.setenv("PYKERNELS_SM90_LOGPROBS_TILE", tile)
+    (_, _, _, _, _), cuda, (lp64, ent64, h64, w64), (t_lp, t_ent, t_gh, t_gw) = with_oracles(
+        n, h, v, torch.bfloat16, 0.7, grad_seed=3)
+    hid, wt = cuda[0].clone().requires_grad_(), cuda[1].clone().requires_grad_()
+    lp, ent = token_logprobs(hid, wt, cuda[2], 0.7, return_entropy=True)
+    (lp * cuda[3] + ent * cuda[4]).sum().backward()
+    tol = 2e-5
+    assert max_err(lp.detach().cpu(), lp64.detach()) <= max_err(t_lp, lp64.detach()) + tol
+    assert max_err(ent.detach().cpu(), ent64.detach()) <= max_err(t_ent, ent64.detach()) + tol
+    for ours, theirs, oracle in ((hid.grad.cpu(), t_gh, h64.grad), (wt.grad.cpu(), t_gw, w64.grad)):
+        assert max_err(ours, oracle) <= max_err(theirs, oracle) + oracle.abs().max().item() * 2**-8
+
+
 def test_opcheck_cuda():
     hidden, weight, targets = (t.cuda() for t in make(11, 24, 70, torch.bfloat16))
     torch.library.opcheck(torch.ops.pykernels.token_logprobs, (hidden, weight, targets, 0.8, IGNORE_INDEX))
