@@ -30,7 +30,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from benchmarks.conftest import AVX512_CPU_CLASSES, peak_extra_memory, run_device_class
+from benchmarks.conftest import AVX512_CPU_CLASSES, peak_extra_memory, read_by_a_rule, run_device_class
 from pykernels.logprobs import token_logprobs
 
 CHUNK = 1024
@@ -62,6 +62,7 @@ def params() -> list:
         runs += [(impl, CPU_SCALAR_BACKWARD, mode) for mode in MODES[1:] for impl in IMPLS]
     if device_class in CPU_LARGE_CLASSES:
         runs += [(impl, CPU_LARGE, "forward_backward") for impl in ("ours", "torch_materialized")]
+    runs = [run for run in runs if read_by_a_rule("logprobs", run[2], run[0], device_class)]
     return [pytest.param(*run, id=f"{run[2]}-N{run[1][0]}-H{run[1][1]}-V{run[1][2]}-{run[0]}") for run in runs]
 
 

@@ -22,7 +22,7 @@ import torch
 import transformers
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from benchmarks.conftest import AVX512_CPU_CLASSES, run_device_class
+from benchmarks.conftest import AVX512_CPU_CLASSES, read_by_a_rule, run_device_class
 from pykernels.integrations.transformers import apply_moe_kernels
 
 LORA_RANK = 16
@@ -55,7 +55,8 @@ def params() -> list:
     loras = (False,) if device_class == "cpu-scalar" else (False, True)
     runs = [(impl, shape, tokens, mode, lora) for shape, tokens in cases(device_class)
             for mode in ("forward", "forward_backward") for lora in loras
-            for impl in impls(shape, tokens, mode, lora, device_class)]
+            for impl in impls(shape, tokens, mode, lora, device_class)
+            if read_by_a_rule("moe", f"{mode}_{'lora' if lora else 'base'}", impl, device_class)]
     return [pytest.param(*run, id=f"{run[3]}-{run[1]}-T{run[2]}-{'lora' if run[4] else 'base'}-{run[0]}")
             for run in runs]
 

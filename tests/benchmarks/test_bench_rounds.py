@@ -23,3 +23,19 @@ def test_gpu_repeats_short_launches_and_never_counts_the_sizing_call():
     assert repeats == 200 and not counted and rounds == 50  # 2 ms a round
     assert round_plan(2.0, "cuda") == (1, 2, False)  # a single launch is no comparable round there
     assert round_plan(HEAVY_SECONDS, "cuda") == (1, 1, False)
+
+
+def test_the_ci_class_times_only_what_its_rules_read():
+    """On Zen 4 (CI) a run is timed when a rule of its [cpu-zen4] floors reads it: ours for every op with
+    a rule, a baseline for the rules named after it, memory rules included; other classes time all."""
+    from benchmarks.conftest import read_by_a_rule
+
+    assert read_by_a_rule("moe", "forward_lora", "ours", "cpu-zen4")
+    assert read_by_a_rule("moe", "forward_lora", "grouped_mm", "cpu-zen4")
+    assert read_by_a_rule("moe", "forward_backward_base", "eager", "cpu-zen4")
+    assert not read_by_a_rule("moe", "forward_backward_base", "grouped_mm", "cpu-zen4")
+    assert not read_by_a_rule("moe", "forward_base", "ours", "cpu-zen4")  # no rule reads the op at all
+    assert read_by_a_rule("logprobs", "forward_backward", "torch_materialized", "cpu-zen4")  # its memory rule
+    assert not read_by_a_rule("logprobs", "forward", "torch_chunked", "cpu-zen4")
+    assert read_by_a_rule("moe", "forward_base", "ours", "cpu")
+    assert read_by_a_rule("moe", "forward_base", "eager", "h100")
