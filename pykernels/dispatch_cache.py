@@ -2,7 +2,8 @@
 
 One JSON file, $PYKERNELS_CACHE/dispatch.json (default ~/.cache/pykernels/dispatch.json), holding
 one entry per *identity*: device name, GPU driver version, torch version, pykernels version, the
-compiled extension's size and mtime, and whether the Hopper GEMMs are on (PYKERNELS_SM90). A
+compiled extension's size and mtime, whether the Hopper GEMMs are on (PYKERNELS_SM90) and their
+tiles (PYKERNELS_SM90_TILE, PYKERNELS_SM90_LOGPROBS_TILE). A
 decision is only valid for the identity that made it: a new driver, torch or kernel build can
 change who is faster or whether ours is right, so any change means a fresh entry (re-decided on
 first use) and the stale entries of that device are dropped.
@@ -69,9 +70,12 @@ def identity(device: torch.device) -> dict:
         _identities[str(device)] = {
             "device": device_name(device), "driver": _driver_version() if device.type == "cuda" else "none",
             "torch": torch.__version__, "pykernels": pykernels.__version__, "extension": _extension_stamp(),
-            # PYKERNELS_SM90=0 swaps the Hopper GEMMs for the sm80 kernels (csrc/common/gemm_sm90_torch.h):
-            # decisions made with one side must not be reused for the other
-            "sm90_kernels": os.environ.get("PYKERNELS_SM90") != "0"}
+            # PYKERNELS_SM90=0 swaps the Hopper GEMMs for the sm80 kernels (csrc/common/gemm_sm90_torch.h),
+            # PYKERNELS_SM90_TILE / PYKERNELS_SM90_LOGPROBS_TILE their tiles (common/sm90_tiles.h,
+            # logprobs/logprobs_sm90.h): decisions made with one set of kernels must not be reused for another
+            "sm90_kernels": os.environ.get("PYKERNELS_SM90") != "0",
+            "sm90_tiles": [os.environ.get("PYKERNELS_SM90_TILE") or "default",
+                           os.environ.get("PYKERNELS_SM90_LOGPROBS_TILE") or "default"]}
     return _identities[str(device)]
 
 

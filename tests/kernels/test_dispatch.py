@@ -224,7 +224,7 @@ def test_the_cache_survives_a_restart_without_re_timing(isolated, timings):
     assert len(timings) == 4
 
 
-@pytest.mark.parametrize("change", ["pykernels", "torch", "device"])
+@pytest.mark.parametrize("change", ["pykernels", "torch", "hopper_tile", "device"])
 def test_a_version_or_device_change_invalidates_the_cache(monkeypatch, isolated, timings, change):
     pykernels.lora.lora_linear(*_lora_args())
     assert len(timings) == 2
@@ -232,6 +232,8 @@ def test_a_version_or_device_change_invalidates_the_cache(monkeypatch, isolated,
         monkeypatch.setattr(pykernels, "__version__", "99.0")
     elif change == "torch":
         monkeypatch.setattr(torch, "__version__", "99.0+cpu")
+    elif change == "hopper_tile":  # another tile of the Hopper GEMM core is another kernel
+        monkeypatch.setenv("PYKERNELS_SM90_TILE", "128x256")
     else:
         monkeypatch.setattr(dispatch_cache, "device_name", lambda device: "cpu another")
     dispatch_cache.forget()
