@@ -30,7 +30,7 @@ INSTALLED := $(VENV)/.installed
 BUILT := $(VENV)/.built
 
 .PHONY: demo test test-fast no-nvcc test-e2e lint install build bench cuda-check clean \
-	gpu-wheels gpu-install gpu-packages gpu-build gpu-test gpu-sanitize gpu-bench gpu nemo-gym
+	gpu-wheels gpu-install gpu-packages gpu-build gpu-test gpu-sanitize gpu-bench gpu gpu-sweep nemo-gym
 
 DEMO_CONFIG := examples/tiny-grpo.yaml
 DEMO_ARGS ?=  # overrides, e.g. make demo DEMO_ARGS="--model.dtype=bfloat16 --train.steps=80"
@@ -183,6 +183,10 @@ gpu-bench:
 	$(call GPU_STAGE,bench)
 
 gpu: gpu-build gpu-test gpu-sanitize gpu-bench
+
+# Every tile of the Hopper kernels on MoE, LoRA and logprobs, one build (benchmarks/tile_sweep.py).
+gpu-sweep:
+	$(GPU_PYTHON) -m benchmarks.tile_sweep
 
 clean:
 	rm -rf $(BUILD_DIR) pykernels/_C*.so *.egg-info $(BUILT)
