@@ -106,30 +106,26 @@ def run_moe(device: str) -> None:
 FAMILIES = {"nf4": run_nf4, "lora": run_lora, "logprobs": run_logprobs, "moe": run_moe}
 
 
+# The Hopper kernels' other tiles (the first of each list is the default), each with the family it runs.
+OTHER_TILES = [("PYKERNELS_SM90_TILE", tile, "moe") for tile in _C.host_logic.gemm_sm90_tiles[1:]] + [
+    ("PYKERNELS_SM90_LOGPROBS_TILE", tile, "logprobs") for tile in _C.host_logic.logprobs_sm90_tiles[1:]]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     args = parser.parse_args(argv)
     pykernels.backend.set_kernels("ours")
-    for family, run in FAMILIES.items():
-        run(args.device)
+    runs = [(family, None, None) for family in FAMILIES] + [(family, var, tile) for var, tile, family in OTHER_TILES]
+    for family, variable, tile in runs:
+        if variable is not None:
+            os.environ[variable] = tile
+        FAMILIES[family](args.device)
         if args.device == "cuda":
             torch.cuda.synchronize()
-        print(f"{family}: ran on {args.device}", flush=True)
-    for tile in _C.host_logic.gemm_sm90_tiles[1:]:  # the first, the default, ran above
-        os.environ["PYKERNELS_SM90_TILE"] = tile
-        run_moe(args.device)
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        print(f"moe on the GEMM core's {tile} tile: ran on {args.device}", flush=True)
-    os.environ.pop("PYKERNELS_SM90_TILE")
-    for tile in _C.host_logic.logprobs_sm90_tiles[1:]:
-        os.environ["PYKERNELS_SM90_LOGPROBS_TILE"] = tile
-        run_logprobs(args.device)
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        print(f"logprobs on the lm_head GEMMs' {tile} tile: ran on {args.device}", flush=True)
-    os.environ.pop("PYKERNELS_SM90_LOGPROBS_TILE")
+        print(f"{family}{f' ({variable}={tile})' if variable else ''}: ran on {args.device}", flush=True)
+        if variable is not None:
+            os.environ.pop(variable)
     return 0
 
 
