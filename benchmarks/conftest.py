@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import ctypes
 import os
+import functools
 import sys
 import time
-import tomllib
 from dataclasses import dataclass
 
 import pytest
@@ -84,16 +84,21 @@ AVX512_CPU_CLASSES = ("cpu", "cpu-zen4")  # both time the same cases; each has i
 RULES_ONLY_CLASSES = ("cpu-zen4",)
 
 
+@functools.cache
+def _rule_keys(device_class: str) -> list[tuple[str, str, str]]:
+    """(family, op, baseline) of each of device_class's floors (benchmarks/gate.py reads them)."""
+    from benchmarks.gate import DEFAULT_THRESHOLDS, load_floors
+
+    return [tuple(rule.removesuffix(".peak_memory").rsplit(".", 2))
+            for rule in load_floors(DEFAULT_THRESHOLDS, device_class)]
+
+
 def read_by_a_rule(family: str, op: str, impl: str, device_class: str) -> bool:
     """Whether a run of `impl` on `op` feeds a rule of device_class's floors (ours feeds every rule of
     its op; a baseline, the rules named after it), or the class times every run anyway."""
     if device_class not in RULES_ONLY_CLASSES:
         return True
-    from benchmarks.gate import DEFAULT_THRESHOLDS
-
-    rules = tomllib.loads(DEFAULT_THRESHOLDS.read_text()).get(device_class, {})
-    keys = [rule.removesuffix(".peak_memory").rsplit(".", 2) for rule in rules]
-    return any(f == family and o == op and impl in ("ours", baseline) for f, o, baseline in keys)
+    return any(f == family and o == op and impl in ("ours", baseline) for f, o, baseline in _rule_keys(device_class))
 
 
 def cpu_family() -> tuple[str, int]:

@@ -40,14 +40,10 @@ def logprobs_case():
 
 
 def moe_case():
-    from benchmarks.test_bench_moe import SHAPES, make_block
+    from benchmarks.test_bench_moe import make_block, routed_tokens
 
     block, config = make_block("qwen3-30b-a3b", lora=False, device=torch.device("cuda"))
-    hidden, _, num_experts, top_k = SHAPES["qwen3-30b-a3b"]
-    tokens = 16384
-    x = torch.randn(tokens, hidden, device="cuda").bfloat16().requires_grad_(True)
-    weights, index = torch.randn(tokens, num_experts, device="cuda").softmax(-1).topk(top_k, dim=-1)
-    weights = weights.bfloat16().requires_grad_(True)
+    x, index, weights = routed_tokens("qwen3-30b-a3b", 16384, torch.device("cuda"), requires_grad=True)
 
     def run(implementation: str):
         def call():

@@ -93,6 +93,17 @@ def make_block(shape: str, lora: bool, device: torch.device) -> tuple[torch.nn.M
     return block, config
 
 
+def routed_tokens(shape: str, tokens: int, device: torch.device, requires_grad: bool):
+    """(x [T, H] bf16, top_k_index, top_k_weights bf16) for an experts call: random hidden states and
+    the top-k of random router logits with softmax weights, seeded."""
+    hidden, _, num_experts, top_k = SHAPES[shape]
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(tokens, hidden, device=device, generator=gen).bfloat16()
+    logits = torch.randn(tokens, num_experts, device=device, generator=gen)
+    weights, index = logits.softmax(-1).topk(top_k, dim=-1)
+    return x.requires_grad_(requires_grad), index, weights.bfloat16().requires_grad_(requires_grad)
+
+
 @pytest.fixture(scope="module")
 def blocks():
     return {}
@@ -106,15 +117,9 @@ def test_moe_experts(measure, device, blocks, impl, shape, tokens, mode, lora):
         blocks[key] = make_block(shape, lora, device.torch_device)
     block, config = blocks[key]
     config._experts_implementation = "pykernels" if impl == "ours" else impl
-    hidden, inter, num_experts, top_k = SHAPES[shape]
-    gen = torch.Generator(device=device.torch_device).manual_seed(1)
-    x = torch.randn(tokens, hidden, device=device.torch_device, generator=gen).bfloat16()
-    logits = torch.randn(tokens, num_experts, device=device.torch_device, generator=gen)
-    weights, index = logits.softmax(-1).topk(top_k, dim=-1)
-    weights = weights.bfloat16()
+    hidden, inter, _, top_k = SHAPES[shape]
     backward = mode == "forward_backward"
-    x.requires_grad_(backward)
-    weights.requires_grad_(backward)
+    x, index, weights = routed_tokens(shape, tokens, device.torch_device, requires_grad=backward)
 
     def call():
         x.grad = weights.grad = None

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 
 import torch
 
 from pykernels import _C
+from pykernels.dispatch import cuda_timer
 
 TILES = ("128x128", "128x256", "64x128", "auto")  # the first is the default (common/sm90_tiles.h)
 LOGPROBS_TILES = ("128x128", "256x128")  # the first is the default (logprobs/logprobs_sm90.h)
@@ -32,19 +32,15 @@ ROUNDS = 10
 
 
 def moe_cases():
-    from benchmarks.test_bench_moe import SHAPES, make_block
+    from benchmarks.test_bench_moe import SHAPES, make_block, routed_tokens
 
     for shape, token_counts in (("qwen3-30b-a3b", (512, 4096, 16384)), ("mixtral", (512, 4096))):
-        hidden, inter, num_experts, top_k = SHAPES[shape]
+        hidden, inter, _, top_k = SHAPES[shape]
         for lora in (False, True):
             block, config = make_block(shape, lora, torch.device("cuda"))
             config._experts_implementation = "pykernels"
             for tokens in token_counts:
-                gen = torch.Generator(device="cuda").manual_seed(1)
-                x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16().requires_grad_(True)
-                logits = torch.randn(tokens, num_experts, device="cuda", generator=gen)
-                weights, index = logits.softmax(-1).topk(top_k, dim=-1)
-                weights = weights.bfloat16().requires_grad_(True)
+                x, index, weights = routed_tokens(shape, tokens, torch.device("cuda"), requires_grad=True)
 
                 def call(block=block, x=x, index=index, weights=weights):
                     x.grad = weights.grad = None
@@ -56,17 +52,11 @@ def moe_cases():
 
 
 def lora_cases():
-    from benchmarks.test_bench_lora import SHAPES, Layer
+    from benchmarks.kernel_breakdown import lora_case
+    from benchmarks.test_bench_lora import SHAPES
 
     in_features, out_features = SHAPES["4096x14336"]
-    layer = Layer(in_features, out_features, 16, "bf16", torch.device("cuda"))
-    x = torch.randn(8192, in_features, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-
-    def call():
-        x.grad = layer.a.grad = layer.b.grad = None
-        layer.ours(x).sum().backward()
-
-    yield "lora 4096x14336 T8192 r16", call, 6 * 8192 * in_features * out_features
+    yield "lora 4096x14336 T8192 r16", lora_case()["ours"], 6 * 8192 * in_features * out_features
 
 
 def logprobs_cases():
@@ -93,26 +83,12 @@ CASES = {"moe": (moe_cases, "PYKERNELS_SM90_TILE", "tiles"), "lora": (lora_cases
          "logprobs": (logprobs_cases, "PYKERNELS_SM90_LOGPROBS_TILE", "logprobs_tiles")}
 
 
-def median_ms(fn, rounds: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def sweep(cases, variable: str, tiles: list[str], rounds: int) -> None:
     for name, fn, flops in cases:
         times = {}
         for tile in tiles:
             os.environ[variable] = tile
-            times[tile] = median_ms(fn, rounds)
+            times[tile] = cuda_timer(fn, warmup=3, iters=rounds) * 1e3
         os.environ.pop(variable)
         print(row_line(name, times, flops, tiles), flush=True)
 

@@ -111,21 +111,24 @@ OTHER_TILES = [("PYKERNELS_SM90_TILE", tile, "moe") for tile in _C.host_logic.ge
     ("PYKERNELS_SM90_LOGPROBS_TILE", tile, "logprobs") for tile in _C.host_logic.logprobs_sm90_tiles[1:]]
 
 
+def run_family(family: str, device: str, setting: str = "") -> None:
+    FAMILIES[family](device)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    print(f"{family}{setting}: ran on {device}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     args = parser.parse_args(argv)
     pykernels.backend.set_kernels("ours")
-    runs = [(family, None, None) for family in FAMILIES] + [(family, var, tile) for var, tile, family in OTHER_TILES]
-    for family, variable, tile in runs:
-        if variable is not None:
-            os.environ[variable] = tile
-        FAMILIES[family](args.device)
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        print(f"{family}{f' ({variable}={tile})' if variable else ''}: ran on {args.device}", flush=True)
-        if variable is not None:
-            os.environ.pop(variable)
+    for family in FAMILIES:
+        run_family(family, args.device)
+    for variable, tile, family in OTHER_TILES:
+        os.environ[variable] = tile
+        run_family(family, args.device, f" ({variable}={tile})")
+        os.environ.pop(variable)
     return 0
 
 

@@ -54,9 +54,8 @@ using ElementAB = cutlass::bfloat16_t;
 using TileShape = PYKERNELS_SM90_TILE_SHAPE;
 using ClusterShape = PYKERNELS_SM90_CLUSTER_SHAPE;
 
-// The epilogues, D = alpha acc + beta C with 16-byte TMA stores, for bf16 and fp32 D (and C).
-// Spelled out rather than an alias template: g++ 12 fails to parse CUTLASS's epilogue builder in
-// a dependent context (through nvcc's host pass).
+// The epilogues, D = alpha acc + beta C with 16-byte TMA stores, for bf16 and fp32 D (and C),
+// spelled out (not an alias template: see the top of this file).
 using EpilogueBf16 = cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
     cutlass::epilogue::collective::EpilogueTileAuto, float, float, cutlass::bfloat16_t, cutlass::layout::RowMajor*, 8,

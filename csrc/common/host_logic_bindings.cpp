@@ -446,9 +446,12 @@ void define_host_logic(py::module_& m) {
   m.def("logprobs_target_claims", &logprobs_target_claims, py::arg("targets"), py::arg("vocab"), py::arg("chunk"));
   m.attr("logprobs_sm90_vocab_chunk") = logprobs::kSm90VocabChunk;
   m.attr("logprobs_sm90_row_pad") = logprobs::kSm90RowPad;
-  m.attr("logprobs_sm90_tiles") =
-      std::vector<std::string>{logprobs::logprobs_sm90_tile_name(logprobs::LogprobsSm90Tile::k128x128),
-                               logprobs::logprobs_sm90_tile_name(logprobs::LogprobsSm90Tile::k256x128)};
+  {
+    std::vector<std::string> tiles;
+    for (const logprobs::LogprobsSm90Tile tile : logprobs::kLogprobsSm90Tiles)
+      tiles.emplace_back(logprobs::logprobs_sm90_tile_name(tile));
+    m.attr("logprobs_sm90_tiles") = tiles;
+  }
   m.def("logprobs_sm90_stats", &logprobs_sm90_stats, py::arg("logits"));
   m.def(
       "logprobs_sm90_tile",

@@ -35,6 +35,7 @@ namespace pykernels::logprobs {
 
 // k128x128 first: a value-initialized LogitsGemmSm90 runs the default.
 enum class LogprobsSm90Tile { k128x128, k256x128 };
+constexpr LogprobsSm90Tile kLogprobsSm90Tiles[] = {LogprobsSm90Tile::k128x128, LogprobsSm90Tile::k256x128};
 
 inline const char* logprobs_sm90_tile_name(LogprobsSm90Tile tile) {
   return tile == LogprobsSm90Tile::k256x128 ? "256x128" : "128x128";
@@ -43,13 +44,13 @@ inline const char* logprobs_sm90_tile_name(LogprobsSm90Tile tile) {
 // The tile PYKERNELS_SM90_LOGPROBS_TILE (`setting`; null or empty: the default) names. Null on
 // success, else a message naming the choices.
 inline const char* logprobs_sm90_tile_for(const char* setting, LogprobsSm90Tile* tile) {
-  if (setting == nullptr || setting[0] == '\0' || std::strcmp(setting, "128x128") == 0) {
-    *tile = LogprobsSm90Tile::k128x128;
-    return nullptr;
-  }
-  if (std::strcmp(setting, "256x128") == 0) {
-    *tile = LogprobsSm90Tile::k256x128;
-    return nullptr;
+  *tile = LogprobsSm90Tile::k128x128;
+  if (setting == nullptr || setting[0] == '\0') return nullptr;
+  for (const LogprobsSm90Tile candidate : kLogprobsSm90Tiles) {
+    if (std::strcmp(setting, logprobs_sm90_tile_name(candidate)) == 0) {
+      *tile = candidate;
+      return nullptr;
+    }
   }
   return "PYKERNELS_SM90_LOGPROBS_TILE must be 128x128 (the default) or 256x128";
 }

@@ -9,6 +9,7 @@ import torch
 from test_logprobs import fp64_oracle, make, max_err, torch_lowprec
 
 from conftest import requires_cuda
+from pykernels import _C
 from pykernels.logprobs import IGNORE_INDEX, token_logprobs
 
 pytestmark = [requires_cuda, pytest.mark.cuda]
@@ -95,7 +96,7 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9,
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Hopper lm_head GEMMs' tiles run on compute capability 9.0")
-@pytest.mark.parametrize("tile", ["128x128", "256x128"])  # logprobs/logprobs_sm90.h
+@pytest.mark.parametrize("tile", _C.host_logic.logprobs_sm90_tiles)  # logprobs/logprobs_sm90.h
 @pytest.mark.parametrize("n,h,v", [(4099, 64, 9000), (513, 128, 151936), (300, 64, 776)])
 def test_every_hopper_tile_against_fp64(n, h, v, tile, monkeypatch):
     """Each tile of the Hopper lm_head GEMMs (PYKERNELS_SM90_LOGPROBS_TILE, read on every call), bf16,

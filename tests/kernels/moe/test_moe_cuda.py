@@ -15,7 +15,7 @@ from cuda_oracle import check_outputs
 from test_moe_ops import FLAGS, make_routing
 
 from conftest import requires_cuda
-from pykernels import moe
+from pykernels import _C, moe
 from pykernels._extension import ops
 from pykernels.reference import moe as reference
 
@@ -185,11 +185,10 @@ def test_grouped_linear_big_odd_sizes(dtype):
 
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-SM90_TILES = ["128x128", "128x256", "64x128"]  # common/sm90_tiles.h; the PTX test checks the list
 
 
 @pytest.mark.skipif(not HOPPER, reason="the Hopper GEMM core's tiles run on compute capability 9.0")
-@pytest.mark.parametrize("tile", SM90_TILES)
+@pytest.mark.parametrize("tile", _C.host_logic.gemm_sm90_tiles)  # common/sm90_tiles.h
 @pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[2], (7, 1, 1, 24, 40, 8)], ids=shape_id)
 def test_every_hopper_tile_matches_fp64_and_cpu(shape, tile, monkeypatch):
     """Each tile of the Hopper GEMM core (PYKERNELS_SM90_TILE, read on every call) on bf16 shapes it
