@@ -1,19 +1,24 @@
 """Times every tile of the Hopper kernels on the ops that run on them, in one process on one build:
 the GEMM core's (PYKERNELS_SM90_TILE, common/sm90_tiles.h) on MoE and LoRA, the lm_head GEMMs'
-(PYKERNELS_SM90_LOGPROBS_TILE, logprobs/logprobs_sm90.h) on logprobs. Both are read on every call,
-so a lent GPU measures them all without rebuilding (~2 minutes of a 15-minute lease per build). For
-choosing the defaults and the core's `auto` rule; the timings that count stay the benchmarks'
-(pytest --benchmark).
+(PYKERNELS_SM90_LOGPROBS_TILE, logprobs/logprobs_sm90.h) on logprobs, and both ways of running the
+LoRA forward (PYKERNELS_SM90_LORA, lora/lora_forward_sm90.h: cuBLAS's base GEMM with the LoRA term as
+its C operand, or one GEMM with the term as extra K). All are read on every call, so a lent GPU
+measures them all without rebuilding (~2 minutes of a 15-minute lease per build). For choosing the
+defaults and the core's `auto` rule; the timings that count stay the benchmarks' (pytest --benchmark).
 
 Each case is forward+backward, our kernels forced, CUDA-event median of ROUNDS calls after warm-up,
 every tile timed back to back on the same tensors. MoE: Qwen3-30B-A3B's experts at T 512 / 4096 /
 16384 and Mixtral's at T 512 / 4096, with and without LoRA r 16 on the experts (benchmarks/
 test_bench_moe.py's modules). LoRA: r 16 on 4096 x 14336 at T 8192 (only its rank-r products run on
 the core; its base GEMMs are cuBLAS's). logprobs: H 4096, V 151936 at N 4096 and 16384, trainable
-and frozen lm_head (the statistics and dz GEMMs run on the tile; dh and dW on cuBLAS).
+and frozen lm_head (the statistics and dz GEMMs run on the tile; dh and dW on cuBLAS). LoRA forward
+(no backward: issue 20's target is the forward's overhead over the bare base GEMM, <= 5% at r 16, T
+8192): 4096 x 14336 and 4096 x 4096 at T 8192, r 16, fp32 and bf16 adapters, bf16 and NF4 weights,
+with the bare base GEMM (torch's x W^T, the same under both settings) as the first row.
 
-    python -m benchmarks.tile_sweep [--ops moe,lora,logprobs] [--tiles 128x128,128x256,64x128,auto]
-                                    [--logprobs-tiles 128x128,256x128] [--rounds 10]
+    python -m benchmarks.tile_sweep [--ops moe,lora,logprobs,lora_forward]
+                                    [--tiles 128x128,128x256,64x128,auto] [--logprobs-tiles 128x128,256x128]
+                                    [--lora-forwards cublas,extended_k] [--rounds 10]
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from pykernels.dispatch import cuda_timer
 
 TILES = ("128x128", "128x256", "64x128", "auto")  # the first is the default (common/sm90_tiles.h)
 LOGPROBS_TILES = ("128x128", "256x128")  # the first is the default (logprobs/logprobs_sm90.h)
+LORA_FORWARDS = ("cublas", "extended_k")  # the first is the default (lora/lora_forward_sm90.h)
 ROUNDS = 10
 
 
@@ -59,6 +65,27 @@ def lora_cases():
     yield "lora 4096x14336 T8192 r16", lora_case()["ours"], 6 * 8192 * in_features * out_features
 
 
+def lora_forward_cases():
+    from benchmarks.test_bench_lora import SHAPES
+    from pykernels import lora, nf4
+
+    for shape in ("4096x14336", "4096x4096"):
+        in_features, out_features = SHAPES[shape]
+        x = torch.randn(8192, in_features, device="cuda", dtype=torch.bfloat16)
+        dense = (torch.randn(out_features, in_features, device="cuda") * in_features**-0.5).bfloat16()
+        a = torch.randn(16, in_features, device="cuda") * in_features**-0.5
+        b = torch.randn(out_features, 16, device="cuda") * 0.01
+        flops = 2 * 8192 * in_features * out_features  # the base GEMM's: the LoRA term rides on it
+        yield f"base x W^T {shape} T8192 (reference)", lambda x=x, w=dense: torch.nn.functional.linear(x, w), flops
+        for base, weight in (("bf16", dense), ("nf4", nf4.quantize(dense, 64, double_quant=True))):
+            for adapters, (a_, b_) in (("fp32", (a, b)), ("bf16", (a.bfloat16(), b.bfloat16()))):
+                def call(x=x, weight=weight, a=a_, b=b_):
+                    with torch.no_grad():
+                        lora.lora_linear(x, weight, a, b, 2.0)
+
+                yield f"lora forward {shape} T8192 r16 {base} weight, {adapters} adapters", call, flops
+
+
 def logprobs_cases():
     from pykernels.logprobs import token_logprobs
 
@@ -80,7 +107,8 @@ def logprobs_cases():
 
 # op: (its cases, the variable that picks the tile, the tiles' argument)
 CASES = {"moe": (moe_cases, "PYKERNELS_SM90_TILE", "tiles"), "lora": (lora_cases, "PYKERNELS_SM90_TILE", "tiles"),
-         "logprobs": (logprobs_cases, "PYKERNELS_SM90_LOGPROBS_TILE", "logprobs_tiles")}
+         "logprobs": (logprobs_cases, "PYKERNELS_SM90_LOGPROBS_TILE", "logprobs_tiles"),
+         "lora_forward": (lora_forward_cases, "PYKERNELS_SM90_LORA", "lora_forwards")}
 
 
 def sweep(cases, variable: str, tiles: list[str], rounds: int) -> None:
@@ -110,16 +138,20 @@ def main() -> None:
     parser.add_argument("--tiles", default=",".join(TILES), help="the GEMM core's; the first is the baseline")
     parser.add_argument("--logprobs-tiles", default=",".join(LOGPROBS_TILES),
                         help="the lm_head GEMMs'; the first is the baseline")
+    parser.add_argument("--lora-forwards", default=",".join(LORA_FORWARDS),
+                        help="the LoRA forward's ways; the first is the baseline")
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     args = parser.parse_args()
     ops = args.ops.split(",")
     if unknown := [op for op in ops if op not in CASES]:
         raise SystemExit(f"unknown op {', '.join(unknown)}: {', '.join(CASES)}")
-    tiles = {"tiles": args.tiles.split(","), "logprobs_tiles": args.logprobs_tiles.split(",")}
-    known = {"tiles": [*_C.host_logic.gemm_sm90_tiles, "auto"], "logprobs_tiles": _C.host_logic.logprobs_sm90_tiles}
+    tiles = {"tiles": args.tiles.split(","), "logprobs_tiles": args.logprobs_tiles.split(","),
+             "lora_forwards": args.lora_forwards.split(",")}
+    known = {"tiles": [*_C.host_logic.gemm_sm90_tiles, "auto"], "logprobs_tiles": _C.host_logic.logprobs_sm90_tiles,
+             "lora_forwards": list(LORA_FORWARDS)}
     for kind, names in tiles.items():
         if unknown := [t for t in names if t not in known[kind]]:
-            raise SystemExit(f"unknown tile {', '.join(unknown)}: --{kind.replace('_', '-')} takes "
+            raise SystemExit(f"unknown choice {', '.join(unknown)}: --{kind.replace('_', '-')} takes "
                              f"{', '.join(known[kind])}")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         raise SystemExit("tile_sweep times the Hopper kernels: it needs a compute capability 9.0 GPU")

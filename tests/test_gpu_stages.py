@@ -197,8 +197,11 @@ def test_tile_sweep_names_what_it_needs(monkeypatch):
             tile_sweep.main()
         return str(exited.value.code)
 
-    assert refusal("--tiles", "128x128,256x128") == "unknown tile 256x128: --tiles takes 128x128, 128x256, 64x128, auto"
-    assert refusal("--logprobs-tiles", "128x256") == "unknown tile 128x256: --logprobs-tiles takes 128x128, 256x128"
-    assert refusal("--ops", "moe,mlp") == "unknown op mlp: moe, lora, logprobs"
+    assert refusal("--tiles", "128x128,256x128") == ("unknown choice 256x128: --tiles takes 128x128, 128x256, "
+                                                     "64x128, auto")
+    assert refusal("--logprobs-tiles", "128x256") == "unknown choice 128x256: --logprobs-tiles takes 128x128, 256x128"
+    assert refusal("--lora-forwards", "cublas,fused") == ("unknown choice fused: --lora-forwards takes cublas, "
+                                                           "extended_k")
+    assert refusal("--ops", "moe,mlp") == "unknown op mlp: moe, lora, logprobs, lora_forward"
     if not torch.cuda.is_available():
         assert "needs a compute capability 9.0 GPU" in refusal()

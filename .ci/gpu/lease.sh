@@ -71,7 +71,7 @@ for log in "$OUT"/*.log; do
     grep -E "FAILED|ERROR|Error|error:|passed|failed|wall time|========= (ERROR|RACECHECK|LEAK)" "$log" | tail -25
 done
 [ -f "$OUT/breakdown.log" ] && { echo "---- breakdown.log"; grep -v "^==" "$OUT/breakdown.log" | tail -60; }
-[ -f "$OUT/sweep.log" ] && { echo "---- sweep.log"; grep -v "^==" "$OUT/sweep.log" | tail -40; }
+[ -f "$OUT/sweep.log" ] && { echo "---- sweep.log"; grep -v "^==" "$OUT/sweep.log" | tail -60; }
 echo "---- stages"
 printf '%s\n' "${summary[@]}"
 exit $failed

@@ -3,8 +3,10 @@ backward, on small odd shapes, with our kernels forced (PYKERNELS_KERNELS=ours);
 sizes whose bf16 GEMMs a Hopper GPU runs on the sm_90a core (multiples of 8: csrc/common/
 gemm_sm90_torch.h), MoE with LoRA on its experts and a dropped assignment, GPT-OSS' expert layout, and
 the logprobs backward of a frozen lm_head over two token chunks; the MoE calls then run again on each
-other tile of the Hopper GEMM core (PYKERNELS_SM90_TILE, csrc/common/sm90_tiles.h) and the logprobs
-calls on the lm_head GEMMs' other tile (PYKERNELS_SM90_LOGPROBS_TILE, csrc/logprobs/logprobs_sm90.h).
+other tile of the Hopper GEMM core (PYKERNELS_SM90_TILE, csrc/common/sm90_tiles.h), the logprobs
+calls on the lm_head GEMMs' other tile (PYKERNELS_SM90_LOGPROBS_TILE, csrc/logprobs/logprobs_sm90.h)
+and the LoRA calls with the forward as one extended-K GEMM (PYKERNELS_SM90_LORA=extended_k,
+csrc/lora/lora_forward_sm90.h).
 On CPU (the dry run) the same calls check that this script still matches the ops' signatures.
 
     python .ci/gpu/sanitize_ops.py [--device cuda|cpu]
@@ -49,8 +51,9 @@ def run_lora(device: str) -> None:
         x, a, b = randn(7, 64, device=device, grad=True), randn(3, 64, device=device, grad=True), randn(
             out_features, 3, device=device, grad=True)
         weight = randn(out_features, 64, device=device)
+        bias = randn(out_features, device=device) if out_features == 96 else None  # extended K: a bias column
         for base in (weight, nf4.quantize(weight, 64)):
-            lora.lora_linear(x, base, a, b, 2.0).float().square().sum().backward()
+            lora.lora_linear(x, base, a, b, 2.0, bias).float().square().sum().backward()
 
 
 def run_logprobs(device: str) -> None:
@@ -106,9 +109,11 @@ def run_moe(device: str) -> None:
 FAMILIES = {"nf4": run_nf4, "lora": run_lora, "logprobs": run_logprobs, "moe": run_moe}
 
 
-# The Hopper kernels' other tiles (the first of each list is the default), each with the family it runs.
-OTHER_TILES = [("PYKERNELS_SM90_TILE", tile, "moe") for tile in _C.host_logic.gemm_sm90_tiles[1:]] + [
-    ("PYKERNELS_SM90_LOGPROBS_TILE", tile, "logprobs") for tile in _C.host_logic.logprobs_sm90_tiles[1:]]
+# The Hopper kernels' other settings, each with the family it runs: the tiles (the first of each list is
+# the default) and the LoRA forward as one extended-K GEMM (lora/lora_forward_sm90.h).
+OTHER_SETTINGS = [("PYKERNELS_SM90_TILE", tile, "moe") for tile in _C.host_logic.gemm_sm90_tiles[1:]] + [
+    ("PYKERNELS_SM90_LOGPROBS_TILE", tile, "logprobs") for tile in _C.host_logic.logprobs_sm90_tiles[1:]] + [
+    ("PYKERNELS_SM90_LORA", "extended_k", "lora")]
 
 
 def run_family(family: str, device: str, setting: str = "") -> None:
@@ -125,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     pykernels.backend.set_kernels("ours")
     for family in FAMILIES:
         run_family(family, args.device)
-    for variable, tile, family in OTHER_TILES:
+    for variable, tile, family in OTHER_SETTINGS:
         os.environ[variable] = tile
         run_family(family, args.device, f" ({variable}={tile})")
         os.environ.pop(variable)

@@ -23,6 +23,8 @@
 #include "common/tails.h"
 #include "logprobs/logit_grad.h"
 #include "lora/lora.h"
+#include "lora/lora_extended_k.h"
+#include "lora/lora_forward_sm90.h"
 #include "logprobs/logprobs_sm90.h"
 #include "logprobs/vocab_chunks.h"
 #include "moe/moe_schedule.h"
@@ -346,9 +348,59 @@ std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t> lora_rank_gemm_plan(int6
   return {tile.m, tile.n, split.splits, split.k_per_split, lora::rank_gemm_workspace_floats(p)};
 }
 
+// lora/lora_extended_k.h: U [m, width] and V [n, width] (row lists of floats, each a bf16 value)
+// built element by element as the packing kernel does, from xa [m][r], b [n][r] (fp32 values; as
+// bf16 when b_is_fp32 is false) and bias [n] or empty.
+using Matrix = std::vector<std::vector<float>>;
+std::tuple<int64_t, int64_t, Matrix, Matrix> lora_extended_k_operands(const Matrix& xa, const Matrix& b,
+                                                                       const std::vector<float>& bias, float scaling,
+                                                                       bool b_is_fp32) {
+  require(!xa.empty() && !b.empty() && !xa[0].empty(), "xa and b need rows and r >= 1");
+  const int64_t r = static_cast<int64_t>(xa[0].size());
+  for (const auto& row : xa) require(static_cast<int64_t>(row.size()) == r, "xa's rows must all have r values");
+  for (const auto& row : b) require(static_cast<int64_t>(row.size()) == r, "b's rows must have r values like xa's");
+  require(bias.empty() || bias.size() == b.size(), "bias must be empty or have one value per row of b");
+  const lora::ExtendedK e = lora::extended_k(r, b_is_fp32, !bias.empty());
+  Matrix u(xa.size(), std::vector<float>(e.width)), v(b.size(), std::vector<float>(e.width));
+  for (size_t i = 0; i < xa.size(); ++i)
+    for (int64_t col = 0; col < e.width; ++col) u[i][col] = lora::extended_u(e, xa[i].data(), scaling, col);
+  for (size_t o = 0; o < b.size(); ++o)
+    for (int64_t col = 0; col < e.width; ++col) {
+      const float b_value = col < e.terms * r ? b[o][col % r] : 0.0f;
+      v[o][col] = lora::extended_v(e, b_is_fp32 ? b_value : lora::bf16_rounded(b_value),
+                                   bias.empty() ? 0.0f : lora::bf16_rounded(bias[o]), col);
+    }
+  return {e.terms, e.width, u, v};
+}
+
+std::string lora_forward_sm90_error(int64_t m, int64_t n, int64_t k, int64_t ldx, int64_t ldw, int64_t extra_k,
+                                    int64_t ldy, bool misaligned) {
+  void* y = const_cast<void*>(fake_address(4, false));
+  lora::LoraForwardSm90Params p{m, n, k, fake_address(0, misaligned), ldx, fake_address(1, false), ldw,
+                                fake_address(2, false), fake_address(3, false), extra_k, y, ldy};
+  const char* error = lora::lora_forward_sm90_error(p);
+  return error == nullptr ? std::string() : std::string(error);
+}
+
 }  // namespace
 
 void define_host_logic(py::module_& m) {
+  // lora/lora_extended_k.h: (terms, width, U, V); lora/lora_forward_sm90.h
+  m.def("lora_extended_k_operands", &lora_extended_k_operands, py::arg("xa"), py::arg("b"), py::arg("bias"),
+        py::arg("scaling"), py::arg("b_is_fp32"));
+  m.def("lora_bf16_rounded", &lora::bf16_rounded, py::arg("value"));
+  m.attr("lora_extended_k_tile") = lora::kExtendedKTile;
+  m.def("lora_forward_sm90_error", &lora_forward_sm90_error, py::arg("m"), py::arg("n"), py::arg("k"),
+        py::arg("ldx"), py::arg("ldw"), py::arg("extra_k"), py::arg("ldy"), py::arg("misaligned") = false);
+  m.def(
+      "lora_sm90_forward",
+      [](const std::optional<std::string>& setting) {
+        bool extended = false;
+        const char* error = lora::lora_sm90_forward_for(setting ? setting->c_str() : nullptr, &extended);
+        require(error == nullptr, error ? error : "");
+        return std::string(extended ? "extended_k" : "cublas");
+      },
+      py::arg("setting"));
   // lora/lora.h: (tile_m, tile_n, splits, k_per_split, workspace_floats)
   m.def("lora_rank_gemm_plan", &lora_rank_gemm_plan, py::arg("m"), py::arg("n"), py::arg("k"), py::arg("sms"));
   // common/tails.h

@@ -199,6 +199,27 @@ const char* launch_rank_tiles(const RankGemmParams& p, cudaStream_t stream) {
   return launch_status("lora rank gemm: reduce kernel launch failed");
 }
 
+// ------------------------------------------------------------------ U and V of the extended K
+// One element of U (rows [0, m)) or V (rows [m, m + n)) per thread step: ~1.5 MB written at
+// T 8192, r 16 against a GEMM that reads ~180 MB, so a plain grid-stride loop is enough.
+template <typename TB>
+__global__ void __launch_bounds__(kThreads) extended_k_operands_kernel(const ExtendedKOperandsParams p) {
+  const int64_t width = p.layout.width, total = (p.m + p.n) * width;
+  const TB* b = static_cast<const TB*>(p.b);
+  const __nv_bfloat16* bias = static_cast<const __nv_bfloat16*>(p.bias);
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i / width, col = i % width;
+    if (row < p.m) {
+      static_cast<__nv_bfloat16*>(p.u)[i] = __float2bfloat16_rn(extended_u(p.layout, p.xa + row * p.layout.r, p.scaling, col));
+    } else {
+      const int64_t o = row - p.m;
+      const float b_value = col < p.layout.terms * p.layout.r ? to_float(b[o * p.layout.r + col % p.layout.r]) : 0.0f;
+      const float bias_value = p.layout.bias ? __bfloat162float(bias[o]) : 0.0f;
+      static_cast<__nv_bfloat16*>(p.v)[o * width + col] = __float2bfloat16_rn(extended_v(p.layout, b_value, bias_value, col));
+    }
+  }
+}
+
 // ------------------------------------------------------------------ casts
 template <typename TSrc, typename TDst>
 __global__ void __launch_bounds__(kThreads) cast_kernel(const TSrc* __restrict__ src, TDst* __restrict__ dst,
@@ -225,6 +246,20 @@ const char* launch_low_rank_term(const LowRankParams& p, cudaStream_t stream) {
           static_cast<TOut*>(p.out));
       return launch_status("lora low-rank term: kernel launch failed");
     });
+  });
+}
+
+const char* launch_extended_k_operands(const ExtendedKOperandsParams& p, cudaStream_t stream) {
+  const ExtendedK& e = p.layout;
+  if (p.m < 0 || p.n < 0 || e.r < 1 || e.width < e.terms * e.r + (e.bias ? 1 : 0))
+    return "lora extended-K operands: need m, n >= 0, r >= 1 and room for every term";
+  if (p.b_dtype == DType::kFloat16 || (p.b_dtype == DType::kFloat32) != (e.terms == 3) || (e.bias && p.bias == nullptr))
+    return "lora extended-K operands: B must be fp32 (three terms) or bf16 (two), and a bias given when laid out";
+  if (p.m + p.n == 0) return nullptr;
+  return with_element(p.b_dtype, [&](auto b_element) {
+    using TB = decltype(b_element);
+    extended_k_operands_kernel<TB><<<grid_for((p.m + p.n) * e.width, kThreads), kThreads, 0, stream>>>(p);
+    return launch_status("lora extended-K operands: kernel launch failed");
   });
 }
 

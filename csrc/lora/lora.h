@@ -17,6 +17,7 @@
 
 #include "common/dtype.h"
 #include "common/host_device.h"
+#include "lora/lora_extended_k.h"
 
 typedef struct CUstream_st* cudaStream_t;
 
@@ -97,6 +98,21 @@ inline int64_t rank_gemm_workspace_floats(const RankGemmParams& p) {
   const RankSplit split = rank_gemm_split(p.m, p.n, p.k, p.sms);
   return split.splits > 1 ? split.splits * p.m * p.n : 0;
 }
+
+// U [m, width] and V [n, width], bf16, of the LoRA forward as extra K (lora_extended_k.h: the
+// columns' meaning) from xa, B and the bias.
+struct ExtendedKOperandsParams {
+  ExtendedK layout;
+  int64_t m, n;
+  const float* xa;   // [m, r] fp32
+  float scaling;
+  const void* b;     // [n, r] of b_dtype (fp32: three terms, bf16: two)
+  DType b_dtype;
+  const void* bias;  // [n] bf16 when layout.bias
+  void* u;           // bf16 [m, width]
+  void* v;           // bf16 [n, width]
+};
+const char* launch_extended_k_operands(const ExtendedKOperandsParams& params, cudaStream_t stream);
 
 // dst[i] = (dst_dtype) src[i] for i < numel (fp32 <-> 16-bit casts of the small LoRA tensors).
 const char* launch_cast(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t numel,

@@ -4,7 +4,10 @@
 //
 //   forward   xa = x_lora A^T                  GEMM, fp32 out (kept for backward)
 //             y  = scaling xa B^T + bias       low-rank term, written into y in x's dtype
-//             y += x W^T                       GEMM with C = D = y: the LoRA term costs no extra pass
+//             y += x W^T                       GEMM with C = D = y (cuBLAS: the term costs a write
+//                                              of y and a read of it as C)
+//             or, on Hopper with PYKERNELS_SM90_LORA=extended_k, the last two as one GEMM with the
+//             term and bias as extra K, y = [x | U] [W | V]^T (lora/lora_forward_sm90.h)
 //   backward  dxa = scaling dy B               GEMM, fp32 out
 //             dB  = scaling dy^T xa            GEMM, fp32 out, cast to B's dtype
 //             dA  = dxa^T x_lora               GEMM, fp32 out, cast to A's dtype
@@ -24,10 +27,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <optional>
 
 #include "common/gemm_sm90_torch.h"
 #include "lora/lora.h"
+#include "lora/lora_forward_sm90.h"
 #include "lora/lora_torch_checks.h"
 #include "nf4/nf4.h"
 
@@ -188,17 +193,24 @@ void check_cuda_backward(const at::Tensor& grad_y, const at::Tensor& xa, const a
                     ", got ", grad_y.scalar_type());
 }
 
-// xa = x_lora A^T (fp32), and y filled with the LoRA term scaling xa B^T + bias in x's dtype.
-std::tuple<at::Tensor, at::Tensor> start_forward(const at::Tensor& x, const at::Tensor& x_lora,
-                                                 const at::Tensor& lora_A, const at::Tensor& lora_B,
-                                                 double scaling, const std::optional<at::Tensor>& bias,
-                                                 const Shapes& s, cudaStream_t stream) {
+// xa = x_lora A^T (fp32).
+at::Tensor lora_down(const at::Tensor& x, const at::Tensor& x_lora, const at::Tensor& lora_A, const Shapes& s,
+                     cudaStream_t stream) {
   at::Tensor xa = at::empty({s.m, s.r}, x.options().dtype(at::kFloat));
   if (lora_A.scalar_type() == x.scalar_type()) {  // one input dtype: the tensor-core GEMM
     gemm(s.m, s.r, s.k, plain(x_lora), transposed(lora_A), dtype_of(x), output(xa), 1.0f, false, stream);
   } else {  // fp32 A against 16-bit x: fp32 math throughout
     rank_gemm(s.m, s.r, s.k, rows_of(x_lora), columns_of(lora_A), xa, 1.0f, false, stream);
   }
+  return xa;
+}
+
+// xa = x_lora A^T (fp32), and y filled with the LoRA term scaling xa B^T + bias in x's dtype.
+std::tuple<at::Tensor, at::Tensor> start_forward(const at::Tensor& x, const at::Tensor& x_lora,
+                                                 const at::Tensor& lora_A, const at::Tensor& lora_B,
+                                                 double scaling, const std::optional<at::Tensor>& bias,
+                                                 const Shapes& s, cudaStream_t stream) {
+  at::Tensor xa = lora_down(x, x_lora, lora_A, s, stream);
   at::Tensor y = at::empty({s.m, s.n}, x.options());
   LowRankParams term{};
   term.m = s.m;
@@ -215,6 +227,54 @@ std::tuple<at::Tensor, at::Tensor> start_forward(const at::Tensor& x, const at::
   return {y, xa};
 }
 
+// The Hopper forward as one GEMM with the LoRA term and bias as extra K (lora/lora_forward_sm90.h),
+// when PYKERNELS_SM90_LORA=extended_k asks for it and it can run here: bf16 x, Hopper, m >= 1 and
+// the 16-byte rows TMA needs. Else nothing is allocated and the caller runs start_forward's path.
+class ExtendedKForward {
+ public:
+  static std::optional<ExtendedKForward> make(const at::Tensor& x, const at::Tensor& lora_B,
+                                              const std::optional<at::Tensor>& bias, const Shapes& s) {
+    bool wanted = false;
+    const char* error = lora_sm90_forward_for(std::getenv("PYKERNELS_SM90_LORA"), &wanted);
+    TORCH_CHECK_VALUE(error == nullptr, error);
+    if (!wanted || x.scalar_type() != at::kBFloat16 || s.m < 1 || s.k < 1 || s.n < 1 || s.k % 8 != 0 ||
+        s.n % 8 != 0 || !gemm::sm90_usable(x.get_device()) || !is_aligned(x.data_ptr(), 16))
+      return std::nullopt;
+    return ExtendedKForward(extended_k(s.r, lora_B.scalar_type() == at::kFloat, bias.has_value()));
+  }
+
+  // y [m, n] (a new tensor) and xa: y = x W^T + the LoRA term and bias, W's rows in chunks of
+  // `weight_rows(row, rows)` (a [rows, k] bf16 tensor) when W is NF4, else one.
+  template <class WeightRows>
+  std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& x, const at::Tensor& x_lora, const at::Tensor& lora_A,
+                                         const at::Tensor& lora_B, double scaling,
+                                         const std::optional<at::Tensor>& bias, const Shapes& s, int64_t chunk_rows,
+                                         WeightRows&& weight_rows, cudaStream_t stream) const {
+    at::Tensor xa = lora_down(x, x_lora, lora_A, s, stream);
+    const auto bf16 = x.options().dtype(at::kBFloat16);
+    at::Tensor u = at::empty({s.m, layout_.width}, bf16), v = at::empty({s.n, layout_.width}, bf16);
+    ExtendedKOperandsParams operands{layout_, s.m, s.n, xa.data_ptr<float>(), static_cast<float>(scaling),
+                                     lora_B.data_ptr(), dtype_of(lora_B),
+                                     bias.has_value() ? bias->data_ptr() : nullptr, u.data_ptr(), v.data_ptr()};
+    check_launch(launch_extended_k_operands(operands, stream));
+    at::Tensor y = at::empty({s.m, s.n}, x.options());
+    const int device = x.get_device();
+    for (int64_t row = 0; row < s.n; row += chunk_rows) {
+      const int64_t rows = std::min(chunk_rows, s.n - row);
+      const at::Tensor w = weight_rows(row, rows);
+      LoraForwardSm90Params p{s.m, rows, s.k, x.data_ptr(), s.k, w.data_ptr(), w.stride(0), u.data_ptr(),
+                              v[row].data_ptr(), layout_.width, y.select(1, row).data_ptr(), s.n};
+      const at::Tensor workspace = gemm::sm90_workspace(lora_forward_sm90_workspace_bytes(p, device), device);
+      check_launch(launch_lora_forward_sm90(p, workspace.data_ptr(), device, stream));
+    }
+    return {y, xa};
+  }
+
+ private:
+  explicit ExtendedKForward(ExtendedK layout) : layout_(layout) {}
+  ExtendedK layout_;
+};
+
 std::tuple<at::Tensor, at::Tensor> lora_linear_cuda(const at::Tensor& x, const at::Tensor& weight,
                                                     const at::Tensor& lora_A, const at::Tensor& lora_B, double scaling,
                                                     const std::optional<at::Tensor>& bias,
@@ -223,6 +283,9 @@ std::tuple<at::Tensor, at::Tensor> lora_linear_cuda(const at::Tensor& x, const a
   const Shapes s = check_lora_inputs(x, weight.size(0), lora_A, lora_B, bias, x_lora);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream(x);
+  if (const auto extended = ExtendedKForward::make(x, lora_B, bias, s); extended && is_aligned(weight.data_ptr(), 16))
+    return extended->run(x, x_lora.value_or(x), lora_A, lora_B, scaling, bias, s, s.n,
+                         [&](int64_t, int64_t) { return weight; }, stream);
   auto [y, xa] = start_forward(x, x_lora.value_or(x), lora_A, lora_B, scaling, bias, s, stream);
   base_gemm(y, x, weight.t(), /*accumulate=*/true);
   return {y, xa};
@@ -239,6 +302,11 @@ std::tuple<at::Tensor, at::Tensor> lora_linear_nf4_cuda(
                                                          nested_code, nested_offset, nested_blocksize, x);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream(x);
+  if (const auto extended = ExtendedKForward::make(x, lora_B, bias, s)) {
+    Nf4RowChunks chunks(weight, s.n, s.k, x);  // y[:, rows] = [x | U] [W[rows] | V[rows]]^T per chunk
+    return extended->run(x, x_lora.value_or(x), lora_A, lora_B, scaling, bias, s, chunks.rows_per_chunk(),
+                         [&](int64_t row, int64_t rows) { return chunks.dequantize(row, rows, stream); }, stream);
+  }
   auto [y, xa] = start_forward(x, x_lora.value_or(x), lora_A, lora_B, scaling, bias, s, stream);
   if (s.m == 0) return {y, xa};
   // y[:, rows] += x W[rows]^T, into a column slice of y (row stride n).

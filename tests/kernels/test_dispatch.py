@@ -224,7 +224,7 @@ def test_the_cache_survives_a_restart_without_re_timing(isolated, timings):
     assert len(timings) == 4
 
 
-@pytest.mark.parametrize("change", ["pykernels", "torch", "hopper_tile", "device"])
+@pytest.mark.parametrize("change", ["pykernels", "torch", "hopper_tile", "hopper_lora_forward", "device"])
 def test_a_version_or_device_change_invalidates_the_cache(monkeypatch, isolated, timings, change):
     pykernels.lora.lora_linear(*_lora_args())
     assert len(timings) == 2
@@ -234,6 +234,8 @@ def test_a_version_or_device_change_invalidates_the_cache(monkeypatch, isolated,
         monkeypatch.setattr(torch, "__version__", "99.0+cpu")
     elif change == "hopper_tile":  # another tile of the Hopper GEMM core is another kernel
         monkeypatch.setenv("PYKERNELS_SM90_TILE", "128x256")
+    elif change == "hopper_lora_forward":  # the LoRA forward as one extended-K GEMM is another kernel
+        monkeypatch.setenv("PYKERNELS_SM90_LORA", "extended_k")
     else:
         monkeypatch.setattr(dispatch_cache, "device_name", lambda device: "cpu another")
     dispatch_cache.forget()

@@ -126,6 +126,24 @@ def test_hopper_logprobs_keep_the_logits_in_registers(tmp_path, tile):
     assert re.search(r"shfl\.sync", stats), "no shuffle tree over the lanes sharing a row"
 
 
+@pytest.mark.hopper_ptx
+def test_hopper_lora_forward_is_one_wgmma_gemm_over_both_operand_pairs(tmp_path):
+    """The LoRA forward as extra K (lora/lora_forward_sm90.cu, common/extended_k_mainloop_sm90.cuh):
+    one kernel whose producer loads k tiles from (x, W) and then (U, V) by TMA, W's and V's tiles
+    multicast to the 2x1 cluster, into bf16 wgmma 64x256, y stored by TMA. Four TMA load sites and
+    five descriptors prefetched (x, W, U, V, y): a mainloop that lost its second pair would load the
+    LoRA term from nowhere and still compile."""
+    kernels = sm90_kernels_ptx("lora/lora_forward_sm90.cu", tmp_path)
+    (ptx,) = [ptx for name, ptx in kernels.items() if "ExtendedKMainloop" in name]
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16", ptx), "no bf16 wgmma 64x256"
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global[^;]*", ptx)
+    assert len(loads) == 4, loads
+    assert len([load for load in loads if "multicast::cluster" in load]) == 2, "W and V multicast to the cluster"
+    assert len(re.findall(r"prefetch\.tensormap", ptx)) == 5
+    assert re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx), "y not stored by TMA"
+    assert "mma.sync" not in ptx
+
+
 def test_moe_gather_and_token_sums_move_16_bytes(tmp_path):
     """The passes around the Hopper expert GEMMs (the gather of x / dy into slot order, the gates,
     the gated sum over a token's k rows) are memory-bound: their packed variants (8 bf16 / fp16 or

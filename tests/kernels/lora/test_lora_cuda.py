@@ -141,10 +141,51 @@ def test_cuda_without_grad_x(x_lora, weight_kind):
         assert torch.equal(partial[name], full[name]), name
 
 
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+# bf16 only (the Hopper forward's dtype). r 21 with fp32 adapters and a bias fills one 64-deep k
+# tile exactly (3 r + 1), r 22 needs two, bf16 adapters with r 64 and a bias three (2 r + 1); K
+# 4104 leaves the base's last k tile 8 deep (TMA zero-fills the rest before U and V's tiles).
+EXTENDED_K_CASES = [
+    (1, 4096, 1032, 16, True, False, True),
+    (1023, 4104, 4096, 21, True, True, True),
+    (777, 768, 5128, 22, False, False, True),
+    (1024, 4096, 4096, 64, True, False, False),
+    (300, 2048, 2056, 8, False, True, False),
+]
+
+
+def ran_kernel(fn, name: str) -> bool:
+    """Whether a CUDA kernel whose name contains `name` ran during fn()."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        fn()
+        torch.cuda.synchronize()
+    return any(name in event.key for event in profile.key_averages())
+
+
+@pytest.mark.skipif(not HOPPER, reason="the extended-K forward runs on compute capability 9.0")
+@pytest.mark.parametrize("weight_kind", WEIGHTS)
+@pytest.mark.parametrize("case", EXTENDED_K_CASES, ids=case_id)
+def test_cuda_extended_k_forward_matches_fp64_and_cpu(case, weight_kind, monkeypatch):
+    """PYKERNELS_SM90_LORA=extended_k: the forward as one GEMM with the LoRA term and bias as extra
+    K (lora/lora_forward_sm90.h), dense and NF4 (several chunks of W at N 4096), within the same
+    budgets as the default path, and it must be that GEMM that ran."""
+    monkeypatch.setenv("PYKERNELS_SM90_LORA", "extended_k")
+    t = make_inputs(case, torch.bfloat16, seed=EXTENDED_K_CASES.index(case))
+    weight, dense = weight_for(weight_kind, t["weight"])
+    outputs = {}
+    assert ran_kernel(lambda: outputs.update(run_ops(t, weight, "cuda")), "ExtendedKMainloop")
+    check_outputs(outputs, run_ops(t, weight, "cpu"), torch_math(t, dense, torch.float64),
+                  torch_math(t, dense, torch.bfloat16), OUTPUTS, HALF_ULP[torch.bfloat16], depth=max(case[:3]))
+
+
+@pytest.mark.parametrize("lora_forward", ["cublas", "extended_k"])
 @pytest.mark.parametrize("offset", [1, 3])
 @pytest.mark.parametrize("weight_kind", ["dense", "nf4"])
-def test_cuda_unaligned_views(offset, weight_kind):
-    """Tensors that start mid-allocation (sizes multiples of 8) take the SIMT fallback, same results."""
+def test_cuda_unaligned_views(offset, weight_kind, lora_forward, monkeypatch):
+    """Tensors that start mid-allocation (sizes multiples of 8) take the SIMT fallback (and the
+    extended-K forward steps aside for the default path: TMA needs 16-byte rows), same results."""
+    monkeypatch.setenv("PYKERNELS_SM90_LORA", lora_forward)
     dtype = torch.bfloat16
     t = make_inputs((64, 4096, 1024, 16, True, False, False), dtype, seed=2)
     weight, dense = weight_for(weight_kind, t["weight"])
