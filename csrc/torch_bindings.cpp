@@ -96,6 +96,15 @@ TORCH_LIBRARY(pykernels, m) {
       "Tensor expert_offsets, int top_k, bool grouped_in, bool grouped_out, Tensor? gates=None, "
       "Tensor? lora_a=None, Tensor? lora_b=None, float lora_scaling=1.0) -> Tensor");
 
+  // The expert MLP's gated activation in one pass (moe/gated_act.h): inner [rows, I] = act(gate) * up
+  // from gate_up [rows, 2I] (gate, up: the first and last I columns, or alternate columns when
+  // interleaved); act 0 silu, 1 gelu, 2 gelu_tanh, 3 relu, 4 clamped_swiglu (alpha, limit: GPT-OSS).
+  // fp32 math, one rounding. The backward gives grad_gate_up [rows, 2I] in the same layout.
+  m.def("moe_gated_act(Tensor gate_up, int act, bool interleaved, float alpha, float limit) -> Tensor");
+  m.def(
+      "moe_gated_act_backward(Tensor grad_inner, Tensor gate_up, int act, bool interleaved, float alpha, "
+      "float limit) -> Tensor");
+
   // Gradients of moe_grouped_linear: grad_x, grad_weight [E, out, in], grad_gates [T, k], grad_lora_a,
   // grad_lora_b (fp32 sums, rounded once), each empty when its compute flag is false.
   m.def(

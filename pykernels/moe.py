@@ -14,7 +14,7 @@ from pykernels.moe_grouped_mm import torch_experts_forward
 from pykernels.moe_route import route
 from pykernels.nf4_weight import NF4Weight
 from pykernels.ops import moe as _ops
-from pykernels.ops.moe import grouped_linear, sort_tokens
+from pykernels.ops.moe import gated_activation, grouped_linear, sort_tokens
 from pykernels.moe_types import ClampedSwiGLU, LoRAFactors
 
 
@@ -32,4 +32,5 @@ def _bucket(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, act="si
 
 experts_forward = dispatch.dispatched("moe", _ops.experts_forward, _bucket, torch_fn=torch_experts_forward)
 
-__all__ = ["ClampedSwiGLU", "LoRAFactors", "experts_forward", "grouped_linear", "route", "sort_tokens"]
+__all__ = ["ClampedSwiGLU", "LoRAFactors", "experts_forward", "gated_activation", "grouped_linear", "route",
+           "sort_tokens"]

@@ -150,22 +150,13 @@ PK_AVX512 void down_avx512(const float* x, int64_t rows, int64_t k, const float*
   }
 }
 
-// Rounds a vector to bf16 (nearest even, NaN -> 0x7FC0, as c10::BFloat16) in the low 16 bits of each lane.
-PK_AVX512 inline __m256i fp32_to_bf16_bits(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  rounded = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(rounded);
-}
-
 // out[index .. index + 16) (lanes in `mask`) = v, rounded to kOut.
 template <DType kOut>
 PK_AVX512 inline void store_lanes(void* out, int64_t index, __mmask16 mask, __m512 v) {
   if constexpr (kOut == DType::kFloat32) {
     _mm512_mask_storeu_ps(static_cast<float*>(out) + index, mask, v);
   } else if constexpr (kOut == DType::kBFloat16) {
-    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + index, mask, fp32_to_bf16_bits(v));
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + index, mask, round_to_bf16_x16(v));
   } else {
     _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + index, mask,
                              _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));

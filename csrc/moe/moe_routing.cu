@@ -17,6 +17,7 @@
 #include "common/cuda_convert.cuh"
 #include "common/cuda_launch.cuh"
 #include "common/tails.h"
+#include "moe/gated_act.h"
 #include "moe/moe.h"
 #include "moe/moe_cuda_common.cuh"
 #include "moe/moe_schedule.h"
@@ -178,6 +179,63 @@ __global__ void __launch_bounds__(kThreads) scale_rows_kernel(const ScaleRowsPar
   }
 }
 
+// The gated activation (gated_act.h), forward when p.grad_inner is null. Each work item: kV
+// consecutive columns j of one row of inner (kV = 16 bytes of elements where the launcher found
+// everything aligned: 16-byte loads of gate, up and grad_inner, 16-byte stores). Interleaved rows
+// hold (gate, up) pairs: the item's 2 kV gate_up elements are contiguous, read as two packs.
+template <typename T, int kV, bool kInterleaved>
+__global__ void __launch_bounds__(kThreads) gated_act_kernel(const GatedActParams p) {
+  const T* gate_up = static_cast<const T*>(p.gate_up);
+  const int64_t packs = p.inner / kV;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < p.rows * packs;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / packs, j = i % packs * kV;
+    const T* row = gate_up + r * 2 * p.inner;
+    float gate[kV], up[kV];
+    if constexpr (kInterleaved) {
+      float pairs[2][kV];
+      load_pack<T, kV>(row + 2 * j, pairs[0]);
+      load_pack<T, kV>(row + 2 * j + kV, pairs[1]);
+#pragma unroll
+      for (int k = 0; k < kV; ++k) {
+        gate[k] = pairs[(2 * k) / kV][(2 * k) % kV];
+        up[k] = pairs[(2 * k + 1) / kV][(2 * k + 1) % kV];
+      }
+    } else {
+      load_pack<T, kV>(row + j, gate);
+      load_pack<T, kV>(row + p.inner + j, up);
+    }
+    if (p.grad_inner == nullptr) {
+      float inner[kV];
+#pragma unroll
+      for (int k = 0; k < kV; ++k) inner[k] = gated_act(p.spec, gate[k], up[k]);
+      store_pack<T, kV>(static_cast<T*>(p.out) + r * p.inner + j, inner);
+      continue;
+    }
+    float grad[kV], d_gate[kV], d_up[kV];
+    load_pack<T, kV>(static_cast<const T*>(p.grad_inner) + r * p.inner + j, grad);
+#pragma unroll
+    for (int k = 0; k < kV; ++k) {
+      const GatedActGrad d = gated_act_grad(p.spec, gate[k], up[k], grad[k]);
+      d_gate[k] = d.gate, d_up[k] = d.up;
+    }
+    T* out = static_cast<T*>(p.out) + r * 2 * p.inner;
+    if constexpr (kInterleaved) {
+      float pairs[2][kV];
+#pragma unroll
+      for (int k = 0; k < kV; ++k) {
+        pairs[(2 * k) / kV][(2 * k) % kV] = d_gate[k];
+        pairs[(2 * k + 1) / kV][(2 * k + 1) % kV] = d_up[k];
+      }
+      store_pack<T, kV>(out + 2 * j, pairs[0]);
+      store_pack<T, kV>(out + 2 * j + kV, pairs[1]);
+    } else {
+      store_pack<T, kV>(out + j, d_gate);
+      store_pack<T, kV>(out + p.inner + j, d_up);
+    }
+  }
+}
+
 // One block per group of kZeroRowsPerBlock slots; only blocks reaching the dropped bucket write.
 constexpr int kZeroRowsPerBlock = 8;
 template <typename T>
@@ -289,6 +347,29 @@ const char* launch_scale_rows(const ScaleRowsParams& p, cudaStream_t stream) {
     else
       scale_rows_kernel<T, 1><<<grid_for(p.slots * p.src.cols, kThreads), kThreads, 0, stream>>>(p);
     return launch_status("moe scale rows: kernel launch failed");
+  });
+}
+
+const char* launch_gated_act(const GatedActParams& p, cudaStream_t stream) {
+  if (p.rows * p.inner == 0) return nullptr;
+  return with_element(p.dtype, [&](auto element) {
+    using T = decltype(element);
+    constexpr int kV = 16 / sizeof(T);
+    const int64_t out_cols = p.grad_inner != nullptr ? 2 * p.inner : p.inner;
+    const bool packed = p.inner % kV == 0 && packs_of_16_bytes<T>(p.gate_up, 2 * p.inner, 2 * p.inner) &&
+                        packs_of_16_bytes<T>(p.out, out_cols, out_cols) &&
+                        (p.grad_inner == nullptr || packs_of_16_bytes<T>(p.grad_inner, p.inner, p.inner));
+    const int blocks = grid_for(p.rows * p.inner / (packed ? kV : 1), kThreads);
+    if (packed && p.interleaved) {
+      gated_act_kernel<T, kV, true><<<blocks, kThreads, 0, stream>>>(p);
+    } else if (packed) {
+      gated_act_kernel<T, kV, false><<<blocks, kThreads, 0, stream>>>(p);
+    } else if (p.interleaved) {
+      gated_act_kernel<T, 1, true><<<blocks, kThreads, 0, stream>>>(p);
+    } else {
+      gated_act_kernel<T, 1, false><<<blocks, kThreads, 0, stream>>>(p);
+    }
+    return launch_status("moe gated activation: kernel launch failed");
   });
 }
 

@@ -18,6 +18,29 @@ inline void check_top_k_index(const at::Tensor& top_k_index, int64_t num_experts
   TORCH_CHECK_VALUE(num_experts >= 1, "num_experts must be at least 1, got ", num_experts);
 }
 
+// The gated activation's gate_up [rows, 2 inner] (contiguous, a float dtype) and act code; returns inner.
+inline int64_t check_gated_act(const at::Tensor& gate_up, int64_t act, int64_t act_count) {
+  float_dtype(gate_up.scalar_type(), "gate_up");
+  TORCH_CHECK_VALUE(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
+                    "gate_up must be 2-D [rows, 2 * intermediate] (gate and up columns), got ",
+                    shape_string(gate_up.sizes()));
+  TORCH_CHECK_VALUE(gate_up.is_contiguous(), "gate_up must be contiguous");
+  TORCH_CHECK_VALUE(act >= 0 && act < act_count, "act must be a code in [0, ", act_count, "), got ", act);
+  return gate_up.size(1) / 2;
+}
+
+inline void check_gated_act_grad(const at::Tensor& grad_inner, const at::Tensor& gate_up) {
+  TORCH_CHECK_VALUE(grad_inner.dim() == 2 && grad_inner.size(0) == gate_up.size(0) &&
+                        grad_inner.size(1) * 2 == gate_up.size(1),
+                    "grad_inner must be [rows, intermediate] = ", shape_string({gate_up.size(0), gate_up.size(1) / 2}),
+                    ", got ", shape_string(grad_inner.sizes()));
+  TORCH_CHECK_VALUE(grad_inner.scalar_type() == gate_up.scalar_type(), "grad_inner must have gate_up's dtype ",
+                    gate_up.scalar_type(), ", got ", grad_inner.scalar_type());
+  TORCH_CHECK_VALUE(grad_inner.device() == gate_up.device(), "grad_inner must be on ", gate_up.device(),
+                    " like gate_up, got ", grad_inner.device());
+  TORCH_CHECK_VALUE(grad_inner.is_contiguous(), "grad_inner must be contiguous");
+}
+
 // Sizes of one grouped linear: E experts, `slots` = T * k assignments, weight [E, out, in].
 struct Sizes {
   int64_t experts, out, in, slots, tokens, top_k, rank;

@@ -105,13 +105,7 @@ PK_AVX512 inline __m512 load16(const T* p) {
 template <typename T>
 PK_AVX512 inline __m256i to_16bit(__m512 v) {
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i rounded = _mm512_srli_epi32(
-        _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    rounded = _mm512_mask_blend_epi32(nan, rounded, _mm512_set1_epi32(0x7FC0));
-    return _mm512_cvtepi32_epi16(rounded);
+    return round_to_bf16_x16(v);
   } else {
     return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   }

@@ -7,12 +7,12 @@ import functools
 
 import torch
 
-from pykernels import backend
+from pykernels import backend, moe_types
 from pykernels._extension import check_device, ops
 from pykernels.nf4_weight import NF4Weight
 from pykernels.ops import moe_nf4
 from pykernels.reference import moe as reference
-from pykernels.moe_types import Activation, LoRAFactors, check_activation, gated_activation
+from pykernels.moe_types import Activation, ClampedSwiGLU, LoRAFactors, check_activation
 
 _EMPTY_SHAPE = (0,)
 
@@ -50,7 +50,32 @@ def _grouped_linear_backward_fake(grad_y, x, weight, sorted_expert_idx, sorted_t
             x.new_empty(lora_b.shape if lora else _EMPTY_SHAPE))
 
 
+@torch.library.register_fake("pykernels::moe_gated_act")
+def _gated_act_fake(gate_up, act, interleaved, alpha, limit):
+    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+
+@torch.library.register_fake("pykernels::moe_gated_act_backward")
+def _gated_act_backward_fake(grad_inner, gate_up, act, interleaved, alpha, limit):
+    return torch.empty_like(gate_up)
+
+
 # ---------------------------------------------------------------- autograd
+def _gated_act_setup(ctx, inputs, output):
+    gate_up, ctx.act, ctx.interleaved, ctx.alpha, ctx.limit = inputs
+    ctx.save_for_backward(gate_up)
+
+
+def _gated_act_backward(ctx, grad_inner):
+    (gate_up,) = ctx.saved_tensors
+    grad = ops.moe_gated_act_backward(grad_inner.contiguous(), gate_up, ctx.act, ctx.interleaved, ctx.alpha,
+                                      ctx.limit)
+    return grad, None, None, None, None
+
+
+torch.library.register_autograd("pykernels::moe_gated_act", _gated_act_backward, setup_context=_gated_act_setup)
+
+
 def _setup(ctx, inputs, output):
     ctx.num_inputs = len(inputs)
     x, weight, sorted_expert_idx, sorted_token_idx, expert_offsets, top_k, grouped_in, grouped_out, gates, \
@@ -99,6 +124,34 @@ def sort_tokens(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     if _reference_for(top_k_index):
         return reference.sort_tokens(top_k_index, num_experts)
     return ops.moe_sort_tokens(top_k_index.contiguous(), int(num_experts))
+
+
+# The op's act codes (csrc/moe/gated_act.h: GatedAct).
+_GATED_ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
+_CLAMPED_SWIGLU_CODE = 4
+
+
+def gated_activation(gate_up: torch.Tensor, act: Activation = "silu", interleaved: bool = False) -> torch.Tensor:
+    """The expert MLP's inner activation [rows, I] = act(gate) * up from the gate_up projection
+    [rows, 2I], in one pass each way (csrc/moe/gated_act.h): gate and up are the first and last I
+    columns (transformers' layout), or alternate columns when interleaved (GPT-OSS). act: "silu",
+    "gelu", "gelu_tanh", "relu", "clamped_swiglu" or a ClampedSwiGLU. fp32 math, one rounding per
+    output (torch eager rounds act(gate) before the product); gradient to gate_up.
+
+    Example:
+        >>> inner = pykernels.moe.gated_activation(gate_up, "silu")   # [T*k, 2I] -> [T*k, I]
+    """
+    check_activation(act)
+    if not isinstance(gate_up, torch.Tensor) or gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError("gate_up must be a 2-D [rows, 2 * intermediate] tensor, got "
+                         f"{tuple(gate_up.shape) if isinstance(gate_up, torch.Tensor) else type(gate_up).__name__}")
+    if _reference_for(gate_up):
+        return moe_types.gated_activation(gate_up, act, interleaved)
+    if act == "clamped_swiglu":
+        act = ClampedSwiGLU()
+    code, alpha, limit = ((_CLAMPED_SWIGLU_CODE, act.alpha, act.limit) if isinstance(act, ClampedSwiGLU)
+                          else (_GATED_ACT_CODES[act], 0.0, 0.0))
+    return ops.moe_gated_act(gate_up.contiguous(), code, bool(interleaved), float(alpha), float(limit))
 
 
 def _top_k(x, sorted_token_idx, grouped_in, gates) -> int:
@@ -152,8 +205,9 @@ def experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weigh
     weights may both be frozen NF4Weights [E, out, in] (QLoRA): only the experts that received
     tokens are dequantized, in the forward and again in the backward.
 
-    The biases and the activation run as torch epilogues around the two grouped GEMMs (elementwise
-    work on the [T*k, 2I] and [T, k, H] rows the GEMMs write anyway).
+    The biases run as torch epilogues around the two grouped GEMMs (elementwise work on the [T*k, 2I]
+    and [T, k, H] rows the GEMMs write anyway), the activation as one pass each way
+    (gated_activation).
 
     Example:
         >>> out = pykernels.moe.experts_forward(h, idx, w, experts.gate_up_proj, experts.down_proj)

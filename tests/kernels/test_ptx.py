@@ -146,12 +146,13 @@ def test_hopper_lora_forward_is_one_wgmma_gemm_over_both_operand_pairs(tmp_path)
 
 def test_moe_gather_and_token_sums_move_16_bytes(tmp_path):
     """The passes around the Hopper expert GEMMs (the gather of x / dy into slot order, the gates,
-    the gated sum over a token's k rows) are memory-bound: their packed variants (8 bf16 / fp16 or
-    4 fp32 elements per thread) must load and store 16 bytes at a time."""
+    the gated sum over a token's k rows, the gated activation both ways and both layouts) are
+    memory-bound: their packed variants (8 bf16 / fp16 or 4 fp32 elements per thread) must load and
+    store 16 bytes at a time."""
     kernels = kernels_ptx("moe/moe_routing.cu", tmp_path, flags=("--expt-relaxed-constexpr",))
     packed = {name: ptx for name, ptx in kernels.items()
-              if re.search(r"(scale_rows|sum_per_token)_kernelI(13__nv_bfloat16Li8|6__halfLi8|fLi4)E", name)}
-    assert len(packed) == 6, list(kernels)
+              if re.search(r"(scale_rows|sum_per_token|gated_act)_kernelI(13__nv_bfloat16Li8|6__halfLi8|fLi4)E", name)}
+    assert len(packed) == 12, list(kernels)
     for name, ptx in packed.items():
         assert re.search(r"ld\.global(?:\.nc)?\.v4\.", ptx), f"{name}: no 16-byte load"
         assert re.search(r"st\.global\.v4\.", ptx), f"{name}: no 16-byte store"
