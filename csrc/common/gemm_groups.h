@@ -38,6 +38,20 @@ PYKERNELS_HOST_DEVICE inline GroupProblem rows_group(const int64_t* offsets, int
   return {r.end - r.begin, n, k, r.begin * lda, e * b_expert_stride, r.begin * ldd, false};
 }
 
+// The second operand pair of a rows group with extra K (grouped_gemm_sm90.h): A2's rows start at the
+// group's first slot (row stride lda2), B2_e at e * b2_expert_stride, and the problem's K covers
+// both pairs in whole k tiles of block_k (the extra-K mainloop takes ceil(k / block_k) tiles from
+// the first pair, then ceil(k2 / block_k) from the second; TMA zero-fills each pair's last tile).
+struct ExtraKGroup {
+  int64_t a2_offset, b2_offset, k;
+};
+PYKERNELS_HOST_DEVICE inline ExtraKGroup extra_k_group(const int64_t* offsets, int64_t experts, int64_t slots,
+                                                       int64_t e, int64_t k, int64_t k2, int64_t lda2,
+                                                       int64_t b2_expert_stride, int64_t block_k) {
+  const moe::SlotRange r = group_slots(offsets, experts, slots, e);
+  return {r.begin * lda2, e * b2_expert_stride, ceil_div(k, block_k) * block_k + ceil_div(k2, block_k) * block_k};
+}
+
 // Slot-reduction GEMM (weight gradients): expert e's slots are the reduction. A is [slots, m] read
 // transposed (column-major M x K, column stride lda), B [slots, n] row-major with row stride ldb,
 // D_e [m, n] at e * d_expert_stride. An expert without slots must still get zeros, and a k = 0

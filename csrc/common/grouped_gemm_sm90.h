@@ -7,6 +7,11 @@
 //   kRowsNMajorB  D[s, :n] = alpha A[s, :k] B_e   + beta C[s]     B_e [k, n], row stride ldb
 //   kWeightGrad   D_e[:m, :n] = alpha sum_{s of e} A[s, :m]^T B[s, :n] + beta C_e
 //                 (an expert without slots gets beta C_e: its group reads zeros, never K = 0)
+// Extra K (kRows*, bf16 D, when a2 is given): D[s, :n] = alpha (A[s, :k] op(B_e) + A2[s, :k2] op(B2_e))
+//               + beta C[s], one accumulation over both pairs (common/extended_k_mainloop_sm90.cuh):
+//               the MoE experts' LoRA, x W_e^T + u B_e^T and dy W_e + v A_e, in one GEMM. A2 [slots,
+//               k2] row stride lda2; B2_e at e * b2_expert_stride laid out like B (K-major [n, k2]
+//               with row stride ldb2 for kRowsKMajorB, N-major [k2, n] for kRowsNMajorB).
 // s runs over the slots of group e; A [slots, *] and B (kWeightGrad) are row-major with row strides
 // lda / ldb; D and C (which may alias D, or be null when beta == 0) are row-major with row stride
 // ldd, bf16 or fp32. Rows of slots no group owns (the dropped bucket) are not written. TMA needs
@@ -46,6 +51,10 @@ struct GroupedGemmSm90Params {
   float alpha, beta;
   const void* zeros;              // grouped kWeightGrad: max(m, n) bf16 zeros, 16-byte aligned
   Sm90Tile tile;                  // the kernels' tile configuration (common/sm90_tiles.h)
+  const void* a2;                 // extra K: bf16 [slots, k2], or null (none)
+  int64_t lda2;
+  const void* b2;                 // bf16, B's layout
+  int64_t ldb2, b2_expert_stride, k2;
 };
 
 // The mean group's M, for the tile rule (sm90_tile_for): a rows GEMM's slots per group, a weight
@@ -78,6 +87,15 @@ inline const char* grouped_gemm_sm90_error(const GroupedGemmSm90Params& p) {
     return "the grouped weight gradient needs the zero buffer";
   if (weight_grad && p.expert_offsets == nullptr && p.slots < 1) return "a dense A^T B needs K >= 1";
   if ((p.c == nullptr) != (p.beta == 0.0f)) return "c must be given iff beta != 0";
+  if (p.a2 != nullptr) {  // extra K
+    if (weight_grad || p.d_dtype != DType::kBFloat16) return "extra K is for kRows* GEMMs with bf16 D";
+    if (p.k2 < 1 || p.k2 >= kMax || p.b2 == nullptr) return "extra K needs b2 and 1 <= k2 < 2^31";
+    if (p.lda2 < 1 || p.lda2 % 8 != 0 || p.ldb2 < 1 || p.ldb2 % 8 != 0 || p.b2_expert_stride % 8 != 0 ||
+        !is_aligned(p.a2, 16) || !is_aligned(p.b2, 16))
+      return "extra K's row and expert strides must be multiples of 16 bytes and a2, b2 16-byte aligned";
+    if (p.k2 % 8 != 0 || (p.kind == Sm90GemmKind::kRowsNMajorB && p.n % 8 != 0))
+      return "extra K's contiguous extents must be multiples of 16 bytes";
+  }
   return nullptr;
 }
 

@@ -20,7 +20,9 @@
 //           warpgroups issuing wgmma with fp32 accumulators (cooperative: two on one tile; ping-pong:
 //           one per tile, alternating), TMA stores in the epilogue (D = alpha acc + beta C). TMA
 //           zero-fills the M, N and K tails of a group, so any size works.
-// scope     bf16 operands, bf16 or fp32 D: six kernels, three operand layouts x two output types.
+// scope     bf16 operands, bf16 or fp32 D: six kernels, three operand layouts x two output types;
+//           and two with extra K (kRowsKMajorB, kRowsNMajorB, bf16 D: the MoE experts' LoRA in the
+//           base GEMM), whose mainloop reads a second operand pair (extended_k_mainloop_sm90.cuh).
 #pragma once
 
 #ifndef PYKERNELS_SM90_TILE_KERNELS
@@ -33,6 +35,7 @@
 #include <string>
 
 #include "common/cutlass_sm90.cuh"
+#include "common/extended_k_mainloop_sm90.cuh"
 #include "common/gemm_groups.h"
 #include "common/grouped_gemm_sm90.h"
 #include "common/grouped_gemm_sm90_tiles.h"
@@ -67,18 +70,23 @@ using EpilogueFp32 = cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::layout::RowMajor*, 4, PYKERNELS_SM90_EPILOGUE_SCHEDULE,
     cutlass::epilogue::fusion::LinearCombination<float, float>>::CollectiveOp;
 
-// One CUTLASS grouped GEMM: bf16 A and B in the given layouts, row-major D by Epilogue.
-template <class LayoutA, class LayoutB, class EpilogueT>
+// One CUTLASS grouped GEMM: bf16 A and B in the given layouts, row-major D by Epilogue; with
+// kExtended, the extra-K mainloop over a second operand pair (its two more TMA descriptors carved
+// out of shared memory before the stages are counted).
+template <class LayoutA, class LayoutB, class EpilogueT, bool kExtended = false>
 struct GroupedGemm {
   using Element = ElementAB;
   using Epilogue = EpilogueT;
   using ElementD = typename Epilogue::ElementD;
+  static constexpr bool kExtraK = kExtended;
+  static constexpr int kCarveout = static_cast<int>(sizeof(typename EpilogueT::SharedStorage)) +
+                                   (kExtended ? 2 * static_cast<int>(sizeof(cute::TmaDescriptor)) : 0);
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using BaseMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, 8, Element, LayoutB*, 8, float,
-      TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename EpilogueT::SharedStorage))>,
+      TileShape, ClusterShape, cutlass::gemm::collective::StageCountAutoCarveout<kCarveout>,
       PYKERNELS_SM90_KERNEL_SCHEDULE>::CollectiveOp;
+  using Mainloop = cute::conditional_t<kExtended, ExtendedKArrayMainloop<BaseMainloop>, BaseMainloop>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;
@@ -101,6 +109,10 @@ struct GroupArrays {
   typename G::StrideA* stride_a;
   typename G::StrideB* stride_b;
   typename G::StrideD* stride_d;
+  const typename G::Element** a2;  // extra K (G::kExtraK only)
+  const typename G::Element** b2;
+  typename G::StrideA* stride_a2;
+  typename G::StrideB* stride_b2;
   void* cutlass_workspace;
 };
 
@@ -125,6 +137,12 @@ GroupArrays<G> carve(void* workspace, int64_t groups, int64_t* bytes_used = null
   arrays.stride_a = static_cast<typename G::StrideA*>(take(groups * sizeof(typename G::StrideA)));
   arrays.stride_b = static_cast<typename G::StrideB*>(take(groups * sizeof(typename G::StrideB)));
   arrays.stride_d = static_cast<typename G::StrideD*>(take(groups * sizeof(typename G::StrideD)));
+  if constexpr (G::kExtraK) {
+    arrays.a2 = static_cast<const typename G::Element**>(take(groups * sizeof(void*)));
+    arrays.b2 = static_cast<const typename G::Element**>(take(groups * sizeof(void*)));
+    arrays.stride_a2 = static_cast<typename G::StrideA*>(take(groups * sizeof(typename G::StrideA)));
+    arrays.stride_b2 = static_cast<typename G::StrideB*>(take(groups * sizeof(typename G::StrideB)));
+  }
   arrays.cutlass_workspace = at == nullptr ? nullptr : at + used;
   if (bytes_used != nullptr) *bytes_used = used;
   return arrays;
@@ -144,7 +162,17 @@ __global__ void __launch_bounds__(kSetupThreads) group_setup_kernel(const Groupe
   using Element = typename G::Element;
   using ElementD = typename G::ElementD;
   const Element* zeros = static_cast<const Element*>(p.zeros);
-  out.shapes[e] = typename G::Shape3(static_cast<int>(g.m), static_cast<int>(g.n), static_cast<int>(g.k));
+  int64_t k = g.k;
+  if constexpr (G::kExtraK) {  // both pairs in whole k tiles (extended_k_mainloop_sm90.cuh)
+    const ExtraKGroup x = extra_k_group(p.expert_offsets, p.experts, p.slots, e, g.k, p.k2, p.lda2,
+                                        p.b2_expert_stride, size<2>(TileShape{}));
+    k = x.k;
+    out.a2[e] = static_cast<const Element*>(p.a2) + x.a2_offset;
+    out.b2[e] = static_cast<const Element*>(p.b2) + x.b2_offset;
+    out.stride_a2[e] = leading_stride<typename G::StrideA>(p.lda2);
+    out.stride_b2[e] = leading_stride<typename G::StrideB>(p.ldb2);
+  }
+  out.shapes[e] = typename G::Shape3(static_cast<int>(g.m), static_cast<int>(g.n), static_cast<int>(k));
   out.a[e] = g.zeros ? zeros : static_cast<const Element*>(p.a) + g.a_offset;
   out.b[e] = g.zeros ? zeros : static_cast<const Element*>(p.b) + g.b_offset;
   out.d[e] = static_cast<ElementD*>(p.d) + g.d_offset;
@@ -162,7 +190,18 @@ typename G::Gemm::Arguments arguments(const GroupedGemmSm90Params& p, const Grou
   typename G::Gemm::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   args.problem_shape = {static_cast<int>(p.experts), arrays.shapes, nullptr};  // shapes on the device only
-  args.mainloop = {arrays.a, arrays.stride_a, arrays.b, arrays.stride_b};
+  args.mainloop.ptr_A = arrays.a;
+  args.mainloop.dA = arrays.stride_a;
+  args.mainloop.ptr_B = arrays.b;
+  args.mainloop.dB = arrays.stride_b;
+  if constexpr (G::kExtraK) {
+    args.mainloop.ptr_A2 = arrays.a2;
+    args.mainloop.dA2 = arrays.stride_a2;
+    args.mainloop.ptr_B2 = arrays.b2;
+    args.mainloop.dB2 = arrays.stride_b2;
+    args.mainloop.k1 = static_cast<int>(p.k);
+    args.mainloop.k2 = static_cast<int>(p.k2);
+  }
   auto& fusion = args.epilogue.thread;
   fusion.alpha = p.alpha;
   fusion.beta = p.beta;
@@ -202,9 +241,14 @@ auto with_layouts(Sm90GemmKind kind, F&& f) {
   }
 }
 
-// f(GroupedGemm<...>{}) for the kernel of p's kind and output type.
+// f(GroupedGemm<...>{}) for the kernel of p's kind and output type (extra K: the two kinds it has,
+// bf16 D; grouped_gemm_sm90_error has checked that).
 template <class F>
 auto with_kernel(const GroupedGemmSm90Params& p, F&& f) {
+  if (p.a2 != nullptr) {
+    return p.kind == Sm90GemmKind::kRowsKMajorB ? f(GroupedGemm<RowMajor, ColumnMajor, EpilogueBf16, true>{})
+                                                : f(GroupedGemm<RowMajor, RowMajor, EpilogueBf16, true>{});
+  }
   return p.d_dtype == DType::kFloat32 ? with_layouts<EpilogueFp32>(p.kind, f) : with_layouts<EpilogueBf16>(p.kind, f);
 }
 

@@ -107,6 +107,40 @@ py::object gemm_sm90_error(const std::string& kind, bool grouped, int64_t expert
   return error ? py::object(py::str(error)) : py::object(py::none());
 }
 
+// The check on a grouped rows GEMM with extra K (the MoE experts' LoRA, grouped_gemm_sm90.h).
+py::object gemm_sm90_extra_k_error(const std::string& kind, int64_t n, int64_t k, int64_t k2, int64_t lda2,
+                                   int64_t ldb2, int64_t b2_expert_stride, const std::string& d_dtype,
+                                   bool misaligned) {
+  static const int64_t offsets[2] = {0, 0};
+  gemm::GroupedGemmSm90Params g{};
+  g.kind = kind == "rows_n_major_b" ? gemm::Sm90GemmKind::kRowsNMajorB : gemm::Sm90GemmKind::kRowsKMajorB;
+  g.slots = 64, g.experts = 1, g.expert_offsets = offsets, g.n = n, g.k = k;
+  g.a = fake_address(0, false), g.lda = k, g.b = fake_address(1, false);
+  g.ldb = g.kind == gemm::Sm90GemmKind::kRowsNMajorB ? n : k;
+  g.b_expert_stride = n * k, g.d = const_cast<void*>(fake_address(2, false)), g.ldd = n;
+  g.d_dtype = dtype_named(d_dtype), g.alpha = 1.0f;
+  g.a2 = fake_address(3, misaligned), g.lda2 = lda2, g.k2 = k2;
+  g.b2 = fake_address(4, false), g.ldb2 = ldb2, g.b2_expert_stride = b2_expert_stride;
+  const char* error = gemm::grouped_gemm_sm90_error(g);
+  return error ? py::object(py::str(error)) : py::object(py::none());
+}
+
+// common/gemm_groups.h: (a2_offset, b2_offset, k) of each group of a rows GEMM with extra K.
+std::vector<std::tuple<int64_t, int64_t, int64_t>> gemm_sm90_extra_k_groups(const std::vector<int64_t>& offsets,
+                                                                            int64_t slots, int64_t k, int64_t k2,
+                                                                            int64_t lda2, int64_t b2_expert_stride,
+                                                                            int64_t block_k) {
+  require(offsets.size() >= 2 && slots >= 0 && block_k >= 1, "need experts + 1 >= 2 offsets and block_k >= 1");
+  const int64_t experts = static_cast<int64_t>(offsets.size()) - 1;
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> groups;
+  for (int64_t e = 0; e < experts; ++e) {
+    const gemm::ExtraKGroup x =
+        gemm::extra_k_group(offsets.data(), experts, slots, e, k, k2, lda2, b2_expert_stride, block_k);
+    groups.emplace_back(x.a2_offset, x.b2_offset, x.k);
+  }
+  return groups;
+}
+
 // common/sm90_tiles.h through grouped_gemm_sm90.h: the tile a GEMM of this kind and sizes runs on when
 // PYKERNELS_SM90_TILE is `setting` (None: unset), or the error message.
 std::string gemm_sm90_tile(const std::optional<std::string>& setting, const std::string& kind, int64_t experts,
@@ -476,6 +510,11 @@ void define_host_logic(py::module_& m) {
         py::arg("slots"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("lda"), py::arg("ldb"),
         py::arg("b_expert_stride"), py::arg("ldd"), py::arg("d_expert_stride"), py::arg("d_dtype"),
         py::arg("accumulate"), py::arg("zeros"));
+  m.def("gemm_sm90_extra_k_error", &gemm_sm90_extra_k_error, py::arg("kind"), py::arg("n"), py::arg("k"),
+        py::arg("k2"), py::arg("lda2"), py::arg("ldb2"), py::arg("b2_expert_stride"), py::arg("d_dtype") = "bf16",
+        py::arg("misaligned") = false);
+  m.def("gemm_sm90_extra_k_groups", &gemm_sm90_extra_k_groups, py::arg("offsets"), py::arg("slots"), py::arg("k"),
+        py::arg("k2"), py::arg("lda2"), py::arg("b2_expert_stride"), py::arg("block_k"));
   m.def("gemm_sm90_tile", &gemm_sm90_tile, py::arg("setting"), py::arg("kind"), py::arg("experts"), py::arg("slots"),
         py::arg("m"), py::arg("n"));
   {

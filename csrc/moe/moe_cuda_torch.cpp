@@ -21,9 +21,10 @@
 // sm_90a GEMMs (the B operand's other major-ness); the sm80 kernels take a contiguous [E, out, in]
 // copy per call.
 //
-// On Hopper (compute capability 9.0, bf16, feature sizes multiples of 8) the products with W and
-// the LoRA products on the base's rows (u B^T, v A) run as CUTLASS sm_90a grouped GEMMs on rows in
-// slot order (common/grouped_gemm_sm90.cu). The gather of x / dy into slot order, the scatter and
+// On Hopper (compute capability 9.0, bf16, feature sizes multiples of 8) the products with W run
+// as CUTLASS sm_90a grouped GEMMs on rows in slot order (common/grouped_gemm_sm90.cu), the LoRA
+// products on the base's rows (u B^T, v A) as extra K of the same GEMMs (no second pass over the
+// rows). The gather of x / dy into slot order, the scatter and
 // the gate gradient's dots are separate passes around them, and the gates ride on the per-token
 // sum (the sm80 kernels fuse all of it; the sm_90a epilogues do not yet). PYKERNELS_SM90=0 keeps
 // the sm80 kernels on Hopper.
@@ -217,11 +218,30 @@ void run_sm90(const Problem& p, const GroupedGemmSm90Params& g) {
   gemm::run_grouped_gemm_sm90(g, static_cast<int>(p.x.get_device()), p.stream);
 }
 
+// A second operand pair of a rows GEMM (extra K, common/grouped_gemm_sm90.h): a2 [slots, k2]
+// contiguous and B2_e at e * b2_expert_stride in B's layout with row stride ldb2.
+struct ExtraK {
+  const at::Tensor* a2;
+  int64_t k2;
+  const at::Tensor* b2;
+  int64_t ldb2, b2_expert_stride;
+};
+
 // D[s] (+)= A[s] B_e^T (B_e [n, k] with row stride ldb) or A[s] B_e (B_e [k, n]) for the slots of
-// each expert; A [slots, >= k] and D [slots, n] contiguous.
+// each expert, + A2[s] op(B2_e) in the same accumulation with extra K; A [slots, >= k] and D
+// [slots, n] contiguous.
 void sm90_rows(const Problem& p, Sm90GemmKind kind, const at::Tensor& a, int64_t k, const at::Tensor& b,
-               int64_t ldb, int64_t b_expert_stride, at::Tensor& d, bool accumulate) {
+               int64_t ldb, int64_t b_expert_stride, at::Tensor& d, bool accumulate,
+               const std::optional<ExtraK>& extra = std::nullopt) {
   GroupedGemmSm90Params g = sm90_gemm(p, kind);
+  if (extra.has_value()) {
+    g.a2 = extra->a2->data_ptr();
+    g.lda2 = extra->a2->size(1);
+    g.k2 = extra->k2;
+    g.b2 = extra->b2->data_ptr();
+    g.ldb2 = extra->ldb2;
+    g.b2_expert_stride = extra->b2_expert_stride;
+  }
   g.n = d.size(1);
   g.k = k;
   g.a = a.data_ptr();
@@ -264,15 +284,21 @@ at::Tensor grouped_linear_sm90(const Problem& p) {
   const Sizes& z = p.size;
   const at::Tensor xs = in_slot_order(p, p.x, p.grouped_in ? at::Tensor() : p.token_of_slot);
   at::Tensor rows = at::empty({z.slots, z.out}, p.x.options());  // slot order, ungated
-  if (p.weight_n_major) {  // W_e^T, the stored [in, out] matrix, as B [k, n]
-    sm90_rows(p, Sm90GemmKind::kRowsNMajorB, xs, z.in, p.weight, z.out, z.out * z.in, rows, false);
-  } else {
-    sm90_rows(p, Sm90GemmKind::kRowsKMajorB, xs, z.in, p.weight, z.in, z.out * z.in, rows, false);
-  }
+  // With LoRA, u B_e^T is extra K of the same GEMM (u [slots, r8], B_e zero-padded to r8 columns, so
+  // every TMA extent is a multiple of 16 bytes), laid out like the weight: no second pass over rows.
+  at::Tensor u, b;
+  std::optional<ExtraK> lora_term;
   if (p.lora()) {
-    // K = r8: both operands carry zero padding columns, so every TMA extent is a multiple of 16 bytes
-    const at::Tensor u = lora_u(p), b = lora_b_by_expert(p);  // [slots, r8], [E, out, r8]
-    sm90_rows(p, Sm90GemmKind::kRowsKMajorB, u, p.padded_rank(), b, b.size(2), b.size(1) * b.size(2), rows, true);
+    const int64_t r8 = p.padded_rank();
+    u = lora_u(p);
+    b = lora_b_by_expert(p);  // [E, out, r8]
+    if (p.weight_n_major) b = b.transpose(1, 2).contiguous();  // [E, r8, out]: N-major like W_e^T
+    lora_term = ExtraK{&u, r8, &b, p.weight_n_major ? z.out : r8, z.out * r8};
+  }
+  if (p.weight_n_major) {  // W_e^T, the stored [in, out] matrix, as B [k, n]
+    sm90_rows(p, Sm90GemmKind::kRowsNMajorB, xs, z.in, p.weight, z.out, z.out * z.in, rows, false, lora_term);
+  } else {
+    sm90_rows(p, Sm90GemmKind::kRowsKMajorB, xs, z.in, p.weight, z.in, z.out * z.in, rows, false, lora_term);
   }
   if (p.summed()) return sum_per_token(p, rows, /*gated=*/true);  // gates applied in the sum
   if (p.grouped_out) {
@@ -293,15 +319,21 @@ void grouped_linear_backward_sm90(const Problem& p, const at::Tensor& dy, const 
       in_slot_order(p, dy, p.grouped_out ? at::Tensor() : p.summed() ? p.token_of_slot : p.sorted_token_idx);
   if (compute_grad_x || compute_grad_gates) {
     at::Tensor dx_rows = at::empty({z.slots, z.in}, p.x.options());  // dy_s W_e + v_s A_e, ungated
-    if (p.weight_n_major) {  // W_e = the stored [in, out] matrix transposed: B [n, k]
-      sm90_rows(p, Sm90GemmKind::kRowsKMajorB, dys, z.out, p.weight, z.out, z.out * z.in, dx_rows, false);
-    } else {
-      sm90_rows(p, Sm90GemmKind::kRowsNMajorB, dys, z.out, p.weight, z.in, z.out * z.in, dx_rows, false);
-    }
-    if (v.defined()) {  // K = r8 as in the forward: A_e padded with zero rows
-      at::Tensor a = at::zeros({z.experts, p.padded_rank(), z.in}, p.x.options());
+    // With LoRA, v A_e is extra K of the same GEMM (K = r8 as in the forward: A_e padded with zero
+    // rows), laid out like the weight.
+    at::Tensor a;
+    std::optional<ExtraK> lora_term;
+    if (v.defined()) {
+      const int64_t r8 = p.padded_rank();
+      a = at::zeros({z.experts, r8, z.in}, p.x.options());
       a.narrow(1, 0, z.rank).copy_(p.lora_a_by_expert());
-      sm90_rows(p, Sm90GemmKind::kRowsNMajorB, v, p.padded_rank(), a, z.in, a.size(1) * z.in, dx_rows, true);
+      if (p.weight_n_major) a = a.transpose(1, 2).contiguous();  // [E, in, r8]: K-major like W_e
+      lora_term = ExtraK{&v, r8, &a, p.weight_n_major ? r8 : z.in, r8 * z.in};
+    }
+    if (p.weight_n_major) {  // W_e = the stored [in, out] matrix transposed: B [n, k]
+      sm90_rows(p, Sm90GemmKind::kRowsKMajorB, dys, z.out, p.weight, z.out, z.out * z.in, dx_rows, false, lora_term);
+    } else {
+      sm90_rows(p, Sm90GemmKind::kRowsNMajorB, dys, z.out, p.weight, z.in, z.out * z.in, dx_rows, false, lora_term);
     }
     if (compute_grad_gates) {
       at::Tensor dots = at::empty({1, z.slots}, p.x.options().dtype(at::kFloat));

@@ -279,6 +279,34 @@ def test_sm90_core_check_on_the_moe_calls():
     assert "K >= 1" in H.gemm_sm90_error(**{**grad, "grouped": False, "experts": 1, "slots": 0})
 
 
+def test_sm90_extra_k_check_on_the_moe_lora_calls():
+    """The MoE experts' LoRA as extra K (moe_cuda_torch.cpp): forward x W_e^T + u B_e^T (K-major,
+    u [slots, r8], B_e [out, r8]) and grad_x dy W_e + v A_e (N-major, A_e [r8, in]) pass; what TMA
+    or the kernels (bf16 D, 16-byte extents) cannot take is refused."""
+    forward = dict(kind="rows_k_major_b", n=1536, k=2048, k2=16, lda2=16, ldb2=16, b2_expert_stride=1536 * 16)
+    grad_x = dict(kind="rows_n_major_b", n=2048, k=1536, k2=16, lda2=16, ldb2=2048, b2_expert_stride=16 * 2048)
+    assert H.gemm_sm90_extra_k_error(**forward) is None and H.gemm_sm90_extra_k_error(**grad_x) is None
+    assert "bf16 D" in H.gemm_sm90_extra_k_error(**forward, d_dtype="fp32")
+    assert "1 <= k2" in H.gemm_sm90_extra_k_error(**{**forward, "k2": 0})
+    assert "16 bytes" in H.gemm_sm90_extra_k_error(**{**forward, "lda2": 12})
+    assert "16 bytes" in H.gemm_sm90_extra_k_error(**{**forward, "b2_expert_stride": 1536 * 16 + 4})
+    assert "16-byte aligned" in H.gemm_sm90_extra_k_error(**forward, misaligned=True)
+    assert "contiguous extents" in H.gemm_sm90_extra_k_error(**{**forward, "k2": 12, "lda2": 16})
+
+
+@pytest.mark.parametrize("block_k", [64, 128])  # the 128x128 / 128x256 tiles' K, the 64x128 ping-pong's
+def test_sm90_extra_k_groups(block_k):
+    """Each expert's second pair starts at its first slot (A2) and its own B2_e, and K covers both
+    pairs in whole k tiles: the mainloop takes ceil(k / block_k) tiles from the first pair, then the
+    second's. An expert without slots starts where the next one does."""
+    offsets, slots, k, k2, lda2, b2_stride = [0, 5, 5, 300, 301], 301, 2048 + 8, 16, 16, 1536 * 16
+    groups = H.gemm_sm90_extra_k_groups(offsets, slots, k, k2, lda2, b2_stride, block_k)
+    assert [a2 for a2, _, _ in groups] == [offsets[e] * lda2 for e in range(4)]
+    assert [b2 for _, b2, _ in groups] == [e * b2_stride for e in range(4)]
+    assert {total for _, _, total in groups} == {math.ceil(k / block_k) * block_k + block_k}
+    assert H.gemm_sm90_extra_k_groups([0, 8], 8, 2048, 130, 136, 0, 64)[0][2] == 2048 + 192
+
+
 def torch_grouped_mm_tile(mean_m: int, n: int) -> str:
     """torch._grouped_mm's sm90 rule (aten/src/ATen/native/cuda/GroupMM.cu): small when M or N <= 128."""
     return "64x128" if mean_m <= 128 or n <= 128 else "128x256"

@@ -73,13 +73,14 @@ LOGPROBS_TILES = ["128x128", "256x128"]  # logprobs/logprobs_sm90.h: both 128 vo
 @pytest.mark.parametrize("tile", SM90_CORE_TILES)
 def test_hopper_gemm_core_is_wgmma_fed_by_tma(tmp_path, tile):
     """The sm_90a GEMM core (common/grouped_gemm_sm90.cu dispatching to a file per tile) runs the MoE
-    expert GEMMs (bf16 out: forward, grad_x, weight gradient), the LoRA GEMMs (bf16 out) and the
-    logprobs GEMMs (fp32 out: dh, dW). Each tile's six kernels must issue bf16 wgmma of the tile's
+    expert GEMMs (bf16 out: forward, grad_x, weight gradient; with LoRA on the experts, the two
+    extra-K kernels), the LoRA GEMMs (bf16 out) and the logprobs GEMMs (fp32 out: dh, dW). Each
+    tile's eight kernels must issue bf16 wgmma of the tile's
     width from shared memory that TMA fills: a CUTLASS configuration mistake falls back to mma.sync or
     to cp.async loads without a word."""
     kernels = sm90_kernels_ptx(f"common/grouped_gemm_tile_{tile}_sm90.cu", tmp_path)
     gemms = {name: ptx for name, ptx in kernels.items() if "GemmUniversal" in name}
-    assert len(gemms) == 6, list(kernels)
+    assert len(gemms) == 8, list(kernels)
     for name, ptx in gemms.items():
         wgmma = rf"wgmma\.mma_async\.sync\.aligned\.{SM90_CORE_TILES[tile]}\.f32\.bf16\.bf16"
         assert re.search(wgmma, ptx), f"{name}: no bf16 wgmma {SM90_CORE_TILES[tile]}"
@@ -87,6 +88,14 @@ def test_hopper_gemm_core_is_wgmma_fed_by_tma(tmp_path, tile):
         assert "mma.sync" not in ptx, f"{name}: an Ampere mma.sync path"
     fp32_out = [name for name in gemms if "EpilogueScheduleIfEEEfNS" in name or "LinearCombinationIffff" in name]
     assert len(fp32_out) == 3, "three kernels with fp32 D (the logprobs GEMMs)"
+    # The two extra-K kernels (the MoE experts' LoRA in the base GEMM) rewrite four TMA descriptors
+    # per group where the others rewrite two (A2 and B2 beside A and B; the epilogue's alike).
+    address_swaps = {name: len(re.findall(r"tensormap\.replace\.tile\.global_address", ptx))
+                     for name, ptx in gemms.items()}
+    extended = [name for name in gemms if "ExtendedKArrayMainloop" in name]
+    assert len(extended) == 2
+    (plain,) = {address_swaps[name] for name in gemms if name not in extended}
+    assert [address_swaps[name] for name in extended] == [plain + 4] * 2, address_swaps
 
 
 def test_every_hopper_tile_has_its_file_and_ptx_check():
