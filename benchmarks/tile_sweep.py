@@ -1,10 +1,12 @@
 """Times every tile of the Hopper kernels on the ops that run on them, in one process on one build:
 the GEMM core's (PYKERNELS_SM90_TILE, common/sm90_tiles.h) on MoE and LoRA, the lm_head GEMMs'
-(PYKERNELS_SM90_LOGPROBS_TILE, logprobs/logprobs_sm90.h) on logprobs, and both ways of running the
+(PYKERNELS_SM90_LOGPROBS_TILE, logprobs/logprobs_sm90.h) on logprobs, both ways of running the
 LoRA forward (PYKERNELS_SM90_LORA, lora/lora_forward_sm90.h: cuBLAS's base GEMM with the LoRA term as
-its C operand, or one GEMM with the term as extra K). All are read on every call, so a lent GPU
-measures them all without rebuilding (~2 minutes of a 15-minute lease per build). For choosing the
-defaults and the core's `auto` rule; the timings that count stay the benchmarks' (pytest --benchmark).
+its C operand, or one GEMM with the term as extra K) and both of the experts' LoRA products
+(PYKERNELS_SM90_MOE_LORA, moe/moe.h: extra K of the base GEMM, or their own GEMMs). All are read on
+every call, so a lent GPU measures them all without rebuilding (~2 minutes of a 15-minute lease per
+build). For choosing the defaults and the core's `auto` rule; the timings that count stay the
+benchmarks' (pytest --benchmark).
 
 Each case is forward+backward, our kernels forced, CUDA-event median of ROUNDS calls after warm-up,
 every tile timed back to back on the same tensors. MoE: Qwen3-30B-A3B's experts at T 512 / 4096 /
@@ -16,9 +18,10 @@ and frozen lm_head (the statistics and dz GEMMs run on the tile; dh and dW on cu
 8192): 4096 x 14336 and 4096 x 4096 at T 8192, r 16, fp32 and bf16 adapters, bf16 and NF4 weights,
 with the bare base GEMM (torch's x W^T, the same under both settings) as the first row.
 
-    python -m benchmarks.tile_sweep [--ops moe,lora,logprobs,lora_forward]
+    python -m benchmarks.tile_sweep [--ops moe,lora,logprobs,lora_forward,moe_lora]
                                     [--tiles 128x128,128x256,64x128,auto] [--logprobs-tiles 128x128,256x128]
-                                    [--lora-forwards cublas,extended_k] [--rounds 10]
+                                    [--lora-forwards cublas,extended_k] [--moe-loras extra_k,separate]
+                                    [--rounds 10]
 """
 
 from __future__ import annotations
@@ -34,15 +37,16 @@ from pykernels.dispatch import cuda_timer
 TILES = ("128x128", "128x256", "64x128", "auto")  # the first is the default (common/sm90_tiles.h)
 LOGPROBS_TILES = ("128x128", "256x128")  # the first is the default (logprobs/logprobs_sm90.h)
 LORA_FORWARDS = ("cublas", "extended_k")  # the first is the default (lora/lora_forward_sm90.h)
+MOE_LORAS = ("extra_k", "separate")  # the first is the default (moe/moe.h)
 ROUNDS = 10
 
 
-def moe_cases():
+def moe_cases(loras=(False, True)):
     from benchmarks.test_bench_moe import SHAPES, make_block, routed_tokens
 
     for shape, token_counts in (("qwen3-30b-a3b", (512, 4096, 16384)), ("mixtral", (512, 4096))):
         hidden, inter, _, top_k = SHAPES[shape]
-        for lora in (False, True):
+        for lora in loras:
             block, config = make_block(shape, lora, torch.device("cuda"))
             config._experts_implementation = "pykernels"
             for tokens in token_counts:
@@ -55,6 +59,10 @@ def moe_cases():
                 flops = 12 * tokens * top_k * hidden * inter  # dx only: frozen experts, LoRA not counted
                 yield f"moe {shape} T{tokens} {'lora' if lora else 'base'}", call, flops
             del block
+
+
+def moe_lora_cases():
+    return moe_cases(loras=(True,))
 
 
 def lora_cases():
@@ -108,7 +116,8 @@ def logprobs_cases():
 # op: (its cases, the variable that picks the tile, the tiles' argument)
 CASES = {"moe": (moe_cases, "PYKERNELS_SM90_TILE", "tiles"), "lora": (lora_cases, "PYKERNELS_SM90_TILE", "tiles"),
          "logprobs": (logprobs_cases, "PYKERNELS_SM90_LOGPROBS_TILE", "logprobs_tiles"),
-         "lora_forward": (lora_forward_cases, "PYKERNELS_SM90_LORA", "lora_forwards")}
+         "lora_forward": (lora_forward_cases, "PYKERNELS_SM90_LORA", "lora_forwards"),
+         "moe_lora": (moe_lora_cases, "PYKERNELS_SM90_MOE_LORA", "moe_loras")}
 
 
 def sweep(cases, variable: str, tiles: list[str], rounds: int) -> None:
@@ -140,15 +149,17 @@ def main() -> None:
                         help="the lm_head GEMMs'; the first is the baseline")
     parser.add_argument("--lora-forwards", default=",".join(LORA_FORWARDS),
                         help="the LoRA forward's ways; the first is the baseline")
+    parser.add_argument("--moe-loras", default=",".join(MOE_LORAS),
+                        help="the experts' LoRA products' ways; the first is the baseline")
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     args = parser.parse_args()
     ops = args.ops.split(",")
     if unknown := [op for op in ops if op not in CASES]:
         raise SystemExit(f"unknown op {', '.join(unknown)}: {', '.join(CASES)}")
     tiles = {"tiles": args.tiles.split(","), "logprobs_tiles": args.logprobs_tiles.split(","),
-             "lora_forwards": args.lora_forwards.split(",")}
+             "lora_forwards": args.lora_forwards.split(","), "moe_loras": args.moe_loras.split(",")}
     known = {"tiles": [*_C.host_logic.gemm_sm90_tiles, "auto"], "logprobs_tiles": _C.host_logic.logprobs_sm90_tiles,
-             "lora_forwards": list(LORA_FORWARDS)}
+             "lora_forwards": list(LORA_FORWARDS), "moe_loras": list(MOE_LORAS)}
     for kind, names in tiles.items():
         if unknown := [t for t in names if t not in known[kind]]:
             raise SystemExit(f"unknown choice {', '.join(unknown)}: --{kind.replace('_', '-')} takes "

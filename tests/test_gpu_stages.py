@@ -202,6 +202,7 @@ def test_tile_sweep_names_what_it_needs(monkeypatch):
     assert refusal("--logprobs-tiles", "128x256") == "unknown choice 128x256: --logprobs-tiles takes 128x128, 256x128"
     assert refusal("--lora-forwards", "cublas,fused") == ("unknown choice fused: --lora-forwards takes cublas, "
                                                            "extended_k")
-    assert refusal("--ops", "moe,mlp") == "unknown op mlp: moe, lora, logprobs, lora_forward"
+    assert refusal("--moe-loras", "fused") == "unknown choice fused: --moe-loras takes extra_k, separate"
+    assert refusal("--ops", "moe,mlp") == "unknown op mlp: moe, lora, logprobs, lora_forward, moe_lora"
     if not torch.cuda.is_available():
         assert "needs a compute capability 9.0 GPU" in refusal()

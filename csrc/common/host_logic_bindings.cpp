@@ -27,6 +27,7 @@
 #include "lora/lora_forward_sm90.h"
 #include "logprobs/logprobs_sm90.h"
 #include "logprobs/vocab_chunks.h"
+#include "moe/moe.h"
 #include "moe/moe_schedule.h"
 #include "nf4/nf4.h"
 #include "nf4/nf4_layout.h"
@@ -515,6 +516,15 @@ void define_host_logic(py::module_& m) {
         py::arg("misaligned") = false);
   m.def("gemm_sm90_extra_k_groups", &gemm_sm90_extra_k_groups, py::arg("offsets"), py::arg("slots"), py::arg("k"),
         py::arg("k2"), py::arg("lda2"), py::arg("b2_expert_stride"), py::arg("block_k"));
+  m.def(
+      "moe_sm90_lora",
+      [](const std::optional<std::string>& setting) {
+        bool extra_k = true;
+        const char* error = moe::moe_lora_extra_k_for(setting ? setting->c_str() : nullptr, &extra_k);
+        require(error == nullptr, error ? error : "");
+        return std::string(extra_k ? "extra_k" : "separate");
+      },
+      py::arg("setting"));
   m.def("gemm_sm90_tile", &gemm_sm90_tile, py::arg("setting"), py::arg("kind"), py::arg("experts"), py::arg("slots"),
         py::arg("m"), py::arg("n"));
   {

@@ -14,12 +14,29 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "common/dtype.h"
 
 typedef struct CUstream_st* cudaStream_t;
 
 namespace pykernels::moe {
+
+// PYKERNELS_SM90_MOE_LORA (`setting`; null or empty: the default) says how the Hopper path runs the
+// experts' LoRA products on the base's rows (u B_e^T forward, v A_e for grad_x):
+//   extra_k   as extra K of the base's grouped GEMM (common/grouped_gemm_sm90.h): the default
+//   separate  as their own grouped GEMMs accumulating into the rows (a second pass over them)
+// Read on every call, so one process can time both (benchmarks/tile_sweep.py). Null on success,
+// else a message naming the choices.
+inline const char* moe_lora_extra_k_for(const char* setting, bool* extra_k) {
+  *extra_k = true;
+  if (setting == nullptr || setting[0] == '\0' || std::strcmp(setting, "extra_k") == 0) return nullptr;
+  if (std::strcmp(setting, "separate") == 0) {
+    *extra_k = false;
+    return nullptr;
+  }
+  return "PYKERNELS_SM90_MOE_LORA must be extra_k (the default) or separate";
+}
 
 // ------------------------------------------------------------------ sort
 // Stable counting sort of the assignments by expert; the same three outputs as the CPU op.

@@ -34,6 +34,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <initializer_list>
 #include <optional>
 
@@ -227,12 +228,26 @@ struct ExtraK {
   int64_t ldb2, b2_expert_stride;
 };
 
+// Whether the LoRA products ride as extra K (PYKERNELS_SM90_MOE_LORA, moe.h).
+bool lora_as_extra_k() {
+  bool extra_k = true;
+  const char* error = moe_lora_extra_k_for(std::getenv("PYKERNELS_SM90_MOE_LORA"), &extra_k);
+  TORCH_CHECK_VALUE(error == nullptr, error);
+  return extra_k;
+}
+
 // D[s] (+)= A[s] B_e^T (B_e [n, k] with row stride ldb) or A[s] B_e (B_e [k, n]) for the slots of
-// each expert, + A2[s] op(B2_e) in the same accumulation with extra K; A [slots, >= k] and D
+// each expert, + A2[s] op(B2_e) in the same accumulation with extra K (or, under
+// PYKERNELS_SM90_MOE_LORA=separate, as a second GEMM accumulating into D); A [slots, >= k] and D
 // [slots, n] contiguous.
 void sm90_rows(const Problem& p, Sm90GemmKind kind, const at::Tensor& a, int64_t k, const at::Tensor& b,
                int64_t ldb, int64_t b_expert_stride, at::Tensor& d, bool accumulate,
                const std::optional<ExtraK>& extra = std::nullopt) {
+  if (extra.has_value() && !lora_as_extra_k()) {
+    sm90_rows(p, kind, a, k, b, ldb, b_expert_stride, d, accumulate);
+    sm90_rows(p, kind, *extra->a2, extra->k2, *extra->b2, extra->ldb2, extra->b2_expert_stride, d, true);
+    return;
+  }
   GroupedGemmSm90Params g = sm90_gemm(p, kind);
   if (extra.has_value()) {
     g.a2 = extra->a2->data_ptr();

@@ -110,3 +110,12 @@ def test_the_sweep_times_every_lora_forward():
 
     assert [H.lora_sm90_forward(name) for name in LORA_FORWARDS] == list(LORA_FORWARDS)
     assert H.lora_sm90_forward(None) == LORA_FORWARDS[0]
+
+
+def test_moe_lora_knob_and_the_sweep():
+    """PYKERNELS_SM90_MOE_LORA (moe/moe.h): extra K by default; the sweep times every choice."""
+    from benchmarks.tile_sweep import MOE_LORAS
+
+    assert [H.moe_sm90_lora(s) for s in (None, "", *MOE_LORAS)] == ["extra_k", "extra_k", *MOE_LORAS]
+    with pytest.raises(ValueError, match="extra_k .the default. or separate"):
+        H.moe_sm90_lora("fused")

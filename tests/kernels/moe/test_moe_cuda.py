@@ -199,6 +199,17 @@ def test_every_hopper_tile_matches_fp64_and_cpu(shape, tile, monkeypatch):
     check_against_oracles(case, False, False, torch.bfloat16)
 
 
+@pytest.mark.skipif(not HOPPER, reason="the Hopper GEMM core runs on compute capability 9.0")
+@pytest.mark.parametrize("moe_lora", ["extra_k", "separate"])  # PYKERNELS_SM90_MOE_LORA, moe/moe.h
+@pytest.mark.parametrize("shape", [SHAPES[1], (7, 1, 1, 24, 40, 8)], ids=shape_id)
+def test_hopper_experts_lora_both_ways(shape, moe_lora, monkeypatch):
+    """The experts' LoRA products as extra K of the base GEMM (the default; 24 features: the base's
+    only k tile partial, then the LoRA's) and as their own GEMMs, forward and backward."""
+    monkeypatch.setenv("PYKERNELS_SM90_MOE_LORA", moe_lora)
+    case = make_case(shape, False, True, True, torch.bfloat16, seed=3)
+    check_against_oracles(case, False, False, torch.bfloat16)
+
+
 @pytest.mark.parametrize(("grouped_in", "grouped_out", "with_gates", "with_lora"), FLAGS, ids=FLAG_IDS)
 def test_unaligned_and_non_contiguous_inputs(grouped_in, grouped_out, with_gates, with_lora):
     """x starting one element into its allocation (SIMT instead of tensor cores) and a strided x
