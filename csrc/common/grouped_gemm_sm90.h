@@ -7,11 +7,12 @@
 //   kRowsNMajorB  D[s, :n] = alpha A[s, :k] B_e   + beta C[s]     B_e [k, n], row stride ldb
 //   kWeightGrad   D_e[:m, :n] = alpha sum_{s of e} A[s, :m]^T B[s, :n] + beta C_e
 //                 (an expert without slots gets beta C_e: its group reads zeros, never K = 0)
-// Extra K (kRows*, bf16 D, when a2 is given): D[s, :n] = alpha (A[s, :k] op(B_e) + A2[s, :k2] op(B2_e))
-//               + beta C[s], one accumulation over both pairs (common/extended_k_mainloop_sm90.cuh):
-//               the MoE experts' LoRA, x W_e^T + u B_e^T and dy W_e + v A_e, in one GEMM. A2 [slots,
-//               k2] row stride lda2; B2_e at e * b2_expert_stride laid out like B (K-major [n, k2]
-//               with row stride ldb2 for kRowsKMajorB, N-major [k2, n] for kRowsNMajorB).
+// Extra K (kRows*, bf16 D, when a2 is given): D[s, :n] = alpha (A[s, :k] op(B_e) + A2[s, :k2]
+//               op(B2_e)) + beta C[s], one accumulation over both pairs
+//               (common/extended_k_array_mainloop_sm90.cuh): the MoE experts' LoRA, x W_e^T +
+//               u B_e^T and dy W_e + v A_e, in one GEMM. A2 [slots, k2] row stride lda2; B2_e at
+//               e * b2_expert_stride laid out like B (K-major [n, k2] with row stride ldb2 for
+//               kRowsKMajorB, N-major [k2, n] for kRowsNMajorB).
 // s runs over the slots of group e; A [slots, *] and B (kWeightGrad) are row-major with row strides
 // lda / ldb; D and C (which may alias D, or be null when beta == 0) are row-major with row stride
 // ldd, bf16 or fp32. Rows of slots no group owns (the dropped bucket) are not written. TMA needs

@@ -22,7 +22,7 @@
 //           zero-fills the M, N and K tails of a group, so any size works.
 // scope     bf16 operands, bf16 or fp32 D: six kernels, three operand layouts x two output types;
 //           and two with extra K (kRowsKMajorB, kRowsNMajorB, bf16 D: the MoE experts' LoRA in the
-//           base GEMM), whose mainloop reads a second operand pair (extended_k_mainloop_sm90.cuh).
+//           base GEMM), whose mainloop reads a second operand pair (extended_k_array_mainloop_sm90.cuh).
 #pragma once
 
 #ifndef PYKERNELS_SM90_TILE_KERNELS
@@ -35,7 +35,7 @@
 #include <string>
 
 #include "common/cutlass_sm90.cuh"
-#include "common/extended_k_mainloop_sm90.cuh"
+#include "common/extended_k_array_mainloop_sm90.cuh"
 #include "common/gemm_groups.h"
 #include "common/grouped_gemm_sm90.h"
 #include "common/grouped_gemm_sm90_tiles.h"
@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(kSetupThreads) group_setup_kernel(const Groupe
   using ElementD = typename G::ElementD;
   const Element* zeros = static_cast<const Element*>(p.zeros);
   int64_t k = g.k;
-  if constexpr (G::kExtraK) {  // both pairs in whole k tiles (extended_k_mainloop_sm90.cuh)
+  if constexpr (G::kExtraK) {  // both pairs in whole k tiles (extended_k_array_mainloop_sm90.cuh)
     const ExtraKGroup x = extra_k_group(p.expert_offsets, p.experts, p.slots, e, g.k, p.k2, p.lda2,
                                         p.b2_expert_stride, size<2>(TileShape{}));
     k = x.k;

@@ -1,0 +1,274 @@
+// ExtendedKMainloop (extended_k_mainloop_sm90.cuh: what and why) for CUTLASS's ptr-array grouped
+// mainloop, the GEMM core's (common/grouped_gemm_sm90.h): per group (expert)
+//
+//   D_e = A1_e B1_e^T + A2_e B2_e^T      the MoE experts' LoRA: x W_e^T + u B_e^T, dy W_e + v A_e
+//
+#pragma once
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+
+namespace pykernels::gemm {
+
+// Base: MainloopSm90ArrayTmaGmmaWarpSpecialized's CollectiveMma. Every group has its own A, B, A2,
+// B2 pointers and strides. That mainloop keeps the TMA descriptors of A and B per SM in global
+// memory and rewrites them in shared memory when a CTA moves to another group (address, dims,
+// strides); here the same is done for four descriptors, so every method that touches them is the
+// Base's with the second pair added. Base must be built with 2 more descriptors (256 bytes) of
+// shared memory carved out of its stages. K1 and K2 are the pairs' extents (the same for all
+// groups); the problem shapes' K is ceil(K1 / BLK_K) BLK_K + ceil(K2 / BLK_K) BLK_K, TMA
+// zero-filling both pairs' last k tile.
+template <class Base>
+struct ExtendedKArrayMainloop : Base {
+  using typename Base::ElementA;
+  using typename Base::ElementB;
+  using typename Base::StrideA;
+  using typename Base::StrideB;
+  using typename Base::InternalStrideA;
+  using typename Base::InternalStrideB;
+  using typename Base::InternalElementA;
+  using typename Base::InternalElementB;
+  using typename Base::TileShape;
+  using typename Base::DispatchPolicy;
+  using typename Base::MainloopPipeline;
+  using typename Base::PipelineState;
+  using typename Base::TensorStorage;
+  using typename Base::SmemLayoutA;
+  using typename Base::SmemLayoutB;
+  using typename Base::GmemTiledCopyA;
+  using typename Base::GmemTiledCopyB;
+  using typename Base::TMA_A;
+  using typename Base::TMA_B;
+  static constexpr int kBlockK = cute::size<2>(TileShape{});
+  static constexpr int kTensorMaps = 4;  // A, B, A2, B2 per SM in the workspace, in that order
+
+  struct TensorMapStorage : cute::aligned_struct<128, cute::_0> {
+    cute::TmaDescriptor smem_tensormap_A;
+    cute::TmaDescriptor smem_tensormap_B;
+    cute::TmaDescriptor smem_tensormap_A2;
+    cute::TmaDescriptor smem_tensormap_B2;
+  };
+
+  struct Arguments {
+    ElementA const** ptr_A;  // per group, the first pair: A1 [M, K1], B1 [N, K1]
+    StrideA dA;
+    ElementB const** ptr_B;
+    StrideB dB;
+    ElementA const** ptr_A2 = nullptr;  // the second: A2 [M, K2], B2 [N, K2]
+    StrideA dA2 = nullptr;
+    ElementB const** ptr_B2 = nullptr;
+    StrideB dB2 = nullptr;
+    int k1 = 0, k2 = 0;
+  };
+
+  struct Params : Base::Params {
+    TMA_A tma_load_a2;
+    TMA_B tma_load_b2;
+    InternalElementA const** ptr_A2;
+    StrideA dA2;
+    InternalElementB const** ptr_B2;
+    StrideB dB2;
+    int k1, k2;
+  };
+
+  static constexpr int k1_tiles_of(int k1) { return (k1 + kBlockK - 1) / kBlockK; }
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape problem_shapes, Arguments const& args, void* workspace) {
+    Params params{};
+    static_cast<typename Base::Params&>(params) = Base::to_underlying_arguments(
+        problem_shapes, typename Base::Arguments{args.ptr_A, args.dA, args.ptr_B, args.dB}, workspace);
+    // The second pair's descriptors are placeholders like the Base's: every group rewrites them.
+    const typename Base::Params second = Base::to_underlying_arguments(
+        problem_shapes, typename Base::Arguments{args.ptr_A2, args.dA2, args.ptr_B2, args.dB2}, workspace);
+    params.tma_load_a2 = second.tma_load_a;
+    params.tma_load_b2 = second.tma_load_b;
+    params.ptr_A2 = reinterpret_cast<InternalElementA const**>(args.ptr_A2);
+    params.dA2 = args.dA2;
+    params.ptr_B2 = reinterpret_cast<InternalElementB const**>(args.ptr_B2);
+    params.dB2 = args.dB2;
+    params.k1 = args.k1;
+    params.k2 = args.k2;
+    return params;
+  }
+
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&, int sm_count) {
+    return kTensorMaps * sizeof(cute::TmaDescriptor) * sm_count;
+  }
+
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;  // the descriptors are written by each CTA (tensormaps_init)
+  }
+
+  // The shapes live on the device (nothing to check on the host but the pointers and K1).
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape problem_shapes, Arguments const& args) {
+    return args.k1 >= 1 && args.k2 >= 1 && args.ptr_A2 != nullptr && args.ptr_B2 != nullptr && args.dA2 != nullptr &&
+           args.dB2 != nullptr &&
+           Base::can_implement(problem_shapes, typename Base::Arguments{args.ptr_A, args.dA, args.ptr_B, args.dB});
+  }
+
+  template <class ProblemShape_MNKL>
+  CUTLASS_DEVICE auto load_init(ProblemShape_MNKL const& problem_shape_MNKL, Params const& params) const {
+    using X = cute::Underscore;
+    auto [M, N, K, L] = problem_shape_MNKL;
+    auto tiled = [](auto full, auto step) {
+      return cute::local_tile(full, TileShape{}, cute::make_coord(cute::_, cute::_, cute::_), step);
+    };
+    const int32_t init_l = 1;
+    return cute::make_tuple(
+        tiled(params.tma_load_a.get_tma_tensor(cute::make_shape(M, K, init_l)), cute::Step<cute::_1, X, cute::_1>{}),
+        tiled(params.tma_load_b.get_tma_tensor(cute::make_shape(N, K, init_l)), cute::Step<X, cute::_1, cute::_1>{}),
+        tiled(params.tma_load_a2.get_tma_tensor(cute::make_shape(M, params.k2, init_l)),
+              cute::Step<cute::_1, X, cute::_1>{}),
+        tiled(params.tma_load_b2.get_tma_tensor(cute::make_shape(N, params.k2, init_l)),
+              cute::Step<X, cute::_1, cute::_1>{}));
+  }
+
+  // Base::load's loop, each k tile from the pair it lies in, through the group's descriptors.
+  template <class TensorA, class TensorB, class TensorA2, class TensorB2, class TensorMapA, class TensorMapB,
+            class TensorMapA2, class TensorMapB2, class KTileIterator, class BlockCoord>
+  CUTLASS_DEVICE void load(Params const& params, MainloopPipeline pipeline, PipelineState smem_pipe_write,
+                           cute::tuple<TensorA, TensorB, TensorA2, TensorB2> const& load_inputs,
+                           cute::tuple<TensorMapA, TensorMapB, TensorMapA2, TensorMapB2> const& input_tensormaps,
+                           BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count, int thread_idx,
+                           uint32_t block_rank_in_cluster, TensorStorage& shared_tensors) {
+    using namespace cute;
+    if (!elect_one_sync()) return;
+    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
+    constexpr uint32_t cluster_shape_x = get<0>(typename DispatchPolicy::ClusterShape());
+    const uint2 cluster_local_block_id = {block_rank_in_cluster % cluster_shape_x,
+                                          block_rank_in_cluster / cluster_shape_x};
+    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
+    auto block_tma_a = params.tma_load_a.get_slice(cluster_local_block_id.y);
+    auto block_tma_b = params.tma_load_b.get_slice(cluster_local_block_id.x);
+    auto block_tma_a2 = params.tma_load_a2.get_slice(cluster_local_block_id.y);
+    auto block_tma_b2 = params.tma_load_b2.get_slice(cluster_local_block_id.x);
+    Tensor tAgA = block_tma_a.partition_S(get<0>(load_inputs)(_, _, m_coord, _, l_coord));
+    Tensor tBgB = block_tma_b.partition_S(get<1>(load_inputs)(_, _, n_coord, _, l_coord));
+    Tensor tAgA2 = block_tma_a2.partition_S(get<2>(load_inputs)(_, _, m_coord, _, l_coord));
+    Tensor tBgB2 = block_tma_b2.partition_S(get<3>(load_inputs)(_, _, n_coord, _, l_coord));
+    Tensor tAsA = block_tma_a.partition_D(sA);
+    Tensor tBsB = block_tma_b.partition_D(sB);
+
+    uint16_t mcast_mask_a = 0, mcast_mask_b = 0;
+    if constexpr (is_same_v<GmemTiledCopyA, SM90_TMA_LOAD_MULTICAST>) {
+      auto block_layout = Layout<typename DispatchPolicy::ClusterShape>{};
+      for (int n = 0; n < size<1>(block_layout); ++n)
+        mcast_mask_a |= (uint16_t(1) << block_layout(cluster_local_block_id.x, n, Int<0>{}));
+    }
+    if constexpr (is_same_v<GmemTiledCopyB, SM90_TMA_LOAD_MULTICAST>) {
+      auto block_layout = Layout<typename DispatchPolicy::ClusterShape>{};
+      for (int m = 0; m < size<0>(block_layout); ++m)
+        mcast_mask_b |= (uint16_t(1) << block_layout(m, cluster_local_block_id.y, Int<0>{}));
+    }
+
+    const int k1_tiles = k1_tiles_of(params.k1);
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; k_tile_count > 0; --k_tile_count) {
+      pipeline.producer_acquire(smem_pipe_write);
+      auto* tma_barrier = pipeline.producer_get_barrier(smem_pipe_write);
+      const int stage = smem_pipe_write.index();
+      const int k_tile = *k_tile_iter;
+      if (k_tile < k1_tiles) {
+        copy(params.tma_load_a.with(get<0>(input_tensormaps), *tma_barrier, mcast_mask_a), tAgA(_, _, _, k_tile),
+             tAsA(_, _, _, stage));
+        copy(params.tma_load_b.with(get<1>(input_tensormaps), *tma_barrier, mcast_mask_b), tBgB(_, _, _, k_tile),
+             tBsB(_, _, _, stage));
+      } else {
+        const int k2_tile = k_tile - k1_tiles;
+        copy(params.tma_load_a2.with(get<2>(input_tensormaps), *tma_barrier, mcast_mask_a),
+             tAgA2(_, _, _, k2_tile), tAsA(_, _, _, stage));
+        copy(params.tma_load_b2.with(get<3>(input_tensormaps), *tma_barrier, mcast_mask_b),
+             tBgB2(_, _, _, k2_tile), tBsB(_, _, _, stage));
+      }
+      ++k_tile_iter;
+      ++smem_pipe_write;
+    }
+  }
+
+  // ---- the descriptors: Base's steps for A and B, and the same for A2 and B2
+  CUTLASS_DEVICE auto tensormaps_init(Params const& params, TensorMapStorage& shared, int32_t sm_count,
+                                      int32_t sm_idx) {
+    cute::TmaDescriptor* gmem = reinterpret_cast<cute::TmaDescriptor*>(params.tensormaps);
+    if (cute::elect_one_sync()) {
+      const cute::TmaDescriptor* from[kTensorMaps] = {
+          params.tma_load_a.get_tma_descriptor(), params.tma_load_b.get_tma_descriptor(),
+          params.tma_load_a2.get_tma_descriptor(), params.tma_load_b2.get_tma_descriptor()};
+      cute::TmaDescriptor* to[kTensorMaps] = {&shared.smem_tensormap_A, &shared.smem_tensormap_B,
+                                              &shared.smem_tensormap_A2, &shared.smem_tensormap_B2};
+      for (int i = 0; i < kTensorMaps; ++i) {
+        cute::copy(cute::recast<cute::uint128_t>(cute::make_tensor(from[i], cute::Int<1>{}, cute::Int<1>{})),
+                   cute::recast<cute::uint128_t>(
+                       cute::make_tensor(cute::make_smem_ptr(to[i]), cute::Int<1>{}, cute::Int<1>{})));
+      }
+    }
+    __syncwarp();
+    return cute::make_tuple(&gmem[sm_idx], &gmem[sm_idx + sm_count], &gmem[sm_idx + 2 * sm_count],
+                            &gmem[sm_idx + 3 * sm_count]);
+  }
+
+  // One descriptor's dims and strides for a [rows, k] operand with the given stride (Base's
+  // tensormaps_replace_global_tensor_properties, for one tensor).
+  template <class Tma, class Element, class Stride>
+  CUTLASS_DEVICE static void replace_dims_strides(cute::TmaDescriptor& smem_descriptor, Tma const& tma,
+                                                  uint32_t rows, uint32_t k, Stride const& stride) {
+    constexpr int kMaxTensorRank = 5;
+    cute::array<uint32_t, kMaxTensorRank> shape = {1, 1, 1, 1, 1};
+    cute::array<uint64_t, kMaxTensorRank> strides = {0, 0, 0, 0, 0};
+    Element const* no_pointer = nullptr;
+    cute::detail::fill_tma_gmem_shape_stride(
+        tma, cute::make_tensor(no_pointer, cute::make_shape(rows, k, cute::Int<1>{}), stride), shape, strides);
+    for (uint64_t& s : strides) s = (s * cute::sizeof_bits_v<Element>) / 8;
+    cute::tma_descriptor_replace_dims_strides_in_shared_mem(smem_descriptor, shape, strides);
+  }
+
+  template <class TensorMaps, class ProblemShape_MNKL>
+  CUTLASS_DEVICE void tensormaps_perform_update(TensorMapStorage& shared, Params const& params,
+                                                TensorMaps const& input_tensormaps,
+                                                ProblemShape_MNKL problem_shape_mnkl, int32_t next_group) {
+    if (!cute::elect_one_sync()) return;
+    cute::tma_descriptor_replace_addr_in_shared_mem(shared.smem_tensormap_A, params.ptr_A[next_group]);
+    cute::tma_descriptor_replace_addr_in_shared_mem(shared.smem_tensormap_B, params.ptr_B[next_group]);
+    cute::tma_descriptor_replace_addr_in_shared_mem(shared.smem_tensormap_A2, params.ptr_A2[next_group]);
+    cute::tma_descriptor_replace_addr_in_shared_mem(shared.smem_tensormap_B2, params.ptr_B2[next_group]);
+    const uint32_t M = cute::get<0>(problem_shape_mnkl), N = cute::get<1>(problem_shape_mnkl);
+    const uint32_t k1 = uint32_t(params.k1), k2 = uint32_t(params.k2);
+    replace_dims_strides<TMA_A, InternalElementA>(shared.smem_tensormap_A, params.tma_load_a, M, k1,
+                                                  params.dA[next_group]);
+    replace_dims_strides<TMA_B, InternalElementB>(shared.smem_tensormap_B, params.tma_load_b, N, k1,
+                                                  params.dB[next_group]);
+    replace_dims_strides<TMA_A, InternalElementA>(shared.smem_tensormap_A2, params.tma_load_a2, M, k2,
+                                                  params.dA2[next_group]);
+    replace_dims_strides<TMA_B, InternalElementB>(shared.smem_tensormap_B2, params.tma_load_b2, N, k2,
+                                                  params.dB2[next_group]);
+  }
+
+  template <class TensorMaps>
+  CUTLASS_DEVICE void tensormaps_cp_fence_release(TensorMapStorage& shared, TensorMaps const& input_tensormaps) {
+    if (cute::elect_one_sync()) {
+      cute::tma_desc_commit_group();
+      cute::tma_desc_wait_group();
+    }
+    // The whole warp, aligned (as in Base)
+    cute::tma_descriptor_cp_fence_release(cute::get<0>(input_tensormaps), shared.smem_tensormap_A);
+    cute::tma_descriptor_cp_fence_release(cute::get<1>(input_tensormaps), shared.smem_tensormap_B);
+    cute::tma_descriptor_cp_fence_release(cute::get<2>(input_tensormaps), shared.smem_tensormap_A2);
+    cute::tma_descriptor_cp_fence_release(cute::get<3>(input_tensormaps), shared.smem_tensormap_B2);
+  }
+
+  template <class TensorMaps>
+  CUTLASS_DEVICE void tensormaps_fence_acquire(TensorMaps const& input_tensormaps) {
+    cute::tma_descriptor_fence_acquire(cute::get<0>(input_tensormaps));
+    cute::tma_descriptor_fence_acquire(cute::get<1>(input_tensormaps));
+    cute::tma_descriptor_fence_acquire(cute::get<2>(input_tensormaps));
+    cute::tma_descriptor_fence_acquire(cute::get<3>(input_tensormaps));
+  }
+};
+
+}  // namespace pykernels::gemm
