@@ -1,7 +1,7 @@
 """Times every tile of the Hopper kernels on the ops that run on them, in one process on one build:
 the GEMM core's (PYKERNELS_SM90_TILE, common/sm90_tiles.h) on MoE and LoRA, the lm_head GEMMs'
 (PYKERNELS_SM90_LOGPROBS_TILE, logprobs/logprobs_sm90.h) on logprobs, both ways of running the
-LoRA forward (PYKERNELS_SM90_LORA, lora/lora_forward_sm90.h: cuBLAS's base GEMM with the LoRA term as
+LoRA forward (PYKERNELS_SM90_LORA, lora/lora_extended_k.h: cuBLAS's base GEMM with the LoRA term as
 its C operand, or one GEMM with the term as extra K) and both of the experts' LoRA products
 (PYKERNELS_SM90_MOE_LORA, moe/moe.h: extra K of the base GEMM, or their own GEMMs). All are read on
 every call, so a lent GPU measures them all without rebuilding (~2 minutes of a 15-minute lease per
@@ -20,7 +20,8 @@ with the bare base GEMM (torch's x W^T, the same under both settings) as the fir
 
     python -m benchmarks.tile_sweep [--ops moe,lora,logprobs,lora_forward,moe_lora]
                                     [--tiles 128x128,128x256,64x128,auto] [--logprobs-tiles 128x128,256x128]
-                                    [--lora-forwards cublas,extended_k] [--moe-loras extra_k,separate]
+                                    [--lora-forwards cublas,extended_k,extended_k@128x256,extended_k@64x128]
+                                    [--moe-loras extra_k,separate]
                                     [--rounds 10]
 """
 
@@ -36,7 +37,8 @@ from pykernels.dispatch import cuda_timer
 
 TILES = ("128x128", "128x256", "64x128", "auto")  # the first is the default (common/sm90_tiles.h)
 LOGPROBS_TILES = ("128x128", "256x128")  # the first is the default (logprobs/logprobs_sm90.h)
-LORA_FORWARDS = ("cublas", "extended_k")  # the first is the default (lora/lora_forward_sm90.h)
+# the first is the default (lora/lora_extended_k.h); extended_k runs on the core's tile (@: which)
+LORA_FORWARDS = ("cublas", "extended_k", "extended_k@128x256", "extended_k@64x128")
 MOE_LORAS = ("extra_k", "separate")  # the first is the default (moe/moe.h)
 ROUNDS = 10
 
@@ -121,11 +123,18 @@ CASES = {"moe": (moe_cases, "PYKERNELS_SM90_TILE", "tiles"), "lora": (lora_cases
 
 
 def sweep(cases, variable: str, tiles: list[str], rounds: int) -> None:
+    """Each case under each choice; a choice "value@tile" also sets the core's tile (PYKERNELS_SM90_TILE:
+    the extended-K LoRA forward runs on the core)."""
     for name, fn, flops in cases:
         times = {}
         for tile in tiles:
-            os.environ[variable] = tile
+            value, _, core_tile = tile.partition("@")
+            os.environ[variable] = value
+            if core_tile:
+                os.environ["PYKERNELS_SM90_TILE"] = core_tile
             times[tile] = cuda_timer(fn, warmup=3, iters=rounds) * 1e3
+            if core_tile:
+                os.environ.pop("PYKERNELS_SM90_TILE")
         os.environ.pop(variable)
         print(row_line(name, times, flops, tiles), flush=True)
 

@@ -73,7 +73,7 @@ def identity(device: torch.device) -> dict:
             "torch": torch.__version__, "pykernels": pykernels.__version__, "extension": _extension_stamp(),
             # PYKERNELS_SM90=0 swaps the Hopper GEMMs for the sm80 kernels (csrc/common/gemm_sm90_torch.h),
             # PYKERNELS_SM90_TILE / PYKERNELS_SM90_LOGPROBS_TILE their tiles (common/sm90_tiles.h,
-            # logprobs/logprobs_sm90.h), PYKERNELS_SM90_LORA the LoRA forward's GEMM (lora/lora_forward_sm90.h),
+            # logprobs/logprobs_sm90.h), PYKERNELS_SM90_LORA the LoRA forward's GEMM (lora/lora_extended_k.h),
             # PYKERNELS_SM90_MOE_LORA the experts' LoRA products (moe/moe.h): decisions made with one set of
             # kernels must not be reused for another
             "sm90_kernels": os.environ.get("PYKERNELS_SM90") != "0",

@@ -201,7 +201,7 @@ def test_tile_sweep_names_what_it_needs(monkeypatch):
                                                      "64x128, auto")
     assert refusal("--logprobs-tiles", "128x256") == "unknown choice 128x256: --logprobs-tiles takes 128x128, 256x128"
     assert refusal("--lora-forwards", "cublas,fused") == ("unknown choice fused: --lora-forwards takes cublas, "
-                                                           "extended_k")
+                                                           "extended_k, extended_k@128x256, extended_k@64x128")
     assert refusal("--moe-loras", "fused") == "unknown choice fused: --moe-loras takes extra_k, separate"
     assert refusal("--ops", "moe,mlp") == "unknown op mlp: moe, lora, logprobs, lora_forward, moe_lora"
     if not torch.cuda.is_available():

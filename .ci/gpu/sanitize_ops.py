@@ -6,7 +6,7 @@ the logprobs backward of a frozen lm_head over two token chunks; the MoE calls t
 other tile of the Hopper GEMM core (PYKERNELS_SM90_TILE, csrc/common/sm90_tiles.h), the logprobs
 calls on the lm_head GEMMs' other tile (PYKERNELS_SM90_LOGPROBS_TILE, csrc/logprobs/logprobs_sm90.h)
 the LoRA calls with the forward as one extended-K GEMM (PYKERNELS_SM90_LORA=extended_k,
-csrc/lora/lora_forward_sm90.h) and the MoE calls with the experts' LoRA products as their own GEMMs
+csrc/lora/lora_extended_k.h) and the MoE calls with the experts' LoRA products as their own GEMMs
 (PYKERNELS_SM90_MOE_LORA=separate, csrc/moe/moe.h).
 On CPU (the dry run) the same calls check that this script still matches the ops' signatures.
 
@@ -111,7 +111,7 @@ FAMILIES = {"nf4": run_nf4, "lora": run_lora, "logprobs": run_logprobs, "moe": r
 
 
 # The Hopper kernels' other settings, each with the family it runs: the tiles (the first of each list is
-# the default), the LoRA forward as one extended-K GEMM (lora/lora_forward_sm90.h) and the experts'
+# the default), the LoRA forward as one extended-K GEMM (lora/lora_extended_k.h) and the experts'
 # LoRA products as their own GEMMs (moe/moe.h).
 OTHER_SETTINGS = [("PYKERNELS_SM90_TILE", tile, "moe") for tile in _C.host_logic.gemm_sm90_tiles[1:]] + [
     ("PYKERNELS_SM90_LOGPROBS_TILE", tile, "logprobs") for tile in _C.host_logic.logprobs_sm90_tiles[1:]] + [

@@ -1,8 +1,22 @@
-// ExtendedKMainloop (extended_k_mainloop_sm90.cuh: what and why) for CUTLASS's ptr-array grouped
-// mainloop, the GEMM core's (common/grouped_gemm_sm90.h): per group (expert)
+// A CUTLASS 3.x sm90 grouped mainloop whose K runs over two operand pairs, one after the other, per
+// group (expert):
 //
-//   D_e = A1_e B1_e^T + A2_e B2_e^T      the MoE experts' LoRA: x W_e^T + u B_e^T, dy W_e + v A_e
+//   D_e = [A1_e | A2_e] [B1_e | B2_e]^T = A1_e B1_e^T + A2_e B2_e^T
+//         A1_e [M_e, K1], B1_e [N, K1], A2_e [M_e, K2], B2_e [N, K2]
 //
+// into one set of accumulators, with no concatenated copy of either side in memory: the MoE
+// experts' LoRA (x W_e^T + u B_e^T, dy W_e + v A_e) and the dense LoRA forward (one group: x W^T
+// + U V^T with the LoRA term and bias as extra K, lora/lora_extended_k.h) each in one GEMM of the
+// Hopper core (common/grouped_gemm_sm90.h).
+//
+// How: the CollectiveMma CUTLASS's builder picks for the ptr-array TMA warp-specialized kernels
+// (the producer warp loads k tiles into a shared-memory pipeline, the consumer warpgroups issue
+// wgmma on whatever stage is full) is kept whole, and only its producer side is extended: a second
+// pair of TMA descriptors, and a load loop that takes k tiles [0, ceil(K1 / BLK_K)) from the first
+// pair and the ceil(K2 / BLK_K) after them from the second. The kernel sees each problem's K as the
+// sum of both in whole tiles, so its k-tile count (which the consumers loop over) covers both; the
+// stages, barriers and transaction bytes are the first pair's (the same box shapes), and TMA
+// zero-fills each pair's last k tile past K1 / K2.
 #pragma once
 
 #include "cute/tensor.hpp"

@@ -24,7 +24,6 @@
 #include "logprobs/logit_grad.h"
 #include "lora/lora.h"
 #include "lora/lora_extended_k.h"
-#include "lora/lora_forward_sm90.h"
 #include "logprobs/logprobs_sm90.h"
 #include "logprobs/vocab_chunks.h"
 #include "moe/moe.h"
@@ -109,16 +108,17 @@ py::object gemm_sm90_error(const std::string& kind, bool grouped, int64_t expert
 }
 
 // The check on a grouped rows GEMM with extra K (the MoE experts' LoRA, grouped_gemm_sm90.h).
+// grouped false: the dense LoRA forward's one group (no expert_offsets); ldd 0: n.
 py::object gemm_sm90_extra_k_error(const std::string& kind, int64_t n, int64_t k, int64_t k2, int64_t lda2,
                                    int64_t ldb2, int64_t b2_expert_stride, const std::string& d_dtype,
-                                   bool misaligned) {
+                                   bool misaligned, bool grouped, int64_t ldd) {
   static const int64_t offsets[2] = {0, 0};
   gemm::GroupedGemmSm90Params g{};
   g.kind = kind == "rows_n_major_b" ? gemm::Sm90GemmKind::kRowsNMajorB : gemm::Sm90GemmKind::kRowsKMajorB;
-  g.slots = 64, g.experts = 1, g.expert_offsets = offsets, g.n = n, g.k = k;
+  g.slots = 64, g.experts = 1, g.expert_offsets = grouped ? offsets : nullptr, g.n = n, g.k = k;
   g.a = fake_address(0, false), g.lda = k, g.b = fake_address(1, false);
   g.ldb = g.kind == gemm::Sm90GemmKind::kRowsNMajorB ? n : k;
-  g.b_expert_stride = n * k, g.d = const_cast<void*>(fake_address(2, false)), g.ldd = n;
+  g.b_expert_stride = n * k, g.d = const_cast<void*>(fake_address(2, false)), g.ldd = ldd > 0 ? ldd : n;
   g.d_dtype = dtype_named(d_dtype), g.alpha = 1.0f;
   g.a2 = fake_address(3, misaligned), g.lda2 = lda2, g.k2 = k2;
   g.b2 = fake_address(4, false), g.ldb2 = ldb2, g.b2_expert_stride = b2_expert_stride;
@@ -408,25 +408,14 @@ std::tuple<int64_t, int64_t, Matrix, Matrix> lora_extended_k_operands(const Matr
   return {e.terms, e.width, u, v};
 }
 
-std::string lora_forward_sm90_error(int64_t m, int64_t n, int64_t k, int64_t ldx, int64_t ldw, int64_t extra_k,
-                                    int64_t ldy, bool misaligned) {
-  void* y = const_cast<void*>(fake_address(4, false));
-  lora::LoraForwardSm90Params p{m, n, k, fake_address(0, misaligned), ldx, fake_address(1, false), ldw,
-                                fake_address(2, false), fake_address(3, false), extra_k, y, ldy};
-  const char* error = lora::lora_forward_sm90_error(p);
-  return error == nullptr ? std::string() : std::string(error);
-}
-
 }  // namespace
 
 void define_host_logic(py::module_& m) {
-  // lora/lora_extended_k.h: (terms, width, U, V); lora/lora_forward_sm90.h
+  // lora/lora_extended_k.h: (terms, width, U, V), the PYKERNELS_SM90_LORA knob
   m.def("lora_extended_k_operands", &lora_extended_k_operands, py::arg("xa"), py::arg("b"), py::arg("bias"),
         py::arg("scaling"), py::arg("b_is_fp32"));
   m.def("lora_bf16_rounded", &lora::bf16_rounded, py::arg("value"));
   m.attr("lora_extended_k_tile") = lora::kExtendedKTile;
-  m.def("lora_forward_sm90_error", &lora_forward_sm90_error, py::arg("m"), py::arg("n"), py::arg("k"),
-        py::arg("ldx"), py::arg("ldw"), py::arg("extra_k"), py::arg("ldy"), py::arg("misaligned") = false);
   m.def(
       "lora_sm90_forward",
       [](const std::optional<std::string>& setting) {
@@ -513,7 +502,7 @@ void define_host_logic(py::module_& m) {
         py::arg("accumulate"), py::arg("zeros"));
   m.def("gemm_sm90_extra_k_error", &gemm_sm90_extra_k_error, py::arg("kind"), py::arg("n"), py::arg("k"),
         py::arg("k2"), py::arg("lda2"), py::arg("ldb2"), py::arg("b2_expert_stride"), py::arg("d_dtype") = "bf16",
-        py::arg("misaligned") = false);
+        py::arg("misaligned") = false, py::arg("grouped") = true, py::arg("ldd") = 0);
   m.def("gemm_sm90_extra_k_groups", &gemm_sm90_extra_k_groups, py::arg("offsets"), py::arg("slots"), py::arg("k"),
         py::arg("k2"), py::arg("lda2"), py::arg("b2_expert_stride"), py::arg("block_k"));
   m.def(

@@ -7,7 +7,8 @@
 //             y += x W^T                       GEMM with C = D = y (cuBLAS: the term costs a write
 //                                              of y and a read of it as C)
 //             or, on Hopper with PYKERNELS_SM90_LORA=extended_k, the last two as one GEMM with the
-//             term and bias as extra K, y = [x | U] [W | V]^T (lora/lora_forward_sm90.h)
+//             term and bias as extra K, y = [x | U] [W | V]^T (lora/lora_extended_k.h), on the
+//             Hopper GEMM core as one group (its tile: PYKERNELS_SM90_TILE)
 //   backward  dxa = scaling dy B               GEMM, fp32 out
 //             dB  = scaling dy^T xa            GEMM, fp32 out, cast to B's dtype
 //             dA  = dxa^T x_lora               GEMM, fp32 out, cast to A's dtype
@@ -32,7 +33,7 @@
 
 #include "common/gemm_sm90_torch.h"
 #include "lora/lora.h"
-#include "lora/lora_forward_sm90.h"
+#include "lora/lora_extended_k.h"
 #include "lora/lora_torch_checks.h"
 #include "nf4/nf4.h"
 
@@ -227,7 +228,7 @@ std::tuple<at::Tensor, at::Tensor> start_forward(const at::Tensor& x, const at::
   return {y, xa};
 }
 
-// The Hopper forward as one GEMM with the LoRA term and bias as extra K (lora/lora_forward_sm90.h),
+// The Hopper forward as one GEMM with the LoRA term and bias as extra K (lora/lora_extended_k.h),
 // when PYKERNELS_SM90_LORA=extended_k asks for it and it can run here: bf16 x, Hopper, m >= 1 and
 // the 16-byte rows TMA needs. Else nothing is allocated and the caller runs start_forward's path.
 class ExtendedKForward {
@@ -258,14 +259,18 @@ class ExtendedKForward {
                                      bias.has_value() ? bias->data_ptr() : nullptr, u.data_ptr(), v.data_ptr()};
     check_launch(launch_extended_k_operands(operands, stream));
     at::Tensor y = at::empty({s.m, s.n}, x.options());
-    const int device = x.get_device();
     for (int64_t row = 0; row < s.n; row += chunk_rows) {
       const int64_t rows = std::min(chunk_rows, s.n - row);
       const at::Tensor w = weight_rows(row, rows);
-      LoraForwardSm90Params p{s.m, rows, s.k, x.data_ptr(), s.k, w.data_ptr(), w.stride(0), u.data_ptr(),
-                              v[row].data_ptr(), layout_.width, y.select(1, row).data_ptr(), s.n};
-      const at::Tensor workspace = gemm::sm90_workspace(lora_forward_sm90_workspace_bytes(p, device), device);
-      check_launch(launch_lora_forward_sm90(p, workspace.data_ptr(), device, stream));
+      gemm::GroupedGemmSm90Params g{};  // y[:, row:] = [x | U] [W[rows] | V[rows]]^T, one group
+      g.kind = gemm::Sm90GemmKind::kRowsKMajorB;
+      g.slots = s.m, g.experts = 1, g.n = rows, g.k = s.k;
+      g.a = x.data_ptr(), g.lda = s.k;
+      g.b = w.data_ptr(), g.ldb = w.stride(0);
+      g.d = y.select(1, row).data_ptr(), g.ldd = s.n, g.d_dtype = DType::kBFloat16, g.alpha = 1.0f;
+      g.a2 = u.data_ptr(), g.lda2 = layout_.width, g.k2 = layout_.width;
+      g.b2 = v[row].data_ptr(), g.ldb2 = layout_.width;
+      gemm::run_grouped_gemm_sm90(g, x.get_device(), stream);
     }
     return {y, xa};
   }

@@ -1,10 +1,12 @@
-// LoRA as extra K of the base GEMM (the Hopper forward, lora/lora_forward_sm90.h):
+// LoRA as extra K of the base GEMM (the Hopper forward under PYKERNELS_SM90_LORA=extended_k):
 //
 //   y = x W^T + bias + scaling (x_lora A^T) B^T  =  [x | U] [W | V]^T
 //
 // with U [m, width] and V [n, width] two small bf16 operands built from xa = x_lora A^T (fp32),
-// B and the bias. The base GEMM's K grows by `width` (64 at r <= 21: 1.6% of K = 4096) and the LoRA
-// term and bias cost no pass over y: the 5% budget of issue 20 over the bare base GEMM.
+// B and the bias, run as one group of the Hopper GEMM core with extra K (common/grouped_gemm_sm90.h,
+// common/extended_k_array_mainloop_sm90.cuh: k tiles from (x, W), then from (U, V)). The base
+// GEMM's K grows by `width` (64 at r <= 21: 1.6% of K = 4096) and the LoRA term and bias cost no
+// pass over y: the 5% budget of issue 20 over the bare base GEMM.
 //
 // Precision: wgmma multiplies bf16, but PEFT's fp32 adapters keep the LoRA path in fp32. Each
 // fp32 factor is split into two bf16 parts, f = hi + lo (hi = bf16(f), lo = bf16(f - hi)), and
@@ -27,6 +29,23 @@
 #include "common/host_device.h"
 
 namespace pykernels::lora {
+
+// PYKERNELS_SM90_LORA picks how the forward runs on Hopper (`setting`; null or empty: the default):
+//   cublas      x W^T on cuBLAS (through ATen) with the LoRA term and bias, written by a small
+//               kernel first, as its C operand (beta 1): the default, what an H100 has measured
+//   extended_k  one GEMM on the Hopper core with the term and bias as extra K: no pass over y for
+//               the term, K grows by the width below
+// Null on success, else a message naming the choices. Read on every call (benchmarks/tile_sweep.py
+// times both in one process).
+inline const char* lora_sm90_forward_for(const char* setting, bool* extended_k) {
+  *extended_k = false;
+  if (setting == nullptr || setting[0] == '\0' || std::strcmp(setting, "cublas") == 0) return nullptr;
+  if (std::strcmp(setting, "extended_k") == 0) {
+    *extended_k = true;
+    return nullptr;
+  }
+  return "PYKERNELS_SM90_LORA must be cublas (the default) or extended_k";
+}
 
 inline constexpr int64_t kExtendedKTile = 64;  // the Hopper GEMM's K tile: the width's multiple
 

@@ -74,7 +74,8 @@ LOGPROBS_TILES = ["128x128", "256x128"]  # logprobs/logprobs_sm90.h: both 128 vo
 def test_hopper_gemm_core_is_wgmma_fed_by_tma(tmp_path, tile):
     """The sm_90a GEMM core (common/grouped_gemm_sm90.cu dispatching to a file per tile) runs the MoE
     expert GEMMs (bf16 out: forward, grad_x, weight gradient; with LoRA on the experts, the two
-    extra-K kernels), the LoRA GEMMs (bf16 out) and the logprobs GEMMs (fp32 out: dh, dW). Each
+    extra-K kernels), the LoRA GEMMs (bf16 out; the forward under PYKERNELS_SM90_LORA=extended_k on
+    the extra-K kernel) and the logprobs GEMMs (fp32 out: dh, dW). Each
     tile's eight kernels must issue bf16 wgmma of the tile's
     width from shared memory that TMA fills: a CUTLASS configuration mistake falls back to mma.sync or
     to cp.async loads without a word."""
@@ -88,8 +89,9 @@ def test_hopper_gemm_core_is_wgmma_fed_by_tma(tmp_path, tile):
         assert "mma.sync" not in ptx, f"{name}: an Ampere mma.sync path"
     fp32_out = [name for name in gemms if "EpilogueScheduleIfEEEfNS" in name or "LinearCombinationIffff" in name]
     assert len(fp32_out) == 3, "three kernels with fp32 D (the logprobs GEMMs)"
-    # The two extra-K kernels (the MoE experts' LoRA in the base GEMM) rewrite four TMA descriptors
-    # per group where the others rewrite two (A2 and B2 beside A and B; the epilogue's alike).
+    # The two extra-K kernels (LoRA in the base GEMM) rewrite four TMA descriptors per group where the
+    # others rewrite two (A2 and B2 beside A and B; the epilogue's alike): a mainloop that lost its
+    # second pair would load the LoRA term through stale descriptors and still compile.
     address_swaps = {name: len(re.findall(r"tensormap\.replace\.tile\.global_address", ptx))
                      for name, ptx in gemms.items()}
     extended = [name for name in gemms if "ExtendedKArrayMainloop" in name]
@@ -133,24 +135,6 @@ def test_hopper_logprobs_keep_the_logits_in_registers(tmp_path, tile):
     assert 1 <= len(re.findall(r"st\.global", stats)) <= 12, "the statistics kernel's stores are its partials"
     assert re.search(tma_store, grad), "the logit-grad kernel's dz tile is not stored by TMA"
     assert re.search(r"shfl\.sync", stats), "no shuffle tree over the lanes sharing a row"
-
-
-@pytest.mark.hopper_ptx
-def test_hopper_lora_forward_is_one_wgmma_gemm_over_both_operand_pairs(tmp_path):
-    """The LoRA forward as extra K (lora/lora_forward_sm90.cu, common/extended_k_mainloop_sm90.cuh):
-    one kernel whose producer loads k tiles from (x, W) and then (U, V) by TMA, W's and V's tiles
-    multicast to the 2x1 cluster, into bf16 wgmma 64x256, y stored by TMA. Four TMA load sites and
-    five descriptors prefetched (x, W, U, V, y): a mainloop that lost its second pair would load the
-    LoRA term from nowhere and still compile."""
-    kernels = sm90_kernels_ptx("lora/lora_forward_sm90.cu", tmp_path)
-    (ptx,) = [ptx for name, ptx in kernels.items() if "ExtendedKMainloop" in name]
-    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16", ptx), "no bf16 wgmma 64x256"
-    loads = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global[^;]*", ptx)
-    assert len(loads) == 4, loads
-    assert len([load for load in loads if "multicast::cluster" in load]) == 2, "W and V multicast to the cluster"
-    assert len(re.findall(r"prefetch\.tensormap", ptx)) == 5
-    assert re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx), "y not stored by TMA"
-    assert "mma.sync" not in ptx
 
 
 def test_moe_gather_and_token_sums_move_16_bytes(tmp_path):

@@ -1,7 +1,8 @@
 """The Hopper LoRA forward's operands and checks, run on the host (pykernels._C.host_logic): the LoRA
 term and bias as extra K of the base GEMM (lora/lora_extended_k.h), y = [x | U] [W | V]^T. U and V
 are bf16, yet the product U V^T must keep PEFT's fp32 adapters' precision; fp64 numpy is the oracle.
-The GEMM itself needs a GPU (tests/kernels/lora/test_lora_cuda.py)."""
+The GEMM itself needs a GPU (tests/kernels/lora/test_lora_cuda.py). Also the knobs of both extra-K
+users: the dense LoRA forward's and the MoE experts' LoRA."""
 
 import numpy as np
 import pytest
@@ -82,19 +83,18 @@ def test_bf16_rounding_matches_torch():
     assert np.isnan(H.lora_bf16_rounded(float("nan")))
 
 
-def test_lora_forward_sm90_accepts_the_shapes_users_train():
-    for m, n, k in [(8192, 14336, 4096), (1, 8, 8), (37, 4096, 4104), (8192, 4096, 14336)]:
-        assert H.lora_forward_sm90_error(m, n, k, ldx=k, ldw=k, extra_k=64, ldy=n) == ""
-    assert H.lora_forward_sm90_error(8192, 2048, 4096, ldx=4096, ldw=4096, extra_k=192, ldy=14336) == ""  # a chunk
-
-
-@pytest.mark.parametrize("change, message", [
-    (dict(m=0), "GEMM sizes"), (dict(extra_k=0), "multiple of 64"), (dict(extra_k=48), "multiple of 64"),
-    (dict(k=4100, ldx=4100, ldw=4100), "multiples of 8"), (dict(n=14330, ldy=14330), "multiples of 8"),
-    (dict(ldy=8), "row stride"), (dict(ldx=4097), "row stride"), (dict(misaligned=True), "16-byte aligned")])
-def test_lora_forward_sm90_refuses_what_tma_cannot_load(change, message):
-    args = dict(m=8192, n=14336, k=4096, ldx=4096, ldw=4096, extra_k=64, ldy=14336) | change
-    assert message in H.lora_forward_sm90_error(**args)
+def test_the_forward_is_one_group_the_gemm_core_takes():
+    """The extended forward runs on the Hopper core as one group with extra K (lora_cuda_torch.cpp):
+    x [m, k] and W [n, k] K-major, U and V [*, width]; per NF4 chunk, a column slice of y (row stride
+    n) against V's rows. What TMA cannot load is refused by the core's check."""
+    shapes = [(14336, 4096, 64, 14336), (8, 8, 64, 8), (4096, 4104, 128, 4096), (2048, 4096, 192, 14336)]
+    for n, k, width, ldy in shapes:  # the last: an NF4 chunk of 2048 rows of W, into y [m, 14336]
+        assert H.gemm_sm90_extra_k_error("rows_k_major_b", n, k, k2=width, lda2=width, ldb2=width,
+                                         b2_expert_stride=0, grouped=False, ldd=ldy) is None
+    assert "16 bytes" in H.gemm_sm90_extra_k_error("rows_k_major_b", 4096, 4096, k2=64, lda2=60, ldb2=64,
+                                                   b2_expert_stride=0, grouped=False)
+    assert "16-byte aligned" in H.gemm_sm90_extra_k_error("rows_k_major_b", 4096, 4096, k2=64, lda2=64, ldb2=64,
+                                                          b2_expert_stride=0, misaligned=True, grouped=False)
 
 
 def test_lora_forward_knob():
@@ -108,7 +108,9 @@ def test_the_sweep_times_every_lora_forward():
     """benchmarks/tile_sweep.py's choices are the knob's (its first, the baseline, the default)."""
     from benchmarks.tile_sweep import LORA_FORWARDS
 
-    assert [H.lora_sm90_forward(name) for name in LORA_FORWARDS] == list(LORA_FORWARDS)
+    for choice in LORA_FORWARDS:  # "value@tile": the knob's value on one of the core's tiles
+        value, _, tile = choice.partition("@")
+        assert H.lora_sm90_forward(value) == value and tile in ("", *H.gemm_sm90_tiles)
     assert H.lora_sm90_forward(None) == LORA_FORWARDS[0]
 
 

@@ -168,13 +168,13 @@ def ran_kernel(fn, name: str) -> bool:
 @pytest.mark.parametrize("case", EXTENDED_K_CASES, ids=case_id)
 def test_cuda_extended_k_forward_matches_fp64_and_cpu(case, weight_kind, monkeypatch):
     """PYKERNELS_SM90_LORA=extended_k: the forward as one GEMM with the LoRA term and bias as extra
-    K (lora/lora_forward_sm90.h), dense and NF4 (several chunks of W at N 4096), within the same
-    budgets as the default path, and it must be that GEMM that ran."""
+    K (lora/lora_extended_k.h, one group of the Hopper core), dense and NF4 (several chunks of W at N
+    4096), within the same budgets as the default path, and it must be that GEMM that ran."""
     monkeypatch.setenv("PYKERNELS_SM90_LORA", "extended_k")
     t = make_inputs(case, torch.bfloat16, seed=EXTENDED_K_CASES.index(case))
     weight, dense = weight_for(weight_kind, t["weight"])
     outputs = {}
-    assert ran_kernel(lambda: outputs.update(run_ops(t, weight, "cuda")), "ExtendedKMainloop")
+    assert ran_kernel(lambda: outputs.update(run_ops(t, weight, "cuda")), "ExtendedKArrayMainloop")
     check_outputs(outputs, run_ops(t, weight, "cpu"), torch_math(t, dense, torch.float64),
                   torch_math(t, dense, torch.bfloat16), OUTPUTS, HALF_ULP[torch.bfloat16], depth=max(case[:3]))
 
