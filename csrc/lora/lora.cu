@@ -209,13 +209,16 @@ __global__ void __launch_bounds__(kThreads) extended_k_operands_kernel(const Ext
   const __nv_bfloat16* bias = static_cast<const __nv_bfloat16*>(p.bias);
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t row = i / width, col = i % width;
+    const int64_t r = p.layout.r;
     if (row < p.m) {
-      static_cast<__nv_bfloat16*>(p.u)[i] = __float2bfloat16_rn(extended_u(p.layout, p.xa + row * p.layout.r, p.scaling, col));
+      const float u = extended_u(p.layout, p.xa + row * r, p.scaling, col);
+      static_cast<__nv_bfloat16*>(p.u)[i] = __float2bfloat16_rn(u);  // exact: u is a bf16 value
     } else {
       const int64_t o = row - p.m;
-      const float b_value = col < p.layout.terms * p.layout.r ? to_float(b[o * p.layout.r + col % p.layout.r]) : 0.0f;
+      const float b_value = col < p.layout.terms * r ? to_float(b[o * r + col % r]) : 0.0f;
       const float bias_value = p.layout.bias ? __bfloat162float(bias[o]) : 0.0f;
-      static_cast<__nv_bfloat16*>(p.v)[o * width + col] = __float2bfloat16_rn(extended_v(p.layout, b_value, bias_value, col));
+      const float v = extended_v(p.layout, b_value, bias_value, col);
+      static_cast<__nv_bfloat16*>(p.v)[o * width + col] = __float2bfloat16_rn(v);
     }
   }
 }

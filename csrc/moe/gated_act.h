@@ -9,10 +9,12 @@
 // The formulas (pykernels.moe_types: ACTIVATIONS, ClampedSwiGLU), with their derivatives:
 //   silu        a = g s, s = sigmoid(g)                 a' = s (1 + g (1 - s))
 //   gelu        a = g Phi(g) (erf)                      a' = Phi(g) + g phi(g)
-//   gelu_tanh   a = g (1 + t) / 2, t = tanh(k (g + c g^3))   a' = (1 + t) / 2 + g (1 - t^2) k (1 + 3 c g^2) / 2
+//   gelu_tanh   a = g (1 + t) / 2, t = tanh(k (g + c g^3))
+//                                                       a' = (1 + t) / 2 + g (1 - t^2) k (1 + 3 c g^2) / 2
 //   relu        a = max(g, 0)                           a' = [g > 0]
-//   clamped_swiglu (GPT-OSS)  gc = min(g, L), uc = clamp(up, -L, L):  inner = (uc + 1) gc sigmoid(alpha gc);
-//               the clamps pass gradient where torch's clamp does (g <= L; -L <= up <= L)
+//   clamped_swiglu (GPT-OSS)  gc = min(g, L), uc = clamp(up, -L, L):
+//               inner = (uc + 1) gc sigmoid(alpha gc); the clamps pass gradient where torch's
+//               clamp does (g <= L; -L <= up <= L)
 // NaN stays NaN through the clamps and relu, as in torch. Torch- and CUDA-free: the CPU and CUDA
 // kernels and the host tests share these functions.
 #pragma once

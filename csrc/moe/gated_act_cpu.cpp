@@ -47,9 +47,11 @@ at::Tensor gated_act_cpu(const at::Tensor& gate_up, int64_t act, bool interleave
     at::parallel_for(0, rows, grain_rows(inner), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* row = in + r * 2 * inner;
-        for (int64_t j = 0; j < inner; ++j)
-          y[r * inner + j] = static_cast<scalar_t>(gated_act(spec, static_cast<float>(row[gate_column(j, inner, interleaved)]),
-                                                             static_cast<float>(row[up_column(j, inner, interleaved)])));
+        for (int64_t j = 0; j < inner; ++j) {
+          const float gate = static_cast<float>(row[gate_column(j, inner, interleaved)]);
+          const float up = static_cast<float>(row[up_column(j, inner, interleaved)]);
+          y[r * inner + j] = static_cast<scalar_t>(gated_act(spec, gate, up));
+        }
       }
     });
   });

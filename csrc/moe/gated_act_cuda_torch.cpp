@@ -15,7 +15,8 @@ at::Tensor run(const at::Tensor& gate_up, const at::Tensor* grad_inner, int64_t 
   const int64_t inner = check_gated_act(gate_up, act, kGatedActCount);
   if (grad_inner != nullptr) check_gated_act_grad(*grad_inner, gate_up);
   const c10::cuda::CUDAGuard guard(gate_up.device());
-  at::Tensor out = grad_inner != nullptr ? at::empty_like(gate_up) : at::empty({gate_up.size(0), inner}, gate_up.options());
+  at::Tensor out =
+      grad_inner != nullptr ? at::empty_like(gate_up) : at::empty({gate_up.size(0), inner}, gate_up.options());
   const GatedActParams p{float_dtype(gate_up.scalar_type(), "gate_up"),
                          {static_cast<GatedAct>(act), static_cast<float>(alpha), static_cast<float>(limit)},
                          interleaved,
