@@ -39,8 +39,6 @@ struct ExtendedKArrayMainloop : Base {
   using typename Base::ElementB;
   using typename Base::StrideA;
   using typename Base::StrideB;
-  using typename Base::InternalStrideA;
-  using typename Base::InternalStrideB;
   using typename Base::InternalElementA;
   using typename Base::InternalElementB;
   using typename Base::TileShape;
@@ -118,7 +116,7 @@ struct ExtendedKArrayMainloop : Base {
     return cutlass::Status::kSuccess;  // the descriptors are written by each CTA (tensormaps_init)
   }
 
-  // The shapes live on the device (nothing to check on the host but the pointers and K1).
+  // The shapes live on the device (nothing to check on the host but the pointers, K1 and K2).
   template <class ProblemShape>
   static bool can_implement(ProblemShape problem_shapes, Arguments const& args) {
     return args.k1 >= 1 && args.k2 >= 1 && args.ptr_A2 != nullptr && args.ptr_B2 != nullptr && args.dA2 != nullptr &&
