@@ -3,7 +3,9 @@ the GEMM core's (PYKERNELS_SM90_TILE, common/sm90_tiles.h) on MoE and LoRA, the 
 (PYKERNELS_SM90_LOGPROBS_TILE, logprobs/logprobs_sm90.h) on logprobs, both ways of running the
 LoRA forward (PYKERNELS_SM90_LORA, lora/lora_extended_k.h: cuBLAS's base GEMM with the LoRA term as
 its C operand, or one GEMM with the term as extra K) and both of the experts' LoRA products
-(PYKERNELS_SM90_MOE_LORA, moe/moe.h: extra K of the base GEMM, or their own GEMMs). All are read on
+(PYKERNELS_SM90_MOE_LORA, moe/moe.h: extra K of the base GEMM, or their own GEMMs) and both ways of
+reading the QLoRA forward's NF4 weight (PYKERNELS_SM90_NF4, nf4/nf4_gemm_sm90.h: dequantized chunks
+for cuBLAS, or decoded in the GEMM's mainloop). All are read on
 every call, so a lent GPU measures them all without rebuilding (~2 minutes of a 15-minute lease per
 build). For choosing the defaults and the core's `auto` rule; the timings that count stay the
 benchmarks' (pytest --benchmark).
@@ -16,12 +18,14 @@ the core; its base GEMMs are cuBLAS's). logprobs: H 4096, V 151936 at N 4096 and
 and frozen lm_head (the statistics and dz GEMMs run on the tile; dh and dW on cuBLAS). LoRA forward
 (no backward: issue 20's target is the forward's overhead over the bare base GEMM, <= 5% at r 16, T
 8192): 4096 x 14336 and 4096 x 4096 at T 8192, r 16, fp32 and bf16 adapters, bf16 and NF4 weights,
-with the bare base GEMM (torch's x W^T, the same under both settings) as the first row.
+with the bare base GEMM (torch's x W^T, the same under both settings) as the first row. QLoRA
+forward: NF4 (double-quantized, blocksize 64) 4096 x 14336 and 4096 x 4096 at T 1024 and 8192, r 16
+fp32 adapters, after the bare bf16 base GEMM.
 
-    python -m benchmarks.tile_sweep [--ops moe,lora,logprobs,lora_forward,moe_lora]
+    python -m benchmarks.tile_sweep [--ops moe,lora,logprobs,lora_forward,moe_lora,qlora_forward]
                                     [--tiles 128x128,128x256,64x128,auto] [--logprobs-tiles 128x128,256x128]
                                     [--lora-forwards cublas,extended_k,extended_k@128x256,extended_k@64x128]
-                                    [--moe-loras extra_k,separate]
+                                    [--moe-loras extra_k,separate] [--nf4-forwards dequantize,mainloop]
                                     [--rounds 10]
 """
 
@@ -40,6 +44,7 @@ LOGPROBS_TILES = ("128x128", "256x128")  # the first is the default (logprobs/lo
 # the first is the default (lora/lora_extended_k.h); extended_k runs on the core's tile (@: which)
 LORA_FORWARDS = ("cublas", "extended_k", "extended_k@128x256", "extended_k@64x128")
 MOE_LORAS = ("extra_k", "separate")  # the first is the default (moe/moe.h)
+NF4_FORWARDS = ("dequantize", "mainloop")  # the first is the default (nf4/nf4_gemm_sm90.h)
 ROUNDS = 10
 
 
@@ -96,6 +101,29 @@ def lora_forward_cases():
                 yield f"lora forward {shape} T8192 r16 {base} weight, {adapters} adapters", call, flops
 
 
+def qlora_forward_cases():
+    from benchmarks.test_bench_lora import SHAPES
+    from pykernels import lora, nf4
+
+    for shape in ("4096x14336", "4096x4096"):
+        in_features, out_features = SHAPES[shape]
+        dense = (torch.randn(out_features, in_features, device="cuda") * in_features**-0.5).bfloat16()
+        weight = nf4.quantize(dense, 64, double_quant=True)
+        a = torch.randn(16, in_features, device="cuda") * in_features**-0.5
+        b = torch.randn(out_features, 16, device="cuda") * 0.01
+        for tokens in (1024, 8192):
+            x = torch.randn(tokens, in_features, device="cuda", dtype=torch.bfloat16)
+            flops = 2 * tokens * in_features * out_features
+            yield (f"base x W^T {shape} T{tokens} bf16 (reference)",
+                   lambda x=x, w=dense: torch.nn.functional.linear(x, w), flops)
+
+            def call(x=x, weight=weight, a=a, b=b):
+                with torch.no_grad():
+                    lora.lora_linear(x, weight, a, b, 2.0)
+
+            yield f"qlora forward {shape} T{tokens} r16", call, flops
+
+
 def logprobs_cases():
     from pykernels.logprobs import token_logprobs
 
@@ -119,7 +147,8 @@ def logprobs_cases():
 CASES = {"moe": (moe_cases, "PYKERNELS_SM90_TILE", "tiles"), "lora": (lora_cases, "PYKERNELS_SM90_TILE", "tiles"),
          "logprobs": (logprobs_cases, "PYKERNELS_SM90_LOGPROBS_TILE", "logprobs_tiles"),
          "lora_forward": (lora_forward_cases, "PYKERNELS_SM90_LORA", "lora_forwards"),
-         "moe_lora": (moe_lora_cases, "PYKERNELS_SM90_MOE_LORA", "moe_loras")}
+         "moe_lora": (moe_lora_cases, "PYKERNELS_SM90_MOE_LORA", "moe_loras"),
+         "qlora_forward": (qlora_forward_cases, "PYKERNELS_SM90_NF4", "nf4_forwards")}
 
 
 def sweep(cases, variable: str, tiles: list[str], rounds: int) -> None:
@@ -160,15 +189,18 @@ def main() -> None:
                         help="the LoRA forward's ways; the first is the baseline")
     parser.add_argument("--moe-loras", default=",".join(MOE_LORAS),
                         help="the experts' LoRA products' ways; the first is the baseline")
+    parser.add_argument("--nf4-forwards", default=",".join(NF4_FORWARDS),
+                        help="the QLoRA forward's ways of reading NF4; the first is the baseline")
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     args = parser.parse_args()
     ops = args.ops.split(",")
     if unknown := [op for op in ops if op not in CASES]:
         raise SystemExit(f"unknown op {', '.join(unknown)}: {', '.join(CASES)}")
     tiles = {"tiles": args.tiles.split(","), "logprobs_tiles": args.logprobs_tiles.split(","),
-             "lora_forwards": args.lora_forwards.split(","), "moe_loras": args.moe_loras.split(",")}
+             "lora_forwards": args.lora_forwards.split(","), "moe_loras": args.moe_loras.split(","),
+             "nf4_forwards": args.nf4_forwards.split(",")}
     known = {"tiles": [*_C.host_logic.gemm_sm90_tiles, "auto"], "logprobs_tiles": _C.host_logic.logprobs_sm90_tiles,
-             "lora_forwards": list(LORA_FORWARDS), "moe_loras": list(MOE_LORAS)}
+             "lora_forwards": list(LORA_FORWARDS), "moe_loras": list(MOE_LORAS), "nf4_forwards": list(NF4_FORWARDS)}
     for kind, names in tiles.items():
         if unknown := [t for t in names if t not in known[kind]]:
             raise SystemExit(f"unknown choice {', '.join(unknown)}: --{kind.replace('_', '-')} takes "

@@ -203,6 +203,7 @@ def test_tile_sweep_names_what_it_needs(monkeypatch):
     assert refusal("--lora-forwards", "cublas,fused") == ("unknown choice fused: --lora-forwards takes cublas, "
                                                            "extended_k, extended_k@128x256, extended_k@64x128")
     assert refusal("--moe-loras", "fused") == "unknown choice fused: --moe-loras takes extra_k, separate"
-    assert refusal("--ops", "moe,mlp") == "unknown op mlp: moe, lora, logprobs, lora_forward, moe_lora"
+    assert refusal("--nf4-forwards", "fused") == "unknown choice fused: --nf4-forwards takes dequantize, mainloop"
+    assert refusal("--ops", "moe,mlp") == "unknown op mlp: moe, lora, logprobs, lora_forward, moe_lora, qlora_forward"
     if not torch.cuda.is_available():
         assert "needs a compute capability 9.0 GPU" in refusal()

@@ -6,8 +6,9 @@ the logprobs backward of a frozen lm_head over two token chunks; the MoE calls t
 other tile of the Hopper GEMM core (PYKERNELS_SM90_TILE, csrc/common/sm90_tiles.h), the logprobs
 calls on the lm_head GEMMs' other tile (PYKERNELS_SM90_LOGPROBS_TILE, csrc/logprobs/logprobs_sm90.h)
 the LoRA calls with the forward as one extended-K GEMM (PYKERNELS_SM90_LORA=extended_k,
-csrc/lora/lora_extended_k.h) and the MoE calls with the experts' LoRA products as their own GEMMs
-(PYKERNELS_SM90_MOE_LORA=separate, csrc/moe/moe.h).
+csrc/lora/lora_extended_k.h) and with the NF4 weight decoded in the GEMM's mainloop
+(PYKERNELS_SM90_NF4=mainloop, csrc/nf4/nf4_gemm_sm90.h), and the MoE calls with the experts' LoRA
+products as their own GEMMs (PYKERNELS_SM90_MOE_LORA=separate, csrc/moe/moe.h).
 On CPU (the dry run) the same calls check that this script still matches the ops' signatures.
 
     python .ci/gpu/sanitize_ops.py [--device cuda|cpu]
@@ -53,7 +54,7 @@ def run_lora(device: str) -> None:
             out_features, 3, device=device, grad=True)
         weight = randn(out_features, 64, device=device)
         bias = randn(out_features, device=device) if out_features == 96 else None  # extended K: a bias column
-        for base in (weight, nf4.quantize(weight, 64)):
+        for base in (weight, nf4.quantize(weight, 64), nf4.quantize(weight, 64, double_quant=True)):
             lora.lora_linear(x, base, a, b, 2.0, bias).float().square().sum().backward()
 
 
@@ -111,11 +112,12 @@ FAMILIES = {"nf4": run_nf4, "lora": run_lora, "logprobs": run_logprobs, "moe": r
 
 
 # The Hopper kernels' other settings, each with the family it runs: the tiles (the first of each list is
-# the default), the LoRA forward as one extended-K GEMM (lora/lora_extended_k.h) and the experts'
-# LoRA products as their own GEMMs (moe/moe.h).
+# the default), the LoRA forward as one extended-K GEMM (lora/lora_extended_k.h) or with the NF4
+# decode in the GEMM (nf4/nf4_gemm_sm90.h), and the experts' LoRA products as their own GEMMs (moe/moe.h).
 OTHER_SETTINGS = [("PYKERNELS_SM90_TILE", tile, "moe") for tile in _C.host_logic.gemm_sm90_tiles[1:]] + [
     ("PYKERNELS_SM90_LOGPROBS_TILE", tile, "logprobs") for tile in _C.host_logic.logprobs_sm90_tiles[1:]] + [
-    ("PYKERNELS_SM90_LORA", "extended_k", "lora"), ("PYKERNELS_SM90_MOE_LORA", "separate", "moe")]
+    ("PYKERNELS_SM90_LORA", "extended_k", "lora"), ("PYKERNELS_SM90_NF4", "mainloop", "lora"),
+    ("PYKERNELS_SM90_MOE_LORA", "separate", "moe")]
 
 
 def run_family(family: str, device: str, setting: str = "") -> None:

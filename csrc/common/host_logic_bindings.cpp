@@ -1,7 +1,7 @@
 // pykernels._C.host_logic: the __host__ __device__ index/tile arithmetic of the CUDA kernels
 // (common/tails.h, common/online_softmax.h, nf4/nf4_layout.h, moe/moe_schedule.h,
 // common/gemm_groups.h, common/gemm_sm90_dense.h, logprobs/vocab_chunks.h, logprobs/logit_grad.h,
-// logprobs/logprobs_sm90.h, lora/lora.h's split-k plan), compiled for the host and exposed with
+// logprobs/logprobs_sm90.h, lora/lora.h's split-k plan, nf4/nf4_decode_bf16.h, nf4/nf4_gemm_sm90.h), compiled for the host and exposed with
 // plain ints, floats and lists so that tests/kernels/test_device_logic_host.py checks it against
 // direct Python / fp64 computations on a machine without a GPU. Test-only: no op, no torch tensor;
 // where a kernel composes the helpers (the row-tile schedule, the routing maps, a dequantize pass)
@@ -10,6 +10,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <iterator>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -29,6 +30,8 @@
 #include "moe/moe.h"
 #include "moe/moe_schedule.h"
 #include "nf4/nf4.h"
+#include "nf4/nf4_decode_bf16.h"
+#include "nf4/nf4_gemm_sm90.h"
 #include "nf4/nf4_layout.h"
 
 namespace py = pybind11;
@@ -411,6 +414,38 @@ std::tuple<int64_t, int64_t, Matrix, Matrix> lora_extended_k_operands(const Matr
 }  // namespace
 
 void define_host_logic(py::module_& m) {
+  // nf4/nf4_decode_bf16.h: the QLoRA GEMM's register decode of one word of 8 codes (4 bf16 pairs),
+  // prmt through its host twin; nf4/nf4_gemm_sm90.h: the launcher's check and the knob
+  m.def("nf4_byte_perm", &nf4::byte_perm, py::arg("a"), py::arg("b"), py::arg("selector"));
+  m.def(
+      "nf4_decode_word_bf16",
+      [](uint32_t word) {
+        uint32_t out[4];
+        nf4::decode_nf4_word_bf16(word, out);
+        return std::vector<uint32_t>(out, out + 4);
+      },
+      py::arg("word"));
+  m.attr("nf4_code_bf16") = std::vector<int>(std::begin(nf4::kCodeBf16), std::end(nf4::kCodeBf16));
+  m.def(
+      "nf4_gemm_sm90_error",
+      [](int64_t m_rows, int64_t n, int64_t k, int64_t blocksize, bool misaligned) -> py::object {
+        nf4::Nf4GemmSm90Params p{};
+        p.m = m_rows, p.n = n, p.k = k, p.blocksize = blocksize;
+        p.x = fake_address(0, false), p.packed = static_cast<const uint8_t*>(fake_address(1, misaligned));
+        p.scales = fake_address(2, false), p.y = const_cast<void*>(fake_address(3, false));
+        const char* error = nf4::nf4_gemm_sm90_error(p);
+        return error ? py::object(py::str(error)) : py::object(py::none());
+      },
+      py::arg("m"), py::arg("n"), py::arg("k"), py::arg("blocksize"), py::arg("misaligned") = false);
+  m.def(
+      "nf4_sm90_forward",
+      [](const std::optional<std::string>& setting) {
+        bool mainloop = false;
+        const char* error = nf4::nf4_sm90_forward_for(setting ? setting->c_str() : nullptr, &mainloop);
+        require(error == nullptr, error ? error : "");
+        return std::string(mainloop ? "mainloop" : "dequantize");
+      },
+      py::arg("setting"));
   // lora/lora_extended_k.h: (terms, width, U, V), the PYKERNELS_SM90_LORA knob
   m.def("lora_extended_k_operands", &lora_extended_k_operands, py::arg("xa"), py::arg("b"), py::arg("bias"),
         py::arg("scaling"), py::arg("b_is_fp32"));

@@ -1,6 +1,6 @@
 // CUDA implementations of the fused LoRA ops (schemas in csrc/torch_bindings.cpp; the same results
 // as lora_cpu.cpp up to rounding): checks, allocation on the current device and the composition of
-// the launchers in lora.cu and nf4.cu on torch's current stream.
+// the launchers in lora.cu, nf4.cu and nf4_gemm_sm90.cu on torch's current stream.
 //
 //   forward   xa = x_lora A^T                  GEMM, fp32 out (kept for backward)
 //             y  = scaling xa B^T + bias       low-rank term, written into y in x's dtype
@@ -8,7 +8,9 @@
 //                                              of y and a read of it as C)
 //             or, on Hopper with PYKERNELS_SM90_LORA=extended_k, the last two as one GEMM with the
 //             term and bias as extra K, y = [x | U] [W | V]^T (lora/lora_extended_k.h), on the
-//             Hopper GEMM core as one group (its tile: PYKERNELS_SM90_TILE)
+//             Hopper GEMM core as one group (its tile: PYKERNELS_SM90_TILE);
+//             or, with an NF4 W on Hopper and PYKERNELS_SM90_NF4=mainloop, y += x W^T by the GEMM that
+//             decodes the codes in its mainloop (nf4/nf4_gemm_sm90.h), C = D = y: no dequantized W
 //   backward  dxa = scaling dy B               GEMM, fp32 out
 //             dB  = scaling dy^T xa            GEMM, fp32 out, cast to B's dtype
 //             dA  = dxa^T x_lora               GEMM, fp32 out, cast to A's dtype
@@ -36,6 +38,7 @@
 #include "lora/lora_extended_k.h"
 #include "lora/lora_torch_checks.h"
 #include "nf4/nf4.h"
+#include "nf4/nf4_gemm_sm90.h"
 
 namespace pykernels::lora {
 namespace {
@@ -296,6 +299,59 @@ std::tuple<at::Tensor, at::Tensor> lora_linear_cuda(const at::Tensor& x, const a
   return {y, xa};
 }
 
+// The QLoRA forward's x W^T with the NF4 decode in the GEMM's mainloop (nf4/nf4_gemm_sm90.h), when
+// PYKERNELS_SM90_NF4=mainloop asks for it and it can run here: bf16 x, Hopper, and the blocks,
+// sizes and alignment the kernel needs. Else nothing is launched and the caller dequantizes.
+class Nf4MainloopForward {
+ public:
+  static std::optional<Nf4MainloopForward> make(const at::Tensor& x, const at::Tensor& packed, int64_t blocksize,
+                                                const Shapes& s) {
+    bool wanted = false;
+    const char* error = nf4::nf4_sm90_forward_for(std::getenv("PYKERNELS_SM90_NF4"), &wanted);
+    TORCH_CHECK_VALUE(error == nullptr, error);
+    if (!wanted || x.scalar_type() != at::kBFloat16 || !nf4::nf4_gemm_sm90_built() ||
+        !gemm::sm90_usable(x.get_device()))
+      return std::nullopt;
+    nf4::Nf4GemmSm90Params p{};
+    p.m = s.m, p.n = s.n, p.k = s.k, p.blocksize = blocksize;
+    p.x = x.data_ptr(), p.packed = packed.data_ptr<uint8_t>();
+    p.scales = x.data_ptr(), p.y = x.data_ptr();  // stand-ins: both are allocated in run (16-byte aligned)
+    if (nf4::nf4_gemm_sm90_error(p) != nullptr) return std::nullopt;
+    return Nf4MainloopForward(p);
+  }
+
+  // y += x W^T.
+  void run(at::Tensor& y, const at::Tensor& absmax, const std::optional<at::Tensor>& nested_absmax,
+           const std::optional<at::Tensor>& nested_code, const std::optional<at::Tensor>& nested_offset,
+           int64_t nested_blocksize, cudaStream_t stream) const {
+    const at::Tensor scales = block_scales(absmax, nested_absmax, nested_code, nested_offset, nested_blocksize);
+    nf4::Nf4GemmSm90Params p = params_;
+    p.scales = scales.data_ptr(), p.y = y.data_ptr(), p.beta = 1.0f;
+    const int device = y.get_device();
+    const at::Tensor workspace = gemm::sm90_workspace(nf4::nf4_gemm_sm90_workspace_bytes(p, device), device);
+    check_launch(nf4::run_nf4_gemm_sm90(p, workspace.data_ptr(), device, stream));
+  }
+
+ private:
+  explicit Nf4MainloopForward(const nf4::Nf4GemmSm90Params& params) : params_(params) {}
+
+  // The kernel's scale operand: every block's absmax in fp32, [k / blocksize, n]; a double-quantized
+  // absmax decoded as nf4_layout.h's decode_absmax does (a product, then a sum: two roundings).
+  at::Tensor block_scales(const at::Tensor& absmax, const std::optional<at::Tensor>& nested_absmax,
+                          const std::optional<at::Tensor>& nested_code, const std::optional<at::Tensor>& nested_offset,
+                          int64_t nested_blocksize) const {
+    const int64_t groups = params_.k / params_.blocksize, blocks = params_.n * groups;
+    at::Tensor value = absmax.narrow(0, 0, blocks);
+    if (nested_absmax.has_value()) {
+      const at::Tensor nested = nested_absmax->repeat_interleave(nested_blocksize).narrow(0, 0, blocks);
+      value = nested_code->index_select(0, value.to(at::kLong)).mul(nested).add(*nested_offset);
+    }
+    return value.view({params_.n, groups}).t().contiguous();
+  }
+
+  nf4::Nf4GemmSm90Params params_;
+};
+
 std::tuple<at::Tensor, at::Tensor> lora_linear_nf4_cuda(
     const at::Tensor& x, const at::Tensor& packed, const at::Tensor& absmax, int64_t blocksize, int64_t out_features,
     const at::Tensor& lora_A, const at::Tensor& lora_B, double scaling, const std::optional<at::Tensor>& bias,
@@ -307,6 +363,11 @@ std::tuple<at::Tensor, at::Tensor> lora_linear_nf4_cuda(
                                                          nested_code, nested_offset, nested_blocksize, x);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream(x);
+  if (const auto mainloop = Nf4MainloopForward::make(x, packed, blocksize, s)) {
+    auto [y, xa] = start_forward(x, x_lora.value_or(x), lora_A, lora_B, scaling, bias, s, stream);
+    mainloop->run(y, absmax, nested_absmax, nested_code, nested_offset, nested_blocksize, stream);
+    return {y, xa};
+  }
   if (const auto extended = ExtendedKForward::make(x, lora_B, bias, s)) {
     Nf4RowChunks chunks(weight, s.n, s.k, x);  // y[:, rows] = [x | U] [W[rows] | V[rows]]^T per chunk
     return extended->run(x, x_lora.value_or(x), lora_A, lora_B, scaling, bias, s, chunks.rows_per_chunk(),

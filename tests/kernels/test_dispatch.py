@@ -224,8 +224,8 @@ def test_the_cache_survives_a_restart_without_re_timing(isolated, timings):
     assert len(timings) == 4
 
 
-@pytest.mark.parametrize("change", ["pykernels", "torch", "hopper_tile", "hopper_lora_forward", "hopper_moe_lora",
-                                    "device"])
+@pytest.mark.parametrize("change", ["pykernels", "torch", "hopper_tile", "hopper_lora_forward", "hopper_nf4_forward",
+                                    "hopper_moe_lora", "device"])
 def test_a_version_or_device_change_invalidates_the_cache(monkeypatch, isolated, timings, change):
     pykernels.lora.lora_linear(*_lora_args())
     assert len(timings) == 2
@@ -237,6 +237,8 @@ def test_a_version_or_device_change_invalidates_the_cache(monkeypatch, isolated,
         monkeypatch.setenv("PYKERNELS_SM90_TILE", "128x256")
     elif change == "hopper_lora_forward":  # the LoRA forward as one extended-K GEMM is another kernel
         monkeypatch.setenv("PYKERNELS_SM90_LORA", "extended_k")
+    elif change == "hopper_nf4_forward":  # the NF4 decode in the GEMM is another kernel
+        monkeypatch.setenv("PYKERNELS_SM90_NF4", "mainloop")
     elif change == "hopper_moe_lora":
         monkeypatch.setenv("PYKERNELS_SM90_MOE_LORA", "separate")
     else:

@@ -137,6 +137,24 @@ def test_hopper_logprobs_keep_the_logits_in_registers(tmp_path, tile):
     assert re.search(r"shfl\.sync", stats), "no shuffle tree over the lanes sharing a row"
 
 
+@pytest.mark.hopper_ptx
+def test_hopper_nf4_gemm_decodes_codes_in_registers(tmp_path):
+    """The QLoRA GEMM (nf4/nf4_gemm_sm90.cu): TMA loads the NF4 codes and x, each consumer decodes its
+    codes with byte permutes (nf4/nf4_decode_bf16.h: no table in memory) and issues wgmma with A
+    from registers (four 32-bit registers, not a shared-memory descriptor). A CUTLASS fallback to its
+    integer conversion would drop the permutes; a converter the mainloop did not pick up would not
+    compile, and a register spill would show as local memory."""
+    kernels = sm90_kernels_ptx("nf4/nf4_gemm_sm90.cu", tmp_path)
+    (ptx,) = [ptx for name, ptx in kernels.items() if "GemmUniversal" in name and "MixedInput" in name]
+    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\},\s*\{([^}]*)\}", ptx)
+    assert wgmma, "no bf16 wgmma"
+    assert all(len(a.split(",")) == 4 for a in wgmma), "wgmma's A does not come from registers"
+    assert re.search(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global", ptx), "no TMA loads"
+    assert len(re.findall(r"prmt\.b32", ptx)) >= 64, "the codes are not decoded by byte permutes"
+    assert not re.search(r"\.local", ptx), "local memory (spills or a table on the stack)"
+    assert "mma.sync" not in ptx
+
+
 def test_moe_gather_and_token_sums_move_16_bytes(tmp_path):
     """The passes around the Hopper expert GEMMs (the gather of x / dy into slot order, the gates,
     the gated sum over a token's k rows, the gated activation both ways and both layouts) are

@@ -15,6 +15,7 @@ from cuda_oracle import check_outputs, error_budget
 
 import pykernels.lora as lora
 import pykernels.nf4 as nf4
+from pykernels.nf4_format import nf4_code
 from conftest import requires_cuda
 from pykernels._extension import ops
 
@@ -177,6 +178,61 @@ def test_cuda_extended_k_forward_matches_fp64_and_cpu(case, weight_kind, monkeyp
     assert ran_kernel(lambda: outputs.update(run_ops(t, weight, "cuda")), "ExtendedKArrayMainloop")
     check_outputs(outputs, run_ops(t, weight, "cpu"), torch_math(t, dense, torch.float64),
                   torch_math(t, dense, torch.bfloat16), OUTPUTS, HALF_ULP[torch.bfloat16], depth=max(case[:3]))
+
+
+def mainloop_weight(q: nf4.NF4Weight) -> torch.Tensor:
+    """The weight the NF4 mainloop GEMM multiplies by (nf4/nf4_gemm_sm90.h): each element
+    bf16(bf16(code value) * absmax), the absmax decoded in fp32 when double-quantized."""
+    codes = torch.stack([q.packed >> 4, q.packed & 0xF], dim=1).reshape(-1).long()  # high nibble first
+    values = nf4_code()[codes].to(torch.bfloat16).float()
+    absmax = q.absmax
+    if absmax is None:
+        nested = q.nested_absmax.repeat_interleave(q.nested_blocksize)[: q.absmax_q.numel()]
+        absmax = q.nested_code[q.absmax_q.long()] * nested + q.nested_offset
+    return (values * absmax.repeat_interleave(q.blocksize)).to(torch.bfloat16).reshape(q.shape)
+
+
+# K and N multiples of 64 and 8, as the kernel needs; M 1 and a partial 128-row tile; blocksize
+# 64 (one k tile per block) and 256 (four).
+NF4_MAINLOOP_CASES = [
+    (1, 4096, 1032, 16, True, False, True),
+    (1023, 4096, 4096, 16, False, True, True),
+    (300, 768, 5128, 64, True, False, False),
+]
+
+
+@pytest.mark.skipif(not HOPPER, reason="the NF4 mainloop GEMM runs on compute capability 9.0")
+@pytest.mark.parametrize("blocksize", [64, 256])
+@pytest.mark.parametrize("weight_kind", ["nf4", "nf4_double_quant"])
+@pytest.mark.parametrize("case", NF4_MAINLOOP_CASES, ids=case_id)
+def test_cuda_nf4_mainloop_forward(case, weight_kind, blocksize, monkeypatch):
+    """PYKERNELS_SM90_NF4=mainloop: the QLoRA forward's x W^T with the codes decoded in the GEMM's
+    mainloop (no dequantized W), within the usual budget of an fp64 oracle on the weight it
+    multiplies by (within 1 ulp of bitsandbytes' per element: test_nf4_gemm_host.py); that kernel
+    must be what ran. The backward is the default path's."""
+    monkeypatch.setenv("PYKERNELS_SM90_NF4", "mainloop")
+    t = make_inputs(case, torch.bfloat16, seed=NF4_MAINLOOP_CASES.index(case))
+    weight = nf4.quantize(t["weight"], blocksize, double_quant=weight_kind == "nf4_double_quant")
+    dense = mainloop_weight(weight)
+    outputs = {}
+    assert ran_kernel(lambda: outputs.update(run_ops(t, weight, "cuda")), "MixedInput")
+    check_outputs(outputs, run_ops(t, weight, "cpu"), torch_math(t, dense, torch.float64),
+                  torch_math(t, dense, torch.bfloat16), ["y", "xa"], HALF_ULP[torch.bfloat16], depth=max(case[:3]))
+
+
+@pytest.mark.skipif(not HOPPER, reason="the NF4 mainloop GEMM runs on compute capability 9.0")
+def test_cuda_nf4_mainloop_steps_aside(monkeypatch):
+    """Shapes the kernel cannot take (K not a multiple of 64, blocksize 32) run the default path."""
+    monkeypatch.setenv("PYKERNELS_SM90_NF4", "mainloop")
+    for case, blocksize in [((64, 769, 1024, 8, False, False, True), 64),
+                            ((64, 4096, 1024, 8, False, False, True), 32)]:
+        t = make_inputs(case, torch.bfloat16, seed=4)
+        weight = nf4.quantize(t["weight"], blocksize)
+        outputs = run_ops(t, weight, "cuda")
+        assert not ran_kernel(lambda t=t, weight=weight: run_ops(t, weight, "cuda"), "MixedInput")
+        dense = nf4.dequantize(weight, torch.bfloat16)
+        check_outputs(outputs, run_ops(t, weight, "cpu"), torch_math(t, dense, torch.float64),
+                      torch_math(t, dense, torch.bfloat16), OUTPUTS, HALF_ULP[torch.bfloat16], depth=max(case[:3]))
 
 
 @pytest.mark.parametrize("lora_forward", ["cublas", "extended_k"])
