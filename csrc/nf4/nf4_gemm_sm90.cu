@@ -82,7 +82,11 @@ namespace {
 using namespace cute;
 
 using Bf16 = cutlass::bfloat16_t;
-using TileShape = Shape<_128, _128, Int<kNf4GemmTileK>>;
+// 256 tokens per tile: a consumer decodes its 64 x 64 codes per k tile whatever the tile's N, so the
+// wider tile halves the decode's share of the issue slots and the reads of W (an estimate from the
+// PTX: ~200 decode instructions per thread per k tile, against ~512 issue slots per warp while the
+// tile's wgmma runs at 128 x 256, 256 at 128 x 128). ptxas reports no spill at this size.
+using TileShape = Shape<_128, _256, Int<kNf4GemmTileK>>;
 using ClusterShape = Shape<_1, _1, _1>;
 using LayoutW = cutlass::layout::RowMajor;     // W [n, k]: K-major, the GEMM's A
 using LayoutX = cutlass::layout::ColumnMajor;  // x [m, k] as the GEMM's B [N = m, K]: K-major

@@ -146,8 +146,8 @@ def test_hopper_nf4_gemm_decodes_codes_in_registers(tmp_path):
     compile, and a register spill would show as local memory."""
     kernels = sm90_kernels_ptx("nf4/nf4_gemm_sm90.cu", tmp_path)
     (ptx,) = [ptx for name, ptx in kernels.items() if "GemmUniversal" in name and "MixedInput" in name]
-    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16 \{[^}]*\},\s*\{([^}]*)\}", ptx)
-    assert wgmma, "no bf16 wgmma"
+    wgmma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16 \{[^}]*\},\s*\{([^}]*)\}", ptx)
+    assert wgmma, "no bf16 wgmma 256 tokens wide"
     assert all(len(a.split(",")) == 4 for a in wgmma), "wgmma's A does not come from registers"
     assert re.search(r"cp\.async\.bulk\.tensor\.\dd\.shared::cluster\.global", ptx), "no TMA loads"
     assert len(re.findall(r"prmt\.b32", ptx)) >= 64, "the codes are not decoded by byte permutes"
