@@ -16,6 +16,8 @@
 //             dA  = dxa^T x_lora               GEMM, fp32 out, cast to A's dtype
 //             grad_x = dxa A, then += dy W     two GEMMs, the second with C = D = grad_x
 //                                              (separate grad_x = dy W, grad_x_lora = dxa A with x_lora)
+//                                              or, under PYKERNELS_SM90_LORA=extended_k with a dense W
+//                                              and no x_lora, one GEMM: [dy | U] [W ; V^T]
 // The GEMMs take one input dtype; products that meet an fp32 LoRA weight or the fp32 xa / dxa
 // go to launch_rank_gemm instead, which reads each operand in its own dtype and sums in fp32, so
 // nothing on the LoRA path is rounded to 16 bits before its output (as on the CPU and in PEFT,
@@ -231,36 +233,34 @@ std::tuple<at::Tensor, at::Tensor> start_forward(const at::Tensor& x, const at::
   return {y, xa};
 }
 
-// The Hopper forward as one GEMM with the LoRA term and bias as extra K (lora/lora_extended_k.h),
-// when PYKERNELS_SM90_LORA=extended_k asks for it and it can run here: bf16 x, Hopper, m >= 1 and
-// the 16-byte rows TMA needs. Else nothing is allocated and the caller runs start_forward's path.
-class ExtendedKForward {
+// The Hopper GEMMs with the LoRA term as extra K (lora/lora_extended_k.h), when
+// PYKERNELS_SM90_LORA=extended_k asks for them and they can run here: bf16 x, Hopper, m >= 1 and the
+// 16-byte rows TMA needs. Else nothing is allocated and the caller runs the default path.
+//   forward   y = [x | U] [W | V]^T: U from scaling xa, V from B and the bias (one group, K-major W)
+//   backward  grad_x = dy W + dxa A = [dy | U] [W ; V^T]: U from dxa, V from A^T, transposed to
+//             the N-major layout W has in this product (dense W, no x_lora: the term goes to grad_x)
+class ExtendedKGemm {
  public:
-  static std::optional<ExtendedKForward> make(const at::Tensor& x, const at::Tensor& lora_B,
-                                              const std::optional<at::Tensor>& bias, const Shapes& s) {
+  static std::optional<ExtendedKGemm> make(const at::Tensor& x, const Shapes& s) {
     bool wanted = false;
     const char* error = lora_sm90_forward_for(std::getenv("PYKERNELS_SM90_LORA"), &wanted);
     TORCH_CHECK_VALUE(error == nullptr, error);
     if (!wanted || x.scalar_type() != at::kBFloat16 || s.m < 1 || s.k < 1 || s.n < 1 || s.k % 8 != 0 ||
         s.n % 8 != 0 || !gemm::sm90_usable(x.get_device()) || !is_aligned(x.data_ptr(), 16))
       return std::nullopt;
-    return ExtendedKForward(extended_k(s.r, lora_B.scalar_type() == at::kFloat, bias.has_value()));
+    return ExtendedKGemm();
   }
 
   // y [m, n] (a new tensor) and xa: y = x W^T + the LoRA term and bias, W's rows in chunks of
   // `weight_rows(row, rows)` (a [rows, k] bf16 tensor) when W is NF4, else one.
   template <class WeightRows>
-  std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& x, const at::Tensor& x_lora, const at::Tensor& lora_A,
-                                         const at::Tensor& lora_B, double scaling,
-                                         const std::optional<at::Tensor>& bias, const Shapes& s, int64_t chunk_rows,
-                                         WeightRows&& weight_rows, cudaStream_t stream) const {
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& x_lora, const at::Tensor& lora_A,
+                                             const at::Tensor& lora_B, double scaling,
+                                             const std::optional<at::Tensor>& bias, const Shapes& s,
+                                             int64_t chunk_rows, WeightRows&& weight_rows, cudaStream_t stream) const {
     at::Tensor xa = lora_down(x, x_lora, lora_A, s, stream);
-    const auto bf16 = x.options().dtype(at::kBFloat16);
-    at::Tensor u = at::empty({s.m, layout_.width}, bf16), v = at::empty({s.n, layout_.width}, bf16);
-    ExtendedKOperandsParams operands{layout_, s.m, s.n, xa.data_ptr<float>(), static_cast<float>(scaling),
-                                     lora_B.data_ptr(), dtype_of(lora_B),
-                                     bias.has_value() ? bias->data_ptr() : nullptr, u.data_ptr(), v.data_ptr()};
-    check_launch(launch_extended_k_operands(operands, stream));
+    const ExtendedK layout = extended_k(s.r, lora_B.scalar_type() == at::kFloat, bias.has_value());
+    auto [u, v] = operands(layout, xa, static_cast<float>(scaling), lora_B, bias, s.m, s.n, stream);
     at::Tensor y = at::empty({s.m, s.n}, x.options());
     for (int64_t row = 0; row < s.n; row += chunk_rows) {
       const int64_t rows = std::min(chunk_rows, s.n - row);
@@ -271,16 +271,46 @@ class ExtendedKForward {
       g.a = x.data_ptr(), g.lda = s.k;
       g.b = w.data_ptr(), g.ldb = w.stride(0);
       g.d = y.select(1, row).data_ptr(), g.ldd = s.n, g.d_dtype = DType::kBFloat16, g.alpha = 1.0f;
-      g.a2 = u.data_ptr(), g.lda2 = layout_.width, g.k2 = layout_.width;
-      g.b2 = v[row].data_ptr(), g.ldb2 = layout_.width;
+      g.a2 = u.data_ptr(), g.lda2 = layout.width, g.k2 = layout.width;
+      g.b2 = v[row].data_ptr(), g.ldb2 = layout.width;
       gemm::run_grouped_gemm_sm90(g, x.get_device(), stream);
     }
     return {y, xa};
   }
 
+  // grad_x [m, k] (a new tensor in dy's dtype) = dy W + dxa A, dense W.
+  at::Tensor grad_x(const at::Tensor& grad_y, const at::Tensor& weight, const at::Tensor& dxa,
+                    const at::Tensor& lora_A, const Shapes& s, cudaStream_t stream) const {
+    const ExtendedK layout = extended_k(s.r, lora_A.scalar_type() == at::kFloat, false);
+    auto [u, v] = operands(layout, dxa, 1.0f, lora_A.t().contiguous(), std::nullopt, s.m, s.k, stream);
+    const at::Tensor v_rows = v.t().contiguous();  // [width, k]: N-major like W in dy W
+    at::Tensor grad_x = at::empty({s.m, s.k}, grad_y.options());
+    gemm::GroupedGemmSm90Params g{};
+    g.kind = gemm::Sm90GemmKind::kRowsNMajorB;
+    g.slots = s.m, g.experts = 1, g.n = s.k, g.k = s.n;
+    g.a = grad_y.data_ptr(), g.lda = s.n;
+    g.b = weight.data_ptr(), g.ldb = s.k;
+    g.d = grad_x.data_ptr(), g.ldd = s.k, g.d_dtype = DType::kBFloat16, g.alpha = 1.0f;
+    g.a2 = u.data_ptr(), g.lda2 = layout.width, g.k2 = layout.width;
+    g.b2 = v_rows.data_ptr(), g.ldb2 = s.k;
+    gemm::run_grouped_gemm_sm90(g, grad_y.get_device(), stream);
+    return grad_x;
+  }
+
  private:
-  explicit ExtendedKForward(ExtendedK layout) : layout_(layout) {}
-  ExtendedK layout_;
+  // U [rows_u, width] from `left` (fp32 [rows_u, r], times scaling) and V [rows_v, width] from
+  // `right` ([rows_v, r]) and the bias: lora_extended_k.h's packing, on the device.
+  static std::pair<at::Tensor, at::Tensor> operands(const ExtendedK& layout, const at::Tensor& left, float scaling,
+                                                    const at::Tensor& right, const std::optional<at::Tensor>& bias,
+                                                    int64_t rows_u, int64_t rows_v, cudaStream_t stream) {
+    const auto bf16 = left.options().dtype(at::kBFloat16);
+    at::Tensor u = at::empty({rows_u, layout.width}, bf16), v = at::empty({rows_v, layout.width}, bf16);
+    ExtendedKOperandsParams p{layout, rows_u, rows_v, left.data_ptr<float>(), scaling, right.data_ptr(),
+                              dtype_of(right), bias.has_value() ? bias->data_ptr() : nullptr, u.data_ptr(),
+                              v.data_ptr()};
+    check_launch(launch_extended_k_operands(p, stream));
+    return {u, v};
+  }
 };
 
 std::tuple<at::Tensor, at::Tensor> lora_linear_cuda(const at::Tensor& x, const at::Tensor& weight,
@@ -291,8 +321,8 @@ std::tuple<at::Tensor, at::Tensor> lora_linear_cuda(const at::Tensor& x, const a
   const Shapes s = check_lora_inputs(x, weight.size(0), lora_A, lora_B, bias, x_lora);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream(x);
-  if (const auto extended = ExtendedKForward::make(x, lora_B, bias, s); extended && is_aligned(weight.data_ptr(), 16))
-    return extended->run(x, x_lora.value_or(x), lora_A, lora_B, scaling, bias, s, s.n,
+  if (const auto extended = ExtendedKGemm::make(x, s); extended && is_aligned(weight.data_ptr(), 16))
+    return extended->forward(x, x_lora.value_or(x), lora_A, lora_B, scaling, bias, s, s.n,
                          [&](int64_t, int64_t) { return weight; }, stream);
   auto [y, xa] = start_forward(x, x_lora.value_or(x), lora_A, lora_B, scaling, bias, s, stream);
   base_gemm(y, x, weight.t(), /*accumulate=*/true);
@@ -368,9 +398,9 @@ std::tuple<at::Tensor, at::Tensor> lora_linear_nf4_cuda(
     mainloop->run(y, absmax, nested_absmax, nested_code, nested_offset, nested_blocksize, stream);
     return {y, xa};
   }
-  if (const auto extended = ExtendedKForward::make(x, lora_B, bias, s)) {
+  if (const auto extended = ExtendedKGemm::make(x, s)) {
     Nf4RowChunks chunks(weight, s.n, s.k, x);  // y[:, rows] = [x | U] [W[rows] | V[rows]]^T per chunk
-    return extended->run(x, x_lora.value_or(x), lora_A, lora_B, scaling, bias, s, chunks.rows_per_chunk(),
+    return extended->forward(x, x_lora.value_or(x), lora_A, lora_B, scaling, bias, s, chunks.rows_per_chunk(),
                          [&](int64_t row, int64_t rows) { return chunks.dequantize(row, rows, stream); }, stream);
   }
   auto [y, xa] = start_forward(x, x_lora.value_or(x), lora_A, lora_B, scaling, bias, s, stream);
@@ -390,6 +420,7 @@ std::tuple<at::Tensor, at::Tensor> lora_linear_nf4_cuda(
 // (B, xa, dxa, A) is a rank_gemm: fp32 math, no 16-bit copy of a LoRA weight or intermediate.
 struct LowRankGrads {
   at::Tensor grad_x, grad_x_lora, grad_A, grad_B;
+  at::Tensor dxa;  // scaling dy B, fp32 [m, r]
 };
 LowRankGrads low_rank_backward(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& lora_A,
                                const at::Tensor& lora_B, const at::Tensor& xa, double scaling,
@@ -410,7 +441,7 @@ LowRankGrads low_rank_backward(const at::Tensor& grad_y, const at::Tensor& x, co
   rank_gemm(s.r, s.k, s.m, columns_of(dxa), rows_of(lora_input), grad_A, 1.0f, false, stream);  // dxa^T x
 
   LowRankGrads grads{at::empty({0}, x.options()), at::empty({0}, x.options()),
-                     cast_to(grad_A, lora_A.scalar_type(), stream), cast_to(grad_B, lora_B.scalar_type(), stream)};
+                     cast_to(grad_A, lora_A.scalar_type(), stream), cast_to(grad_B, lora_B.scalar_type(), stream), dxa};
   const bool lora_term_needed = x_lora.has_value() || compute_grad_x;
   if (!lora_term_needed) return grads;
   at::Tensor& target = x_lora.has_value() ? grads.grad_x_lora : grads.grad_x;
@@ -430,6 +461,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_linear_backward_
   check_cuda_backward(grad_y, xa, x);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream(x);
+  const auto extended = ExtendedKGemm::make(x, s);
+  if (extended && compute_grad_x && !x_lora.has_value() && is_aligned(weight.data_ptr(), 16) &&
+      is_aligned(grad_y.data_ptr(), 16)) {  // grad_x = [dy | U] [W ; V^T], one GEMM
+    LowRankGrads g = low_rank_backward(grad_y, x, lora_A, lora_B, xa, scaling, x_lora, /*compute_grad_x=*/false,
+                                       x.scalar_type(), s, stream);
+    return {extended->grad_x(grad_y, weight, g.dxa, lora_A, s, stream), g.grad_x_lora, g.grad_A, g.grad_B};
+  }
   LowRankGrads g =
       low_rank_backward(grad_y, x, lora_A, lora_B, xa, scaling, x_lora, compute_grad_x, x.scalar_type(), s, stream);
   if (compute_grad_x) {

@@ -2,6 +2,9 @@
 //
 //   y = x W^T + bias + scaling (x_lora A^T) B^T  =  [x | U] [W | V]^T
 //
+// and the backward's input gradient alike (dense W, no x_lora): grad_x = dy W + dxa A =
+// [dy | U] [W ; V^T] with U from dxa (scaling 1) and V from A^T, by the same packing.
+//
 // with U [m, width] and V [n, width] two small bf16 operands built from xa = x_lora A^T (fp32),
 // B and the bias, run as one group of the Hopper GEMM core with extra K (common/grouped_gemm_sm90.h,
 // common/extended_k_array_mainloop_sm90.cuh: k tiles from (x, W), then from (U, V)). The base
@@ -34,7 +37,7 @@ namespace pykernels::lora {
 //   cublas      x W^T on cuBLAS (through ATen) with the LoRA term and bias, written by a small
 //               kernel first, as its C operand (beta 1): the default, what an H100 has measured
 //   extended_k  one GEMM on the Hopper core with the term and bias as extra K: no pass over y for
-//               the term, K grows by the width below
+//               the term, K grows by the width below (and the backward's grad_x the same way)
 // Null on success, else a message naming the choices. Read on every call (benchmarks/tile_sweep.py
 // times both in one process).
 inline const char* lora_sm90_forward_for(const char* setting, bool* extended_k) {

@@ -164,13 +164,14 @@ def ran_kernel(fn, name: str) -> bool:
     return any(name in event.key for event in profile.key_averages())
 
 
-@pytest.mark.skipif(not HOPPER, reason="the extended-K forward runs on compute capability 9.0")
+@pytest.mark.skipif(not HOPPER, reason="the extended-K GEMMs run on compute capability 9.0")
 @pytest.mark.parametrize("weight_kind", WEIGHTS)
 @pytest.mark.parametrize("case", EXTENDED_K_CASES, ids=case_id)
-def test_cuda_extended_k_forward_matches_fp64_and_cpu(case, weight_kind, monkeypatch):
+def test_cuda_extended_k_matches_fp64_and_cpu(case, weight_kind, monkeypatch):
     """PYKERNELS_SM90_LORA=extended_k: the forward as one GEMM with the LoRA term and bias as extra
     K (lora/lora_extended_k.h, one group of the Hopper core), dense and NF4 (several chunks of W at N
-    4096), within the same budgets as the default path, and it must be that GEMM that ran."""
+    4096), and with a dense W and no x_lora the backward's grad_x = dy W + dxa A as one GEMM too,
+    within the same budgets as the default path; and it must be those GEMMs that ran."""
     monkeypatch.setenv("PYKERNELS_SM90_LORA", "extended_k")
     t = make_inputs(case, torch.bfloat16, seed=EXTENDED_K_CASES.index(case))
     weight, dense = weight_for(weight_kind, t["weight"])
@@ -178,6 +179,14 @@ def test_cuda_extended_k_forward_matches_fp64_and_cpu(case, weight_kind, monkeyp
     assert ran_kernel(lambda: outputs.update(run_ops(t, weight, "cuda")), "ExtendedKArrayMainloop")
     check_outputs(outputs, run_ops(t, weight, "cpu"), torch_math(t, dense, torch.float64),
                   torch_math(t, dense, torch.bfloat16), OUTPUTS, HALF_ULP[torch.bfloat16], depth=max(case[:3]))
+    if weight_kind == "dense" and t["x_lora"] is None:
+        c = {name: v.cuda() if v is not None else None for name, v in t.items()}
+
+        def backward():
+            ops.lora_linear_backward(c["grad_y"], c["x"], c["weight"], c["lora_A"], c["lora_B"], outputs["xa"],
+                                     SCALING, None, True)
+
+        assert ran_kernel(backward, "ExtendedKArrayMainloop"), "the backward's grad_x is not one extra-K GEMM"
 
 
 def mainloop_weight(q: nf4.NF4Weight) -> torch.Tensor:
