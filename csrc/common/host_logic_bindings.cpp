@@ -1,11 +1,12 @@
 // pykernels._C.host_logic: the __host__ __device__ index/tile arithmetic of the CUDA kernels
 // (common/tails.h, common/online_softmax.h, nf4/nf4_layout.h, moe/moe_schedule.h,
 // common/gemm_groups.h, common/gemm_sm90_dense.h, logprobs/vocab_chunks.h, logprobs/logit_grad.h,
-// logprobs/logprobs_sm90.h, lora/lora.h's split-k plan, nf4/nf4_decode_bf16.h, nf4/nf4_gemm_sm90.h), compiled for the host and exposed with
-// plain ints, floats and lists so that tests/kernels/test_device_logic_host.py checks it against
-// direct Python / fp64 computations on a machine without a GPU. Test-only: no op, no torch tensor;
-// where a kernel composes the helpers (the row-tile schedule, the routing maps, a dequantize pass)
-// the function here composes them in the same way, serially.
+// logprobs/logprobs_sm90.h, lora/lora.h's split-k plan, nf4/nf4_decode_bf16.h, nf4/nf4_gemm_sm90.h),
+// compiled for the host and exposed with plain ints, floats and lists so that
+// tests/kernels/test_device_logic_host.py (and the family tests beside it) check it against direct
+// Python / fp64 computations on a machine without a GPU. Test-only: no op, no torch tensor; where a
+// kernel composes the helpers (the row-tile schedule, the routing maps, a dequantize pass) the
+// function here composes them in the same way, serially.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 

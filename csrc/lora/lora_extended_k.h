@@ -30,6 +30,7 @@
 #include <cstring>
 
 #include "common/host_device.h"
+#include "common/two_way_choice.h"
 
 namespace pykernels::lora {
 
@@ -41,13 +42,8 @@ namespace pykernels::lora {
 // Null on success, else a message naming the choices. Read on every call (benchmarks/tile_sweep.py
 // times both in one process).
 inline const char* lora_sm90_forward_for(const char* setting, bool* extended_k) {
-  *extended_k = false;
-  if (setting == nullptr || setting[0] == '\0' || std::strcmp(setting, "cublas") == 0) return nullptr;
-  if (std::strcmp(setting, "extended_k") == 0) {
-    *extended_k = true;
-    return nullptr;
-  }
-  return "PYKERNELS_SM90_LORA must be cublas (the default) or extended_k";
+  return two_way_choice(setting, "cublas", "extended_k",
+                        "PYKERNELS_SM90_LORA must be cublas (the default) or extended_k", extended_k);
 }
 
 inline constexpr int64_t kExtendedKTile = 64;  // the Hopper GEMM's K tile: the width's multiple

@@ -14,9 +14,9 @@
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 
 #include "common/dtype.h"
+#include "common/two_way_choice.h"
 
 typedef struct CUstream_st* cudaStream_t;
 
@@ -29,13 +29,11 @@ namespace pykernels::moe {
 // Read on every call, so one process can time both (benchmarks/tile_sweep.py). Null on success,
 // else a message naming the choices.
 inline const char* moe_lora_extra_k_for(const char* setting, bool* extra_k) {
-  *extra_k = true;
-  if (setting == nullptr || setting[0] == '\0' || std::strcmp(setting, "extra_k") == 0) return nullptr;
-  if (std::strcmp(setting, "separate") == 0) {
-    *extra_k = false;
-    return nullptr;
-  }
-  return "PYKERNELS_SM90_MOE_LORA must be extra_k (the default) or separate";
+  bool separate = false;
+  const char* error = two_way_choice(setting, "extra_k", "separate",
+                                     "PYKERNELS_SM90_MOE_LORA must be extra_k (the default) or separate", &separate);
+  *extra_k = !separate;
+  return error;
 }
 
 // ------------------------------------------------------------------ sort

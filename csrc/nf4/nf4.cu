@@ -1,7 +1,7 @@
 // NF4 CUDA kernels. Memory-bound: each quantize thread moves 8 values, each dequantize thread one
-// 16-byte store per unit of 8 (16-bit out) or 4 (fp32) values; the aim is >= 80% of HBM bandwidth. Results are bit-identical to the CPU
-// kernels (and so to bitsandbytes 0.50 on CPU): every rounding step is an explicit _rn
-// intrinsic, so nvcc's default multiply-add contraction cannot change a bit.
+// 16-byte store per unit of 8 (16-bit out) or 4 (fp32) values; the aim is >= 85% of copy bandwidth.
+// Results are bit-identical to the CPU kernels (and so to bitsandbytes 0.50 on CPU): every rounding
+// step is an explicit _rn intrinsic, so nvcc's default multiply-add contraction cannot change a bit.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

@@ -21,9 +21,9 @@
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 
 #include "common/tails.h"
+#include "common/two_way_choice.h"
 
 typedef struct CUstream_st* cudaStream_t;
 
@@ -59,13 +59,8 @@ inline const char* nf4_gemm_sm90_error(const Nf4GemmSm90Params& p) {
 // or empty: the default): dequantize (chunks of W dequantized to bf16 for cuBLAS, the measured path)
 // or mainloop (this GEMM). Sets *mainloop; returns null, or an error naming the choices.
 inline const char* nf4_sm90_forward_for(const char* setting, bool* mainloop) {
-  *mainloop = false;
-  if (setting == nullptr || setting[0] == '\0' || std::strcmp(setting, "dequantize") == 0) return nullptr;
-  if (std::strcmp(setting, "mainloop") == 0) {
-    *mainloop = true;
-    return nullptr;
-  }
-  return "PYKERNELS_SM90_NF4 must be dequantize (the default) or mainloop";
+  return two_way_choice(setting, "dequantize", "mainloop",
+                        "PYKERNELS_SM90_NF4 must be dequantize (the default) or mainloop", mainloop);
 }
 
 // True when this build has the kernel (the archs include sm_90a).
