@@ -323,7 +323,7 @@ std::tuple<at::Tensor, at::Tensor> lora_linear_cuda(const at::Tensor& x, const a
   const cudaStream_t stream = current_stream(x);
   if (const auto extended = ExtendedKGemm::make(x, s); extended && is_aligned(weight.data_ptr(), 16))
     return extended->forward(x, x_lora.value_or(x), lora_A, lora_B, scaling, bias, s, s.n,
-                         [&](int64_t, int64_t) { return weight; }, stream);
+                             [&](int64_t, int64_t) { return weight; }, stream);
   auto [y, xa] = start_forward(x, x_lora.value_or(x), lora_A, lora_B, scaling, bias, s, stream);
   base_gemm(y, x, weight.t(), /*accumulate=*/true);
   return {y, xa};
@@ -401,7 +401,8 @@ std::tuple<at::Tensor, at::Tensor> lora_linear_nf4_cuda(
   if (const auto extended = ExtendedKGemm::make(x, s)) {
     Nf4RowChunks chunks(weight, s.n, s.k, x);  // y[:, rows] = [x | U] [W[rows] | V[rows]]^T per chunk
     return extended->forward(x, x_lora.value_or(x), lora_A, lora_B, scaling, bias, s, chunks.rows_per_chunk(),
-                         [&](int64_t row, int64_t rows) { return chunks.dequantize(row, rows, stream); }, stream);
+                             [&](int64_t row, int64_t rows) { return chunks.dequantize(row, rows, stream); },
+                             stream);
   }
   auto [y, xa] = start_forward(x, x_lora.value_or(x), lora_A, lora_B, scaling, bias, s, stream);
   if (s.m == 0) return {y, xa};
