@@ -1,7 +1,8 @@
 // The Hopper QLoRA GEMM (the math and the operands in nf4_gemm_sm90.h): CUTLASS's mixed-input
-// mainloop, given the NF4 codes as a 4-bit type of their own whose conversion to bf16 is the
-// register decode of nf4_decode_bf16.h, and the blocks' absmax as its group-wise scale
-// (ConvertAndScale, group = blocksize along k).
+// mainloop, given the NF4 codes as a 4-bit type of their own whose conversion to fp32 is the
+// register decode of nf4_decode_bf16.h (bf16 code values, widened), and the blocks' fp32 absmax as
+// its group-wise scale (ConvertAndScale, group = blocksize along k): CUTLASS multiplies in fp32 and
+// rounds each weight to bf16 for wgmma.
 //
 // CUTLASS puts the narrow operand in registers as wgmma's A, so the GEMM runs transposed:
 // D [n, m] = W [n, k] . x [m, k]^T, with D column-major of leading dimension n, which is y [m, n]
@@ -34,7 +35,7 @@
 namespace pykernels::nf4 {
 
 // A 4-bit NF4 code: CUTLASS's unsigned 4-bit storage under its own name, so that its conversion
-// to bf16 is the table decode below and not the integer one.
+// is the table decode below and not the integer one.
 struct Nf4Code : cutlass::uint4b_t {
   Nf4Code() = default;
   CUTLASS_HOST_DEVICE explicit Nf4Code(cutlass::uint4b_t bits) : cutlass::uint4b_t(bits) {}
