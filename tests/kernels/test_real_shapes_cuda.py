@@ -10,7 +10,8 @@ On a Hopper GPU every case runs four times: on the default tiles of the sm_90a G
 lm_head GEMMs, on their other tiles (PYKERNELS_SM90_TILE, common/sm90_tiles.h;
 PYKERNELS_SM90_LOGPROBS_TILE, logprobs/logprobs_sm90.h) and with the Hopper kernels switched off
 (PYKERNELS_SM90=0; all read on every call), so every kernel a user can pick is checked at these sizes
-in one run.
+in one run; the LoRA case also runs under the opt-in Hopper paths (PYKERNELS_SM90_LORA=extended_k,
+and PYKERNELS_SM90_NF4=mainloop on its NF4 form).
 Elsewhere the other runs would repeat the first and are skipped.
 
 Bound: max|ours - fp32| <= TOLERANCE * max|fp32| per output. Our outputs round intermediates to
@@ -22,7 +23,7 @@ import pytest
 import torch
 
 from conftest import requires_cuda
-from pykernels import backend, logprobs, lora, moe
+from pykernels import backend, logprobs, lora, moe, nf4
 from pykernels.reference import moe as reference_moe
 
 pytestmark = [requires_cuda, pytest.mark.cuda]
@@ -133,7 +134,9 @@ def test_logprobs_vocab_151936_n16384(gemm_generation):
     assert_close("grad_weight", wb.grad, w32.grad)
 
 
-def test_lora_4096x14336_r16_t8192(gemm_generation):
+def check_lora_4096x14336_r16_t8192(quantize: bool):
+    """lora_linear forward and backward at the real shape against fp32 torch: on a bf16 weight, or
+    on its NF4 (double-quantized) form against the fp32 dequantized weight."""
     tokens, in_f, out_f, rank = 8192, 4096, 14336, 16
     g = torch.Generator(device="cuda").manual_seed(2)
     x = torch.randn(tokens, in_f, device="cuda", generator=g)
@@ -141,10 +144,14 @@ def test_lora_4096x14336_r16_t8192(gemm_generation):
     a = torch.randn(rank, in_f, device="cuda", generator=g) * in_f**-0.5
     b = torch.randn(out_f, rank, device="cuda", generator=g) * 0.1
     grad_y = torch.randn(tokens, out_f, device="cuda", generator=g)
+    base = weight.to(torch.bfloat16)
+    if quantize:
+        base = nf4.quantize(base, 64, double_quant=True)
+        weight = nf4.dequantize(base, torch.float32)
 
     xb, ab, bb = leaf(x, torch.bfloat16), leaf(a, torch.float32), leaf(b, torch.float32)  # fp32 adapter, as PEFT
     with backend.forced("lora", "ours"):
-        y = lora.lora_linear(xb, weight.to(torch.bfloat16), ab, bb, 2.0)
+        y = lora.lora_linear(xb, base, ab, bb, 2.0)
     y.backward(grad_y.to(y.dtype))
 
     x32, a32, b32 = leaf(x, torch.float32), leaf(a, torch.float32), leaf(b, torch.float32)
@@ -154,3 +161,22 @@ def test_lora_4096x14336_r16_t8192(gemm_generation):
     assert_close("grad_x", xb.grad, x32.grad)
     assert_close("grad_lora_a", ab.grad, a32.grad)
     assert_close("grad_lora_b", bb.grad, b32.grad)
+
+
+def test_lora_4096x14336_r16_t8192(gemm_generation):
+    check_lora_4096x14336_r16_t8192(quantize=False)
+
+
+# The opt-in Hopper paths (read on every call): the LoRA term as extra K of the base GEMM, forward
+# and grad_x (lora/lora_extended_k.h), and QLoRA's NF4 decoded in the GEMM's mainloop
+# (nf4/nf4_gemm_sm90.h).
+OPT_IN_PATHS = {"extended_k": ("PYKERNELS_SM90_LORA", "extended_k", False),
+                "nf4_mainloop": ("PYKERNELS_SM90_NF4", "mainloop", True)}
+
+
+@pytest.mark.skipif(not HOPPER, reason="the opt-in Hopper paths run on compute capability 9.0")
+@pytest.mark.parametrize("path", OPT_IN_PATHS)
+def test_lora_4096x14336_r16_t8192_opt_in_hopper_paths(path, monkeypatch):
+    variable, value, quantize = OPT_IN_PATHS[path]
+    monkeypatch.setenv(variable, value)
+    check_lora_4096x14336_r16_t8192(quantize)
