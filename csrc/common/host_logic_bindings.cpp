@@ -418,6 +418,7 @@ void define_host_logic(py::module_& m) {
   // nf4/nf4_decode_bf16.h: the QLoRA GEMM's register decode of one word of 8 codes (4 bf16 pairs),
   // prmt through its host twin; nf4/nf4_gemm_sm90.h: the launcher's check and the knob
   m.def("nf4_byte_perm", &nf4::byte_perm, py::arg("a"), py::arg("b"), py::arg("selector"));
+  m.def("nf4_transposed_scale_block", &nf4::transposed_scale_block, py::arg("o"), py::arg("rows"), py::arg("groups"));
   m.def(
       "nf4_decode_word_bf16",
       [](uint32_t word) {

@@ -350,11 +350,12 @@ class Nf4MainloopForward {
     return Nf4MainloopForward(p);
   }
 
-  // y += x W^T.
-  void run(at::Tensor& y, const at::Tensor& absmax, const std::optional<at::Tensor>& nested_absmax,
-           const std::optional<at::Tensor>& nested_code, const std::optional<at::Tensor>& nested_offset,
-           int64_t nested_blocksize, cudaStream_t stream) const {
-    const at::Tensor scales = block_scales(absmax, nested_absmax, nested_code, nested_offset, nested_blocksize);
+  // y += x W^T; the kernel's scale operand, every block's absmax in fp32 [k / blocksize, n], comes
+  // from one launch (a double-quantized absmax decoded as the dequantize kernel decodes it).
+  void run(at::Tensor& y, const nf4::BlockScales& block_scales, cudaStream_t stream) const {
+    const int64_t groups = params_.k / params_.blocksize;
+    at::Tensor scales = at::empty({groups, params_.n}, y.options().dtype(at::kFloat));
+    check_launch(nf4::launch_transposed_scales({block_scales, params_.n, groups, scales.data_ptr<float>()}, stream));
     nf4::Nf4GemmSm90Params p = params_;
     p.scales = scales.data_ptr(), p.y = y.data_ptr(), p.beta = 1.0f;
     const int device = y.get_device();
@@ -364,20 +365,6 @@ class Nf4MainloopForward {
 
  private:
   explicit Nf4MainloopForward(const nf4::Nf4GemmSm90Params& params) : params_(params) {}
-
-  // The kernel's scale operand: every block's absmax in fp32, [k / blocksize, n]; a double-quantized
-  // absmax decoded as nf4_layout.h's decode_absmax does (a product, then a sum: two roundings).
-  at::Tensor block_scales(const at::Tensor& absmax, const std::optional<at::Tensor>& nested_absmax,
-                          const std::optional<at::Tensor>& nested_code, const std::optional<at::Tensor>& nested_offset,
-                          int64_t nested_blocksize) const {
-    const int64_t groups = params_.k / params_.blocksize, blocks = params_.n * groups;
-    at::Tensor value = absmax.narrow(0, 0, blocks);
-    if (nested_absmax.has_value()) {
-      const at::Tensor nested = nested_absmax->repeat_interleave(nested_blocksize).narrow(0, 0, blocks);
-      value = nested_code->index_select(0, value.to(at::kLong)).mul(nested).add(*nested_offset);
-    }
-    return value.view({params_.n, groups}).t().contiguous();
-  }
 
   nf4::Nf4GemmSm90Params params_;
 };
@@ -395,7 +382,7 @@ std::tuple<at::Tensor, at::Tensor> lora_linear_nf4_cuda(
   const cudaStream_t stream = current_stream(x);
   if (const auto mainloop = Nf4MainloopForward::make(x, packed, blocksize, s)) {
     auto [y, xa] = start_forward(x, x_lora.value_or(x), lora_A, lora_B, scaling, bias, s, stream);
-    mainloop->run(y, absmax, nested_absmax, nested_code, nested_offset, nested_blocksize, stream);
+    mainloop->run(y, weight.scales, stream);
     return {y, xa};
   }
   if (const auto extended = ExtendedKGemm::make(x, s)) {

@@ -258,6 +258,14 @@ __global__ void dynamic8_dequantize_kernel(const uint8_t* __restrict__ q, const 
     out[i] = __fmul_rn(code[q[i]], absmax[i / blocksize]);
 }
 
+// One thread per output, consecutive threads on consecutive outputs (the reads gather: 1/64 of the
+// weight's elements at most, once per call).
+__global__ void transposed_scales_kernel(BlockScales scales, int64_t rows, int64_t groups, float* __restrict__ out) {
+  const int64_t total = rows * groups;
+  for (int64_t o = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; o < total; o += int64_t(gridDim.x) * blockDim.x)
+    out[o] = block_scale(scales, transposed_scale_block(o, rows, groups));
+}
+
 }  // namespace
 
 const char* launch_quantize(const QuantizeParams& p, cudaStream_t stream) {
@@ -324,6 +332,12 @@ const char* launch_dynamic8_dequantize(const Dynamic8DequantizeParams& p, cudaSt
   dynamic8_dequantize_kernel<<<grid_for(p.numel, kThreads), kThreads, 0, stream>>>(p.q, p.absmax, p.code, p.numel,
                                                                                    p.blocksize, p.out);
   return launch_status("dynamic8 dequantize: kernel launch failed");
+}
+
+const char* launch_transposed_scales(const TransposedScalesParams& p, cudaStream_t stream) {
+  transposed_scales_kernel<<<grid_for(p.rows * p.groups, kThreads), kThreads, 0, stream>>>(p.scales, p.rows, p.groups,
+                                                                                          p.out);
+  return launch_status("nf4 transposed scales: kernel launch failed");
 }
 
 }  // namespace pykernels::nf4

@@ -105,10 +105,20 @@ struct Dynamic8DequantizeParams {
   float* out;            // [numel]
 };
 
+// The QLoRA GEMM's scale operand (nf4_gemm_sm90.h): out [groups, rows] fp32, out[g][i] = the absmax
+// (decoded when double-quantized) of block i * groups + g of a weight of `rows` rows of `groups`
+// whole blocks each.
+struct TransposedScalesParams {
+  BlockScales scales;
+  int64_t rows, groups;
+  float* out;
+};
+
 // CUDA launchers (nf4.cu). Each returns nullptr on success or a message naming what failed.
 const char* launch_quantize(const QuantizeParams& params, cudaStream_t stream);
 const char* launch_dequantize(const DequantizeParams& params, cudaStream_t stream);
 const char* launch_dynamic8_quantize(const Dynamic8QuantizeParams& params, cudaStream_t stream);
 const char* launch_dynamic8_dequantize(const Dynamic8DequantizeParams& params, cudaStream_t stream);
+const char* launch_transposed_scales(const TransposedScalesParams& params, cudaStream_t stream);
 
 }  // namespace pykernels::nf4

@@ -45,6 +45,12 @@ PYKERNELS_HOST_DEVICE inline float decode_absmax(float nested_code_value, float 
   return add_rn(mul_rn(nested_code_value, nested_absmax), nested_offset);
 }
 
+// The block whose absmax is element o of the QLoRA GEMM's scale operand (nf4_gemm_sm90.h): a weight
+// of `rows` rows of `groups` whole blocks each, its absmax transposed to [groups, rows].
+PYKERNELS_HOST_DEVICE inline int64_t transposed_scale_block(int64_t o, int64_t rows, int64_t groups) {
+  return (o % rows) * groups + o / rows;
+}
+
 // A dequantized value: NF4 code value times its block's absmax, one rounding.
 PYKERNELS_HOST_DEVICE inline float dequantize_value(float code_value, float absmax) {
   return mul_rn(code_value, absmax);

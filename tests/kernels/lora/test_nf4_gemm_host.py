@@ -91,6 +91,15 @@ def test_mainloop_weight_within_one_ulp_of_bitsandbytes(blocksize, double_quant)
     assert (ulps == 0).float().mean().item() > 0.5
 
 
+@pytest.mark.parametrize(("rows", "groups"), [(1, 1), (8, 1), (1, 64), (24, 7), (4104, 64)])
+def test_scale_operand_is_the_absmax_transposed(rows, groups):
+    """nf4.cu's transposed_scales_kernel writes output o from block transposed_scale_block(o): the
+    GEMM's M-major [groups, rows] scale operand is bitsandbytes' [rows, groups] absmax transposed."""
+    absmax = np.arange(rows * groups)
+    gathered = [absmax[H.nf4_transposed_scale_block(o, rows, groups)] for o in range(rows * groups)]
+    assert gathered == absmax.reshape(rows, groups).T.reshape(-1).tolist()
+
+
 @pytest.mark.parametrize(
     ("m", "n", "k", "blocksize", "misaligned", "error"),
     [
