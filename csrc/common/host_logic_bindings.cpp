@@ -412,6 +412,21 @@ std::tuple<int64_t, int64_t, Matrix, Matrix> lora_extended_k_operands(const Matr
   return {e.terms, e.width, u, v};
 }
 
+// Binds a two-way knob's parser (common/two_way_choice.h) as name(setting) -> the choice it names:
+// if_set when the parser sets its flag, else if_clear; a bad setting raises the parser's message.
+void def_two_way_knob(py::module_& m, const char* name, const char* (*parse)(const char*, bool*), const char* if_set,
+                      const char* if_clear) {
+  m.def(
+      name,
+      [parse, if_set, if_clear](const std::optional<std::string>& setting) {
+        bool flag = false;
+        const char* error = parse(setting ? setting->c_str() : nullptr, &flag);
+        require(error == nullptr, error ? error : "");
+        return std::string(flag ? if_set : if_clear);
+      },
+      py::arg("setting"));
+}
+
 }  // namespace
 
 void define_host_logic(py::module_& m) {
@@ -439,29 +454,13 @@ void define_host_logic(py::module_& m) {
         return error ? py::object(py::str(error)) : py::object(py::none());
       },
       py::arg("m"), py::arg("n"), py::arg("k"), py::arg("blocksize"), py::arg("misaligned") = false);
-  m.def(
-      "nf4_sm90_forward",
-      [](const std::optional<std::string>& setting) {
-        bool mainloop = false;
-        const char* error = nf4::nf4_sm90_forward_for(setting ? setting->c_str() : nullptr, &mainloop);
-        require(error == nullptr, error ? error : "");
-        return std::string(mainloop ? "mainloop" : "dequantize");
-      },
-      py::arg("setting"));
+  def_two_way_knob(m, "nf4_sm90_forward", &nf4::nf4_sm90_forward_for, "mainloop", "dequantize");
   // lora/lora_extended_k.h: (terms, width, U, V), the PYKERNELS_SM90_LORA knob
   m.def("lora_extended_k_operands", &lora_extended_k_operands, py::arg("xa"), py::arg("b"), py::arg("bias"),
         py::arg("scaling"), py::arg("b_is_fp32"));
   m.def("lora_bf16_rounded", &lora::bf16_rounded, py::arg("value"));
   m.attr("lora_extended_k_tile") = lora::kExtendedKTile;
-  m.def(
-      "lora_sm90_forward",
-      [](const std::optional<std::string>& setting) {
-        bool extended = false;
-        const char* error = lora::lora_sm90_forward_for(setting ? setting->c_str() : nullptr, &extended);
-        require(error == nullptr, error ? error : "");
-        return std::string(extended ? "extended_k" : "cublas");
-      },
-      py::arg("setting"));
+  def_two_way_knob(m, "lora_sm90_forward", &lora::lora_sm90_forward_for, "extended_k", "cublas");
   // lora/lora.h: (tile_m, tile_n, splits, k_per_split, workspace_floats)
   m.def("lora_rank_gemm_plan", &lora_rank_gemm_plan, py::arg("m"), py::arg("n"), py::arg("k"), py::arg("sms"));
   // common/tails.h
@@ -542,15 +541,7 @@ void define_host_logic(py::module_& m) {
         py::arg("misaligned") = false, py::arg("grouped") = true, py::arg("ldd") = 0);
   m.def("gemm_sm90_extra_k_groups", &gemm_sm90_extra_k_groups, py::arg("offsets"), py::arg("slots"), py::arg("k"),
         py::arg("k2"), py::arg("lda2"), py::arg("b2_expert_stride"), py::arg("block_k"));
-  m.def(
-      "moe_sm90_lora",
-      [](const std::optional<std::string>& setting) {
-        bool extra_k = true;
-        const char* error = moe::moe_lora_extra_k_for(setting ? setting->c_str() : nullptr, &extra_k);
-        require(error == nullptr, error ? error : "");
-        return std::string(extra_k ? "extra_k" : "separate");
-      },
-      py::arg("setting"));
+  def_two_way_knob(m, "moe_sm90_lora", &moe::moe_lora_extra_k_for, "extra_k", "separate");
   m.def("gemm_sm90_tile", &gemm_sm90_tile, py::arg("setting"), py::arg("kind"), py::arg("experts"), py::arg("slots"),
         py::arg("m"), py::arg("n"));
   {

@@ -16,6 +16,7 @@ from cuda_oracle import check_outputs, error_budget
 import pykernels.lora as lora
 import pykernels.nf4 as nf4
 from pykernels.nf4_format import nf4_code
+from pykernels.reference import nf4 as reference
 from conftest import requires_cuda
 from pykernels._extension import ops
 
@@ -196,8 +197,8 @@ def mainloop_weight(q: nf4.NF4Weight) -> torch.Tensor:
     values = nf4_code()[codes].to(torch.bfloat16).float()
     absmax = q.absmax
     if absmax is None:
-        nested = q.nested_absmax.repeat_interleave(q.nested_blocksize)[: q.absmax_q.numel()]
-        absmax = q.nested_code[q.absmax_q.long()] * nested + q.nested_offset
+        absmax = reference.dequantize_absmax(q.absmax_q, q.nested_absmax, q.nested_offset, q.nested_code,
+                                             q.nested_blocksize)
     return (values * absmax.repeat_interleave(q.blocksize)).to(torch.bfloat16).reshape(q.shape)
 
 
