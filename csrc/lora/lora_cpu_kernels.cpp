@@ -372,6 +372,10 @@ void to_fp32(const void* src, DType src_dtype, int64_t count, float* dst) {
 }
 
 void low_rank_down(const float* x, int64_t rows, int64_t k, const float* a_t, int64_t r, float* xa) {
+  if (k == 0) {  // the empty sum: the AVX-512 path walks k tiles and would leave xa unwritten
+    std::fill(xa, xa + rows * r, 0.0f);
+    return;
+  }
 #if defined(__x86_64__)
   if (use_avx512()) return down_avx512(x, rows, k, a_t, r, xa);
 #endif

@@ -92,6 +92,17 @@ def test_non_contiguous_x_and_no_bias():
     check_against_fp64(x, weight, a, b, 1.0, None)
 
 
+def test_no_in_features_is_the_empty_sum(cpu_isa):
+    """K = 0: xa is zeros and y is the bias, on every CPU path. Twenty calls: the AVX-512 path once
+    left xa unwritten (whatever the allocator returned), which a single call can miss."""
+    weight, a, b, bias = make(0, 83, 4, torch.float16)
+    x = torch.randn(5, 0, dtype=torch.float16)
+    for _ in range(20):
+        y, xa = ops.lora_linear(x, weight, a.detach(), b.detach(), 0.5, bias.detach(), None)
+        assert torch.equal(xa, torch.zeros(5, 4)), xa
+        assert torch.equal(y, bias.detach().expand(5, 83))
+
+
 def test_lora_weights_in_the_activation_dtype():
     weight, a, b, bias = make(128, 64, 16, torch.bfloat16, lora_dtype=torch.bfloat16)
     check_against_fp64(torch.randn(9, 128).to(torch.bfloat16).requires_grad_(), weight, a, b, 2.0, bias)
