@@ -1,32 +1,33 @@
 """Times every tile of the Hopper kernels on the ops that run on them, in one process on one build:
 the GEMM core's (PYKERNELS_SM90_TILE, common/sm90_tiles.h) on MoE and LoRA, the lm_head GEMMs'
 (PYKERNELS_SM90_LOGPROBS_TILE, logprobs/logprobs_sm90.h) on logprobs, both ways of running the
-LoRA forward (PYKERNELS_SM90_LORA, lora/lora_extended_k.h: cuBLAS's base GEMM with the LoRA term as
-its C operand, or one GEMM with the term as extra K) and both of the experts' LoRA products
-(PYKERNELS_SM90_MOE_LORA, moe/moe.h: extra K of the base GEMM, or their own GEMMs) and both ways of
-reading the QLoRA forward's NF4 weight (PYKERNELS_SM90_NF4, nf4/nf4_gemm_sm90.h: dequantized chunks
-for cuBLAS, or decoded in the GEMM's mainloop). All are read on
-every call, so a lent GPU measures them all without rebuilding (~2 minutes of a 15-minute lease per
-build). For choosing the defaults and the core's `auto` rule; the timings that count stay the
-benchmarks' (pytest --benchmark).
+LoRA forward (PYKERNELS_SM90_LORA, lora/lora_extended_k.h: one GEMM with the term as extra K, or
+cuBLAS's base GEMM with the LoRA term as its C operand) and the backward's grad_x
+(PYKERNELS_SM90_LORA_GRAD_X: cuBLAS's dy W plus the rank term, or one extra-K GEMM), both of the
+experts' LoRA products (PYKERNELS_SM90_MOE_LORA, moe/moe.h: extra K of the base GEMM, or their own
+GEMMs) and both ways of reading the QLoRA forward's NF4 weight (PYKERNELS_SM90_NF4,
+nf4/nf4_gemm_sm90.h: dequantized chunks for cuBLAS, or decoded in the GEMM's mainloop). All are
+read on every call, so a lent GPU measures them all without rebuilding (~3 minutes of a 15-minute
+lease per build). For choosing the defaults and the core's `auto` rule; the timings that count stay
+the benchmarks' (pytest --benchmark).
 
 Each case is forward+backward, our kernels forced, CUDA-event median of ROUNDS calls after warm-up,
 every tile timed back to back on the same tensors. MoE: Qwen3-30B-A3B's experts at T 512 / 4096 /
 16384 and Mixtral's at T 512 / 4096, with and without LoRA r 16 on the experts (benchmarks/
-test_bench_moe.py's modules). LoRA: r 16 on 4096 x 14336 at T 8192 (only its rank-r products run on
-the core; its base GEMMs are cuBLAS's). logprobs: H 4096, V 151936 at N 4096 and 16384, trainable
-and frozen lm_head (the statistics and dz GEMMs run on the tile; dh and dW on cuBLAS). LoRA forward
-(no backward: issue 20's target is the forward's overhead over the bare base GEMM, <= 5% at r 16, T
-8192): 4096 x 14336 and 4096 x 4096 at T 8192, r 16, fp32 and bf16 adapters, bf16 and NF4 weights,
-with the bare base GEMM (torch's x W^T, the same under both settings) as the first row. QLoRA
-forward: NF4 (double-quantized, blocksize 64) 4096 x 14336 and 4096 x 4096 at T 1024 and 8192, r 16
-fp32 adapters, after the bare bf16 base GEMM.
+test_bench_moe.py's modules). LoRA (and lora_grad_x): r 16 on 4096 x 14336 at T 8192, dense bf16
+weight, fp32 adapters. logprobs: H 4096, V 151936 at N 4096 and 16384, trainable and frozen lm_head
+(the statistics and dz GEMMs run on the tile; dh and dW on cuBLAS). LoRA forward (no backward:
+issue 20's target is the forward's overhead over the bare base GEMM, <= 5% at r 16, T 8192): 4096 x
+14336 and 4096 x 4096 at T 8192, r 16, fp32 and bf16 adapters, bf16 and NF4 weights, with the bare
+base GEMM (torch's x W^T, the same under every setting) as the first row. QLoRA forward: NF4
+(double-quantized, blocksize 64) 4096 x 14336 and 4096 x 4096 at T 1024 and 8192, r 16 fp32
+adapters, after the bare bf16 base GEMM.
 
-    python -m benchmarks.tile_sweep [--ops moe,lora,logprobs,lora_forward,moe_lora,qlora_forward]
-                                    [--tiles 128x128,128x256,64x128,auto] [--logprobs-tiles 128x128,256x128]
-                                    [--lora-forwards cublas,extended_k,extended_k@128x256,extended_k@64x128]
-                                    [--moe-loras extra_k,separate] [--nf4-forwards dequantize,mainloop]
-                                    [--rounds 10]
+    python -m benchmarks.tile_sweep [--ops moe,lora,logprobs,lora_forward,lora_grad_x,moe_lora,qlora_forward]
+                                    [--tiles auto,128x128,128x256] [--logprobs-tiles 256x128,128x128]
+                                    [--lora-forwards extended_k,cublas,extended_k@128x128,extended_k@128x256]
+                                    [--lora-grad-xs cublas,extended_k] [--moe-loras extra_k,separate]
+                                    [--nf4-forwards dequantize,mainloop] [--rounds 10]
 """
 
 from __future__ import annotations
@@ -39,10 +40,11 @@ import torch
 from pykernels import _C
 from pykernels.dispatch import cuda_timer
 
-TILES = ("128x128", "128x256", "64x128", "auto")  # the first is the default (common/sm90_tiles.h)
-LOGPROBS_TILES = ("128x128", "256x128")  # the first is the default (logprobs/logprobs_sm90.h)
+TILES = ("auto", "128x128", "128x256")  # the first is the default (common/sm90_tiles.h)
+LOGPROBS_TILES = ("256x128", "128x128")  # the first is the default (logprobs/logprobs_sm90.h)
 # the first is the default (lora/lora_extended_k.h); extended_k runs on the core's tile (@: which)
-LORA_FORWARDS = ("cublas", "extended_k", "extended_k@128x256", "extended_k@64x128")
+LORA_FORWARDS = ("extended_k", "cublas", "extended_k@128x128", "extended_k@128x256")
+LORA_GRAD_XS = ("cublas", "extended_k")  # the first is the default (lora/lora_extended_k.h)
 MOE_LORAS = ("extra_k", "separate")  # the first is the default (moe/moe.h)
 NF4_FORWARDS = ("dequantize", "mainloop")  # the first is the default (nf4/nf4_gemm_sm90.h)
 ROUNDS = 10
@@ -147,6 +149,7 @@ def logprobs_cases():
 CASES = {"moe": (moe_cases, "PYKERNELS_SM90_TILE", "tiles"), "lora": (lora_cases, "PYKERNELS_SM90_TILE", "tiles"),
          "logprobs": (logprobs_cases, "PYKERNELS_SM90_LOGPROBS_TILE", "logprobs_tiles"),
          "lora_forward": (lora_forward_cases, "PYKERNELS_SM90_LORA", "lora_forwards"),
+         "lora_grad_x": (lora_cases, "PYKERNELS_SM90_LORA_GRAD_X", "lora_grad_xs"),
          "moe_lora": (moe_lora_cases, "PYKERNELS_SM90_MOE_LORA", "moe_loras"),
          "qlora_forward": (qlora_forward_cases, "PYKERNELS_SM90_NF4", "nf4_forwards")}
 
@@ -187,6 +190,8 @@ def main() -> None:
                         help="the lm_head GEMMs'; the first is the baseline")
     parser.add_argument("--lora-forwards", default=",".join(LORA_FORWARDS),
                         help="the LoRA forward's ways; the first is the baseline")
+    parser.add_argument("--lora-grad-xs", default=",".join(LORA_GRAD_XS),
+                        help="the LoRA backward's ways of computing grad_x; the first is the baseline")
     parser.add_argument("--moe-loras", default=",".join(MOE_LORAS),
                         help="the experts' LoRA products' ways; the first is the baseline")
     parser.add_argument("--nf4-forwards", default=",".join(NF4_FORWARDS),
@@ -197,10 +202,12 @@ def main() -> None:
     if unknown := [op for op in ops if op not in CASES]:
         raise SystemExit(f"unknown op {', '.join(unknown)}: {', '.join(CASES)}")
     tiles = {"tiles": args.tiles.split(","), "logprobs_tiles": args.logprobs_tiles.split(","),
-             "lora_forwards": args.lora_forwards.split(","), "moe_loras": args.moe_loras.split(","),
+             "lora_forwards": args.lora_forwards.split(","), "lora_grad_xs": args.lora_grad_xs.split(","),
+             "moe_loras": args.moe_loras.split(","),
              "nf4_forwards": args.nf4_forwards.split(",")}
-    known = {"tiles": [*_C.host_logic.gemm_sm90_tiles, "auto"], "logprobs_tiles": _C.host_logic.logprobs_sm90_tiles,
-             "lora_forwards": list(LORA_FORWARDS), "moe_loras": list(MOE_LORAS), "nf4_forwards": list(NF4_FORWARDS)}
+    known = {"tiles": ["auto", *_C.host_logic.gemm_sm90_tiles], "logprobs_tiles": _C.host_logic.logprobs_sm90_tiles,
+             "lora_forwards": list(LORA_FORWARDS), "lora_grad_xs": list(LORA_GRAD_XS), "moe_loras": list(MOE_LORAS),
+             "nf4_forwards": list(NF4_FORWARDS)}
     for kind, names in tiles.items():
         if unknown := [t for t in names if t not in known[kind]]:
             raise SystemExit(f"unknown choice {', '.join(unknown)}: --{kind.replace('_', '-')} takes "

@@ -3,8 +3,8 @@
 One JSON file, $PYKERNELS_CACHE/dispatch.json (default ~/.cache/pykernels/dispatch.json), holding
 one entry per *identity*: device name, GPU driver version, torch version, pykernels version, the
 compiled extension's size and mtime, whether the Hopper GEMMs are on (PYKERNELS_SM90) and their
-tiles (PYKERNELS_SM90_TILE, PYKERNELS_SM90_LOGPROBS_TILE), LoRA forward (PYKERNELS_SM90_LORA), QLoRA
-forward (PYKERNELS_SM90_NF4) and experts' LoRA (PYKERNELS_SM90_MOE_LORA). A
+tiles (PYKERNELS_SM90_TILE, PYKERNELS_SM90_LOGPROBS_TILE), LoRA forward and grad_x (PYKERNELS_SM90_LORA,
+PYKERNELS_SM90_LORA_GRAD_X), QLoRA forward (PYKERNELS_SM90_NF4) and experts' LoRA (PYKERNELS_SM90_MOE_LORA). A
 decision is only valid for the identity that made it: a new driver, torch or kernel build can
 change who is faster or whether ours is right, so any change means a fresh entry (re-decided on
 first use) and the stale entries of that device are dropped.
@@ -73,7 +73,8 @@ def identity(device: torch.device) -> dict:
             "torch": torch.__version__, "pykernels": pykernels.__version__, "extension": _extension_stamp(),
             # PYKERNELS_SM90=0 swaps the Hopper GEMMs for the sm80 kernels (csrc/common/gemm_sm90_torch.h),
             # PYKERNELS_SM90_TILE / PYKERNELS_SM90_LOGPROBS_TILE their tiles (common/sm90_tiles.h,
-            # logprobs/logprobs_sm90.h), PYKERNELS_SM90_LORA the LoRA forward's GEMM (lora/lora_extended_k.h),
+            # logprobs/logprobs_sm90.h), PYKERNELS_SM90_LORA / _GRAD_X the LoRA forward's and grad_x's GEMMs
+            # (lora/lora_extended_k.h),
             # PYKERNELS_SM90_NF4 the QLoRA forward's (nf4/nf4_gemm_sm90.h), PYKERNELS_SM90_MOE_LORA the
             # experts' LoRA products (moe/moe.h): decisions made with one set of kernels must not be
             # reused for another
@@ -81,6 +82,7 @@ def identity(device: torch.device) -> dict:
             "sm90_tiles": [os.environ.get("PYKERNELS_SM90_TILE") or "default",
                            os.environ.get("PYKERNELS_SM90_LOGPROBS_TILE") or "default"],
             "sm90_lora_forward": os.environ.get("PYKERNELS_SM90_LORA") or "default",
+            "sm90_lora_grad_x": os.environ.get("PYKERNELS_SM90_LORA_GRAD_X") or "default",
             "sm90_nf4_forward": os.environ.get("PYKERNELS_SM90_NF4") or "default",
             "sm90_moe_lora": os.environ.get("PYKERNELS_SM90_MOE_LORA") or "default"}
     return _identities[str(device)]

@@ -71,7 +71,8 @@ def test_wheel_requirements_come_from_pyproject_with_their_pins():
     assert names["pytest"] == "pytest>=8" and names["setuptools"] == "setuptools>=77"
     assert {"peft", "pydantic", "pyyaml", "rich", "hypothesis", "pytest-benchmark", "cmake", "ninja",
             "pybind11", "wheel"} <= names.keys()
-    assert not {"torch", "transformers", "ruff", "vllm"} & names.keys()
+    assert not {"torch", "transformers", "ruff", "vllm", "wandb", "mlflow-skinny", "reasoning-gym"} & names.keys()
+    assert "pytest-timeout" in names  # lease.sh's per-test limit
     assert [wheels.requirement_name(req) for req in image] == ["torch", "transformers"]
     assert len(names) == len(bundle)
 
@@ -197,13 +198,14 @@ def test_tile_sweep_names_what_it_needs(monkeypatch):
             tile_sweep.main()
         return str(exited.value.code)
 
-    assert refusal("--tiles", "128x128,256x128") == ("unknown choice 256x128: --tiles takes 128x128, 128x256, "
-                                                     "64x128, auto")
-    assert refusal("--logprobs-tiles", "128x256") == "unknown choice 128x256: --logprobs-tiles takes 128x128, 256x128"
-    assert refusal("--lora-forwards", "cublas,fused") == ("unknown choice fused: --lora-forwards takes cublas, "
-                                                           "extended_k, extended_k@128x256, extended_k@64x128")
+    assert refusal("--tiles", "128x128,64x128") == "unknown choice 64x128: --tiles takes auto, 128x128, 128x256"
+    assert refusal("--logprobs-tiles", "128x256") == "unknown choice 128x256: --logprobs-tiles takes 256x128, 128x128"
+    assert refusal("--lora-forwards", "cublas,fused") == ("unknown choice fused: --lora-forwards takes extended_k, "
+                                                           "cublas, extended_k@128x128, extended_k@128x256")
+    assert refusal("--lora-grad-xs", "fused") == "unknown choice fused: --lora-grad-xs takes cublas, extended_k"
     assert refusal("--moe-loras", "fused") == "unknown choice fused: --moe-loras takes extra_k, separate"
     assert refusal("--nf4-forwards", "fused") == "unknown choice fused: --nf4-forwards takes dequantize, mainloop"
-    assert refusal("--ops", "moe,mlp") == "unknown op mlp: moe, lora, logprobs, lora_forward, moe_lora, qlora_forward"
+    assert refusal("--ops", "moe,mlp") == ("unknown op mlp: moe, lora, logprobs, lora_forward, lora_grad_x, moe_lora, "
+                                           "qlora_forward")
     if not torch.cuda.is_available():
         assert "needs a compute capability 9.0 GPU" in refusal()

@@ -3,10 +3,11 @@ backward, on small odd shapes, with our kernels forced (PYKERNELS_KERNELS=ours);
 sizes whose bf16 GEMMs a Hopper GPU runs on the sm_90a core (multiples of 8: csrc/common/
 gemm_sm90_torch.h), MoE with LoRA on its experts and a dropped assignment, GPT-OSS' expert layout, and
 the logprobs backward of a frozen lm_head over two token chunks; the MoE calls then run again on each
-other tile of the Hopper GEMM core (PYKERNELS_SM90_TILE, csrc/common/sm90_tiles.h), the logprobs
-calls on the lm_head GEMMs' other tile (PYKERNELS_SM90_LOGPROBS_TILE, csrc/logprobs/logprobs_sm90.h)
-the LoRA calls with the forward as one extended-K GEMM (PYKERNELS_SM90_LORA=extended_k,
-csrc/lora/lora_extended_k.h) and with the NF4 weight decoded in the GEMM's mainloop
+tile of the Hopper GEMM core forced (PYKERNELS_SM90_TILE, csrc/common/sm90_tiles.h; the default picks
+by shape), the logprobs calls on the lm_head GEMMs' other tile (PYKERNELS_SM90_LOGPROBS_TILE,
+csrc/logprobs/logprobs_sm90.h), the LoRA calls with the forward on cuBLAS (PYKERNELS_SM90_LORA=cublas),
+with grad_x as one extended-K GEMM (PYKERNELS_SM90_LORA_GRAD_X=extended_k, csrc/lora/lora_extended_k.h)
+and with the NF4 weight decoded in the GEMM's mainloop
 (PYKERNELS_SM90_NF4=mainloop, csrc/nf4/nf4_gemm_sm90.h), and the MoE calls with the experts' LoRA
 products as their own GEMMs (PYKERNELS_SM90_MOE_LORA=separate, csrc/moe/moe.h).
 On CPU (the dry run) the same calls check that this script still matches the ops' signatures.
@@ -111,13 +112,14 @@ def run_moe(device: str) -> None:
 FAMILIES = {"nf4": run_nf4, "lora": run_lora, "logprobs": run_logprobs, "moe": run_moe}
 
 
-# The Hopper kernels' other settings, each with the family it runs: the tiles (the first of each list is
-# the default), the LoRA forward as one extended-K GEMM (lora/lora_extended_k.h) or with the NF4
-# decode in the GEMM (nf4/nf4_gemm_sm90.h), and the experts' LoRA products as their own GEMMs (moe/moe.h).
-OTHER_SETTINGS = [("PYKERNELS_SM90_TILE", tile, "moe") for tile in _C.host_logic.gemm_sm90_tiles[1:]] + [
+# The Hopper kernels' other settings, each with the family it runs: every core tile forced (the default
+# picks by shape), the lm_head GEMMs' other tiles (the first is the default), the LoRA forward on
+# cuBLAS, grad_x as one extended-K GEMM (lora/lora_extended_k.h), the NF4 decode in the GEMM
+# (nf4/nf4_gemm_sm90.h), and the experts' LoRA products as their own GEMMs (moe/moe.h).
+OTHER_SETTINGS = [("PYKERNELS_SM90_TILE", tile, "moe") for tile in _C.host_logic.gemm_sm90_tiles] + [
     ("PYKERNELS_SM90_LOGPROBS_TILE", tile, "logprobs") for tile in _C.host_logic.logprobs_sm90_tiles[1:]] + [
-    ("PYKERNELS_SM90_LORA", "extended_k", "lora"), ("PYKERNELS_SM90_NF4", "mainloop", "lora"),
-    ("PYKERNELS_SM90_MOE_LORA", "separate", "moe")]
+    ("PYKERNELS_SM90_LORA", "cublas", "lora"), ("PYKERNELS_SM90_LORA_GRAD_X", "extended_k", "lora"),
+    ("PYKERNELS_SM90_NF4", "mainloop", "lora"), ("PYKERNELS_SM90_MOE_LORA", "separate", "moe")]
 
 
 def run_family(family: str, device: str, setting: str = "") -> None:

@@ -36,6 +36,9 @@ LEFT_OUT = {  # pyproject requirements the GPU stages do not import
     "datasets": "training data loading only; pyarrow alone is ~45 MiB",
     "tensorboard": "training logs only",
     "matplotlib": "training plots only",
+    "wandb": "training logs only (tested offline on the CPU machines); 19 MiB that left bitsandbytes out",
+    "mlflow-skinny": "training logs only (tested offline on the CPU machines)",
+    "reasoning-gym": "training data only; needs cellpylib, which has no wheel for the node",
 }
 # Dropped in this order, with a message, while the bundle is over budget: the CUDA images we are lent
 # carry CMake (/work/.library/device KINDS.md), and gpu-install checks that the node has one; bitsandbytes

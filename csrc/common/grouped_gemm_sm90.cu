@@ -30,7 +30,6 @@ namespace {
 const Sm90TileKernels& kernels_of(Sm90Tile tile) {
   switch (tile) {
     case Sm90Tile::k128x256: return kSm90Tile128x256;
-    case Sm90Tile::k64x128: return kSm90Tile64x128;
     default: return kSm90Tile128x128;
   }
 }

@@ -18,7 +18,6 @@ struct Sm90TileKernels {
 
 extern const Sm90TileKernels kSm90Tile128x128;  // grouped_gemm_tile_128x128_sm90.cu
 extern const Sm90TileKernels kSm90Tile128x256;  // grouped_gemm_tile_128x256_sm90.cu
-extern const Sm90TileKernels kSm90Tile64x128;   // grouped_gemm_tile_64x128_sm90.cu
 
 // "grouped GEMM (sm_90a): " + message, kept until the thread's next failure.
 const char* sm90_failure(std::string message);

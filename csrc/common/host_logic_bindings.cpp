@@ -455,12 +455,13 @@ void define_host_logic(py::module_& m) {
       },
       py::arg("m"), py::arg("n"), py::arg("k"), py::arg("blocksize"), py::arg("misaligned") = false);
   def_two_way_knob(m, "nf4_sm90_forward", &nf4::nf4_sm90_forward_for, "mainloop", "dequantize");
-  // lora/lora_extended_k.h: (terms, width, U, V), the PYKERNELS_SM90_LORA knob
+  // lora/lora_extended_k.h: (terms, width, U, V), the PYKERNELS_SM90_LORA and _GRAD_X knobs
   m.def("lora_extended_k_operands", &lora_extended_k_operands, py::arg("xa"), py::arg("b"), py::arg("bias"),
         py::arg("scaling"), py::arg("b_is_fp32"));
   m.def("lora_bf16_rounded", &lora::bf16_rounded, py::arg("value"));
   m.attr("lora_extended_k_tile") = lora::kExtendedKTile;
-  def_two_way_knob(m, "lora_sm90_forward", &lora::lora_sm90_forward_for, "extended_k", "cublas");
+  def_two_way_knob(m, "lora_sm90_forward", &lora::lora_sm90_forward_for, "cublas", "extended_k");
+  def_two_way_knob(m, "lora_sm90_grad_x", &lora::lora_sm90_grad_x_for, "extended_k", "cublas");
   // lora/lora.h: (tile_m, tile_n, splits, k_per_split, workspace_floats)
   m.def("lora_rank_gemm_plan", &lora_rank_gemm_plan, py::arg("m"), py::arg("n"), py::arg("k"), py::arg("sms"));
   // common/tails.h

@@ -15,10 +15,10 @@
 // CUTLASS 3.x warp-specialized cooperative kernel (TMA loads, wgmma, the tile scheduler walking the
 // output tiles) on one of two tiles, each its own file (logprobs_tile_*_sm90.cu), picked per call by
 // PYKERNELS_SM90_LOGPROBS_TILE:
-//   128x128  128x128x64 on a 1x1 cluster: the default, the one an H100 has measured (the statistics
-//            GEMM at ~470 TFLOP/s where cuBLAS runs the same product at ~750)
 //   256x128  256x128x64 on a 2x1 cluster (each vocabulary tile loaded once by TMA multicast for two
-//            CTAs of tokens): the shape of cuBLAS's and CUTLASS's fastest large bf16 GEMMs on Hopper
+//            CTAs of tokens): the default, 1.01-1.06x faster than 128x128 on an H100 (forward+backward
+//            at H 4096, V 151936, N 4096 and 16384, trainable and frozen: benchmarks/results/h100.md)
+//   128x128  128x128x64 on a 1x1 cluster
 // Both keep 128 vocabulary entries per tile (a partial per (token, 128 entries) whatever the tile).
 // Built only when the archs include sm_90a (cmake/sm90_sources.cmake); the GEMM core's
 // grouped_gemm_sm90_available says where they run.
@@ -33,9 +33,9 @@ typedef struct CUstream_st* cudaStream_t;
 
 namespace pykernels::logprobs {
 
-// k128x128 first: a value-initialized LogitsGemmSm90 runs the default.
-enum class LogprobsSm90Tile { k128x128, k256x128 };
-constexpr LogprobsSm90Tile kLogprobsSm90Tiles[] = {LogprobsSm90Tile::k128x128, LogprobsSm90Tile::k256x128};
+// The default first: a value-initialized LogitsGemmSm90 runs it.
+enum class LogprobsSm90Tile { k256x128, k128x128 };
+constexpr LogprobsSm90Tile kLogprobsSm90Tiles[] = {LogprobsSm90Tile::k256x128, LogprobsSm90Tile::k128x128};
 
 inline const char* logprobs_sm90_tile_name(LogprobsSm90Tile tile) {
   return tile == LogprobsSm90Tile::k256x128 ? "256x128" : "128x128";
@@ -44,7 +44,7 @@ inline const char* logprobs_sm90_tile_name(LogprobsSm90Tile tile) {
 // The tile PYKERNELS_SM90_LOGPROBS_TILE (`setting`; null or empty: the default) names. Null on
 // success, else a message naming the choices.
 inline const char* logprobs_sm90_tile_for(const char* setting, LogprobsSm90Tile* tile) {
-  *tile = LogprobsSm90Tile::k128x128;
+  *tile = LogprobsSm90Tile::k256x128;
   if (setting == nullptr || setting[0] == '\0') return nullptr;
   for (const LogprobsSm90Tile candidate : kLogprobsSm90Tiles) {
     if (std::strcmp(setting, logprobs_sm90_tile_name(candidate)) == 0) {
@@ -52,7 +52,7 @@ inline const char* logprobs_sm90_tile_for(const char* setting, LogprobsSm90Tile*
       return nullptr;
     }
   }
-  return "PYKERNELS_SM90_LOGPROBS_TILE must be 128x128 (the default) or 256x128";
+  return "PYKERNELS_SM90_LOGPROBS_TILE must be 256x128 (the default) or 128x128";
 }
 
 // The logits GEMM both kernels share: z [tokens, rows] = scale hidden W^T.

@@ -6,9 +6,10 @@
 //             y  = scaling xa B^T + bias       low-rank term, written into y in x's dtype
 //             y += x W^T                       GEMM with C = D = y (cuBLAS: the term costs a write
 //                                              of y and a read of it as C)
-//             or, on Hopper with PYKERNELS_SM90_LORA=extended_k, the last two as one GEMM with the
-//             term and bias as extra K, y = [x | U] [W | V]^T (lora/lora_extended_k.h), on the
-//             Hopper GEMM core as one group (its tile: PYKERNELS_SM90_TILE);
+//             or, on Hopper (the default there; PYKERNELS_SM90_LORA=cublas: the above), the last two
+//             as one GEMM with the term and bias as extra K, y = [x | U] [W | V]^T
+//             (lora/lora_extended_k.h), on the Hopper GEMM core as one group (its tile:
+//             PYKERNELS_SM90_TILE);
 //             or, with an NF4 W on Hopper and PYKERNELS_SM90_NF4=mainloop, y += x W^T by the GEMM that
 //             decodes the codes in its mainloop (nf4/nf4_gemm_sm90.h), C = D = y: no dequantized W
 //   backward  dxa = scaling dy B               GEMM, fp32 out
@@ -16,7 +17,7 @@
 //             dA  = dxa^T x_lora               GEMM, fp32 out, cast to A's dtype
 //             grad_x = dxa A, then += dy W     two GEMMs, the second with C = D = grad_x
 //                                              (separate grad_x = dy W, grad_x_lora = dxa A with x_lora)
-//                                              or, under PYKERNELS_SM90_LORA=extended_k with a dense W
+//                                              or, under PYKERNELS_SM90_LORA_GRAD_X=extended_k, dense W
 //                                              and no x_lora, one GEMM: [dy | U] [W ; V^T]
 // The GEMMs take one input dtype; products that meet an fp32 LoRA weight or the fp32 xa / dxa
 // go to launch_rank_gemm instead, which reads each operand in its own dtype and sums in fp32, so
@@ -233,18 +234,27 @@ std::tuple<at::Tensor, at::Tensor> start_forward(const at::Tensor& x, const at::
   return {y, xa};
 }
 
-// The Hopper GEMMs with the LoRA term as extra K (lora/lora_extended_k.h), when
-// PYKERNELS_SM90_LORA=extended_k asks for them and they can run here: bf16 x, Hopper, m >= 1 and the
-// 16-byte rows TMA needs. Else nothing is allocated and the caller runs the default path.
+// The Hopper GEMMs with the LoRA term as extra K (lora/lora_extended_k.h), when the knob of `use`
+// asks for them (the forward's by default) and they can run here: bf16 x, Hopper, m >= 1 and the
+// 16-byte rows TMA needs. Else nothing is allocated and the caller runs the cuBLAS path.
 //   forward   y = [x | U] [W | V]^T: U from scaling xa, V from B and the bias (one group, K-major W)
-//   backward  grad_x = dy W + dxa A = [dy | U] [W ; V^T]: U from dxa, V from A^T, transposed to
+//   grad_x    grad_x = dy W + dxa A = [dy | U] [W ; V^T]: U from dxa, V from A^T, transposed to
 //             the N-major layout W has in this product (dense W, no x_lora: the term goes to grad_x)
 class ExtendedKGemm {
  public:
-  static std::optional<ExtendedKGemm> make(const at::Tensor& x, const Shapes& s) {
+  enum class Use { kForward, kGradX };
+
+  static std::optional<ExtendedKGemm> make(const at::Tensor& x, const Shapes& s, Use use) {
     bool wanted = false;
-    const char* error = lora_sm90_forward_for(std::getenv("PYKERNELS_SM90_LORA"), &wanted);
-    TORCH_CHECK_VALUE(error == nullptr, error);
+    if (use == Use::kForward) {
+      bool cublas = false;
+      const char* error = lora_sm90_forward_for(std::getenv("PYKERNELS_SM90_LORA"), &cublas);
+      TORCH_CHECK_VALUE(error == nullptr, error);
+      wanted = !cublas;
+    } else {
+      const char* error = lora_sm90_grad_x_for(std::getenv("PYKERNELS_SM90_LORA_GRAD_X"), &wanted);
+      TORCH_CHECK_VALUE(error == nullptr, error);
+    }
     if (!wanted || x.scalar_type() != at::kBFloat16 || s.m < 1 || s.k < 1 || s.n < 1 || s.k % 8 != 0 ||
         s.n % 8 != 0 || !gemm::sm90_usable(x.get_device()) || !is_aligned(x.data_ptr(), 16))
       return std::nullopt;
@@ -321,7 +331,7 @@ std::tuple<at::Tensor, at::Tensor> lora_linear_cuda(const at::Tensor& x, const a
   const Shapes s = check_lora_inputs(x, weight.size(0), lora_A, lora_B, bias, x_lora);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream(x);
-  if (const auto extended = ExtendedKGemm::make(x, s); extended && is_aligned(weight.data_ptr(), 16))
+  if (const auto extended = ExtendedKGemm::make(x, s, ExtendedKGemm::Use::kForward); extended && is_aligned(weight.data_ptr(), 16))
     return extended->forward(x, x_lora.value_or(x), lora_A, lora_B, scaling, bias, s, s.n,
                              [&](int64_t, int64_t) { return weight; }, stream);
   auto [y, xa] = start_forward(x, x_lora.value_or(x), lora_A, lora_B, scaling, bias, s, stream);
@@ -385,7 +395,7 @@ std::tuple<at::Tensor, at::Tensor> lora_linear_nf4_cuda(
     mainloop->run(y, weight.scales, stream);
     return {y, xa};
   }
-  if (const auto extended = ExtendedKGemm::make(x, s)) {
+  if (const auto extended = ExtendedKGemm::make(x, s, ExtendedKGemm::Use::kForward)) {
     Nf4RowChunks chunks(weight, s.n, s.k, x);  // y[:, rows] = [x | U] [W[rows] | V[rows]]^T per chunk
     return extended->forward(x, x_lora.value_or(x), lora_A, lora_B, scaling, bias, s, chunks.rows_per_chunk(),
                              [&](int64_t row, int64_t rows) { return chunks.dequantize(row, rows, stream); },
@@ -449,7 +459,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> lora_linear_backward_
   check_cuda_backward(grad_y, xa, x);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream(x);
-  const auto extended = ExtendedKGemm::make(x, s);
+  const auto extended = ExtendedKGemm::make(x, s, ExtendedKGemm::Use::kGradX);
   if (extended && compute_grad_x && !x_lora.has_value() && is_aligned(weight.data_ptr(), 16) &&
       is_aligned(grad_y.data_ptr(), 16)) {  // grad_x = [dy | U] [W ; V^T], one GEMM
     LowRankGrads g = low_rank_backward(grad_y, x, lora_A, lora_B, xa, scaling, x_lora, /*compute_grad_x=*/false,

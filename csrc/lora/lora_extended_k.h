@@ -1,9 +1,10 @@
-// LoRA as extra K of the base GEMM (the Hopper forward under PYKERNELS_SM90_LORA=extended_k):
+// LoRA as extra K of the base GEMM (the Hopper forward by default, PYKERNELS_SM90_LORA):
 //
 //   y = x W^T + bias + scaling (x_lora A^T) B^T  =  [x | U] [W | V]^T
 //
-// and the backward's input gradient alike (dense W, no x_lora): grad_x = dy W + dxa A =
-// [dy | U] [W ; V^T] with U from dxa (scaling 1) and V from A^T, by the same packing.
+// and the backward's input gradient alike under PYKERNELS_SM90_LORA_GRAD_X=extended_k (dense W, no
+// x_lora): grad_x = dy W + dxa A = [dy | U] [W ; V^T] with U from dxa (scaling 1) and V from A^T,
+// by the same packing.
 //
 // with U [m, width] and V [n, width] two small bf16 operands built from xa = x_lora A^T (fp32),
 // B and the bias, run as one group of the Hopper GEMM core with extra K (common/grouped_gemm_sm90.h,
@@ -35,15 +36,27 @@
 namespace pykernels::lora {
 
 // PYKERNELS_SM90_LORA picks how the forward runs on Hopper (`setting`; null or empty: the default):
+//   extended_k  one GEMM on the Hopper core with the term and bias as extra K: no pass over y for the
+//               term, K grows by the width below. The default: 1.08-1.19x faster than cublas on an
+//               H100 at r 16, T 8192 on 4096 x 14336 and 1.02-1.09x on 4096 x 4096 (bf16 and NF4
+//               weights, fp32 and bf16 adapters; benchmarks/results/h100.md, 2026-11-27)
 //   cublas      x W^T on cuBLAS (through ATen) with the LoRA term and bias, written by a small
-//               kernel first, as its C operand (beta 1): the default, what an H100 has measured
-//   extended_k  one GEMM on the Hopper core with the term and bias as extra K: no pass over y for
-//               the term, K grows by the width below (and the backward's grad_x the same way)
-// Null on success, else a message naming the choices. Read on every call (benchmarks/tile_sweep.py
-// times both in one process).
-inline const char* lora_sm90_forward_for(const char* setting, bool* extended_k) {
+//               kernel first, as its C operand (beta 1)
+// Sets *cublas; null on success, else a message naming the choices. Read on every call
+// (benchmarks/tile_sweep.py times both in one process).
+inline const char* lora_sm90_forward_for(const char* setting, bool* cublas) {
+  return two_way_choice(setting, "extended_k", "cublas",
+                        "PYKERNELS_SM90_LORA must be extended_k (the default) or cublas", cublas);
+}
+
+// PYKERNELS_SM90_LORA_GRAD_X picks how the backward's input gradient runs on Hopper (dense W, no
+// x_lora):
+//   cublas      dy W on cuBLAS, dxa A added by the rank kernel: the default until a GPU has timed the
+//               other (the forward's measurement says little here: dy W has K = out_features)
+//   extended_k  grad_x = [dy | U] [W ; V^T], one GEMM on the Hopper core
+inline const char* lora_sm90_grad_x_for(const char* setting, bool* extended_k) {
   return two_way_choice(setting, "cublas", "extended_k",
-                        "PYKERNELS_SM90_LORA must be cublas (the default) or extended_k", extended_k);
+                        "PYKERNELS_SM90_LORA_GRAD_X must be cublas (the default) or extended_k", extended_k);
 }
 
 inline constexpr int64_t kExtendedKTile = 64;  // the Hopper GEMM's K tile: the width's multiple

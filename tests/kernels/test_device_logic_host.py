@@ -294,7 +294,7 @@ def test_sm90_extra_k_check_on_the_moe_lora_calls():
     assert "contiguous extents" in H.gemm_sm90_extra_k_error(**{**forward, "k2": 12, "lda2": 16})
 
 
-@pytest.mark.parametrize("block_k", [64, 128])  # the 128x128 / 128x256 tiles' K, the 64x128 ping-pong's
+@pytest.mark.parametrize("block_k", [64, 128])  # the tiles' K; 128: any other K tile
 def test_sm90_extra_k_groups(block_k):
     """Each expert's second pair starts at its first slot (A2) and its own B2_e, and K covers both
     pairs in whole k tiles: the mainloop takes ceil(k / block_k) tiles from the first pair, then the
@@ -307,33 +307,38 @@ def test_sm90_extra_k_groups(block_k):
     assert H.gemm_sm90_extra_k_groups([0, 8], 8, 2048, 130, 136, 0, 64)[0][2] == 2048 + 192
 
 
-def torch_grouped_mm_tile(mean_m: int, n: int) -> str:
-    """torch._grouped_mm's sm90 rule (aten/src/ATen/native/cuda/GroupMM.cu): small when M or N <= 128."""
-    return "64x128" if mean_m <= 128 or n <= 128 else "128x256"
+def measured_tile(mean_m: int, n: int) -> str:
+    """The H100 sweep's rule (benchmarks/results/h100.md, 2026-11-27): 128x256 from 65 rows per group
+    and 129 columns up (Mixtral's 128 rows per expert at T 512 ran 1.28x faster on it), else 128x128."""
+    return "128x128" if mean_m <= 64 or n <= 128 else "128x256"
 
 
 @pytest.mark.parametrize(("kind", "experts", "slots", "m", "n"), [
     ("rows", 128, 4096, 0, 1536),      # Qwen3-30B-A3B gate_up at T 512: 32 rows per expert
+    ("rows", 128, 8192, 0, 1536),      # ... at T 1024: 64 rows per expert, the boundary
+    ("rows", 128, 8320, 0, 1536),      # 65
     ("rows", 128, 131072, 0, 1536),    # ... at T 16384: 1024 rows per expert
     ("rows", 128, 131072, 0, 128),     # 128 columns: small
-    ("rows", 8, 1024, 0, 14336),       # Mixtral at T 512: 128 rows per expert, the boundary
-    ("rows", 8, 1032, 0, 14336),       # 129
+    ("rows", 8, 1024, 0, 14336),       # Mixtral at T 512: 128 rows per expert
+    ("rows", 8, 8192, 0, 129),         # 129 columns
     ("rows", 1, 8192, 0, 16),          # LoRA's dense u B^T-like product: one group, 16 columns
     ("weight_grad", 128, 4096, 1536, 2048),
     ("weight_grad", 128, 4096, 16, 2048),  # a LoRA A gradient: 16 rows
 ])
 def test_sm90_tile_choice(kind, experts, slots, m, n):
-    """Unset (or empty) PYKERNELS_SM90_TILE runs the measured default; a tile's name runs that tile on
-    every call; auto follows torch._grouped_mm's rule on the mean group (a rows GEMM's slots per
-    expert, a weight gradient's m); anything else is refused naming the choices."""
+    """Unset, empty or `auto` PYKERNELS_SM90_TILE runs the measured rule on the mean group (a rows
+    GEMM's slots per expert, a weight gradient's m); a tile's name runs that tile on every call;
+    anything else (the removed 64x128 too) is refused naming the choices."""
     args = dict(kind=kind, experts=experts, slots=slots, m=m, n=n)
-    assert H.gemm_sm90_tile(None, **args) == H.gemm_sm90_tile("", **args) == "128x128"
+    mean_m = m if kind == "weight_grad" else slots // experts
+    want = measured_tile(mean_m, n)
+    assert H.gemm_sm90_tile(None, **args) == H.gemm_sm90_tile("", **args) == H.gemm_sm90_tile("auto", **args) == want
+    assert H.gemm_sm90_tiles == ["128x128", "128x256"]
     for tile in H.gemm_sm90_tiles:
         assert H.gemm_sm90_tile(tile, **args) == tile
-    mean_m = m if kind == "weight_grad" else slots // experts
-    assert H.gemm_sm90_tile("auto", **args) == torch_grouped_mm_tile(mean_m, n)
-    with pytest.raises(ValueError, match="128x128 .the default., 128x256, 64x128 or auto"):
-        H.gemm_sm90_tile("256x128", **args)
+    for refused in ("256x128", "64x128"):
+        with pytest.raises(ValueError, match=r"auto \(the default: by shape\), 128x128 or 128x256"):
+            H.gemm_sm90_tile(refused, **args)
 
 
 @FAST
@@ -628,10 +633,11 @@ def test_sm90_logprobs_tile_choice():
     """PYKERNELS_SM90_LOGPROBS_TILE: unset or empty runs the measured default; both tiles by name (each
     128 vocabulary entries wide, at most kSm90RowPad tokens tall: the partial planes hold either);
     anything else is refused naming the choices."""
-    assert H.logprobs_sm90_tile(None) == H.logprobs_sm90_tile("") == "128x128"
+    assert H.logprobs_sm90_tile(None) == H.logprobs_sm90_tile("") == "256x128"
     assert H.logprobs_sm90_tile("128x128") == "128x128" and H.logprobs_sm90_tile("256x128") == "256x128"
+    assert H.logprobs_sm90_tiles == ["256x128", "128x128"]  # the default first
     assert H.logprobs_sm90_row_pad % 256 == 0
-    with pytest.raises(ValueError, match=r"128x128 \(the default\) or 256x128"):
+    with pytest.raises(ValueError, match=r"256x128 \(the default\) or 128x128"):
         H.logprobs_sm90_tile("128x256")
 
 

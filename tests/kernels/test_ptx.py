@@ -70,7 +70,7 @@ def sm90_kernels_ptx(source: str, tmp_path: Path) -> dict[str, str]:
 
 # The GEMM core's tiles (common/sm90_tiles.h), one file each, and the wgmma shape each one issues: a
 # consumer warpgroup's 64 rows by the tile's N.
-SM90_CORE_TILES = {"128x128": "m64n128k16", "128x256": "m64n256k16", "64x128": "m64n128k16"}
+SM90_CORE_TILES = {"128x128": "m64n128k16", "128x256": "m64n256k16"}
 LOGPROBS_TILES = ["128x128", "256x128"]  # logprobs/logprobs_sm90.h: both 128 vocabulary entries wide
 
 
@@ -79,8 +79,8 @@ LOGPROBS_TILES = ["128x128", "256x128"]  # logprobs/logprobs_sm90.h: both 128 vo
 def test_hopper_gemm_core_is_wgmma_fed_by_tma(tmp_path, tile):
     """The sm_90a GEMM core (common/grouped_gemm_sm90.cu dispatching to a file per tile) runs the MoE
     expert GEMMs (bf16 out: forward, grad_x, weight gradient; with LoRA on the experts, the two
-    extra-K kernels), the LoRA GEMMs (bf16 out; the forward under PYKERNELS_SM90_LORA=extended_k on
-    the extra-K kernel) and the logprobs GEMMs (fp32 out: dh, dW). Each
+    extra-K kernels), the LoRA GEMMs (bf16 out; the forward, Hopper's default PYKERNELS_SM90_LORA,
+    on the extra-K kernel) and the logprobs GEMMs (fp32 out: dh, dW). Each
     tile's eight kernels must issue bf16 wgmma of the tile's
     width from shared memory that TMA fills: a CUTLASS configuration mistake falls back to mma.sync or
     to cp.async loads without a word."""

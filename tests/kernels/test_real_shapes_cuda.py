@@ -7,11 +7,11 @@ tiles over 128 experts. Shapes from the issue that set the Hopper targets: Qwen3
 at H=4096, N=16384; LoRA r=16 on a 4096x14336 projection at T=8192. All bf16.
 
 On a Hopper GPU every case runs four times: on the default tiles of the sm_90a GEMM core and of the
-lm_head GEMMs, on their other tiles (PYKERNELS_SM90_TILE, common/sm90_tiles.h;
+lm_head GEMMs, on each tile forced (PYKERNELS_SM90_TILE, common/sm90_tiles.h;
 PYKERNELS_SM90_LOGPROBS_TILE, logprobs/logprobs_sm90.h) and with the Hopper kernels switched off
 (PYKERNELS_SM90=0; all read on every call), so every kernel a user can pick is checked at these sizes
-in one run; the LoRA case also runs under the opt-in Hopper paths (PYKERNELS_SM90_LORA=extended_k,
-and PYKERNELS_SM90_NF4=mainloop on its NF4 form).
+in one run; the LoRA case also runs under the Hopper paths off the defaults (PYKERNELS_SM90_LORA=cublas,
+PYKERNELS_SM90_LORA_GRAD_X=extended_k, and PYKERNELS_SM90_NF4=mainloop on its NF4 form).
 Elsewhere the other runs would repeat the first and are skipped.
 
 Bound: max|ours - fp32| <= TOLERANCE * max|fp32| per output. Our outputs round intermediates to
@@ -32,9 +32,11 @@ TOLERANCE = 2.5e-2
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-# The Hopper tiles besides the defaults (common/sm90_tiles.h, logprobs/logprobs_sm90.h), paired so each
-# runs once: (the GEMM core's PYKERNELS_SM90_TILE, the lm_head GEMMs' PYKERNELS_SM90_LOGPROBS_TILE).
-OTHER_TILES = {"sm90_tiles_128x256_256x128": ("128x256", "256x128"), "sm90_tiles_64x128_128x128": ("64x128", "128x128")}
+# Each Hopper tile forced (the defaults pick by shape, common/sm90_tiles.h, or are 256x128,
+# logprobs/logprobs_sm90.h), paired: (the GEMM core's PYKERNELS_SM90_TILE, the lm_head GEMMs'
+# PYKERNELS_SM90_LOGPROBS_TILE).
+OTHER_TILES = {"sm90_tiles_128x128_128x128": ("128x128", "128x128"),
+               "sm90_tiles_128x256_256x128": ("128x256", "256x128")}
 
 
 @pytest.fixture(params=["sm90_core", *OTHER_TILES, "sm80_kernels"])
@@ -167,10 +169,11 @@ def test_lora_4096x14336_r16_t8192(gemm_generation):
     check_lora_4096x14336_r16_t8192(quantize=False)
 
 
-# The opt-in Hopper paths (read on every call): the LoRA term as extra K of the base GEMM, forward
-# and grad_x (lora/lora_extended_k.h), and QLoRA's NF4 decoded in the GEMM's mainloop
+# The Hopper paths off the defaults (read on every call): the LoRA forward on cuBLAS, grad_x as extra
+# K of the base GEMM (lora/lora_extended_k.h), and QLoRA's NF4 decoded in the GEMM's mainloop
 # (nf4/nf4_gemm_sm90.h).
-OPT_IN_PATHS = {"extended_k": ("PYKERNELS_SM90_LORA", "extended_k", False),
+OPT_IN_PATHS = {"cublas_forward": ("PYKERNELS_SM90_LORA", "cublas", False),
+                "extended_k_grad_x": ("PYKERNELS_SM90_LORA_GRAD_X", "extended_k", False),
                 "nf4_mainloop": ("PYKERNELS_SM90_NF4", "mainloop", True)}
 
 

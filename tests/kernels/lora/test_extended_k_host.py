@@ -97,11 +97,17 @@ def test_the_forward_is_one_group_the_gemm_core_takes():
                                                           b2_expert_stride=0, misaligned=True, grouped=False)
 
 
-def test_lora_forward_knob():
+def test_lora_forward_and_grad_x_knobs():
+    """PYKERNELS_SM90_LORA: extra K by default (the H100 sweep's pick); PYKERNELS_SM90_LORA_GRAD_X:
+    cuBLAS by default (not yet timed on a GPU)."""
     assert [H.lora_sm90_forward(s) for s in (None, "", "cublas", "extended_k")] == [
+        "extended_k", "extended_k", "cublas", "extended_k"]
+    assert [H.lora_sm90_grad_x(s) for s in (None, "", "cublas", "extended_k")] == [
         "cublas", "cublas", "cublas", "extended_k"]
-    with pytest.raises(ValueError, match="cublas .the default. or extended_k"):
+    with pytest.raises(ValueError, match="extended_k .the default. or cublas"):
         H.lora_sm90_forward("fused")
+    with pytest.raises(ValueError, match="PYKERNELS_SM90_LORA_GRAD_X must be cublas .the default. or extended_k"):
+        H.lora_sm90_grad_x("fused")
 
 
 def test_the_sweep_times_every_lora_forward():

@@ -118,10 +118,12 @@ def weight_for(kind, dense):
     return quantized, nf4.dequantize(quantized, dense.dtype)
 
 
+@pytest.mark.parametrize("lora_forward", ["extended_k", "cublas"])  # PYKERNELS_SM90_LORA: Hopper's default, and off
 @pytest.mark.parametrize("weight_kind", WEIGHTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_cuda_matches_fp64_and_cpu(case, dtype, weight_kind):
+def test_cuda_matches_fp64_and_cpu(case, dtype, weight_kind, lora_forward, monkeypatch):
+    monkeypatch.setenv("PYKERNELS_SM90_LORA", lora_forward)
     t = make_inputs(case, dtype, seed=CASES.index(case))
     weight, dense = weight_for(weight_kind, t["weight"])
     cuda = run_ops(t, weight, "cuda")
@@ -169,11 +171,13 @@ def ran_kernel(fn, name: str) -> bool:
 @pytest.mark.parametrize("weight_kind", WEIGHTS)
 @pytest.mark.parametrize("case", EXTENDED_K_CASES, ids=case_id)
 def test_cuda_extended_k_matches_fp64_and_cpu(case, weight_kind, monkeypatch):
-    """PYKERNELS_SM90_LORA=extended_k: the forward as one GEMM with the LoRA term and bias as extra
-    K (lora/lora_extended_k.h, one group of the Hopper core), dense and NF4 (several chunks of W at N
-    4096), and with a dense W and no x_lora the backward's grad_x = dy W + dxa A as one GEMM too,
-    within the same budgets as the default path; and it must be those GEMMs that ran."""
-    monkeypatch.setenv("PYKERNELS_SM90_LORA", "extended_k")
+    """The Hopper forward's default (PYKERNELS_SM90_LORA unset: extended_k): one GEMM with the LoRA
+    term and bias as extra K (lora/lora_extended_k.h, one group of the Hopper core), dense and NF4
+    (several chunks of W at N 4096), and under PYKERNELS_SM90_LORA_GRAD_X=extended_k with a dense W
+    and no x_lora the backward's grad_x = dy W + dxa A as one GEMM too, within the same budgets as the
+    cuBLAS path; and it must be those GEMMs that ran."""
+    monkeypatch.delenv("PYKERNELS_SM90_LORA", raising=False)
+    monkeypatch.setenv("PYKERNELS_SM90_LORA_GRAD_X", "extended_k")
     t = make_inputs(case, torch.bfloat16, seed=EXTENDED_K_CASES.index(case))
     weight, dense = weight_for(weight_kind, t["weight"])
     outputs = {}
