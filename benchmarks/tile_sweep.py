@@ -3,7 +3,9 @@ the GEMM core's (PYKERNELS_SM90_TILE, common/sm90_tiles.h) on MoE and LoRA, the 
 (PYKERNELS_SM90_LOGPROBS_TILE, logprobs/logprobs_sm90.h) on logprobs, both ways of running the
 LoRA forward (PYKERNELS_SM90_LORA, lora/lora_extended_k.h: one GEMM with the term as extra K, or
 cuBLAS's base GEMM with the LoRA term as its C operand) and the backward's grad_x
-(PYKERNELS_SM90_LORA_GRAD_X: cuBLAS's dy W plus the rank term, or one extra-K GEMM), both of the
+(PYKERNELS_SM90_LORA_GRAD_X: cuBLAS's dy W plus the rank term, or one extra-K GEMM), the rank products
+with fp32 adapters (PYKERNELS_LORA_RANK_GEMM, lora/lora_rank_pieces.h: SIMT fp32, or bf16 pieces on
+tensor cores; r 16 and 64), both of the
 experts' LoRA products (PYKERNELS_SM90_MOE_LORA, moe/moe.h: extra K of the base GEMM, or their own
 GEMMs) and both ways of reading the QLoRA forward's NF4 weight (PYKERNELS_SM90_NF4,
 nf4/nf4_gemm_sm90.h: dequantized chunks for cuBLAS, or decoded in the GEMM's mainloop). All are
@@ -23,10 +25,12 @@ base GEMM (torch's x W^T, the same under every setting) as the first row. QLoRA 
 (double-quantized, blocksize 64) 4096 x 14336 and 4096 x 4096 at T 1024 and 8192, r 16 fp32
 adapters, after the bare bf16 base GEMM.
 
-    python -m benchmarks.tile_sweep [--ops moe,lora,logprobs,lora_forward,lora_grad_x,moe_lora,qlora_forward]
+    python -m benchmarks.tile_sweep [--ops moe,lora,logprobs,lora_forward,lora_grad_x,lora_rank,moe_lora,
+                                           qlora_forward]
                                     [--tiles auto,128x128,128x256] [--logprobs-tiles 256x128,128x128]
                                     [--lora-forwards extended_k,cublas,extended_k@128x128,extended_k@128x256]
-                                    [--lora-grad-xs cublas,extended_k] [--moe-loras extra_k,separate]
+                                    [--lora-grad-xs cublas,extended_k] [--lora-rank-gemms simt,tensor_core]
+                                    [--moe-loras extra_k,separate]
                                     [--nf4-forwards dequantize,mainloop] [--rounds 10]
 """
 
@@ -45,6 +49,7 @@ LOGPROBS_TILES = ("256x128", "128x128")  # the first is the default (logprobs/lo
 # the first is the default (lora/lora_extended_k.h); extended_k runs on the core's tile (@: which)
 LORA_FORWARDS = ("extended_k", "cublas", "extended_k@128x128", "extended_k@128x256")
 LORA_GRAD_XS = ("cublas", "extended_k")  # the first is the default (lora/lora_extended_k.h)
+LORA_RANK_GEMMS = ("simt", "tensor_core")  # the first is the default (lora/lora_rank_pieces.h)
 MOE_LORAS = ("extra_k", "separate")  # the first is the default (moe/moe.h)
 NF4_FORWARDS = ("dequantize", "mainloop")  # the first is the default (nf4/nf4_gemm_sm90.h)
 ROUNDS = 10
@@ -80,6 +85,19 @@ def lora_cases():
 
     in_features, out_features = SHAPES["4096x14336"]
     yield "lora 4096x14336 T8192 r16", lora_case()["ours"], 6 * 8192 * in_features * out_features
+
+
+def lora_rank_cases():
+    """LoRA forward+backward on 4096 x 14336 at T 8192, fp32 adapters, r 16 and 64 (the H100 lost to
+    PEFT at r 64 with the SIMT rank products: benchmarks/results/h100.md)."""
+    from benchmarks.test_bench_lora import SHAPES, Layer
+
+    in_features, out_features = SHAPES["4096x14336"]
+    x = torch.randn(8192, in_features, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    for r in (16, 64):
+        layer = Layer(in_features, out_features, r, "bf16", torch.device("cuda"))
+        yield (f"lora 4096x14336 T8192 r{r}", lambda layer=layer: layer.ours(x).sum().backward(),
+               6 * 8192 * in_features * out_features)
 
 
 def lora_forward_cases():
@@ -150,6 +168,7 @@ CASES = {"moe": (moe_cases, "PYKERNELS_SM90_TILE", "tiles"), "lora": (lora_cases
          "logprobs": (logprobs_cases, "PYKERNELS_SM90_LOGPROBS_TILE", "logprobs_tiles"),
          "lora_forward": (lora_forward_cases, "PYKERNELS_SM90_LORA", "lora_forwards"),
          "lora_grad_x": (lora_cases, "PYKERNELS_SM90_LORA_GRAD_X", "lora_grad_xs"),
+         "lora_rank": (lora_rank_cases, "PYKERNELS_LORA_RANK_GEMM", "lora_rank_gemms"),
          "moe_lora": (moe_lora_cases, "PYKERNELS_SM90_MOE_LORA", "moe_loras"),
          "qlora_forward": (qlora_forward_cases, "PYKERNELS_SM90_NF4", "nf4_forwards")}
 
@@ -192,6 +211,8 @@ def main() -> None:
                         help="the LoRA forward's ways; the first is the baseline")
     parser.add_argument("--lora-grad-xs", default=",".join(LORA_GRAD_XS),
                         help="the LoRA backward's ways of computing grad_x; the first is the baseline")
+    parser.add_argument("--lora-rank-gemms", default=",".join(LORA_RANK_GEMMS),
+                        help="the LoRA rank products' ways with fp32 factors; the first is the baseline")
     parser.add_argument("--moe-loras", default=",".join(MOE_LORAS),
                         help="the experts' LoRA products' ways; the first is the baseline")
     parser.add_argument("--nf4-forwards", default=",".join(NF4_FORWARDS),
@@ -203,10 +224,11 @@ def main() -> None:
         raise SystemExit(f"unknown op {', '.join(unknown)}: {', '.join(CASES)}")
     tiles = {"tiles": args.tiles.split(","), "logprobs_tiles": args.logprobs_tiles.split(","),
              "lora_forwards": args.lora_forwards.split(","), "lora_grad_xs": args.lora_grad_xs.split(","),
-             "moe_loras": args.moe_loras.split(","),
+             "lora_rank_gemms": args.lora_rank_gemms.split(","), "moe_loras": args.moe_loras.split(","),
              "nf4_forwards": args.nf4_forwards.split(",")}
     known = {"tiles": ["auto", *_C.host_logic.gemm_sm90_tiles], "logprobs_tiles": _C.host_logic.logprobs_sm90_tiles,
-             "lora_forwards": list(LORA_FORWARDS), "lora_grad_xs": list(LORA_GRAD_XS), "moe_loras": list(MOE_LORAS),
+             "lora_forwards": list(LORA_FORWARDS), "lora_grad_xs": list(LORA_GRAD_XS),
+             "lora_rank_gemms": list(LORA_RANK_GEMMS), "moe_loras": list(MOE_LORAS),
              "nf4_forwards": list(NF4_FORWARDS)}
     for kind, names in tiles.items():
         if unknown := [t for t in names if t not in known[kind]]:

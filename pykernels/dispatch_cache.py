@@ -4,7 +4,8 @@ One JSON file, $PYKERNELS_CACHE/dispatch.json (default ~/.cache/pykernels/dispat
 one entry per *identity*: device name, GPU driver version, torch version, pykernels version, the
 compiled extension's size and mtime, whether the Hopper GEMMs are on (PYKERNELS_SM90) and their
 tiles (PYKERNELS_SM90_TILE, PYKERNELS_SM90_LOGPROBS_TILE), LoRA forward and grad_x (PYKERNELS_SM90_LORA,
-PYKERNELS_SM90_LORA_GRAD_X), QLoRA forward (PYKERNELS_SM90_NF4) and experts' LoRA (PYKERNELS_SM90_MOE_LORA). A
+PYKERNELS_SM90_LORA_GRAD_X), the LoRA rank products (PYKERNELS_LORA_RANK_GEMM), QLoRA forward
+(PYKERNELS_SM90_NF4) and experts' LoRA (PYKERNELS_SM90_MOE_LORA). A
 decision is only valid for the identity that made it: a new driver, torch or kernel build can
 change who is faster or whether ours is right, so any change means a fresh entry (re-decided on
 first use) and the stale entries of that device are dropped.
@@ -74,7 +75,7 @@ def identity(device: torch.device) -> dict:
             # PYKERNELS_SM90=0 swaps the Hopper GEMMs for the sm80 kernels (csrc/common/gemm_sm90_torch.h),
             # PYKERNELS_SM90_TILE / PYKERNELS_SM90_LOGPROBS_TILE their tiles (common/sm90_tiles.h,
             # logprobs/logprobs_sm90.h), PYKERNELS_SM90_LORA / _GRAD_X the LoRA forward's and grad_x's GEMMs
-            # (lora/lora_extended_k.h),
+            # (lora/lora_extended_k.h), PYKERNELS_LORA_RANK_GEMM its rank products (lora/lora_rank_pieces.h),
             # PYKERNELS_SM90_NF4 the QLoRA forward's (nf4/nf4_gemm_sm90.h), PYKERNELS_SM90_MOE_LORA the
             # experts' LoRA products (moe/moe.h): decisions made with one set of kernels must not be
             # reused for another
@@ -83,6 +84,7 @@ def identity(device: torch.device) -> dict:
                            os.environ.get("PYKERNELS_SM90_LOGPROBS_TILE") or "default"],
             "sm90_lora_forward": os.environ.get("PYKERNELS_SM90_LORA") or "default",
             "sm90_lora_grad_x": os.environ.get("PYKERNELS_SM90_LORA_GRAD_X") or "default",
+            "lora_rank_gemm": os.environ.get("PYKERNELS_LORA_RANK_GEMM") or "default",
             "sm90_nf4_forward": os.environ.get("PYKERNELS_SM90_NF4") or "default",
             "sm90_moe_lora": os.environ.get("PYKERNELS_SM90_MOE_LORA") or "default"}
     return _identities[str(device)]

@@ -205,7 +205,8 @@ def test_tile_sweep_names_what_it_needs(monkeypatch):
     assert refusal("--lora-grad-xs", "fused") == "unknown choice fused: --lora-grad-xs takes cublas, extended_k"
     assert refusal("--moe-loras", "fused") == "unknown choice fused: --moe-loras takes extra_k, separate"
     assert refusal("--nf4-forwards", "fused") == "unknown choice fused: --nf4-forwards takes dequantize, mainloop"
-    assert refusal("--ops", "moe,mlp") == ("unknown op mlp: moe, lora, logprobs, lora_forward, lora_grad_x, moe_lora, "
-                                           "qlora_forward")
+    assert refusal("--lora-rank-gemms", "tf32") == "unknown choice tf32: --lora-rank-gemms takes simt, tensor_core"
+    assert refusal("--ops", "moe,mlp") == ("unknown op mlp: moe, lora, logprobs, lora_forward, lora_grad_x, lora_rank, "
+                                           "moe_lora, qlora_forward")
     if not torch.cuda.is_available():
         assert "needs a compute capability 9.0 GPU" in refusal()

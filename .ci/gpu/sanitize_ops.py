@@ -6,8 +6,9 @@ the logprobs backward of a frozen lm_head over two token chunks; the MoE calls t
 tile of the Hopper GEMM core forced (PYKERNELS_SM90_TILE, csrc/common/sm90_tiles.h; the default picks
 by shape), the logprobs calls on the lm_head GEMMs' other tile (PYKERNELS_SM90_LOGPROBS_TILE,
 csrc/logprobs/logprobs_sm90.h), the LoRA calls with the forward on cuBLAS (PYKERNELS_SM90_LORA=cublas),
-with grad_x as one extended-K GEMM (PYKERNELS_SM90_LORA_GRAD_X=extended_k, csrc/lora/lora_extended_k.h)
-and with the NF4 weight decoded in the GEMM's mainloop
+with grad_x as one extended-K GEMM (PYKERNELS_SM90_LORA_GRAD_X=extended_k, csrc/lora/lora_extended_k.h),
+with the rank products as bf16 pieces on tensor cores (PYKERNELS_LORA_RANK_GEMM=tensor_core,
+csrc/lora/lora_rank_pieces.h) and with the NF4 weight decoded in the GEMM's mainloop
 (PYKERNELS_SM90_NF4=mainloop, csrc/nf4/nf4_gemm_sm90.h), and the MoE calls with the experts' LoRA
 products as their own GEMMs (PYKERNELS_SM90_MOE_LORA=separate, csrc/moe/moe.h).
 On CPU (the dry run) the same calls check that this script still matches the ops' signatures.
@@ -114,11 +115,13 @@ FAMILIES = {"nf4": run_nf4, "lora": run_lora, "logprobs": run_logprobs, "moe": r
 
 # The Hopper kernels' other settings, each with the family it runs: every core tile forced (the default
 # picks by shape), the lm_head GEMMs' other tiles (the first is the default), the LoRA forward on
-# cuBLAS, grad_x as one extended-K GEMM (lora/lora_extended_k.h), the NF4 decode in the GEMM
+# cuBLAS, grad_x as one extended-K GEMM (lora/lora_extended_k.h), the rank products on tensor cores
+# (lora/lora_rank_pieces.h), the NF4 decode in the GEMM
 # (nf4/nf4_gemm_sm90.h), and the experts' LoRA products as their own GEMMs (moe/moe.h).
 OTHER_SETTINGS = [("PYKERNELS_SM90_TILE", tile, "moe") for tile in _C.host_logic.gemm_sm90_tiles] + [
     ("PYKERNELS_SM90_LOGPROBS_TILE", tile, "logprobs") for tile in _C.host_logic.logprobs_sm90_tiles[1:]] + [
     ("PYKERNELS_SM90_LORA", "cublas", "lora"), ("PYKERNELS_SM90_LORA_GRAD_X", "extended_k", "lora"),
+    ("PYKERNELS_LORA_RANK_GEMM", "tensor_core", "lora"),
     ("PYKERNELS_SM90_NF4", "mainloop", "lora"), ("PYKERNELS_SM90_MOE_LORA", "separate", "moe")]
 
 

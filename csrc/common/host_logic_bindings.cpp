@@ -26,6 +26,7 @@
 #include "logprobs/logit_grad.h"
 #include "lora/lora.h"
 #include "lora/lora_extended_k.h"
+#include "lora/lora_rank_pieces.h"
 #include "logprobs/logprobs_sm90.h"
 #include "logprobs/vocab_chunks.h"
 #include "moe/moe.h"
@@ -412,6 +413,41 @@ std::tuple<int64_t, int64_t, Matrix, Matrix> lora_extended_k_operands(const Matr
   return {e.terms, e.width, u, v};
 }
 
+// lora/lora_rank_pieces.h, as the CUDA side lays the operands out: `layout` names one of the
+// operands (three pieces side by side or stacked, or one of the grad_x term's six-block operands).
+lora::PieceLayout piece_layout(const std::string& layout, int64_t rows, int64_t cols) {
+  if (layout == "side_by_side") return lora::three_pieces(rows, cols, false);
+  if (layout == "stacked") return lora::three_pieces(rows, cols, true);
+  if (layout == "dxa_term") return lora::dxa_term_pieces(rows, cols);
+  if (layout == "a_term") return lora::a_term_pieces(rows, cols);
+  require(false, "layout must be side_by_side, stacked, dxa_term or a_term");
+  return {};
+}
+
+// The blocked bf16 operand (as floats, row-major) of an fp32 [rows, cols] matrix (row-major values).
+std::vector<float> lora_split_pieces(const std::vector<float>& values, int64_t rows, int64_t cols,
+                                     const std::string& layout) {
+  require(rows >= 0 && cols >= 0 && static_cast<int64_t>(values.size()) == rows * cols, "values must be rows x cols");
+  const lora::PieceLayout l = piece_layout(layout, rows, cols);
+  std::vector<float> out(values.size() * l.blocks);
+  for (int b = 0; b < l.blocks; ++b)
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < cols; ++j)
+        out[lora::piece_offset(l, b, i, j)] = lora::bf16_piece(values[i * cols + j], l.piece[b]);
+  return out;
+}
+
+// [rows, cols] from an fp32 product laid out with three blocks side by side or stacked.
+std::vector<float> lora_sum_pieces(const std::vector<float>& product, int64_t rows, int64_t cols, bool stacked) {
+  require(rows >= 0 && cols >= 0 && static_cast<int64_t>(product.size()) == 3 * rows * cols,
+          "product must hold three rows x cols blocks");
+  const lora::PieceLayout l = lora::three_pieces(rows, cols, stacked);
+  std::vector<float> out(rows * cols);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) out[i * cols + j] = lora::sum_pieces_at(l, product.data(), i, j);
+  return out;
+}
+
 // Binds a two-way knob's parser (common/two_way_choice.h) as name(setting) -> the choice it names:
 // if_set when the parser sets its flag, else if_clear; a bad setting raises the parser's message.
 void def_two_way_knob(py::module_& m, const char* name, const char* (*parse)(const char*, bool*), const char* if_set,
@@ -462,6 +498,14 @@ void define_host_logic(py::module_& m) {
   m.attr("lora_extended_k_tile") = lora::kExtendedKTile;
   def_two_way_knob(m, "lora_sm90_forward", &lora::lora_sm90_forward_for, "cublas", "extended_k");
   def_two_way_knob(m, "lora_sm90_grad_x", &lora::lora_sm90_grad_x_for, "extended_k", "cublas");
+  // lora/lora_rank_pieces.h: the PYKERNELS_LORA_RANK_GEMM knob, an fp32 value's three bf16 pieces,
+  // and the blocked operands / the sum of a blocked product
+  def_two_way_knob(m, "lora_rank_gemm", &lora::lora_rank_gemm_for, "tensor_core", "simt");
+  m.def("lora_bf16_piece", &lora::bf16_piece, py::arg("value"), py::arg("piece"));
+  m.def("lora_split_pieces", &lora_split_pieces, py::arg("values"), py::arg("rows"), py::arg("cols"),
+        py::arg("layout"));
+  m.def("lora_sum_pieces", &lora_sum_pieces, py::arg("product"), py::arg("rows"), py::arg("cols"),
+        py::arg("stacked"));
   // lora/lora.h: (tile_m, tile_n, splits, k_per_split, workspace_floats)
   m.def("lora_rank_gemm_plan", &lora_rank_gemm_plan, py::arg("m"), py::arg("n"), py::arg("k"), py::arg("sms"));
   // common/tails.h

@@ -1,6 +1,6 @@
 // Fused LoRA CUDA kernels (declarations and the math in lora.h): the rank-r LoRA term, rank-r
 // GEMMs of mixed dtypes (fp32 LoRA weights and intermediates against 16-bit activations, split over
-// k) and dtype casts. The GEMMs of one input dtype are csrc/common/'s (gemm_sm80.cu, the sm_90a core).
+// k), fp32 factors as bf16 pieces for the tensor-core GEMMs (lora_rank_pieces.h) and dtype casts. The GEMMs of one input dtype are csrc/common/'s (gemm_sm80.cu, the sm_90a core).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -223,6 +223,28 @@ __global__ void __launch_bounds__(kThreads) extended_k_operands_kernel(const Ext
   }
 }
 
+// ------------------------------------------------------------------ fp32 factors as bf16 pieces
+// One thread per element of the blocked matrix (lora_rank_pieces.h): small operands (r columns or
+// rows), a pass over each.
+template <typename TSrc>
+__global__ void __launch_bounds__(kThreads) split_pieces_kernel(const TSrc* __restrict__ src, const PieceLayout l,
+                                                                __nv_bfloat16* __restrict__ out) {
+  const int64_t per_block = l.rows * l.cols, total = per_block * l.blocks;
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x) {
+    const int b = static_cast<int>(e / per_block);
+    const int64_t i = e % per_block / l.cols, j = e % l.cols;
+    out[piece_offset(l, b, i, j)] = __float2bfloat16_rn(bf16_piece(to_float(src[i * l.cols + j]), l.piece[b]));
+  }
+}
+
+template <typename TOut>
+__global__ void __launch_bounds__(kThreads) sum_pieces_kernel(const float* __restrict__ product, const PieceLayout l,
+                                                              TOut* __restrict__ out) {
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < l.rows * l.cols;
+       e += int64_t(gridDim.x) * blockDim.x)
+    out[e] = from_float<TOut>(sum_pieces_at(l, product, e / l.cols, e % l.cols));
+}
+
 // ------------------------------------------------------------------ casts
 template <typename TSrc, typename TDst>
 __global__ void __launch_bounds__(kThreads) cast_kernel(const TSrc* __restrict__ src, TDst* __restrict__ dst,
@@ -275,6 +297,31 @@ const char* launch_rank_gemm(const RankGemmParams& p, cudaStream_t stream) {
   if (tile.n == 16) return launch_rank_tiles<128, 16>(p, stream);
   if (tile.m == 16) return launch_rank_tiles<16, 128>(p, stream);
   return launch_rank_tiles<64, 64>(p, stream);
+}
+
+const char* launch_split_pieces(const void* src, DType src_dtype, const PieceLayout& l, void* out,
+                                cudaStream_t stream) {
+  if (l.rows < 0 || l.cols < 0 || l.blocks < 1 || l.blocks > kMaxPieceBlocks)
+    return "lora pieces: rows, cols >= 0 and 1 to 6 blocks";
+  if (l.rows * l.cols == 0) return nullptr;
+  return with_element(src_dtype, [&](auto src_element) {
+    using TSrc = decltype(src_element);
+    split_pieces_kernel<TSrc><<<grid_for(l.rows * l.cols * l.blocks, kThreads), kThreads, 0, stream>>>(
+        static_cast<const TSrc*>(src), l, static_cast<__nv_bfloat16*>(out));
+    return launch_status("lora pieces: kernel launch failed");
+  });
+}
+
+const char* launch_sum_pieces(const float* product, const PieceLayout& l, void* out, DType out_dtype,
+                              cudaStream_t stream) {
+  if (l.rows < 0 || l.cols < 0 || l.blocks != 3) return "lora pieces sum: rows, cols >= 0 and three blocks";
+  if (l.rows * l.cols == 0) return nullptr;
+  return with_element(out_dtype, [&](auto out_element) {
+    using TOut = decltype(out_element);
+    sum_pieces_kernel<TOut><<<grid_for(l.rows * l.cols, kThreads), kThreads, 0, stream>>>(product, l,
+                                                                                         static_cast<TOut*>(out));
+    return launch_status("lora pieces sum: kernel launch failed");
+  });
 }
 
 int device_multiprocessors(int device) {

@@ -18,6 +18,7 @@
 #include "common/dtype.h"
 #include "common/host_device.h"
 #include "lora/lora_extended_k.h"
+#include "lora/lora_rank_pieces.h"
 
 typedef struct CUstream_st* cudaStream_t;
 
@@ -113,6 +114,14 @@ struct ExtendedKOperandsParams {
   void* v;           // bf16 [n, width]
 };
 const char* launch_extended_k_operands(const ExtendedKOperandsParams& params, cudaStream_t stream);
+
+// The rank products' pieces (lora_rank_pieces.h): `out` (bf16, laid out as `layout`) from src (an
+// [layout.rows, layout.cols] row-major matrix of src_dtype), and back: out [rows, cols] of out_dtype
+// = the sum of the three blocks of the fp32 product laid out as `layout`.
+const char* launch_split_pieces(const void* src, DType src_dtype, const PieceLayout& layout, void* out,
+                                cudaStream_t stream);
+const char* launch_sum_pieces(const float* product, const PieceLayout& layout, void* out, DType out_dtype,
+                              cudaStream_t stream);
 
 // dst[i] = (dst_dtype) src[i] for i < numel (fp32 <-> 16-bit casts of the small LoRA tensors).
 const char* launch_cast(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t numel,

@@ -22,11 +22,12 @@
 // The GEMMs take one input dtype; products that meet an fp32 LoRA weight or the fp32 xa / dxa
 // go to launch_rank_gemm instead, which reads each operand in its own dtype and sums in fp32, so
 // nothing on the LoRA path is rounded to 16 bits before its output (as on the CPU and in PEFT,
-// whose fp32 adapters see an fp32 copy of x). With an NF4 weight, chunks of rows of W (up to
-// 16 MiB) are dequantized into one buffer and multiplied one after the other; grad_x sums the
-// chunks in an fp32 buffer and is rounded once. The base weight's GEMMs with an output in x's dtype
-// (x W^T, dy W) run on cuBLAS through ATen, which measured twice as fast as our kernels at the sizes
-// users train at (base_gemm); the tensor-core products with an fp32 output (xa, dxa, NF4's dy W)
+// whose fp32 adapters see an fp32 copy of x); under PYKERNELS_LORA_RANK_GEMM=tensor_core with bf16 x
+// they run on the tensor-core GEMM, each fp32 factor as three bf16 pieces (lora_rank_pieces.h).
+// With an NF4 weight, chunks of rows of W (up to 16 MiB) are dequantized into one buffer and
+// multiplied one after the other; grad_x sums the chunks in an fp32 buffer and is rounded once. The
+// base weight's GEMM dy W (and x W^T under PYKERNELS_SM90_LORA=cublas) runs on cuBLAS through ATen,
+// which measured twice as fast as our 128x128 tiles (base_gemm); the tensor-core products with an fp32 output (xa, dxa, NF4's dy W)
 // run on the sm_90a core on Hopper (bf16, common/gemm_sm90_torch.h), else on the sm80 GEMM (common/gemm_sm80.h).
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -35,10 +36,12 @@
 #include <algorithm>
 #include <cstdlib>
 #include <optional>
+#include <vector>
 
 #include "common/gemm_sm90_torch.h"
 #include "lora/lora.h"
 #include "lora/lora_extended_k.h"
+#include "lora/lora_rank_pieces.h"
 #include "lora/lora_torch_checks.h"
 #include "nf4/nf4.h"
 #include "nf4/nf4_gemm_sm90.h"
@@ -187,6 +190,35 @@ void rank_gemm(int64_t m, int64_t n, int64_t k, RankOperand a, RankOperand b, at
   check_launch(launch_rank_gemm(p, stream));
 }
 
+// PYKERNELS_LORA_RANK_GEMM=tensor_core with bf16 x: the rank products that meet an fp32 factor run
+// as bf16 pieces on the tensor-core GEMM (lora_rank_pieces.h) instead of rank_gemm.
+bool rank_on_tensor_cores(const at::Tensor& x) {
+  bool wanted = false;
+  const char* error = lora_rank_gemm_for(std::getenv("PYKERNELS_LORA_RANK_GEMM"), &wanted);
+  TORCH_CHECK_VALUE(error == nullptr, error);
+  return wanted && x.scalar_type() == at::kBFloat16;
+}
+
+// t (contiguous [l.rows, l.cols], fp32 or 16-bit) as bf16 pieces laid out as l.
+at::Tensor pieces_of(const at::Tensor& t, const PieceLayout& l, cudaStream_t stream) {
+  const auto shape = l.stacked ? std::vector<int64_t>{l.blocks * l.rows, l.cols}
+                               : std::vector<int64_t>{l.rows, l.blocks * l.cols};
+  at::Tensor out = at::empty(shape, t.options().dtype(at::kBFloat16));
+  check_launch(launch_split_pieces(t.data_ptr(), dtype_of(t), l, out.data_ptr(), stream));
+  return out;
+}
+
+// alpha op(a) op(b) ([m, n], fp32, bf16 pieces in one operand: three blocks laid out as `sum`) with
+// the blocks added, [sum.rows, sum.cols] of dtype.
+at::Tensor summed_product(int64_t m, int64_t n, int64_t k, Operand a, Operand b, float alpha, const PieceLayout& sum,
+                          at::ScalarType dtype, const at::Tensor& like, cudaStream_t stream) {
+  at::Tensor product = at::empty({m, n}, like.options().dtype(at::kFloat));
+  gemm(m, n, k, a, b, DType::kBFloat16, output(product), alpha, false, stream);
+  at::Tensor out = at::empty({sum.rows, sum.cols}, like.options().dtype(dtype));
+  check_launch(launch_sum_pieces(product.data_ptr<float>(), sum, out.data_ptr(), dtype_of(out), stream));
+  return out;
+}
+
 void check_same_device(const at::Tensor& t, const char* name, const at::Tensor& x) {
   TORCH_CHECK_VALUE(t.device() == x.device(), name, " must be on ", x.device(), " like x, got ", t.device());
 }
@@ -203,6 +235,11 @@ void check_cuda_backward(const at::Tensor& grad_y, const at::Tensor& xa, const a
 // xa = x_lora A^T (fp32).
 at::Tensor lora_down(const at::Tensor& x, const at::Tensor& x_lora, const at::Tensor& lora_A, const Shapes& s,
                      cudaStream_t stream) {
+  if (lora_A.scalar_type() != x.scalar_type() && rank_on_tensor_cores(x)) {  // x [A_hi; A_mid; A_lo]^T
+    const at::Tensor a3 = pieces_of(lora_A, three_pieces(s.r, s.k, /*stacked=*/true), stream);
+    return summed_product(s.m, 3 * s.r, s.k, plain(x_lora), transposed(a3), 1.0f, three_pieces(s.m, s.r, false),
+                          at::kFloat, x, stream);
+  }
   at::Tensor xa = at::empty({s.m, s.r}, x.options().dtype(at::kFloat));
   if (lora_A.scalar_type() == x.scalar_type()) {  // one input dtype: the tensor-core GEMM
     gemm(s.m, s.r, s.k, plain(x_lora), transposed(lora_A), dtype_of(x), output(xa), 1.0f, false, stream);
@@ -415,17 +452,53 @@ std::tuple<at::Tensor, at::Tensor> lora_linear_nf4_cuda(
 // Everything but dy @ W: grad_A, grad_B and the LoRA part of the input gradient. Without x_lora,
 // grad_x (when computed, allocated here in grad_x_dtype: x's, or fp32 for a sum over NF4 chunks)
 // is set to dxa A, and the caller then adds dy W in place. Every product that meets an fp32 operand
-// (B, xa, dxa, A) is a rank_gemm: fp32 math, no 16-bit copy of a LoRA weight or intermediate.
+// (B, xa, dxa, A) is a rank_gemm: fp32 math, no 16-bit copy of a LoRA weight or intermediate; or,
+// under PYKERNELS_LORA_RANK_GEMM=tensor_core, a tensor-core GEMM of its bf16 pieces.
 struct LowRankGrads {
   at::Tensor grad_x, grad_x_lora, grad_A, grad_B;
   at::Tensor dxa;  // scaling dy B, fp32 [m, r]
 };
+
+// low_rank_backward's products with the fp32 factors as bf16 pieces (lora_rank_pieces.h), bf16 x.
+LowRankGrads low_rank_backward_pieces(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& lora_input,
+                                      const at::Tensor& lora_A, const at::Tensor& lora_B, const at::Tensor& xa,
+                                      float scale, bool has_x_lora, bool compute_grad_x, at::ScalarType grad_x_dtype,
+                                      const Shapes& s, cudaStream_t stream) {
+  const PieceLayout by_rank_m = three_pieces(s.m, s.r, /*stacked=*/false);  // [M, 3r]: xa's, dxa's
+  at::Tensor dxa;
+  if (lora_B.scalar_type() == x.scalar_type()) {  // bf16 B: one GEMM as it is
+    dxa = at::empty({s.m, s.r}, x.options().dtype(at::kFloat));
+    gemm(s.m, s.r, s.n, plain(grad_y), plain(lora_B), dtype_of(x), output(dxa), scale, false, stream);
+  } else {  // dy [B_hi | B_mid | B_lo]
+    const at::Tensor b3 = pieces_of(lora_B, three_pieces(s.n, s.r, false), stream);
+    dxa = summed_product(s.m, 3 * s.r, s.n, plain(grad_y), plain(b3), scale, by_rank_m, at::kFloat, x, stream);
+  }
+  const at::Tensor xa3 = pieces_of(xa, by_rank_m, stream);  // dB = s dy^T [xa_hi | xa_mid | xa_lo]
+  at::Tensor grad_B = summed_product(s.n, 3 * s.r, s.m, transposed(grad_y), plain(xa3), scale,
+                                     three_pieces(s.n, s.r, false), lora_B.scalar_type(), x, stream);
+  const at::Tensor dxa3 = pieces_of(dxa, by_rank_m, stream);  // dA = [dxa_hi | dxa_mid | dxa_lo]^T x
+  at::Tensor grad_A = summed_product(3 * s.r, s.k, s.m, transposed(dxa3), plain(lora_input), 1.0f,
+                                     three_pieces(s.r, s.k, /*stacked=*/true), lora_A.scalar_type(), x, stream);
+  LowRankGrads grads{at::empty({0}, x.options()), at::empty({0}, x.options()), grad_A, grad_B, dxa};
+  if (!has_x_lora && !compute_grad_x) return grads;
+  at::Tensor& target = has_x_lora ? grads.grad_x_lora : grads.grad_x;
+  target = at::empty({s.m, s.k}, has_x_lora ? x.options() : x.options().dtype(grad_x_dtype));
+  const at::Tensor u = pieces_of(dxa, dxa_term_pieces(s.m, s.r), stream);     // [M, 6r]
+  const at::Tensor v = pieces_of(lora_A, a_term_pieces(s.r, s.k), stream);   // [6r, K]
+  gemm(s.m, s.k, 6 * s.r, plain(u), plain(v), DType::kBFloat16, output(target), 1.0f, false, stream);  // dxa A
+  if (has_x_lora && compute_grad_x) grads.grad_x = at::empty({s.m, s.k}, x.options().dtype(grad_x_dtype));
+  return grads;
+}
 LowRankGrads low_rank_backward(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& lora_A,
                                const at::Tensor& lora_B, const at::Tensor& xa, double scaling,
                                const std::optional<at::Tensor>& x_lora, bool compute_grad_x,
                                at::ScalarType grad_x_dtype, const Shapes& s, cudaStream_t stream) {
   const float scale = static_cast<float>(scaling);
   const auto f32 = x.options().dtype(at::kFloat);
+  const at::Tensor& lora_input = x_lora.value_or(x);
+  if (rank_on_tensor_cores(x)) return low_rank_backward_pieces(grad_y, x, lora_input, lora_A, lora_B, xa, scale,
+                                                               x_lora.has_value(), compute_grad_x, grad_x_dtype, s,
+                                                               stream);
   at::Tensor dxa = at::empty({s.m, s.r}, f32);
   if (lora_B.scalar_type() == x.scalar_type()) {  // one input dtype: the tensor-core GEMM
     gemm(s.m, s.r, s.n, plain(grad_y), plain(lora_B), dtype_of(x), output(dxa), scale, false, stream);
@@ -434,7 +507,6 @@ LowRankGrads low_rank_backward(const at::Tensor& grad_y, const at::Tensor& x, co
   }
   at::Tensor grad_B = at::empty({s.n, s.r}, f32);
   rank_gemm(s.n, s.r, s.m, columns_of(grad_y), rows_of(xa), grad_B, scale, false, stream);  // s dy^T xa
-  const at::Tensor& lora_input = x_lora.value_or(x);
   at::Tensor grad_A = at::empty({s.r, s.k}, f32);
   rank_gemm(s.r, s.k, s.m, columns_of(dxa), rows_of(lora_input), grad_A, 1.0f, false, stream);  // dxa^T x
 

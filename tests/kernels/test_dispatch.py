@@ -225,7 +225,7 @@ def test_the_cache_survives_a_restart_without_re_timing(isolated, timings):
 
 
 @pytest.mark.parametrize("change", ["pykernels", "torch", "hopper_tile", "hopper_lora_forward", "hopper_lora_grad_x",
-                                    "hopper_nf4_forward", "hopper_moe_lora", "device"])
+                                    "lora_rank_gemm", "hopper_nf4_forward", "hopper_moe_lora", "device"])
 def test_a_version_or_device_change_invalidates_the_cache(monkeypatch, isolated, timings, change):
     pykernels.lora.lora_linear(*_lora_args())
     assert len(timings) == 2
@@ -239,6 +239,8 @@ def test_a_version_or_device_change_invalidates_the_cache(monkeypatch, isolated,
         monkeypatch.setenv("PYKERNELS_SM90_LORA", "cublas")
     elif change == "hopper_lora_grad_x":  # grad_x as one extended-K GEMM is another kernel
         monkeypatch.setenv("PYKERNELS_SM90_LORA_GRAD_X", "extended_k")
+    elif change == "lora_rank_gemm":  # the rank products on tensor cores are other kernels
+        monkeypatch.setenv("PYKERNELS_LORA_RANK_GEMM", "tensor_core")
     elif change == "hopper_nf4_forward":  # the NF4 decode in the GEMM is another kernel
         monkeypatch.setenv("PYKERNELS_SM90_NF4", "mainloop")
     elif change == "hopper_moe_lora":

@@ -207,11 +207,15 @@ def test_many_rows_run_multithreaded_with_trainable_inputs(nf4_weight, cpu_isa):
 DEVICES = ["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.cuda])]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_fp32_lora_weights_and_intermediates_stay_fp32(device):
+@pytest.mark.parametrize(("device", "rank_gemm"), [
+    ("cpu", "simt"), pytest.param("cuda", "simt", marks=[requires_cuda, pytest.mark.cuda]),
+    pytest.param("cuda", "tensor_core", marks=[requires_cuda, pytest.mark.cuda])])  # PYKERNELS_LORA_RANK_GEMM
+def test_fp32_lora_weights_and_intermediates_stay_fp32(device, rank_gemm, monkeypatch):
     """bf16 x with fp32 A / B (PEFT's training setup): xa, dA and dB are fp32 outputs of fp32 math
-    on fp32 A, B, xa and dxa. The tolerance is ~20x below what rounding A, B, xa or dxa to bf16
-    costs (a relative ~2^-9 per element), so a bf16 cast anywhere on that path fails it."""
+    on fp32 A, B, xa and dxa (on CUDA also as three bf16 pieces each, lora/lora_rank_pieces.h). The
+    tolerance is ~20x below what rounding A, B, xa or dxa to bf16 costs (a relative ~2^-9 per
+    element), so a bf16 cast anywhere on that path fails it."""
+    monkeypatch.setenv("PYKERNELS_LORA_RANK_GEMM", rank_gemm)
     m, k, n, r = 37, 769, 83, 16  # odd sizes: no vector path on any device
     g = torch.Generator().manual_seed(11)
     x = torch.randn(m, k, generator=g).bfloat16()

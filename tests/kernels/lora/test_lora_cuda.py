@@ -194,6 +194,22 @@ def test_cuda_extended_k_matches_fp64_and_cpu(case, weight_kind, monkeypatch):
         assert ran_kernel(backward, "ExtendedKArrayMainloop"), "the backward's grad_x is not one extra-K GEMM"
 
 
+@pytest.mark.parametrize("weight_kind", WEIGHTS)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_cuda_rank_products_on_tensor_cores(case, weight_kind, monkeypatch):
+    """PYKERNELS_LORA_RANK_GEMM=tensor_core: the rank products that meet an fp32 factor (xa, dxa, dB,
+    dA and grad_x's dxa A) as bf16 pieces on the tensor-core GEMM (lora/lora_rank_pieces.h), every
+    case (fp32 and bf16 adapters, x_lora, r 1 to 256), within the same budgets as the default path;
+    and no SIMT rank GEMM ran."""
+    monkeypatch.setenv("PYKERNELS_LORA_RANK_GEMM", "tensor_core")
+    t = make_inputs(case, torch.bfloat16, seed=CASES.index(case))
+    weight, dense = weight_for(weight_kind, t["weight"])
+    outputs = {}
+    assert not ran_kernel(lambda: outputs.update(run_ops(t, weight, "cuda")), "rank_gemm_kernel")
+    check_outputs(outputs, run_ops(t, weight, "cpu"), torch_math(t, dense, torch.float64),
+                  torch_math(t, dense, torch.bfloat16), OUTPUTS, HALF_ULP[torch.bfloat16], depth=max(case[:3]))
+
+
 def mainloop_weight(q: nf4.NF4Weight) -> torch.Tensor:
     """The weight the NF4 mainloop GEMM multiplies by (nf4/nf4_gemm_sm90.h): each element
     bf16(bf16(code value) * absmax), the absmax decoded in fp32 when double-quantized."""
