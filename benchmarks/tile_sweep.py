@@ -5,7 +5,8 @@ LoRA forward (PYKERNELS_SM90_LORA, lora/lora_extended_k.h: one GEMM with the ter
 cuBLAS's base GEMM with the LoRA term as its C operand) and the backward's grad_x
 (PYKERNELS_SM90_LORA_GRAD_X: cuBLAS's dy W plus the rank term, or one extra-K GEMM), the rank products
 with fp32 adapters (PYKERNELS_LORA_RANK_GEMM, lora/lora_rank_pieces.h: SIMT fp32, or bf16 pieces on
-tensor cores; r 16 and 64), both of the
+tensor cores; r 16 and 64), the core's tile orders (PYKERNELS_SM90_RASTER, common/sm90_tile_order.h:
+raster direction and swizzle, on MoE and the LoRA forward), both of the
 experts' LoRA products (PYKERNELS_SM90_MOE_LORA, moe/moe.h: extra K of the base GEMM, or their own
 GEMMs) and both ways of reading the QLoRA forward's NF4 weight (PYKERNELS_SM90_NF4,
 nf4/nf4_gemm_sm90.h: dequantized chunks for cuBLAS, or decoded in the GEMM's mainloop). All are
@@ -25,11 +26,12 @@ base GEMM (torch's x W^T, the same under every setting) as the first row. QLoRA 
 (double-quantized, blocksize 64) 4096 x 14336 and 4096 x 4096 at T 1024 and 8192, r 16 fp32
 adapters, after the bare bf16 base GEMM.
 
-    python -m benchmarks.tile_sweep [--ops moe,lora,logprobs,lora_forward,lora_grad_x,lora_rank,moe_lora,
-                                           qlora_forward]
+    python -m benchmarks.tile_sweep [--ops moe,lora,logprobs,lora_forward,lora_grad_x,lora_rank,raster,
+                                           moe_lora,qlora_forward]
                                     [--tiles auto,128x128,128x256] [--logprobs-tiles 256x128,128x128]
                                     [--lora-forwards extended_k,cublas,extended_k@128x128,extended_k@128x256]
                                     [--lora-grad-xs cublas,extended_k] [--lora-rank-gemms simt,tensor_core]
+                                    [--rasters m1,m2,m4,m8,n1,n2,n4,n8]
                                     [--moe-loras extra_k,separate]
                                     [--nf4-forwards dequantize,mainloop] [--rounds 10]
 """
@@ -50,6 +52,7 @@ LOGPROBS_TILES = ("256x128", "128x128")  # the first is the default (logprobs/lo
 LORA_FORWARDS = ("extended_k", "cublas", "extended_k@128x128", "extended_k@128x256")
 LORA_GRAD_XS = ("cublas", "extended_k")  # the first is the default (lora/lora_extended_k.h)
 LORA_RANK_GEMMS = ("simt", "tensor_core")  # the first is the default (lora/lora_rank_pieces.h)
+RASTERS = ("m1", "m2", "m4", "m8", "n1", "n2", "n4", "n8")  # the first is the default (common/sm90_tile_order.h)
 MOE_LORAS = ("extra_k", "separate")  # the first is the default (moe/moe.h)
 NF4_FORWARDS = ("dequantize", "mainloop")  # the first is the default (nf4/nf4_gemm_sm90.h)
 ROUNDS = 10
@@ -98,6 +101,13 @@ def lora_rank_cases():
         layer = Layer(in_features, out_features, r, "bf16", torch.device("cuda"))
         yield (f"lora 4096x14336 T8192 r{r}", lambda layer=layer: layer.ours(x).sum().backward(),
                6 * 8192 * in_features * out_features)
+
+
+def raster_cases():
+    """The GEMM core's tile orders on what it runs largest: MoE forward+backward without LoRA, and
+    the LoRA forward (one group of 64 x 56 tiles at 4096 x 14336, T 8192)."""
+    yield from moe_cases(loras=(False,))
+    yield from (case for case in lora_forward_cases() if "4096x14336" in case[0] and "nf4" not in case[0])
 
 
 def lora_forward_cases():
@@ -169,6 +179,7 @@ CASES = {"moe": (moe_cases, "PYKERNELS_SM90_TILE", "tiles"), "lora": (lora_cases
          "lora_forward": (lora_forward_cases, "PYKERNELS_SM90_LORA", "lora_forwards"),
          "lora_grad_x": (lora_cases, "PYKERNELS_SM90_LORA_GRAD_X", "lora_grad_xs"),
          "lora_rank": (lora_rank_cases, "PYKERNELS_LORA_RANK_GEMM", "lora_rank_gemms"),
+         "raster": (raster_cases, "PYKERNELS_SM90_RASTER", "rasters"),
          "moe_lora": (moe_lora_cases, "PYKERNELS_SM90_MOE_LORA", "moe_loras"),
          "qlora_forward": (qlora_forward_cases, "PYKERNELS_SM90_NF4", "nf4_forwards")}
 
@@ -213,6 +224,8 @@ def main() -> None:
                         help="the LoRA backward's ways of computing grad_x; the first is the baseline")
     parser.add_argument("--lora-rank-gemms", default=",".join(LORA_RANK_GEMMS),
                         help="the LoRA rank products' ways with fp32 factors; the first is the baseline")
+    parser.add_argument("--rasters", default=",".join(RASTERS),
+                        help="the GEMM core's tile orders; the first is the baseline")
     parser.add_argument("--moe-loras", default=",".join(MOE_LORAS),
                         help="the experts' LoRA products' ways; the first is the baseline")
     parser.add_argument("--nf4-forwards", default=",".join(NF4_FORWARDS),
@@ -224,11 +237,13 @@ def main() -> None:
         raise SystemExit(f"unknown op {', '.join(unknown)}: {', '.join(CASES)}")
     tiles = {"tiles": args.tiles.split(","), "logprobs_tiles": args.logprobs_tiles.split(","),
              "lora_forwards": args.lora_forwards.split(","), "lora_grad_xs": args.lora_grad_xs.split(","),
-             "lora_rank_gemms": args.lora_rank_gemms.split(","), "moe_loras": args.moe_loras.split(","),
+             "lora_rank_gemms": args.lora_rank_gemms.split(","), "rasters": args.rasters.split(","),
+             "moe_loras": args.moe_loras.split(","),
              "nf4_forwards": args.nf4_forwards.split(",")}
     known = {"tiles": ["auto", *_C.host_logic.gemm_sm90_tiles], "logprobs_tiles": _C.host_logic.logprobs_sm90_tiles,
              "lora_forwards": list(LORA_FORWARDS), "lora_grad_xs": list(LORA_GRAD_XS),
-             "lora_rank_gemms": list(LORA_RANK_GEMMS), "moe_loras": list(MOE_LORAS),
+             "lora_rank_gemms": list(LORA_RANK_GEMMS), "rasters": _C.host_logic.gemm_sm90_tile_orders,
+             "moe_loras": list(MOE_LORAS),
              "nf4_forwards": list(NF4_FORWARDS)}
     for kind, names in tiles.items():
         if unknown := [t for t in names if t not in known[kind]]:

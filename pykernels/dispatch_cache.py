@@ -2,13 +2,13 @@
 
 One JSON file, $PYKERNELS_CACHE/dispatch.json (default ~/.cache/pykernels/dispatch.json), holding
 one entry per *identity*: device name, GPU driver version, torch version, pykernels version, the
-compiled extension's size and mtime, whether the Hopper GEMMs are on (PYKERNELS_SM90) and their
-tiles (PYKERNELS_SM90_TILE, PYKERNELS_SM90_LOGPROBS_TILE), LoRA forward and grad_x (PYKERNELS_SM90_LORA,
-PYKERNELS_SM90_LORA_GRAD_X), the LoRA rank products (PYKERNELS_LORA_RANK_GEMM), QLoRA forward
-(PYKERNELS_SM90_NF4) and experts' LoRA (PYKERNELS_SM90_MOE_LORA). A
-decision is only valid for the identity that made it: a new driver, torch or kernel build can
-change who is faster or whether ours is right, so any change means a fresh entry (re-decided on
-first use) and the stale entries of that device are dropped.
+compiled extension's size and mtime, whether the Hopper GEMMs are on (PYKERNELS_SM90), their tiles
+(PYKERNELS_SM90_TILE, PYKERNELS_SM90_LOGPROBS_TILE) and tile order (PYKERNELS_SM90_RASTER), LoRA
+forward and grad_x (PYKERNELS_SM90_LORA, PYKERNELS_SM90_LORA_GRAD_X), the LoRA rank products
+(PYKERNELS_LORA_RANK_GEMM), QLoRA forward (PYKERNELS_SM90_NF4) and experts' LoRA
+(PYKERNELS_SM90_MOE_LORA). A decision is only valid for the identity that made it: a new driver,
+torch or kernel build can change who is faster or whether ours is right, so any change means a
+fresh entry (re-decided on first use) and the stale entries of that device are dropped.
 Writes are atomic (temporary file + os.replace), so a crash or a second process never leaves a
 half-written file; a file that does not parse is ignored with one warning and rewritten.
 """
@@ -74,7 +74,8 @@ def identity(device: torch.device) -> dict:
             "torch": torch.__version__, "pykernels": pykernels.__version__, "extension": _extension_stamp(),
             # PYKERNELS_SM90=0 swaps the Hopper GEMMs for the sm80 kernels (csrc/common/gemm_sm90_torch.h),
             # PYKERNELS_SM90_TILE / PYKERNELS_SM90_LOGPROBS_TILE their tiles (common/sm90_tiles.h,
-            # logprobs/logprobs_sm90.h), PYKERNELS_SM90_LORA / _GRAD_X the LoRA forward's and grad_x's GEMMs
+            # logprobs/logprobs_sm90.h), PYKERNELS_SM90_RASTER the core's tile order (common/sm90_tile_order.h),
+            # PYKERNELS_SM90_LORA / _GRAD_X the LoRA forward's and grad_x's GEMMs
             # (lora/lora_extended_k.h), PYKERNELS_LORA_RANK_GEMM its rank products (lora/lora_rank_pieces.h),
             # PYKERNELS_SM90_NF4 the QLoRA forward's (nf4/nf4_gemm_sm90.h), PYKERNELS_SM90_MOE_LORA the
             # experts' LoRA products (moe/moe.h): decisions made with one set of kernels must not be
@@ -82,6 +83,7 @@ def identity(device: torch.device) -> dict:
             "sm90_kernels": os.environ.get("PYKERNELS_SM90") != "0",
             "sm90_tiles": [os.environ.get("PYKERNELS_SM90_TILE") or "default",
                            os.environ.get("PYKERNELS_SM90_LOGPROBS_TILE") or "default"],
+            "sm90_raster": os.environ.get("PYKERNELS_SM90_RASTER") or "default",
             "sm90_lora_forward": os.environ.get("PYKERNELS_SM90_LORA") or "default",
             "sm90_lora_grad_x": os.environ.get("PYKERNELS_SM90_LORA_GRAD_X") or "default",
             "lora_rank_gemm": os.environ.get("PYKERNELS_LORA_RANK_GEMM") or "default",

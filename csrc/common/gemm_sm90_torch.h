@@ -36,11 +36,14 @@ inline at::Tensor sm90_workspace(int64_t bytes, int device) {
   return at::empty({bytes}, at::TensorOptions().device(at::kCUDA, device).dtype(at::kByte));
 }
 
-// Runs g on the tile PYKERNELS_SM90_TILE names (read on every call, so one process can time every
-// tile: benchmarks/tile_sweep.py), else the default (common/sm90_tiles.h).
+// Runs g on the tile PYKERNELS_SM90_TILE names and in the tile order PYKERNELS_SM90_RASTER names
+// (both read on every call, so one process can time every choice: benchmarks/tile_sweep.py), else
+// the defaults (common/sm90_tiles.h, common/sm90_tile_order.h).
 inline void run_grouped_gemm_sm90(GroupedGemmSm90Params g, int device, cudaStream_t stream) {
   const char* tile_error = sm90_tile_for(std::getenv("PYKERNELS_SM90_TILE"), mean_group_rows(g), g.n, &g.tile);
-  TORCH_CHECK(tile_error == nullptr, tile_error);
+  TORCH_CHECK_VALUE(tile_error == nullptr, tile_error);
+  const char* order_error = sm90_tile_order_for(std::getenv("PYKERNELS_SM90_RASTER"), &g.order);
+  TORCH_CHECK_VALUE(order_error == nullptr, order_error);
   const at::Tensor workspace = sm90_workspace(grouped_gemm_sm90_workspace_bytes(g, device), device);
   const char* error = launch_grouped_gemm_sm90(g, workspace.data_ptr(), device, stream);
   TORCH_CHECK(error == nullptr, error);

@@ -27,6 +27,7 @@
 #include <cstdint>
 
 #include "common/dtype.h"
+#include "common/sm90_tile_order.h"
 #include "common/sm90_tiles.h"
 #include "common/tails.h"
 
@@ -52,6 +53,7 @@ struct GroupedGemmSm90Params {
   float alpha, beta;
   const void* zeros;              // grouped kWeightGrad: max(m, n) bf16 zeros, 16-byte aligned
   Sm90Tile tile;                  // the kernels' tile configuration (common/sm90_tiles.h)
+  Sm90TileOrder order;            // the scheduler's walk over the output tiles (common/sm90_tile_order.h)
   const void* a2;                 // extra K: bf16 [slots, k2], or null (none)
   int64_t lda2;
   const void* b2;                 // bf16, B's layout

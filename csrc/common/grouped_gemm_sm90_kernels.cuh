@@ -210,6 +210,9 @@ typename G::Gemm::Arguments arguments(const GroupedGemmSm90Params& p, const Grou
   args.epilogue.ptr_D = arrays.d;
   args.epilogue.dD = arrays.stride_d;
   args.hw_info = hw;
+  using RasterOrder = decltype(args.scheduler.raster_order);
+  args.scheduler.raster_order = p.order.along_n ? RasterOrder::AlongN : RasterOrder::AlongM;
+  args.scheduler.max_swizzle_size = p.order.swizzle;
   return args;
 }
 

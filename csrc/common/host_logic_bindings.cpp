@@ -587,6 +587,17 @@ void define_host_logic(py::module_& m) {
   m.def("gemm_sm90_extra_k_groups", &gemm_sm90_extra_k_groups, py::arg("offsets"), py::arg("slots"), py::arg("k"),
         py::arg("k2"), py::arg("lda2"), py::arg("b2_expert_stride"), py::arg("block_k"));
   def_two_way_knob(m, "moe_sm90_lora", &moe::moe_lora_extra_k_for, "extra_k", "separate");
+  m.def(
+      "gemm_sm90_tile_order",
+      [](const std::optional<std::string>& setting) {
+        gemm::Sm90TileOrder order;
+        const char* error = gemm::sm90_tile_order_for(setting ? setting->c_str() : nullptr, &order);
+        require(error == nullptr, error ? error : "");
+        return std::make_tuple(order.along_n ? "n" : "m", order.swizzle);
+      },
+      py::arg("setting"));
+  m.attr("gemm_sm90_tile_orders") = std::vector<std::string>(std::begin(gemm::kSm90TileOrders),
+                                                             std::end(gemm::kSm90TileOrders));
   m.def("gemm_sm90_tile", &gemm_sm90_tile, py::arg("setting"), py::arg("kind"), py::arg("experts"), py::arg("slots"),
         py::arg("m"), py::arg("n"));
   {

@@ -341,6 +341,19 @@ def test_sm90_tile_choice(kind, experts, slots, m, n):
             H.gemm_sm90_tile(refused, **args)
 
 
+def test_sm90_tile_order_choice():
+    """PYKERNELS_SM90_RASTER (common/sm90_tile_order.h): unset or empty walks down M unswizzled (CUTLASS's
+    grouped default); m or n with a swizzle of 1, 2, 4 or 8 by name; anything else is refused naming
+    the choices."""
+    assert H.gemm_sm90_tile_order(None) == H.gemm_sm90_tile_order("") == ("m", 1)
+    assert H.gemm_sm90_tile_orders == ["m1", "m2", "m4", "m8", "n1", "n2", "n4", "n8"]
+    for name in H.gemm_sm90_tile_orders:
+        assert H.gemm_sm90_tile_order(name) == (name[0], int(name[1]))
+    for refused in ("m3", "n16", "M8", "8", "n"):
+        with pytest.raises(ValueError, match=r"m1 \(the default\), m2, m4, m8, n1, n2, n4 or n8"):
+            H.gemm_sm90_tile_order(refused)
+
+
 @FAST
 @given(offsets=st.lists(st.integers(-5, 60), min_size=2, max_size=12), slots=st.integers(0, 50))
 def test_sm90_groups_with_malformed_offsets_stay_in_bounds(offsets, slots):

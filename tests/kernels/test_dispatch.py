@@ -224,8 +224,9 @@ def test_the_cache_survives_a_restart_without_re_timing(isolated, timings):
     assert len(timings) == 4
 
 
-@pytest.mark.parametrize("change", ["pykernels", "torch", "hopper_tile", "hopper_lora_forward", "hopper_lora_grad_x",
-                                    "lora_rank_gemm", "hopper_nf4_forward", "hopper_moe_lora", "device"])
+@pytest.mark.parametrize("change", ["pykernels", "torch", "hopper_tile", "hopper_raster", "hopper_lora_forward",
+                                    "hopper_lora_grad_x", "lora_rank_gemm", "hopper_nf4_forward", "hopper_moe_lora",
+                                    "device"])
 def test_a_version_or_device_change_invalidates_the_cache(monkeypatch, isolated, timings, change):
     pykernels.lora.lora_linear(*_lora_args())
     assert len(timings) == 2
@@ -235,6 +236,8 @@ def test_a_version_or_device_change_invalidates_the_cache(monkeypatch, isolated,
         monkeypatch.setattr(torch, "__version__", "99.0+cpu")
     elif change == "hopper_tile":  # another tile of the Hopper GEMM core is another kernel
         monkeypatch.setenv("PYKERNELS_SM90_TILE", "128x256")
+    elif change == "hopper_raster":  # another walk over the tiles can change who is faster
+        monkeypatch.setenv("PYKERNELS_SM90_RASTER", "n8")
     elif change == "hopper_lora_forward":  # the LoRA forward on cuBLAS is another kernel
         monkeypatch.setenv("PYKERNELS_SM90_LORA", "cublas")
     elif change == "hopper_lora_grad_x":  # grad_x as one extended-K GEMM is another kernel
