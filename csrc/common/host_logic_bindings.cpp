@@ -470,6 +470,14 @@ void define_host_logic(py::module_& m) {
   // prmt through its host twin; nf4/nf4_gemm_sm90.h: the launcher's check and the knob
   m.def("nf4_byte_perm", &nf4::byte_perm, py::arg("a"), py::arg("b"), py::arg("selector"));
   m.def("nf4_transposed_scale_block", &nf4::transposed_scale_block, py::arg("o"), py::arg("rows"), py::arg("groups"));
+  // nf4/nf4_layout.h: the dequantize's block lookups, a shift for a power-of-two divisor
+  m.def(
+      "nf4_divide",
+      [](int64_t i, int64_t d) {
+        const nf4::Divider by = nf4::divider(d);
+        return std::make_tuple(nf4::divide(by, i), by.shift);
+      },
+      py::arg("i"), py::arg("d"));
   m.def(
       "nf4_decode_word_bf16",
       [](uint32_t word) {

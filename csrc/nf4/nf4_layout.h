@@ -40,6 +40,25 @@ PYKERNELS_HOST_DEVICE inline int64_t nested_block_of(int64_t block, int64_t nest
   return block / nested_blocksize;
 }
 
+// i / d for i >= 0, by a shift when d is a power of two (every bitsandbytes blocksize and nested
+// blocksize), else by a division: a 64-bit division is dozens of instructions on the GPU, and the
+// dequantize looks up a block (and its nested block) per 8 values.
+struct Divider {
+  int64_t d;
+  int shift;  // log2(d) when d is a power of two, else -1
+};
+
+inline Divider divider(int64_t d) {
+  int shift = -1;
+  if (d > 0 && (d & (d - 1)) == 0)
+    for (shift = 0; (int64_t{1} << shift) != d;) ++shift;
+  return {d, shift};
+}
+
+PYKERNELS_HOST_DEVICE inline int64_t divide(const Divider& by, int64_t i) {
+  return by.shift >= 0 ? i >> by.shift : i / by.d;
+}
+
 // A double-quantized block's absmax: nested_code[absmax_q] * nested_absmax + nested_offset.
 PYKERNELS_HOST_DEVICE inline float decode_absmax(float nested_code_value, float nested_absmax, float nested_offset) {
   return add_rn(mul_rn(nested_code_value, nested_absmax), nested_offset);
