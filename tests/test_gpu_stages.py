@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -185,6 +186,25 @@ def test_lease_script_fails_when_a_stage_fails(tmp_path):
     result = run_lease(tmp_path, "build")
     assert result.returncode == 1, result.stdout + result.stderr
     assert "build: exit 2" in result.stdout and (tmp_path / "build.log").exists()
+
+
+def test_lease_script_skips_what_the_deadline_leaves_no_time_for(tmp_path, monkeypatch):
+    monkeypatch.setenv("DEADLINE_S", "5")
+    result = run_lease(tmp_path, "build test")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "build: skipped, " in result.stdout and "test:" not in result.stdout  # nothing runs without a build
+    assert not (tmp_path / "build.log").exists() and "(last lines)" not in result.stdout
+
+
+def test_lease_script_packs_more_than_seven_files_into_one(tmp_path):
+    """The device tool returns 8 files from a call: more logs and JSONs than 7 come back as one archive."""
+    for name in [f"bench-{i}.json" for i in range(5)] + ["build.log", "test.log", "sweep.log"]:
+        (tmp_path / name).write_text("{}")
+    result = run_lease(tmp_path, "")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lease.tgz"]
+    with tarfile.open(tmp_path / "lease.tgz") as archive:
+        assert len(archive.getnames()) == 8
 
 
 def test_tile_sweep_names_what_it_needs(monkeypatch):
