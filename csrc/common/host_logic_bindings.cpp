@@ -474,8 +474,8 @@ void define_host_logic(py::module_& m) {
   m.def(
       "nf4_divide",
       [](int64_t i, int64_t d) {
-        const nf4::Divider by = nf4::divider(d);
-        return std::make_tuple(nf4::divide(by, i), by.shift);
+        const nf4::Divider by = nf4::divider(d);  // as the dequantize's launcher picks its kernel
+        return std::make_tuple(by.shift >= 0 ? nf4::divide_as<true>(by, i) : nf4::divide_as<false>(by, i), by.shift);
       },
       py::arg("i"), py::arg("d"));
   m.def(

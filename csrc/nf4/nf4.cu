@@ -127,10 +127,13 @@ __device__ __forceinline__ float block_scale(const BlockScales& s, int64_t block
                        *s.nested_offset);
 }
 
-// block_scale with the nested block found by `nested` (divider(s.nested_blocksize)).
+// block_scale with the nested block found by `nested` (divider(s.nested_blocksize)), by a shift
+// when kShift.
+template <bool kShift>
 __device__ __forceinline__ float block_scale(const BlockScales& s, int64_t block, const Divider& nested) {
   if (s.absmax != nullptr) return s.absmax[block];
-  return decode_absmax(s.nested_code[s.absmax_q[block]], s.nested_absmax[divide(nested, block)], *s.nested_offset);
+  return decode_absmax(s.nested_code[s.absmax_q[block]], s.nested_absmax[divide_as<kShift>(nested, block)],
+                       *s.nested_offset);
 }
 
 // One thread's unit of work: the values of one 16-byte store of T (8 bf16 / fp16, 4 fp32), decoded
@@ -172,7 +175,7 @@ __device__ __forceinline__ void decode_and_store(typename DequantUnit<T>::Codes 
 // misaligned tensors take the element-wise path. A unit's block and nested block come from shifts
 // (Divider): with a 64-bit division per 8 values, four times the old kernel's per value, this layout
 // measured 66-71% of copy bandwidth on an H100 where the old one had 72-77% (h100.md, 2026-11-27).
-template <typename T>
+template <typename T, bool kShift>  // kShift: blocksize (and nested blocksize) are powers of two
 __global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t* __restrict__ packed,
                                                               BlockScales scales, int64_t numel, Divider block_div,
                                                               Divider nested_div, T* __restrict__ out) {
@@ -193,7 +196,7 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t* __r
       const int64_t first = (base + u * stride) * kValues;
       if (vector_ok && whole_vector_in_range(first, kValues, numel)) {
         loaded[u] = *reinterpret_cast<const Codes*>(packed + packed_byte_of(first));
-        scale[u] = block_scale(scales, divide(block_div, first), nested_div);
+        scale[u] = block_scale<kShift>(scales, divide_as<kShift>(block_div, first), nested_div);
       }
     }
 #pragma unroll
@@ -204,7 +207,7 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t* __r
       if (vector_ok && whole_vector_in_range(first, kValues, numel)) {
         decode_and_store(loaded[u], scale[u], code, out + first);
       } else {
-        const float tail_scale = block_scale(scales, divide(block_div, first), nested_div);
+        const float tail_scale = block_scale<kShift>(scales, divide_as<kShift>(block_div, first), nested_div);
         const int64_t end = first + elements_in_range(first, kValues, numel);
         for (int64_t i = first; i < end; ++i)
           out[i] = from_float<T>(dequantize_value(code[code_of_element(packed[packed_byte_of(i)], i)], tail_scale));
@@ -303,28 +306,35 @@ const char* launch_quantize(const QuantizeParams& p, cudaStream_t stream) {
   return launch_status("nf4 quantize: kernel launch failed");  // blocksize was checked above
 }
 
+namespace {
+
+// One element type's launch, by shifts when every divisor is a power of two (bitsandbytes' always are).
+template <typename T>
+void launch_dequantize_as(const DequantizeParams& p, const Divider& block_div, const Divider& nested_div,
+                          cudaStream_t stream) {
+  const int grid = grid_for(ceil_div(ceil_div(p.numel, DequantUnit<T>::kValues), kDequantUnitsInFlight), kThreads);
+  const bool shift = block_div.shift >= 0 && (p.scales.absmax != nullptr || nested_div.shift >= 0);
+  if (shift) {
+    dequantize_kernel<T, true><<<grid, kThreads, 0, stream>>>(p.packed, p.scales, p.numel, block_div, nested_div,
+                                                              static_cast<T*>(p.out));
+  } else {
+    dequantize_kernel<T, false><<<grid, kThreads, 0, stream>>>(p.packed, p.scales, p.numel, block_div, nested_div,
+                                                               static_cast<T*>(p.out));
+  }
+}
+
+}  // namespace
+
 const char* launch_dequantize(const DequantizeParams& p, cudaStream_t stream) {
   // A unit (8 or 4 values) must lie in one block: bitsandbytes' blocksizes, powers of two in [32,
   // 4096], are multiples of 8; the launch itself has no other limit (grid-stride loop).
   if (p.blocksize < 32 || p.blocksize % 32 != 0)
     return "nf4 dequantize: blocksize must be a multiple of 32 (a power of two in [32, 4096])";
   const Divider block_div = divider(p.blocksize), nested_div = divider(p.scales.nested_blocksize);
-  const auto grid = [&](int values_per_unit) {
-    return grid_for(ceil_div(ceil_div(p.numel, values_per_unit), kDequantUnitsInFlight), kThreads);
-  };
   switch (p.out_dtype) {
-    case DType::kFloat32:
-      dequantize_kernel<float><<<grid(DequantUnit<float>::kValues), kThreads, 0, stream>>>(
-          p.packed, p.scales, p.numel, block_div, nested_div, static_cast<float*>(p.out));
-      break;
-    case DType::kFloat16:
-      dequantize_kernel<__half><<<grid(DequantUnit<__half>::kValues), kThreads, 0, stream>>>(
-          p.packed, p.scales, p.numel, block_div, nested_div, static_cast<__half*>(p.out));
-      break;
-    case DType::kBFloat16:
-      dequantize_kernel<__nv_bfloat16><<<grid(DequantUnit<__nv_bfloat16>::kValues), kThreads, 0, stream>>>(
-          p.packed, p.scales, p.numel, block_div, nested_div, static_cast<__nv_bfloat16*>(p.out));
-      break;
+    case DType::kFloat32: launch_dequantize_as<float>(p, block_div, nested_div, stream); break;
+    case DType::kFloat16: launch_dequantize_as<__half>(p, block_div, nested_div, stream); break;
+    case DType::kBFloat16: launch_dequantize_as<__nv_bfloat16>(p, block_div, nested_div, stream); break;
   }
   return launch_status("nf4 dequantize: kernel launch failed");
 }

@@ -55,8 +55,15 @@ inline Divider divider(int64_t d) {
   return {d, shift};
 }
 
-PYKERNELS_HOST_DEVICE inline int64_t divide(const Divider& by, int64_t i) {
-  return by.shift >= 0 ? i >> by.shift : i / by.d;
+// kShift (the caller checked by.shift >= 0) compiles to the shift alone: a kernel instantiated for
+// each way carries no branch per lookup in its hot loop.
+template <bool kShift>
+PYKERNELS_HOST_DEVICE inline int64_t divide_as(const Divider& by, int64_t i) {
+  if constexpr (kShift) {
+    return i >> by.shift;
+  } else {
+    return i / by.d;
+  }
 }
 
 // A double-quantized block's absmax: nested_code[absmax_q] * nested_absmax + nested_offset.

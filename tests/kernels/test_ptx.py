@@ -42,11 +42,12 @@ def split_kernels(ptx: str, source: str) -> dict[str, str]:
 def test_nf4_dequantize_stores_16_bytes_per_thread_with_loads_in_flight(tmp_path):
     """Each thread's unit is one 16-byte store (8 bf16 / fp16, 4 fp32 values) from one 4- / 2-byte
     load of packed codes, consecutive threads on consecutive units (a warp stores 512 contiguous
-    bytes), four loads issued before the first decode. A store the compiler split, or loads it
-    serialized behind the stores, would show here."""
+    bytes), four loads issued before the first decode, and no division in the variant for
+    power-of-two blocksizes (every bitsandbytes one). A store the compiler split, loads it
+    serialized behind the stores, or a 64-bit division per 8 values would show here."""
     kernels = {name: ptx for name, ptx in kernels_ptx("nf4/nf4.cu", tmp_path).items() if "dequantize_kernel" in name
                and "dynamic8" not in name}
-    assert len(kernels) == 3, list(kernels)  # fp32, fp16, bf16 outputs
+    assert len(kernels) == 6, list(kernels)  # fp32, fp16, bf16 outputs; block lookups by shift or division
     for name, ptx in kernels.items():
         fp32 = "st.global.v4.f32" in ptx
         loads = [m.start() for m in re.finditer(r"ld\.global\.nc\.u16" if fp32 else r"ld\.global\.nc\.u32", ptx)]
@@ -54,6 +55,9 @@ def test_nf4_dequantize_stores_16_bytes_per_thread_with_loads_in_flight(tmp_path
         assert len(stores) >= 4, f"{name}: {len(stores)} 16-byte stores (one per unit)"
         in_flight = [at for at in loads if at < stores[0]]
         assert len(in_flight) >= 4, f"{name}: {len(in_flight)} loads of packed codes before the first store, not 4"
+        if "Lb1E" in name:  # the power-of-two blocksizes' kernel: its block lookups are shifts
+            assert not re.search(r"\bdiv\.[su]", ptx), f"{name}: a division in the shift variant"
+    assert sum("Lb1E" in name for name in kernels) == 3
 
 
 def sm90_kernels_ptx(source: str, tmp_path: Path) -> dict[str, str]:
