@@ -1,6 +1,7 @@
 // Fused LoRA CUDA kernels (declarations and the math in lora.h): the rank-r LoRA term, rank-r
 // GEMMs of mixed dtypes (fp32 LoRA weights and intermediates against 16-bit activations, split over
-// k), fp32 factors as bf16 pieces for the tensor-core GEMMs (lora_rank_pieces.h) and dtype casts. The GEMMs of one input dtype are csrc/common/'s (gemm_sm80.cu, the sm_90a core).
+// k), fp32 factors as bf16 pieces for the tensor-core GEMMs (lora_rank_pieces.h) and dtype casts.
+// The GEMMs of one input dtype are csrc/common/'s (gemm_sm80.cu, the sm_90a core).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

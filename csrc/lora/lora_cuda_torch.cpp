@@ -27,8 +27,9 @@
 // With an NF4 weight, chunks of rows of W (up to 16 MiB) are dequantized into one buffer and
 // multiplied one after the other; grad_x sums the chunks in an fp32 buffer and is rounded once. The
 // base weight's GEMM dy W (and x W^T under PYKERNELS_SM90_LORA=cublas) runs on cuBLAS through ATen,
-// which measured twice as fast as our 128x128 tiles (base_gemm); the tensor-core products with an fp32 output (xa, dxa, NF4's dy W)
-// run on the sm_90a core on Hopper (bf16, common/gemm_sm90_torch.h), else on the sm80 GEMM (common/gemm_sm80.h).
+// which measured twice as fast as our 128x128 tiles (base_gemm); the tensor-core products with an
+// fp32 output (xa, dxa, NF4's dy W) run on the sm_90a core on Hopper (bf16, common/gemm_sm90_torch.h),
+// else on the sm80 GEMM (common/gemm_sm80.h).
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -368,7 +369,8 @@ std::tuple<at::Tensor, at::Tensor> lora_linear_cuda(const at::Tensor& x, const a
   const Shapes s = check_lora_inputs(x, weight.size(0), lora_A, lora_B, bias, x_lora);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = current_stream(x);
-  if (const auto extended = ExtendedKGemm::make(x, s, ExtendedKGemm::Use::kForward); extended && is_aligned(weight.data_ptr(), 16))
+  const auto extended = ExtendedKGemm::make(x, s, ExtendedKGemm::Use::kForward);
+  if (extended && is_aligned(weight.data_ptr(), 16))
     return extended->forward(x, x_lora.value_or(x), lora_A, lora_B, scaling, bias, s, s.n,
                              [&](int64_t, int64_t) { return weight; }, stream);
   auto [y, xa] = start_forward(x, x_lora.value_or(x), lora_A, lora_B, scaling, bias, s, stream);
@@ -489,6 +491,7 @@ LowRankGrads low_rank_backward_pieces(const at::Tensor& grad_y, const at::Tensor
   if (has_x_lora && compute_grad_x) grads.grad_x = at::empty({s.m, s.k}, x.options().dtype(grad_x_dtype));
   return grads;
 }
+
 LowRankGrads low_rank_backward(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& lora_A,
                                const at::Tensor& lora_B, const at::Tensor& xa, double scaling,
                                const std::optional<at::Tensor>& x_lora, bool compute_grad_x,
