@@ -107,14 +107,14 @@ def raster_cases():
     """The GEMM core's tile orders on what it runs largest: MoE forward+backward without LoRA, and
     the LoRA forward (one group of 64 x 56 tiles at 4096 x 14336, T 8192)."""
     yield from moe_cases(loras=(False,))
-    yield from (case for case in lora_forward_cases() if "4096x14336" in case[0] and "nf4" not in case[0])
+    yield from lora_forward_cases(shapes=("4096x14336",), bases=("bf16",))
 
 
-def lora_forward_cases():
+def lora_forward_cases(shapes=("4096x14336", "4096x4096"), bases=("bf16", "nf4")):
     from benchmarks.test_bench_lora import SHAPES
     from pykernels import lora, nf4
 
-    for shape in ("4096x14336", "4096x4096"):
+    for shape in shapes:
         in_features, out_features = SHAPES[shape]
         x = torch.randn(8192, in_features, device="cuda", dtype=torch.bfloat16)
         dense = (torch.randn(out_features, in_features, device="cuda") * in_features**-0.5).bfloat16()
@@ -122,7 +122,8 @@ def lora_forward_cases():
         b = torch.randn(out_features, 16, device="cuda") * 0.01
         flops = 2 * 8192 * in_features * out_features  # the base GEMM's: the LoRA term rides on it
         yield f"base x W^T {shape} T8192 (reference)", lambda x=x, w=dense: torch.nn.functional.linear(x, w), flops
-        for base, weight in (("bf16", dense), ("nf4", nf4.quantize(dense, 64, double_quant=True))):
+        for base in bases:
+            weight = nf4.quantize(dense, 64, double_quant=True) if base == "nf4" else dense
             for adapters, (a_, b_) in (("fp32", (a, b)), ("bf16", (a.bfloat16(), b.bfloat16()))):
                 def call(x=x, weight=weight, a=a_, b=b_):
                     with torch.no_grad():
@@ -212,39 +213,40 @@ def row_line(name: str, times: dict[str, float], flops: int, tiles: list[str]) -
     return f"| {name} | " + " | ".join(cells) + f" | {best} | {times[tiles[0]] / times[best]:.2f}x |"
 
 
+# Each choice argument (--kind-with-dashes): its default choices (the first, the baseline, is the
+# default setting) and what they are the ways of.
+CHOICE_ARGS = {"tiles": (TILES, "the GEMM core's tiles"),
+               "logprobs_tiles": (LOGPROBS_TILES, "the lm_head GEMMs' tiles"),
+               "lora_forwards": (LORA_FORWARDS, "the LoRA forward's ways"),
+               "lora_grad_xs": (LORA_GRAD_XS, "the LoRA backward's ways of computing grad_x"),
+               "lora_rank_gemms": (LORA_RANK_GEMMS, "the LoRA rank products' ways with fp32 factors"),
+               "rasters": (RASTERS, "the GEMM core's tile orders"),
+               "moe_loras": (MOE_LORAS, "the experts' LoRA products' ways"),
+               "nf4_forwards": (NF4_FORWARDS, "the QLoRA forward's ways of reading NF4")}
+
+
+def known_choices() -> dict[str, list[str]]:
+    """What each choice argument accepts: the build's own lists where it has them (a tile or order
+    not compiled is refused), else the defaults."""
+    known = {kind: list(defaults) for kind, (defaults, _) in CHOICE_ARGS.items()}
+    known.update(tiles=["auto", *_C.host_logic.gemm_sm90_tiles], logprobs_tiles=_C.host_logic.logprobs_sm90_tiles,
+                 rasters=_C.host_logic.gemm_sm90_tile_orders)
+    return known
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ops", default=",".join(CASES))
-    parser.add_argument("--tiles", default=",".join(TILES), help="the GEMM core's; the first is the baseline")
-    parser.add_argument("--logprobs-tiles", default=",".join(LOGPROBS_TILES),
-                        help="the lm_head GEMMs'; the first is the baseline")
-    parser.add_argument("--lora-forwards", default=",".join(LORA_FORWARDS),
-                        help="the LoRA forward's ways; the first is the baseline")
-    parser.add_argument("--lora-grad-xs", default=",".join(LORA_GRAD_XS),
-                        help="the LoRA backward's ways of computing grad_x; the first is the baseline")
-    parser.add_argument("--lora-rank-gemms", default=",".join(LORA_RANK_GEMMS),
-                        help="the LoRA rank products' ways with fp32 factors; the first is the baseline")
-    parser.add_argument("--rasters", default=",".join(RASTERS),
-                        help="the GEMM core's tile orders; the first is the baseline")
-    parser.add_argument("--moe-loras", default=",".join(MOE_LORAS),
-                        help="the experts' LoRA products' ways; the first is the baseline")
-    parser.add_argument("--nf4-forwards", default=",".join(NF4_FORWARDS),
-                        help="the QLoRA forward's ways of reading NF4; the first is the baseline")
+    for kind, (defaults, what) in CHOICE_ARGS.items():
+        parser.add_argument(f"--{kind.replace('_', '-')}", default=",".join(defaults),
+                            help=f"{what}; the first is the baseline")
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     args = parser.parse_args()
     ops = args.ops.split(",")
     if unknown := [op for op in ops if op not in CASES]:
         raise SystemExit(f"unknown op {', '.join(unknown)}: {', '.join(CASES)}")
-    tiles = {"tiles": args.tiles.split(","), "logprobs_tiles": args.logprobs_tiles.split(","),
-             "lora_forwards": args.lora_forwards.split(","), "lora_grad_xs": args.lora_grad_xs.split(","),
-             "lora_rank_gemms": args.lora_rank_gemms.split(","), "rasters": args.rasters.split(","),
-             "moe_loras": args.moe_loras.split(","),
-             "nf4_forwards": args.nf4_forwards.split(",")}
-    known = {"tiles": ["auto", *_C.host_logic.gemm_sm90_tiles], "logprobs_tiles": _C.host_logic.logprobs_sm90_tiles,
-             "lora_forwards": list(LORA_FORWARDS), "lora_grad_xs": list(LORA_GRAD_XS),
-             "lora_rank_gemms": list(LORA_RANK_GEMMS), "rasters": _C.host_logic.gemm_sm90_tile_orders,
-             "moe_loras": list(MOE_LORAS),
-             "nf4_forwards": list(NF4_FORWARDS)}
+    tiles = {kind: getattr(args, kind).split(",") for kind in CHOICE_ARGS}
+    known = known_choices()
     for kind, names in tiles.items():
         if unknown := [t for t in names if t not in known[kind]]:
             raise SystemExit(f"unknown choice {', '.join(unknown)}: --{kind.replace('_', '-')} takes "

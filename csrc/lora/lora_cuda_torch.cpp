@@ -461,37 +461,6 @@ struct LowRankGrads {
   at::Tensor dxa;  // scaling dy B, fp32 [m, r]
 };
 
-// low_rank_backward's products with the fp32 factors as bf16 pieces (lora_rank_pieces.h), bf16 x.
-LowRankGrads low_rank_backward_pieces(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& lora_input,
-                                      const at::Tensor& lora_A, const at::Tensor& lora_B, const at::Tensor& xa,
-                                      float scale, bool has_x_lora, bool compute_grad_x, at::ScalarType grad_x_dtype,
-                                      const Shapes& s, cudaStream_t stream) {
-  const PieceLayout by_rank_m = three_pieces(s.m, s.r, /*stacked=*/false);  // [M, 3r]: xa's, dxa's
-  at::Tensor dxa;
-  if (lora_B.scalar_type() == x.scalar_type()) {  // bf16 B: one GEMM as it is
-    dxa = at::empty({s.m, s.r}, x.options().dtype(at::kFloat));
-    gemm(s.m, s.r, s.n, plain(grad_y), plain(lora_B), dtype_of(x), output(dxa), scale, false, stream);
-  } else {  // dy [B_hi | B_mid | B_lo]
-    const at::Tensor b3 = pieces_of(lora_B, three_pieces(s.n, s.r, false), stream);
-    dxa = summed_product(s.m, 3 * s.r, s.n, plain(grad_y), plain(b3), scale, by_rank_m, at::kFloat, x, stream);
-  }
-  const at::Tensor xa3 = pieces_of(xa, by_rank_m, stream);  // dB = s dy^T [xa_hi | xa_mid | xa_lo]
-  at::Tensor grad_B = summed_product(s.n, 3 * s.r, s.m, transposed(grad_y), plain(xa3), scale,
-                                     three_pieces(s.n, s.r, false), lora_B.scalar_type(), x, stream);
-  const at::Tensor dxa3 = pieces_of(dxa, by_rank_m, stream);  // dA = [dxa_hi | dxa_mid | dxa_lo]^T x
-  at::Tensor grad_A = summed_product(3 * s.r, s.k, s.m, transposed(dxa3), plain(lora_input), 1.0f,
-                                     three_pieces(s.r, s.k, /*stacked=*/true), lora_A.scalar_type(), x, stream);
-  LowRankGrads grads{at::empty({0}, x.options()), at::empty({0}, x.options()), grad_A, grad_B, dxa};
-  if (!has_x_lora && !compute_grad_x) return grads;
-  at::Tensor& target = has_x_lora ? grads.grad_x_lora : grads.grad_x;
-  target = at::empty({s.m, s.k}, has_x_lora ? x.options() : x.options().dtype(grad_x_dtype));
-  const at::Tensor u = pieces_of(dxa, dxa_term_pieces(s.m, s.r), stream);     // [M, 6r]
-  const at::Tensor v = pieces_of(lora_A, a_term_pieces(s.r, s.k), stream);   // [6r, K]
-  gemm(s.m, s.k, 6 * s.r, plain(u), plain(v), DType::kBFloat16, output(target), 1.0f, false, stream);  // dxa A
-  if (has_x_lora && compute_grad_x) grads.grad_x = at::empty({s.m, s.k}, x.options().dtype(grad_x_dtype));
-  return grads;
-}
-
 LowRankGrads low_rank_backward(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& lora_A,
                                const at::Tensor& lora_B, const at::Tensor& xa, double scaling,
                                const std::optional<at::Tensor>& x_lora, bool compute_grad_x,
@@ -499,27 +468,49 @@ LowRankGrads low_rank_backward(const at::Tensor& grad_y, const at::Tensor& x, co
   const float scale = static_cast<float>(scaling);
   const auto f32 = x.options().dtype(at::kFloat);
   const at::Tensor& lora_input = x_lora.value_or(x);
-  if (rank_on_tensor_cores(x)) return low_rank_backward_pieces(grad_y, x, lora_input, lora_A, lora_B, xa, scale,
-                                                               x_lora.has_value(), compute_grad_x, grad_x_dtype, s,
-                                                               stream);
-  at::Tensor dxa = at::empty({s.m, s.r}, f32);
+  const bool pieces = rank_on_tensor_cores(x);
+  const PieceLayout by_rank_m = three_pieces(s.m, s.r, /*stacked=*/false);  // [M, 3r]: xa's, dxa's
+
+  at::Tensor dxa;
   if (lora_B.scalar_type() == x.scalar_type()) {  // one input dtype: the tensor-core GEMM
+    dxa = at::empty({s.m, s.r}, f32);
     gemm(s.m, s.r, s.n, plain(grad_y), plain(lora_B), dtype_of(x), output(dxa), scale, false, stream);
+  } else if (pieces) {  // dy [B_hi | B_mid | B_lo]
+    const at::Tensor b3 = pieces_of(lora_B, three_pieces(s.n, s.r, false), stream);
+    dxa = summed_product(s.m, 3 * s.r, s.n, plain(grad_y), plain(b3), scale, by_rank_m, at::kFloat, x, stream);
   } else {
+    dxa = at::empty({s.m, s.r}, f32);
     rank_gemm(s.m, s.r, s.n, rows_of(grad_y), rows_of(lora_B), dxa, scale, false, stream);
   }
-  at::Tensor grad_B = at::empty({s.n, s.r}, f32);
-  rank_gemm(s.n, s.r, s.m, columns_of(grad_y), rows_of(xa), grad_B, scale, false, stream);  // s dy^T xa
-  at::Tensor grad_A = at::empty({s.r, s.k}, f32);
-  rank_gemm(s.r, s.k, s.m, columns_of(dxa), rows_of(lora_input), grad_A, 1.0f, false, stream);  // dxa^T x
+  at::Tensor grad_B, grad_A;
+  if (pieces) {
+    const at::Tensor xa3 = pieces_of(xa, by_rank_m, stream);  // dB = s dy^T [xa_hi | xa_mid | xa_lo]
+    grad_B = summed_product(s.n, 3 * s.r, s.m, transposed(grad_y), plain(xa3), scale, three_pieces(s.n, s.r, false),
+                            lora_B.scalar_type(), x, stream);
+    const at::Tensor dxa3 = pieces_of(dxa, by_rank_m, stream);  // dA = [dxa_hi | dxa_mid | dxa_lo]^T x
+    grad_A = summed_product(3 * s.r, s.k, s.m, transposed(dxa3), plain(lora_input), 1.0f,
+                            three_pieces(s.r, s.k, /*stacked=*/true), lora_A.scalar_type(), x, stream);
+  } else {
+    grad_B = at::empty({s.n, s.r}, f32);
+    rank_gemm(s.n, s.r, s.m, columns_of(grad_y), rows_of(xa), grad_B, scale, false, stream);  // s dy^T xa
+    grad_A = at::empty({s.r, s.k}, f32);
+    rank_gemm(s.r, s.k, s.m, columns_of(dxa), rows_of(lora_input), grad_A, 1.0f, false, stream);  // dxa^T x
+    grad_B = cast_to(grad_B, lora_B.scalar_type(), stream);
+    grad_A = cast_to(grad_A, lora_A.scalar_type(), stream);
+  }
 
-  LowRankGrads grads{at::empty({0}, x.options()), at::empty({0}, x.options()),
-                     cast_to(grad_A, lora_A.scalar_type(), stream), cast_to(grad_B, lora_B.scalar_type(), stream), dxa};
+  LowRankGrads grads{at::empty({0}, x.options()), at::empty({0}, x.options()), grad_A, grad_B, dxa};
   const bool lora_term_needed = x_lora.has_value() || compute_grad_x;
   if (!lora_term_needed) return grads;
   at::Tensor& target = x_lora.has_value() ? grads.grad_x_lora : grads.grad_x;
   target = at::empty({s.m, s.k}, x_lora.has_value() ? x.options() : x.options().dtype(grad_x_dtype));
-  rank_gemm(s.m, s.k, s.r, rows_of(dxa), rows_of(lora_A), target, 1.0f, false, stream);  // dxa A
+  if (pieces) {  // dxa A: six piece products as extra K of one GEMM
+    const at::Tensor u = pieces_of(dxa, dxa_term_pieces(s.m, s.r), stream);     // [M, 6r]
+    const at::Tensor v = pieces_of(lora_A, a_term_pieces(s.r, s.k), stream);   // [6r, K]
+    gemm(s.m, s.k, 6 * s.r, plain(u), plain(v), DType::kBFloat16, output(target), 1.0f, false, stream);
+  } else {
+    rank_gemm(s.m, s.k, s.r, rows_of(dxa), rows_of(lora_A), target, 1.0f, false, stream);  // dxa A
+  }
   if (x_lora.has_value() && compute_grad_x) grads.grad_x = at::empty({s.m, s.k}, x.options().dtype(grad_x_dtype));
   return grads;
 }

@@ -74,11 +74,14 @@ inline ExtendedK extended_k(int64_t r, bool b_is_fp32, bool has_bias) {
   return {r, terms, has_bias, (used + kExtendedKTile - 1) / kExtendedKTile * kExtendedKTile};
 }
 
+// An fp32 bit pattern of an infinity or NaN (all exponent bits set).
+PYKERNELS_HOST_DEVICE inline bool non_finite_bits(uint32_t bits) { return (bits & 0x7f800000u) == 0x7f800000u; }
+
 // v rounded to the nearest bf16 (ties to even), as a float; NaN stays NaN, infinities stay.
 PYKERNELS_HOST_DEVICE inline float bf16_rounded(float v) {
   uint32_t bits;
   memcpy(&bits, &v, sizeof bits);
-  if ((bits & 0x7f800000u) == 0x7f800000u) {
+  if (non_finite_bits(bits)) {
     bits = (bits & 0x007fffffu) != 0 ? (bits | 0x00400000u) & 0xffff0000u : bits;  // quiet NaN, or inf
   } else {
     bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;

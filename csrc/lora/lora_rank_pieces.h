@@ -27,7 +27,7 @@
 
 #include "common/host_device.h"
 #include "common/two_way_choice.h"
-#include "lora/lora_extended_k.h"  // bf16_rounded
+#include "lora/lora_extended_k.h"  // bf16_rounded, non_finite_bits
 
 namespace pykernels::lora {
 
@@ -50,11 +50,11 @@ enum Piece : int8_t { kHi = 0, kMid = 1, kLo = 2 };
 PYKERNELS_HOST_DEVICE inline float bf16_piece(float f, int piece) {
   uint32_t bits;
   memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7f800000u) == 0x7f800000u) return piece == kHi ? f : 0.0f;
+  if (non_finite_bits(bits)) return piece == kHi ? f : 0.0f;
   float hi = bf16_rounded(f);
   uint32_t hi_bits;
   memcpy(&hi_bits, &hi, sizeof hi_bits);
-  if ((hi_bits & 0x7f800000u) == 0x7f800000u) {  // rounded past the largest bf16
+  if (non_finite_bits(hi_bits)) {  // rounded past the largest bf16
     hi_bits = bits & 0xffff0000u;
     memcpy(&hi, &hi_bits, sizeof hi);
   }

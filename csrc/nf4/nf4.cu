@@ -121,14 +121,8 @@ __global__ void __launch_bounds__(512) quantize_kernel(const T* __restrict__ x, 
 }
 
 // ------------------------------------------------------------------ dequantize
-__device__ __forceinline__ float block_scale(const BlockScales& s, int64_t block) {
-  if (s.absmax != nullptr) return s.absmax[block];
-  return decode_absmax(s.nested_code[s.absmax_q[block]], s.nested_absmax[nested_block_of(block, s.nested_blocksize)],
-                       *s.nested_offset);
-}
-
-// block_scale with the nested block found by `nested` (divider(s.nested_blocksize)), by a shift
-// when kShift.
+// Block `block`'s absmax, the nested block found by `nested` (divider(s.nested_blocksize)), by a
+// shift when kShift.
 template <bool kShift>
 __device__ __forceinline__ float block_scale(const BlockScales& s, int64_t block, const Divider& nested) {
   if (s.absmax != nullptr) return s.absmax[block];
@@ -273,8 +267,9 @@ __global__ void dynamic8_dequantize_kernel(const uint8_t* __restrict__ q, const 
 // weight's elements at most, once per call).
 __global__ void transposed_scales_kernel(BlockScales scales, int64_t rows, int64_t groups, float* __restrict__ out) {
   const int64_t total = rows * groups;
+  const Divider nested{scales.nested_blocksize, -1};  // one lookup per 64 weights: a division will do
   for (int64_t o = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; o < total; o += int64_t(gridDim.x) * blockDim.x)
-    out[o] = block_scale(scales, transposed_scale_block(o, rows, groups));
+    out[o] = block_scale<false>(scales, transposed_scale_block(o, rows, groups), nested);
 }
 
 }  // namespace
