@@ -1,6 +1,8 @@
 // Every op schema of pykernels, one comment line per op. Implementations register per dispatch
 // key in the file that defines them (<family>_cpu.cpp, <family>_cuda_torch.cpp); fake
-// (meta) implementations for torch.compile live in pykernels/ops/<family>.py.
+// (meta) implementations for torch.compile live in pykernels/ops/<family>.py. Autograd: in C++
+// for the ops a model calls per layer (<family>_autograd.cpp: LoRA, MoE; no Python between forward
+// and backward), through torch.library.register_autograd for token_logprobs (once per step).
 #include <torch/library.h>
 
 TORCH_LIBRARY(pykernels, m) {

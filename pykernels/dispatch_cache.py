@@ -33,6 +33,7 @@ logger = logging.getLogger("pykernels")
 FORMAT = 1
 
 _identities: dict[str, dict] = {}  # str(device) -> identity, computed once per process
+_identity_keys: dict[str, str] = {}  # str(device) -> _key(identity): every dispatched call looks it up
 _entries: dict[str, dict] | None = None  # identity key -> {"decisions": {...}, "disabled": {...}}
 _warned_corrupt: set[str] = set()
 
@@ -118,7 +119,10 @@ def _entry(device: torch.device) -> dict:
     global _entries
     if _entries is None:
         _entries = _read()
-    return _entries.setdefault(_key(identity(device)), {"decisions": {}, "disabled": {}})
+    key = _identity_keys.get(str(device))
+    if key is None:
+        key = _identity_keys[str(device)] = _key(identity(device))
+    return _entries.setdefault(key, {"decisions": {}, "disabled": {}})
 
 
 def lookup(device: torch.device, bucket: str) -> dict | None:
@@ -164,4 +168,5 @@ def forget() -> None:
     global _entries
     _entries = None
     _identities.clear()
+    _identity_keys.clear()
     _warned_corrupt.clear()

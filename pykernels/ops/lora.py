@@ -1,8 +1,9 @@
-"""Fused LoRA linear: public function, autograd and fake (meta) implementations.
+"""Fused LoRA linear: public function and fake (meta) implementations.
 
 The compiled ops (csrc/torch_bindings.cpp) check their tensors and raise ValueError naming the bad
-one; this layer flattens x, applies LoRA dropout, routes NF4 weights to the NF4 op and wires the
-backward op into autograd (torch.library.register_autograd, so opcheck and torch.compile see it).
+one; this layer flattens x, applies LoRA dropout and routes NF4 weights to the NF4 op. The ops'
+autograd is registered in C++ (csrc/lora/lora_autograd.cpp: no Python between forward and backward,
+which at small shapes cost more than the kernels); opcheck and torch.compile see it like any op's.
 """
 
 from __future__ import annotations
@@ -52,51 +53,6 @@ def _lora_linear_nf4_backward_fake(grad_y, x, packed, absmax, blocksize, lora_A,
                                    compute_grad_x=True, nested_absmax=None, nested_code=None, nested_offset=None,
                                    nested_blocksize=256):
     return _backward_fake(grad_y, x, lora_A, lora_B, x_lora, compute_grad_x)
-
-
-# ---------------------------------------------------------------- autograd
-def _grads(ctx, grad_x, grad_x_lora, grad_a, grad_b, grad_y, bias_index: int, x_lora_index: int, count: int):
-    grads = [None] * count
-    grads[0] = grad_x if ctx.needs_input_grad[0] else None
-    grads[x_lora_index] = grad_x_lora if ctx.has_x_lora and ctx.needs_input_grad[x_lora_index] else None
-    grads[ctx.a_index], grads[ctx.a_index + 1] = grad_a, grad_b
-    if ctx.has_bias and ctx.needs_input_grad[bias_index]:
-        grads[bias_index] = grad_y.sum(0)
-    return tuple(grads)
-
-
-def _setup_dense(ctx, inputs, output):
-    x, weight, lora_A, lora_B, scaling, bias, x_lora = inputs
-    ctx.save_for_backward(x, weight, lora_A, lora_B, output[1], x_lora)
-    ctx.scaling, ctx.has_bias, ctx.has_x_lora, ctx.a_index = scaling, bias is not None, x_lora is not None, 2
-
-
-def _backward_dense(ctx, grad_y, _grad_xa):  # xa: saved for backward only
-    x, weight, lora_A, lora_B, xa, x_lora = ctx.saved_tensors
-    grads = ops.lora_linear_backward(grad_y.contiguous(), x, weight, lora_A, lora_B, xa, ctx.scaling, x_lora,
-                                     ctx.needs_input_grad[0])
-    return _grads(ctx, *grads, grad_y, bias_index=5, x_lora_index=6, count=7)
-
-
-def _setup_nf4(ctx, inputs, output):
-    (x, packed, absmax, blocksize, out_features, lora_A, lora_B, scaling, bias, x_lora, nested_absmax, nested_code,
-     nested_offset, nested_blocksize) = inputs
-    ctx.save_for_backward(x, packed, absmax, lora_A, lora_B, output[1], x_lora, nested_absmax, nested_code,
-                          nested_offset)
-    ctx.blocksize, ctx.nested_blocksize, ctx.scaling = blocksize, nested_blocksize, scaling
-    ctx.has_bias, ctx.has_x_lora, ctx.a_index = bias is not None, x_lora is not None, 5
-
-
-def _backward_nf4(ctx, grad_y, _grad_xa):
-    x, packed, absmax, lora_A, lora_B, xa, x_lora, nested_absmax, nested_code, nested_offset = ctx.saved_tensors
-    grads = ops.lora_linear_nf4_backward(grad_y.contiguous(), x, packed, absmax, ctx.blocksize, lora_A, lora_B, xa,
-                                         ctx.scaling, x_lora, ctx.needs_input_grad[0], nested_absmax, nested_code,
-                                         nested_offset, ctx.nested_blocksize)
-    return _grads(ctx, *grads, grad_y, bias_index=8, x_lora_index=9, count=14)
-
-
-torch.library.register_autograd("pykernels::lora_linear", _backward_dense, setup_context=_setup_dense)
-torch.library.register_autograd("pykernels::lora_linear_nf4", _backward_nf4, setup_context=_setup_nf4)
 
 
 # ---------------------------------------------------------------- public function

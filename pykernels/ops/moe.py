@@ -1,5 +1,5 @@
-"""Grouped MoE ops: public functions, autograd and fakes (schemas in csrc/torch_bindings.cpp, the
-pure-torch statement in pykernels/reference/moe.py)."""
+"""Grouped MoE ops: public functions and fakes (schemas in csrc/torch_bindings.cpp, autograd in
+csrc/moe/moe_autograd.cpp, the pure-torch statement in pykernels/reference/moe.py)."""
 
 from __future__ import annotations
 
@@ -58,46 +58,6 @@ def _gated_act_fake(gate_up, act, interleaved, alpha, limit):
 @torch.library.register_fake("pykernels::moe_gated_act_backward")
 def _gated_act_backward_fake(grad_inner, gate_up, act, interleaved, alpha, limit):
     return torch.empty_like(gate_up)
-
-
-# ---------------------------------------------------------------- autograd
-def _gated_act_setup(ctx, inputs, output):
-    gate_up, ctx.act, ctx.interleaved, ctx.alpha, ctx.limit = inputs
-    ctx.save_for_backward(gate_up)
-
-
-def _gated_act_backward(ctx, grad_inner):
-    (gate_up,) = ctx.saved_tensors
-    grad = ops.moe_gated_act_backward(grad_inner.contiguous(), gate_up, ctx.act, ctx.interleaved, ctx.alpha,
-                                      ctx.limit)
-    return grad, None, None, None, None
-
-
-torch.library.register_autograd("pykernels::moe_gated_act", _gated_act_backward, setup_context=_gated_act_setup)
-
-
-def _setup(ctx, inputs, output):
-    ctx.num_inputs = len(inputs)
-    x, weight, sorted_expert_idx, sorted_token_idx, expert_offsets, top_k, grouped_in, grouped_out, gates, \
-        lora_a, lora_b, lora_scaling = inputs
-    ctx.save_for_backward(x, weight, sorted_expert_idx, sorted_token_idx, expert_offsets, gates, lora_a, lora_b)
-    ctx.top_k, ctx.grouped_in, ctx.grouped_out, ctx.lora_scaling = top_k, grouped_in, grouped_out, lora_scaling
-
-
-def _backward(ctx, grad_y):
-    x, weight, sorted_expert_idx, sorted_token_idx, expert_offsets, gates, lora_a, lora_b = ctx.saved_tensors
-    need = (*ctx.needs_input_grad, *(False,) * 12)  # entries only for the arguments the caller passed
-    need_lora = need[9] or need[10]
-    grad_x, grad_weight, grad_gates, grad_a, grad_b = ops.moe_grouped_linear_backward(
-        grad_y.contiguous(), x, weight, sorted_expert_idx, sorted_token_idx, expert_offsets, ctx.top_k,
-        ctx.grouped_in, ctx.grouped_out, gates, lora_a, lora_b, ctx.lora_scaling, need[0], need[1], need[8],
-        need_lora)
-    grads = (grad_x if need[0] else None, grad_weight if need[1] else None, None, None, None, None, None, None,
-             grad_gates if need[8] else None, grad_a if need[9] else None, grad_b if need[10] else None, None)
-    return grads[:ctx.num_inputs]
-
-
-torch.library.register_autograd("pykernels::moe_grouped_linear", _backward, setup_context=_setup)
 
 
 # ---------------------------------------------------------------- public functions

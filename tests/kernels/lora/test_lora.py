@@ -116,17 +116,42 @@ def test_rank_r_intermediate_is_fp32():
     torch.testing.assert_close(xa.double(), x.double() @ a.detach().double().T, atol=1e-4, rtol=1e-5)
 
 
-def test_dropout_is_applied_to_the_lora_input_only():
-    weight, a, b, bias = make(64, 32, 8, torch.float32)
+@pytest.mark.parametrize("bias_mode", ["trainable", "frozen", None])
+@pytest.mark.parametrize("nf4_weight", [False, True])
+def test_dropout_is_applied_to_the_lora_input_only(bias_mode, nf4_weight):
+    """Values and every gradient (x through both paths, A, B, bias) against torch autograd on the same
+    mask; with a trainable, a frozen and no bias, which move x_lora among the op's graph edges."""
+    weight, a, b, bias = make(64, 32, 8, torch.float32, bias=bias_mode is not None)
+    if bias_mode == "frozen":
+        bias.requires_grad_(False)
+    w4 = nf4.quantize(weight, 64, True) if nf4_weight else None
+    dense = w4.dequantize(torch.float32) if nf4_weight else weight
     x = torch.randn(16, 64, requires_grad=True)
     torch.manual_seed(5)
-    y = lora.lora_linear(x, weight, a, b, 2.0, bias, dropout=0.5)
+    y = lora.lora_linear(x, w4 if nf4_weight else weight, a, b, 2.0, bias, dropout=0.5)
+    x_, a_, b_ = (t.detach().clone().requires_grad_() for t in (x, a, b))
     torch.manual_seed(5)
-    x_dropped = torch.nn.functional.dropout(x.detach(), 0.5)
-    expected = x.detach() @ weight.T + bias.detach() + 2.0 * (x_dropped @ a.detach().T) @ b.detach().T
-    torch.testing.assert_close(y.detach(), expected, atol=1e-5, rtol=1e-5)
-    y.sum().backward()
-    assert x.grad is not None and a.grad is not None
+    expected = x_ @ dense.T + 2.0 * (torch.nn.functional.dropout(x_, 0.5) @ a_.T) @ b_.T
+    bias_ = bias.detach().clone().requires_grad_(bias_mode == "trainable") if bias_mode else None
+    expected = expected + bias_ if bias_mode else expected
+    torch.testing.assert_close(y.detach(), expected.detach(), atol=1e-5, rtol=1e-5)
+    grad_y = torch.randn_like(y)
+    y.backward(grad_y)
+    expected.backward(grad_y)
+    pairs = {"x": (x, x_), "A": (a, a_), "B": (b, b_)}
+    if bias_mode == "trainable":
+        pairs["bias"] = (bias, bias_)
+    for name, (mine, want) in pairs.items():
+        torch.testing.assert_close(mine.grad, want.grad, atol=1e-4, rtol=1e-4, msg=f"grad of {name}")
+    assert bias_mode != "frozen" or bias.grad is None
+
+
+def test_frozen_x_gets_no_gradient_and_the_adapters_do():
+    weight, a, b, bias = make(64, 32, 8, torch.float32)
+    x = torch.randn(16, 64)
+    lora.lora_linear(x, weight, a, b, 2.0, bias, dropout=0.25).square().sum().backward()
+    assert x.grad is None
+    assert a.grad is not None and b.grad is not None and bias.grad is not None
 
 
 def test_reference_switch_matches():
