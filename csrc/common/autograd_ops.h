@@ -11,6 +11,8 @@
 namespace pykernels::autograd {
 
 using OptionalTensor = std::optional<at::Tensor>;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
 
 // A pykernels op by name ("pykernels::lora_linear"), called through the dispatcher: below the
 // Autograd key (at::AutoDispatchBelowADInplaceOrView) it reaches the CPU, CUDA or fake kernel.
@@ -31,7 +33,7 @@ class OptionalEdges {
   int64_t next_;
 };
 
-inline bool needs_grad(torch::autograd::AutogradContext* ctx, int64_t edge) {
+inline bool needs_grad(AutogradContext* ctx, int64_t edge) {
   return edge >= 0 && ctx->needs_input_grad(static_cast<size_t>(edge));
 }
 

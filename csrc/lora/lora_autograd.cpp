@@ -20,12 +20,7 @@
 namespace pykernels::lora {
 namespace {
 
-using autograd::find_op;
-using autograd::needs_grad;
-using autograd::OptionalTensor;
-using autograd::present;
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
+using namespace pykernels::autograd;  // find_op, OptionalEdges, needs_grad, present, the context
 using Outputs = std::tuple<at::Tensor, at::Tensor>;                           // y, xa
 using Grads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;  // x, x_lora, A, B
 
@@ -63,7 +58,7 @@ const auto& nf4_backward_op() {
 
 // The edges of the optional bias and x_lora, after the `first` required tensor inputs.
 void save_edges(AutogradContext* ctx, int64_t first, const OptionalTensor& bias, const OptionalTensor& x_lora) {
-  autograd::OptionalEdges edges(first);
+  OptionalEdges edges(first);
   ctx->saved_data["bias_edge"] = edges.add(bias);
   ctx->saved_data["x_lora_edge"] = edges.add(x_lora);
 }

@@ -17,12 +17,7 @@
 namespace pykernels::moe {
 namespace {
 
-using autograd::find_op;
-using autograd::needs_grad;
-using autograd::OptionalTensor;
-using autograd::present;
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
+using namespace pykernels::autograd;  // find_op, OptionalEdges, needs_grad, present, the context
 
 const auto& grouped_linear_op() {
   static const auto op =
@@ -71,7 +66,7 @@ struct GroupedLinear : public torch::autograd::Function<GroupedLinear> {
     ctx->saved_data["grouped_in"] = grouped_in;
     ctx->saved_data["grouped_out"] = grouped_out;
     ctx->saved_data["lora_scaling"] = lora_scaling;
-    autograd::OptionalEdges edges(5);  // edges: x, weight, the three routing tensors, then these
+    OptionalEdges edges(5);  // edges: x, weight, the three routing tensors, then these
     ctx->saved_data["gates_edge"] = edges.add(gates);
     ctx->saved_data["lora_a_edge"] = edges.add(lora_a);
     ctx->saved_data["lora_b_edge"] = edges.add(lora_b);
