@@ -8,6 +8,9 @@ class, as `python -m benchmarks.gate --remeasure` judges a saved file:
 
 - the cases of failing rules are timed once more in a fresh process and judged on the best of
   both runs (a burst of interference on a shared machine hits one run, a real regression both);
+  PYKERNELS_BENCH_RETIME=0 judges the first run alone (a lent GPU's minutes: a failing LoRA rule
+  re-timed every case of its op, and pytest-benchmark writes --benchmark-json only when the session
+  ends, so a stage limit reached while re-timing lost the whole file);
 - every rule of a benchmark file that ran whole is judged, and one without results fails; in a
   subset, a rule none of whose cases ran (ours and its baseline) is listed as not evaluated;
 - the item fails, so the session exits 1, when a rule misses its floor; its message names the
@@ -36,6 +39,7 @@ from benchmarks.results_file import Result, load_results, parse_benchmarks
 from benchmarks.self_test import PLANT_ENV, planted_selectors
 
 GATE_ITEM = "benchmark-gate"
+RETIME_ENV = "PYKERNELS_BENCH_RETIME"  # "0": no second run of failing rules
 
 
 def family_of(path: Path) -> str | None:
@@ -150,7 +154,8 @@ class GatePlugin:
         except SystemExit as error:  # a malformed or missing section: load_floors' message
             self.fail(str(error))
         self.complete_families = self.families_run_whole(session.items)
-        self.verdict = gate.judge(results, floors, self.complete_families, retime=self.retime)
+        retime = None if os.environ.get(RETIME_ENV) == "0" else self.retime
+        self.verdict = gate.judge(results, floors, self.complete_families, retime=retime)
         if self.verdict.failed:
             pytest.fail(self.failure_message(), pytrace=False)
         if not self.verdict.checks:
@@ -183,8 +188,12 @@ class GatePlugin:
         verdict = self.verdict
         failed = verdict.failed
         rules = ", ".join(dict.fromkeys(c.label for c in failed))
-        when = ("on the best of two runs" if verdict.rechecks is not None
-                else "(re-timing wrote no results: first run)")
+        if verdict.rechecks is not None:
+            when = "on the best of two runs"
+        elif verdict.retimed:
+            when = "(re-timing wrote no results: first run)"
+        else:
+            when = f"(first run alone: {RETIME_ENV}=0)"
         headline = (f"{rules} below the floor {when} (benchmark gate [{verdict.device_class}]: "
                     f"{len(failed)} of {len(verdict.checks)} rules failed)")
         lines = [headline, gate.format_checks(failed)]

@@ -196,6 +196,20 @@ def test_lease_script_skips_what_the_deadline_leaves_no_time_for(tmp_path, monke
     assert not (tmp_path / "build.log").exists() and "(last lines)" not in result.stdout
 
 
+def test_lease_script_benchmarks_judge_one_run_of_the_selected_cases(tmp_path, monkeypatch):
+    """The bench stage's command (its python does not exist here): no re-timing, BENCH_K as -k."""
+    monkeypatch.setenv("BENCH_FILES", "lora")
+    monkeypatch.setenv("BENCH_K", "4096x14336-T8192 and r16")
+    run_lease(tmp_path, "bench")
+    command = (tmp_path / "bench.log").read_text().splitlines()[0]
+    assert "env PYKERNELS_BENCH_RETIME=0 " in command
+    assert "benchmarks/test_bench_lora.py -k 4096x14336-T8192 and r16 -q" in command
+    monkeypatch.delenv("BENCH_K")
+    (tmp_path / "bench.log").unlink()
+    run_lease(tmp_path, "bench")
+    assert " -k " not in (tmp_path / "bench.log").read_text()
+
+
 def test_lease_script_packs_more_than_seven_files_into_one(tmp_path):
     """The device tool returns 8 files from a call: more logs and JSONs than 7 come back as one archive."""
     for name in [f"bench-{i}.json" for i in range(5)] + ["build.log", "test.log", "sweep.log"]:

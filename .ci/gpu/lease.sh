@@ -12,6 +12,11 @@
 #   BENCH_FILES="moe" STAGES="build test" bash .ci/gpu/lease.sh
 #   STAGES="build sanitize test breakdown" TEST_ARGS="tests/kernels/moe/test_moe_cuda.py" bash .ci/gpu/lease.sh
 #   STAGES="build sweep" bash .ci/gpu/lease.sh     # time every tile and knob of the Hopper kernels
+#   STAGES="bench" BENCH_K="mixtral-T4096 or N16384-H4096" bash .ci/gpu/lease.sh   # -k: a few cases
+#
+# The benchmarks run with PYKERNELS_BENCH_RETIME=0: the gate judges the one run (benchmarks/gate_plugin.py)
+# instead of timing failing rules again, which on the 2026-11-27 lease would have doubled the LoRA file
+# and, stopped by the stage's limit, lost its JSON (written when the session ends).
 #
 # A 15-minute lease (2026-11-27: build 181 s, tests 129 s on 12 processes, sanitizer 61 s, sweep
 # 41 s at --rounds 5 before it grew): a first call of DEADLINE_S=570 with STAGES="build test
@@ -24,6 +29,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 STAGES=${STAGES-"build test sanitize bench"}  # set and empty: no stage
 BENCH_FILES=${BENCH_FILES:-"moe logprobs lora"}
+BENCH_K=${BENCH_K:-}  # a pytest -k expression selecting benchmark cases; empty: every case of each file
 PY=${GPU_PYTHON:-python3}  # the image's python, with its CUDA torch
 TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-90}
 DEADLINE=$(($(date +%s) + ${DEADLINE_S:-3600}))
@@ -70,9 +76,12 @@ for stage in $STAGES; do
         fi ;;
     sanitize) step sanitize sanitize 150 "$PY" .ci/gpu/sanitize.py ;;
     bench)
+        select=()
+        [ -n "$BENCH_K" ] && select=(-k "$BENCH_K")
         for family in $BENCH_FILES; do
-            step "bench-$family" bench 200 "$PY" -m pytest --benchmark "benchmarks/test_bench_$family.py" -q \
-                -p no:cacheprovider --benchmark-json="$OUT/bench-$family.json"
+            step "bench-$family" bench 200 env PYKERNELS_BENCH_RETIME=0 "$PY" -m pytest --benchmark \
+                "benchmarks/test_bench_$family.py" "${select[@]}" -q -p no:cacheprovider \
+                --benchmark-json="$OUT/bench-$family.json"
         done ;;
     breakdown) step breakdown breakdown 150 "$PY" -m benchmarks.kernel_breakdown --top 8 ;;
     sweep) step sweep sweep 240 "$PY" -m benchmarks.tile_sweep ;;  # every tile of the Hopper kernels, one build

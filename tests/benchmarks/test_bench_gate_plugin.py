@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.gate_plugin import RETIME_ENV
 from benchmarks.self_test import PLANT_ENV, is_planted
 
 pytest_plugins = ["pytester"]
@@ -110,6 +111,16 @@ def test_planted_2x_slowdown_fails_the_session_naming_the_rule_after_timing_it_a
         "1/2 rules passed",
         "FAILED benchmark-gate - Failed: toy.scale.lib below the floor*",
     ])
+
+
+def test_without_retime_a_failing_rule_is_judged_on_the_first_run(toy, monkeypatch):
+    monkeypatch.setenv(PLANT_ENV, "toy.scale")
+    monkeypatch.setenv(RETIME_ENV, "0")
+    result = run(toy)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["toy.scale.lib below the floor (first run alone: PYKERNELS_BENCH_RETIME=0)*",
+                                 "toy.scale.lib * 2.00x   3.00x  FAIL (geometric mean of 2 cases)"])
+    assert "once more" not in result.stdout.str()
 
 
 def test_interference_in_one_run_passes_on_the_best_of_two(toy, monkeypatch, tmp_path):
