@@ -15,8 +15,8 @@
 #   STAGES="bench" BENCH_K="mixtral-T4096 or N16384-H4096" bash .ci/gpu/lease.sh   # -k: a few cases
 #
 # The benchmarks run with PYKERNELS_BENCH_RETIME=0: the gate judges the one run (benchmarks/gate_plugin.py)
-# instead of timing failing rules again, which on the 2026-11-27 lease would have doubled the LoRA file
-# and, stopped by the stage's limit, lost its JSON (written when the session ends).
+# instead of timing failing rules again (on the 2026-11-27 lease: every case of the three failing LoRA
+# ops, twice), which, stopped by the stage's limit, loses the file's JSON (written when the session ends).
 #
 # A 15-minute lease (2026-11-27: build 181 s, tests 129 s on 12 processes, sanitizer 61 s, sweep
 # 41 s at --rounds 5 before it grew): a first call of DEADLINE_S=570 with STAGES="build test
