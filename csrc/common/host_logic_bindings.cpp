@@ -514,8 +514,18 @@ void define_host_logic(py::module_& m) {
         py::arg("layout"));
   m.def("lora_sum_pieces", &lora_sum_pieces, py::arg("product"), py::arg("rows"), py::arg("cols"),
         py::arg("stacked"));
-  // lora/lora.h: (tile_m, tile_n, splits, k_per_split, workspace_floats)
+  // lora/lora.h: (tile_m, tile_n, splits, k_per_split, workspace_floats); which rows / columns of its
+  // tile a thread accumulates, its (tx, ty), and the shared-memory row stride
   m.def("lora_rank_gemm_plan", &lora_rank_gemm_plan, py::arg("m"), py::arg("n"), py::arg("k"), py::arg("sms"));
+  m.def("lora_rank_fragment_index", &lora::rank_fragment_index, py::arg("extent"), py::arg("t"), py::arg("i"));
+  m.def(
+      "lora_rank_thread",
+      [](int64_t tile_m, int thread) {
+        const lora::RankThread t = lora::rank_thread(tile_m, thread);
+        return std::make_tuple(t.tx, t.ty);
+      },
+      py::arg("tile_m"), py::arg("thread"));
+  m.def("lora_rank_smem_stride", &lora::rank_smem_stride, py::arg("extent"));
   // common/tails.h
   m.def("elements_in_range", &elements_in_range, py::arg("first"), py::arg("width"), py::arg("numel"));
   m.def("whole_vector_in_range", &whole_vector_in_range, py::arg("first"), py::arg("width"), py::arg("numel"));

@@ -80,7 +80,8 @@ __global__ void __launch_bounds__(kThreads) low_rank_term_kernel(const float* __
 // D = alpha op_a op_b (+ D) with per-operand dtypes read as fp32 (see RankGemmParams). Each CTA
 // owns a kTileM x kTileN tile of D (rank_tile) and one range of k (blockIdx.z of the split-k plan,
 // rank_gemm_split), staged through shared memory in slices of 16 along k; thread (tx, ty) of a
-// 16 x 16 grid accumulates rows ty + 16 i and columns tx + 16 j in fp32. Unsplit, the CTA writes
+// 16 x 16 grid (rank_thread) accumulates the rows rank_fragment_index(kTileM, ty, i) and the columns
+// rank_fragment_index(kTileN, tx, j) in fp32 (lora.h: 16-byte shared loads). Unsplit, the CTA writes
 // D; split, its plane of the workspace, and rank_gemm_reduce_kernel writes D. Dtypes are runtime
 // values: the switch is uniform per CTA and costs a few instructions per load on a kernel bound by
 // its loads, against 27x the instantiations.
@@ -111,9 +112,9 @@ __device__ __forceinline__ void store_from_float(void* base, DType dtype, int64_
 // element (row, kk) sits at row * stride_row + kk * stride_k: consecutive threads walk whichever
 // index is contiguous in memory, so the global loads coalesce for both layouts.
 template <int kExtent, int kSlice>
-__device__ __forceinline__ void load_rank_tile(float (*tile)[kExtent + 1], const void* data, DType dtype,
-                                               int64_t row0, int64_t rows, int64_t stride_row, int64_t k0,
-                                               int64_t k, int64_t stride_k) {
+__device__ __forceinline__ void load_rank_tile(float (*tile)[rank_smem_stride(kExtent)], const void* data,
+                                               DType dtype, int64_t row0, int64_t rows, int64_t stride_row,
+                                               int64_t k0, int64_t k, int64_t stride_k) {
   const bool k_contiguous = stride_k == 1;
   for (int e = threadIdx.x; e < kExtent * kSlice; e += kThreads) {
     const int local = k_contiguous ? e / kSlice : e % kExtent;
@@ -123,16 +124,34 @@ __device__ __forceinline__ void load_rank_tile(float (*tile)[kExtent + 1], const
   }
 }
 
+// This thread's kExtent / 16 values of one k-row of a slice (rank_fragment_index): one 16-byte load
+// per group of 4.
+template <int kExtent>
+__device__ __forceinline__ void load_fragment(const float* k_row, int t, float (&values)[kExtent / 16]) {
+  constexpr int kCount = kExtent / 16;
+  if constexpr (kCount == 1) {
+    values[0] = k_row[t];
+  } else {
+    static_assert(kCount % 4 == 0, "a thread's elements come in groups of 4");
+#pragma unroll
+    for (int g = 0; g < kCount / 4; ++g) {
+      const float4 v = *reinterpret_cast<const float4*>(k_row + rank_fragment_index(kExtent, t, 4 * g));
+      values[4 * g] = v.x, values[4 * g + 1] = v.y, values[4 * g + 2] = v.z, values[4 * g + 3] = v.w;
+    }
+  }
+}
+
 template <int kTileM, int kTileN>
 __global__ void __launch_bounds__(kThreads) rank_gemm_kernel(RankGemmParams p, int64_t k_per_split) {
   using Tile = RankTileShape<kTileM, kTileN>;
-  __shared__ float a_tile[Tile::kSlice][kTileM + 1];  // [kk][row of D]
-  __shared__ float b_tile[Tile::kSlice][kTileN + 1];  // [kk][column of D]
+  __shared__ __align__(16) float a_tile[Tile::kSlice][rank_smem_stride(kTileM)];  // [kk][row of D]
+  __shared__ __align__(16) float b_tile[Tile::kSlice][rank_smem_stride(kTileN)];  // [kk][column of D]
   const int64_t row0 = int64_t(blockIdx.x) * kTileM;
   const int64_t col0 = int64_t(blockIdx.y) * kTileN;
   const int64_t k_begin = int64_t(blockIdx.z) * k_per_split;
   const int64_t k_end = min_i64(p.k, k_begin + k_per_split);
-  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const RankThread me = rank_thread(kTileM, static_cast<int>(threadIdx.x));
+  const int tx = me.tx, ty = me.ty;
   float acc[Tile::kRowsPerThread][Tile::kColsPerThread] = {};
   for (int64_t k0 = k_begin; k0 < k_end; k0 += Tile::kSlice) {
     load_rank_tile<kTileM, Tile::kSlice>(a_tile, p.a, p.a_dtype, row0, p.m, p.a_stride_m, k0, k_end, p.a_stride_k);
@@ -141,10 +160,8 @@ __global__ void __launch_bounds__(kThreads) rank_gemm_kernel(RankGemmParams p, i
 #pragma unroll
     for (int kk = 0; kk < Tile::kSlice; ++kk) {
       float a_values[Tile::kRowsPerThread], b_values[Tile::kColsPerThread];
-#pragma unroll
-      for (int i = 0; i < Tile::kRowsPerThread; ++i) a_values[i] = a_tile[kk][ty + 16 * i];
-#pragma unroll
-      for (int j = 0; j < Tile::kColsPerThread; ++j) b_values[j] = b_tile[kk][tx + 16 * j];
+      load_fragment<kTileM>(a_tile[kk], ty, a_values);
+      load_fragment<kTileN>(b_tile[kk], tx, b_values);
 #pragma unroll
       for (int i = 0; i < Tile::kRowsPerThread; ++i)
 #pragma unroll
@@ -154,11 +171,11 @@ __global__ void __launch_bounds__(kThreads) rank_gemm_kernel(RankGemmParams p, i
   }
 #pragma unroll
   for (int i = 0; i < Tile::kRowsPerThread; ++i) {
-    const int64_t row = row0 + ty + 16 * i;
+    const int64_t row = row0 + rank_fragment_index(kTileM, ty, i);
     if (row >= p.m) continue;
 #pragma unroll
     for (int j = 0; j < Tile::kColsPerThread; ++j) {
-      const int64_t col = col0 + tx + 16 * j;
+      const int64_t col = col0 + rank_fragment_index(kTileN, tx, j);
       if (col >= p.n) continue;
       if (gridDim.z > 1) {  // this split's plane: [splits, m, n]
         p.workspace[(int64_t(blockIdx.z) * p.m + row) * p.n + col] = acc[i][j];

@@ -73,6 +73,29 @@ inline RankTile rank_tile(int64_t m, int64_t n) {
   return {64, 64};
 }
 
+// Which rows (or columns) of its CTA's tile a thread of the rank GEMM accumulates: along an extent
+// of 16, 64 or 128 (kTileM or kTileN), split over 16 threads, element i < extent / 16 of thread t.
+// Where a thread owns more than one, it owns groups of 4 adjacent, at 4 t + 64 g: each group is one
+// 16-byte shared-memory load. Owning t + 16 i instead took one load per element, 9 loads per 8 FMAs
+// on the 128 x 16 tile, the ~15 TFLOP/s these products measured on an H100 (2026-11-27); now 3.
+PYKERNELS_HOST_DEVICE constexpr int64_t rank_fragment_index(int64_t extent, int64_t t, int64_t i) {
+  return extent == 16 ? t : 4 * t + 64 * (i / 4) + i % 4;
+}
+
+// Floats between the k-rows of a shared-memory slice of that extent: 16-byte aligned rows.
+PYKERNELS_HOST_DEVICE constexpr int64_t rank_smem_stride(int64_t extent) { return extent + 4; }
+
+// Thread `thread` (< 256) of a CTA whose tile has tile_m rows, as (tx, ty) of the 16 x 16 grid. The
+// 16 consecutive lanes of a half-warp take 16 columns, except on the 16-row tile, where they take
+// its 16 rows: either way they load the side of one element per thread (16 distinct floats in one
+// 64-byte run), and a warp's 16-byte loads of the other side see 2 addresses (broadcast), not 16.
+struct RankThread {
+  int tx, ty;
+};
+PYKERNELS_HOST_DEVICE constexpr RankThread rank_thread(int64_t tile_m, int thread) {
+  return tile_m == 16 ? RankThread{thread / 16, thread % 16} : RankThread{thread % 16, thread / 16};
+}
+
 // Split-k of the rank GEMM: these products have few output tiles (dy B at T 8192: 64) and long k
 // (the base's 14336 features): one CTA per tile walking all of k kept 64 of an H100's 132 SMs
 // busy, latency-bound, at 1.5 TFLOP/s (2.4 ms for a product that reads 235 MB). `splits` CTAs

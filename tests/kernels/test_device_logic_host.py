@@ -727,6 +727,42 @@ def test_rank_gemm_fills_an_h100(m, n, k, name):
     assert tiles * splits >= 4 * 132 or splits == k // 512, name
 
 
+def rank_thread_fragments(tile_m: int, tile_n: int, thread: int) -> tuple[list[int], list[int]]:
+    """The rows and columns of its tile that rank_gemm_kernel's thread accumulates."""
+    tx, ty = H.lora_rank_thread(tile_m, thread)
+    return ([H.lora_rank_fragment_index(tile_m, ty, i) for i in range(tile_m // 16)],
+            [H.lora_rank_fragment_index(tile_n, tx, j) for j in range(tile_n // 16)])
+
+
+@pytest.mark.parametrize("tile_m, tile_n", sorted({rank_tile_oracle(m, n) for m in (8, 4096) for n in (8, 4096)}))
+def test_rank_gemm_threads_cover_their_tile_once_with_16_byte_shared_loads(tile_m, tile_n):
+    """Every (row, column) of the tile is one thread's; a thread that reads more than one value of a
+    k-row of a shared slice reads groups of 4 adjacent floats at 16-byte aligned offsets (one
+    ld.shared.v4 each, test_ptx checks the instruction); per warp, each load spans at most 256
+    contiguous bytes (2 wavefronts), and on the thin tiles the grouped side is 2 addresses (a
+    broadcast): 3 loads per 8 FMAs where one load per FMA ran ~15 TFLOP/s on an H100."""
+    stride = H.lora_rank_smem_stride
+    assert stride(tile_m) * 4 % 16 == 0 and stride(tile_n) * 4 % 16 == 0 and stride(tile_m) >= tile_m
+    owned = []
+    for thread in range(256):
+        rows, cols = rank_thread_fragments(tile_m, tile_n, thread)
+        owned += [(r, c) for r in rows for c in cols]
+        for values in (rows, cols):
+            for g in range(0, len(values) if len(values) > 1 else 0, 4):
+                assert values[g] % 4 == 0 and values[g:g + 4] == list(range(values[g], values[g] + 4)), values
+    assert sorted(owned) == [(r, c) for r in range(tile_m) for c in range(tile_n)]
+    for warp in range(8):
+        fragments = [rank_thread_fragments(tile_m, tile_n, 32 * warp + lane) for lane in range(32)]
+        for side in (0, 1):
+            count = len(fragments[0][side])
+            for load in range(0, count, 4 if count > 1 else 1):  # one instruction: a group, or the value
+                starts = {f[side][load] for f in fragments}
+                width = 4 if count > 1 else 1
+                assert max(starts) + width - min(starts) <= 64, (warp, side, sorted(starts))
+                if tile_m != tile_n and count > 1:
+                    assert len(starts) == 2, (warp, side, sorted(starts))
+
+
 def test_rank_gemm_small_k_or_no_device_count_is_unsplit():
     assert H.lora_rank_gemm_plan(8192, 16, 1023, 132)[2] == 1  # k < 2 x 512: one range
     assert H.lora_rank_gemm_plan(8192, 16, 14336, 0)[2:] == (1, 14336, 0)  # SM count unknown

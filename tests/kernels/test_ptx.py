@@ -60,6 +60,20 @@ def test_nf4_dequantize_stores_16_bytes_per_thread_with_loads_in_flight(tmp_path
     assert sum("Lb1E" in name for name in kernels) == 3
 
 
+def test_lora_rank_gemm_reads_shared_memory_16_bytes_at_a_time(tmp_path):
+    """The SIMT rank GEMM (fp32 LoRA factors against 16-bit activations) is bound by its shared-memory
+    loads: per slice of 16 k, each thread's groups of 4 values are one ld.shared.v4 each (lora.h,
+    rank_fragment_index), 32 of them, and at most 16 single loads beside 128 (thin tiles) or 256
+    (64 x 64) FMAs. The strided layout before took 144 scalar loads per 128 FMAs (~15 TFLOP/s)."""
+    kernels = {name: ptx for name, ptx in kernels_ptx("lora/lora.cu", tmp_path).items() if "rank_gemm_kernel" in name}
+    assert len(kernels) == 3, list(kernels)  # the 128 x 16, 16 x 128 and 64 x 64 tiles
+    for name, ptx in kernels.items():
+        vector = len(re.findall(r"ld\.shared\.v4\.f32", ptx))
+        single = len(re.findall(r"ld\.shared\.f32", ptx))
+        assert vector >= 32 and single <= 16, f"{name}: {vector} 16-byte and {single} 4-byte shared loads"
+        assert "ld.local" not in ptx and "st.local" not in ptx, f"{name}: spills to local memory"
+
+
 def sm90_kernels_ptx(source: str, tmp_path: Path) -> dict[str, str]:
     """Each kernel's PTX in an sm_90a-only source: the PTX make cuda-check kept (PYKERNELS_PTX_DIR,
     Makefile), else compiled here with the flags cmake/sm90_sources.cmake uses."""
