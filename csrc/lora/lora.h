@@ -87,7 +87,7 @@ PYKERNELS_HOST_DEVICE constexpr int64_t rank_smem_stride(int64_t extent) { retur
 
 // Thread `thread` (< 256) of a CTA whose tile has tile_m rows, as (tx, ty) of the 16 x 16 grid. The
 // 16 consecutive lanes of a half-warp take 16 columns, except on the 16-row tile, where they take
-// its 16 rows: either way they load the side of one element per thread (16 distinct floats in one
+// its 16 rows: on both thin tiles they so walk the side of one element per thread (16 floats in one
 // 64-byte run), and a warp's 16-byte loads of the other side see 2 addresses (broadcast), not 16.
 struct RankThread {
   int tx, ty;
