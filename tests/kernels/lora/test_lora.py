@@ -146,6 +146,19 @@ def test_dropout_is_applied_to_the_lora_input_only(bias_mode, nf4_weight):
     assert bias_mode != "frozen" or bias.grad is None
 
 
+def test_frozen_lora_A_gets_no_gradient_and_B_the_right_one():
+    """LoRA-FA freezes A: B's gradient (and x's) still match torch autograd; A gets none."""
+    weight, a, b, bias = make(64, 32, 8, torch.float32)
+    a.requires_grad_(False)
+    x = torch.randn(16, 64, requires_grad=True)
+    lora.lora_linear(x, weight, a, b, 2.0, bias).square().sum().backward()
+    x_, b_ = x.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    (x_ @ weight.T + bias.detach() + 2.0 * (x_ @ a.T) @ b_.T).square().sum().backward()
+    assert a.grad is None
+    torch.testing.assert_close(b.grad, b_.grad, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(x.grad, x_.grad, atol=1e-3, rtol=1e-4)
+
+
 def test_frozen_x_gets_no_gradient_and_the_adapters_do():
     weight, a, b, bias = make(64, 32, 8, torch.float32)
     x = torch.randn(16, 64)
