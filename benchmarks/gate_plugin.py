@@ -10,7 +10,7 @@ class, as `python -m benchmarks.gate --remeasure` judges a saved file:
   both runs (a burst of interference on a shared machine hits one run, a real regression both);
   PYKERNELS_BENCH_RETIME=0 judges the first run alone (a lent GPU's minutes: a failing LoRA rule
   re-timed every case of its op, and pytest-benchmark writes --benchmark-json only when the session
-  ends, so a stage limit reached while re-timing lost the whole file);
+  ends, so a stage limit reached while re-timing loses the whole file);
 - every rule of a benchmark file that ran whole is judged, and one without results fails; in a
   subset, a rule none of whose cases ran (ours and its baseline) is listed as not evaluated;
 - the item fails, so the session exits 1, when a rule misses its floor; its message names the
