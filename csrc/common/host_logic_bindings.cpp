@@ -264,8 +264,14 @@ uint32_t nf4_pack_word(const std::vector<uint32_t>& codes) {
   return word;
 }
 
+// i / by.d as a dequantize kernel computes it: by a shift in its shift variant, else by a division.
+int64_t nf4_kernel_divide(const nf4::Divider& by, int64_t i, bool shift) {
+  return shift ? nf4::divide_as<true>(by, i) : nf4::divide_as<false>(by, i);
+}
+
 // Dequantize of a double-quantized NF4 tensor composed as dequantize_kernel composes the helpers
-// (block scale decoded per block, one product per value).
+// (block and nested block by the variant its launcher picks, block scale decoded per block, one
+// product per value).
 std::vector<float> nf4_dequantize_double_quant(const std::vector<uint8_t>& packed, int64_t numel, int64_t blocksize,
                                                const std::vector<uint8_t>& absmax_q,
                                                const std::vector<float>& nested_code,
@@ -273,10 +279,12 @@ std::vector<float> nf4_dequantize_double_quant(const std::vector<uint8_t>& packe
                                                int64_t nested_blocksize) {
   require(blocksize >= 1 && nested_blocksize >= 1 && nested_code.size() == 256, "bad blocksize or nested_code");
   require(static_cast<int64_t>(absmax_q.size()) >= nf4::num_blocks(numel, blocksize), "absmax_q too short");
+  const nf4::Divider block_div = nf4::divider(blocksize), nested_div = nf4::divider(nested_blocksize);
+  const bool shift = nf4::dequantize_by_shifts(block_div, nested_div, /*double_quant=*/true);
   std::vector<float> out(numel);
   for (int64_t i = 0; i < numel; ++i) {
-    const int64_t block = nf4::block_of(i, blocksize);
-    const int64_t nested = nf4::nested_block_of(block, nested_blocksize);
+    const int64_t block = nf4_kernel_divide(block_div, i, shift);
+    const int64_t nested = nf4_kernel_divide(nested_div, block, shift);
     require(nested < static_cast<int64_t>(nested_absmax.size()), "nested_absmax too short");
     const float scale = nf4::decode_absmax(nested_code[absmax_q[block]], nested_absmax[nested], nested_offset);
     out[i] = nf4::dequantize_value(nf4::kCode[nf4::code_of_element(packed.at(nf4::packed_byte_of(i)), i)], scale);
@@ -475,7 +483,7 @@ void define_host_logic(py::module_& m) {
       "nf4_divide",
       [](int64_t i, int64_t d) {
         const nf4::Divider by = nf4::divider(d);  // as the dequantize's launcher picks its kernel
-        return std::make_tuple(by.shift >= 0 ? nf4::divide_as<true>(by, i) : nf4::divide_as<false>(by, i), by.shift);
+        return std::make_tuple(nf4_kernel_divide(by, i, by.shift >= 0), by.shift);
       },
       py::arg("i"), py::arg("d"));
   m.def(

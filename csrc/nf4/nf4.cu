@@ -308,8 +308,7 @@ template <typename T>
 void launch_dequantize_as(const DequantizeParams& p, const Divider& block_div, const Divider& nested_div,
                           cudaStream_t stream) {
   const int grid = grid_for(ceil_div(ceil_div(p.numel, DequantUnit<T>::kValues), kDequantUnitsInFlight), kThreads);
-  const bool shift = block_div.shift >= 0 && (p.scales.absmax != nullptr || nested_div.shift >= 0);
-  if (shift) {
+  if (dequantize_by_shifts(block_div, nested_div, /*double_quant=*/p.scales.absmax == nullptr)) {
     dequantize_kernel<T, true><<<grid, kThreads, 0, stream>>>(p.packed, p.scales, p.numel, block_div, nested_div,
                                                               static_cast<T*>(p.out));
   } else {

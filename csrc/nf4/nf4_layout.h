@@ -66,6 +66,12 @@ PYKERNELS_HOST_DEVICE inline int64_t divide_as(const Divider& by, int64_t i) {
   }
 }
 
+// Whether the dequantize runs its shift variant (divide_as<true>): every divisor it looks up by is a
+// power of two, the nested blocksize only with double quantization (bitsandbytes' always are).
+inline bool dequantize_by_shifts(const Divider& block_div, const Divider& nested_div, bool double_quant) {
+  return block_div.shift >= 0 && (!double_quant || nested_div.shift >= 0);
+}
+
 // A double-quantized block's absmax: nested_code[absmax_q] * nested_absmax + nested_offset.
 PYKERNELS_HOST_DEVICE inline float decode_absmax(float nested_code_value, float nested_absmax, float nested_offset) {
   return add_rn(mul_rn(nested_code_value, nested_absmax), nested_offset);
