@@ -1,7 +1,8 @@
 // CPU kernels of the grouped MoE GEMM that are not the GEMM itself (common/cpu_gemm_bf16.h): the
 // epilogue that turns an expert's transposed fp32 output tile into bf16 output rows, and the
 // per-token sum of gated rows. AVX-512 BF16 only, like the bf16 GEMM path that calls them (other
-// CPUs and dtypes take torch's GEMMs). Torch-free; moe_cpu.cpp drives them.
+// CPUs and dtypes take torch's GEMMs). Torch-free; moe_cpu_forward.cpp and moe_cpu_backward.cpp
+// drive them.
 #pragma once
 
 #include <cstdint>
