@@ -162,8 +162,8 @@ def experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weigh
     or a ClampedSwiGLU (GPT-OSS); lora maps "gate_up_proj" / "down_proj" to LoRAFactors; optional
     per-expert biases gate_up_bias [E, 2I] and down_bias [E, H] (GPT-OSS), added before the routing
     weight. Gradients to hidden, top_k_weights, the expert weights, the biases and LoRA. The expert
-    weights may both be frozen NF4Weights [E, out, in] (QLoRA): only the experts that received
-    tokens are dequantized, in the forward and again in the backward.
+    weights may both be frozen NF4Weights [E, out, in] (QLoRA): they are dequantized in the forward
+    and again in the backward (only the routed experts when T * k < E), without a host sync.
 
     The biases run as torch epilogues around the two grouped GEMMs (elementwise work on the [T*k, 2I]
     and [T, k, H] rows the GEMMs write anyway), the activation as one pass each way
@@ -231,7 +231,7 @@ def _weighted_bias(bias: torch.Tensor, top_k_index: torch.Tensor, top_k_weights:
 
 
 def _nf4_linears(hidden, top_k_weights, gate_up_proj: NF4Weight, down_proj: NF4Weight, routing):
-    """grouped_linear's NF4 twins for one call: only the routed experts are dequantized."""
+    """grouped_linear's NF4 twins for one call (moe_nf4.compact_routing: which experts are dequantized)."""
     if down_proj.shape[0] != gate_up_proj.shape[0]:
         raise ValueError(f"gate_up_proj has {gate_up_proj.shape[0]} experts and down_proj {down_proj.shape[0]}")
     for weight, name in ((gate_up_proj, "gate_up_proj"), (down_proj, "down_proj")):

@@ -1,11 +1,16 @@
-"""Grouped MoE experts on NF4 expert weights (QLoRA on MoE models): only the experts that received
-tokens are dequantized, and again in the backward instead of being kept for it.
+"""Grouped MoE experts on NF4 expert weights (QLoRA on MoE models): the expert weights are dequantized
+in the forward and again in the backward instead of being kept for it; when the call has fewer
+assignments than experts (T * k < E), only the routed experts.
 
 Expert e of an NF4Weight [E, out, in] owns elements [e n, (e + 1) n), n = out * in, so with n a
-multiple of the block size its packed bytes and block scales are contiguous slices: the routed
+multiple of the block size its packed bytes and block scales are contiguous slices: the listed
 experts' slices are gathered into one smaller NF4Weight and dequantized by one kernel call into
 [E_used, out, in]. The routing and the LoRA factors are renumbered to match (experts without
 tokens are never read by the grouped GEMM, so dropping them changes nothing but the work).
+
+Nothing here reads the routing on the host: the list of experts has a size known from the shapes,
+min(E, T * k), so a CUDA step never waits for the GPU here (torch.nonzero would, once per MoE layer,
+and would break torch.compile's graph).
 """
 
 from __future__ import annotations
@@ -21,9 +26,9 @@ from pykernels.moe_types import LoRAFactors
 
 @dataclass(frozen=True)
 class CompactRouting:
-    """sort_tokens' routing with the experts that received tokens renumbered 0..E_used-1."""
+    """sort_tokens' routing renumbered to a list of experts: expert experts[i] is i."""
 
-    experts: torch.Tensor  # int64 [E_used]: original ids of the routed experts, ascending
+    experts: torch.Tensor  # int64 [E_used]: original ids, ascending, then repeats of 0 that no slot reads
     sorted_expert_idx: torch.Tensor
     sorted_token_idx: torch.Tensor
     expert_offsets: torch.Tensor  # [E_used + 1]
@@ -36,14 +41,24 @@ class CompactRouting:
 
 def compact_routing(sorted_expert_idx: torch.Tensor, sorted_token_idx: torch.Tensor,
                     expert_offsets: torch.Tensor) -> CompactRouting:
-    """Drop the experts without tokens from sort_tokens' routing (one host synchronization)."""
+    """sort_tokens' routing over min(E, T * k) experts, without a host synchronization: all E when
+    every expert could have a token (T * k >= E: any training batch; the routing as it is), else the
+    routed ones in id order, padded with empty groups that list expert 0 (their LoRA rows get zero
+    gradient; their dequantized copies are never read)."""
     num_experts = expert_offsets.numel() - 1
-    experts = torch.nonzero(expert_offsets.diff() > 0).flatten()
-    if experts.numel() == 0:  # no tokens, or every id dropped: keep one (empty) expert, the ops need E >= 1
-        experts = experts.new_zeros(1)
-    renumber = torch.full((num_experts + 1,), experts.numel(), dtype=torch.int64, device=experts.device)
-    renumber[experts] = torch.arange(experts.numel(), device=experts.device)  # dropped ids (= E) stay last
-    offsets = torch.cat([expert_offsets[experts], expert_offsets[-1:]])
+    slots = sorted_expert_idx.numel()
+    if slots >= num_experts:
+        experts = torch.arange(num_experts, device=expert_offsets.device)
+        return CompactRouting(experts, sorted_expert_idx, sorted_token_idx, expert_offsets, num_experts)
+    size = max(slots, 1)  # the ops need E >= 1: no tokens keep one empty expert
+    routed = expert_offsets.diff() > 0  # at most T * k of them
+    listed = torch.nonzero_static(routed, size=size, fill_value=num_experts).flatten()
+    # renumber[e]: e's place among the routed experts; unrouted ids and the dropped bucket (E) go
+    # to the last bucket, size.
+    place = torch.where(routed, routed.cumsum(0) - 1, size)
+    renumber = torch.cat([place, place.new_full((1,), size)])
+    offsets = torch.cat([expert_offsets[listed], expert_offsets[-1:]])  # padding: empty groups at the end
+    experts = torch.where(listed < num_experts, listed, 0)
     return CompactRouting(experts, renumber[sorted_expert_idx], sorted_token_idx, offsets, num_experts)
 
 

@@ -1,19 +1,22 @@
 """experts_forward on NF4 expert weights (QLoRA on MoE): equal to the same kernels on the dequantized
-weights, close to an fp64 reference, only routed experts dequantized, no dense weight kept for the
-backward, and clear errors."""
+weights, close to an fp64 reference, which experts are dequantized (all, or the routed ones when T * k < E),
+no dense weight kept for the backward, no host synchronization, and clear errors."""
 
 import pytest
 import torch
 
 import pykernels.nf4 as nf4
+from conftest import requires_cuda
 from pykernels import backend, moe
 from pykernels.nf4_weight import NF4Weight
 from pykernels.ops import moe_nf4
 from pykernels.reference import moe as reference
 
 # (tokens, hidden, inter, experts, top_k, unrouted experts, blocksize). 2I*H = 2*16*24 = 768 is not a
-# multiple of 512: that case dequantizes every expert (no block boundary between experts).
-CASES = [(37, 64, 32, 8, 2, 3, 64), (9, 24, 16, 5, 3, 1, 128), (5, 24, 16, 6, 1, 4, 512), (16, 32, 16, 1, 1, 0, 64)]
+# multiple of 512: that case dequantizes every expert (no block boundary between experts). T * k < E
+# (fewer assignments than experts: only routed experts, padded) in the third and the last.
+CASES = [(37, 64, 32, 8, 2, 3, 64), (9, 24, 16, 5, 3, 1, 128), (5, 24, 16, 6, 1, 4, 512), (16, 32, 16, 1, 1, 0, 64),
+         (3, 64, 32, 16, 2, 5, 64)]
 
 
 def make_problem(tokens, hidden, inter, experts, top_k, unrouted, blocksize, dtype, double_quant, seed=0):
@@ -62,10 +65,11 @@ def test_dequantize_experts_is_the_full_dequantize_of_those_experts(double_quant
                            weight.dequantize(torch.bfloat16)[ids]), experts
 
 
-def test_only_routed_experts_are_dequantized_and_no_dense_weight_is_kept(monkeypatch):
-    tokens, hidden, inter, experts = 37, 64, 32, 8
+@pytest.mark.parametrize(("tokens", "dequantized_experts"), [(37, 8), (3, 6)])
+def test_experts_dequantized_per_call_and_no_dense_weight_is_kept(monkeypatch, tokens, dequantized_experts):
+    """All 8 experts when T * k >= E; with T * k = 6 < 8, a list of 6: the routed ones, padded."""
+    hidden, inter, experts = 64, 32, 8
     idx, gate_up, down, leaves = make_problem(tokens, hidden, inter, experts, 2, 3, 64, torch.float32, True)
-    routed = idx.unique().numel()
     dequantized = []
     original = NF4Weight.dequantize
     monkeypatch.setattr(NF4Weight, "dequantize", lambda self, dtype=None: dequantized.append(self.shape[0])
@@ -79,11 +83,42 @@ def test_only_routed_experts_are_dequantized_and_no_dense_weight_is_kept(monkeyp
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         x, w, a1, b1, a2, b2 = leaves
         out = moe.experts_forward(x, idx, w, gate_up, down, lora={"gate_up_proj": moe.LoRAFactors(a1, b1, 0.5)})
-    assert dequantized == [routed, routed]  # gate_up and down, routed experts only
-    assert max(saved) < routed * inter * hidden  # no dequantized expert weight waits for the backward
+    assert dequantized == [dequantized_experts] * 2  # gate_up and down
+    assert max(saved) < dequantized_experts * inter * hidden  # no dequantized weight (down: the smaller) is kept
     out.sum().backward()
-    assert dequantized == [routed] * 4  # dequantized again for grad_x
+    assert dequantized == [dequantized_experts] * 4  # dequantized again for grad_x
     assert x.grad is not None and w.grad is not None and a1.grad is not None
+
+
+@pytest.mark.parametrize(("tokens", "top_k", "experts", "seed"),
+                         [(3, 2, 16, 0), (1, 3, 8, 1), (5, 1, 7, 2), (0, 2, 4, 3)])
+def test_compact_routing_lists_the_routed_experts_as_a_host_oracle_does(tokens, top_k, experts, seed):
+    """T * k < E: the routed experts in id order, then padding (expert 0, empty groups); slots renumbered
+    to their expert's place, dropped ids (>= E: another rank's) to the last bucket. Checked against
+    Python on the host, with ids outside [0, E) among them."""
+    g = torch.Generator().manual_seed(seed)
+    top_k_index = torch.randint(-1, experts + 2, (tokens, top_k), generator=g)
+    routing = moe.sort_tokens(top_k_index, experts)
+    compact = moe_nf4.compact_routing(*routing)
+    ids = [e for e in top_k_index.flatten().tolist() if 0 <= e < experts]
+    routed = sorted(set(ids))
+    size = max(tokens * top_k, 1)
+    assert compact.experts.tolist() == routed + [0] * (size - len(routed))
+    counts = [ids.count(e) for e in routed] + [0] * (size - len(routed))
+    assert compact.expert_offsets.diff().tolist() == counts
+    assert compact.expert_offsets[-1] == routing[2][-1]  # the dropped bucket starts where it did
+    place = {e: i for i, e in enumerate(routed)}
+    assert compact.sorted_expert_idx.tolist() == [place.get(e, size) for e in routing[0].tolist()]
+    assert torch.equal(compact.sorted_token_idx, routing[1])
+
+
+def test_compact_routing_reads_nothing_on_the_host():
+    """Shapes alone decide it: it runs on meta tensors, which hold no data (torch.nonzero cannot)."""
+    top_k_index = torch.tensor([[3, 1], [1, 9]])
+    routing = [t.to("meta") for t in moe.sort_tokens(top_k_index, 16)]
+    compact = moe_nf4.compact_routing(*routing)
+    assert compact.experts.shape == (4,) and compact.expert_offsets.shape == (5,)
+    assert compact.sorted_expert_idx.shape == (4,)
 
 
 def test_reference_backend_dequantizes_and_runs_the_reference():
@@ -125,3 +160,28 @@ def test_bad_nf4_inputs_are_clear_errors():
     bad_lora = moe.LoRAFactors(torch.randn(7, 24), torch.randn(32, 7), 1.0)
     with pytest.raises(ValueError, match=r"LoRA factors for 5 experts must be A \[r\*E, in\]"):
         moe.experts_forward(x, idx, w, gate_up, down, lora={"gate_up_proj": bad_lora})
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("tokens", [37, 3])  # T * k >= E, and < E (the routed experts, padded)
+def test_cuda_nf4_experts_run_without_a_host_synchronization(tokens):
+    """QLoRA's MoE layer queues its whole forward and backward without waiting for the GPU (torch.nonzero
+    in the compaction did, once per layer), and equals the kernels on the dequantized weights."""
+    idx, gate_up, down, leaves = make_problem(tokens, 64, 32, 8, 2, 3, 64, torch.bfloat16, True)
+    idx, gate_up, down = idx.cuda(), gate_up.to("cuda"), down.to("cuda")
+    leaves = [t.detach().cuda().requires_grad_() for t in leaves]
+    dense_gate_up, dense_down = gate_up.dequantize(torch.bfloat16), down.dequantize(torch.bfloat16)
+    backend.set_kernels("ours")  # not torch._grouped_mm, which `auto` may pick
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            ours = run(moe.experts_forward, idx, gate_up, down, leaves)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        dense = run(moe.experts_forward, idx, dense_gate_up, dense_down, leaves)
+    finally:
+        backend.set_kernels("auto")
+    for name, a, b in zip(["out", "x", "gates", "A1", "B1", "A2", "B2"], ours, dense):
+        assert torch.equal(a, b), name
