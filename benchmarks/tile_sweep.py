@@ -8,8 +8,10 @@ with fp32 adapters (PYKERNELS_LORA_RANK_GEMM, lora/lora_rank_pieces.h: SIMT fp32
 tensor cores; r 16 and 64), the core's tile orders (PYKERNELS_SM90_RASTER, common/sm90_tile_order.h:
 raster direction and swizzle, on MoE and the LoRA forward), both of the
 experts' LoRA products (PYKERNELS_SM90_MOE_LORA, moe/moe.h: extra K of the base GEMM, or their own
-GEMMs) and both ways of reading the QLoRA forward's NF4 weight (PYKERNELS_SM90_NF4,
-nf4/nf4_gemm_sm90.h: dequantized chunks for cuBLAS, or decoded in the GEMM's mainloop). All are
+GEMMs), both ways of reading the QLoRA forward's NF4 weight (PYKERNELS_SM90_NF4,
+nf4/nf4_gemm_sm90.h: dequantized chunks for cuBLAS, or decoded in the GEMM's mainloop) and both NF4
+dequantize kernels (PYKERNELS_NF4_DEQUANT, nf4/nf4.h: a thread per store unit, or a warp per 1024
+values with 16-byte loads; the benchmarks' shapes, in GB/s beside a copy of the same output). All are
 read on every call, so a lent GPU measures them all without rebuilding (~3 minutes of a 15-minute
 lease per build). For choosing the defaults and the core's `auto` rule; the timings that count stay
 the benchmarks' (pytest --benchmark).
@@ -27,13 +29,14 @@ base GEMM (torch's x W^T, the same under every setting) as the first row. QLoRA 
 adapters, after the bare bf16 base GEMM.
 
     python -m benchmarks.tile_sweep [--ops moe,lora,logprobs,lora_forward,lora_grad_x,lora_rank,raster,
-                                           moe_lora,qlora_forward]
+                                           moe_lora,qlora_forward,nf4_dequant]
                                     [--tiles auto,128x128,128x256] [--logprobs-tiles 256x128,128x128]
                                     [--lora-forwards extended_k,cublas,extended_k@128x128,extended_k@128x256]
                                     [--lora-grad-xs cublas,extended_k] [--lora-rank-gemms simt,tensor_core]
                                     [--rasters m1,m2,m4,m8,n1,n2,n4,n8]
                                     [--moe-loras extra_k,separate]
-                                    [--nf4-forwards dequantize,mainloop] [--rounds 10]
+                                    [--nf4-forwards dequantize,mainloop] [--nf4-dequants units,warps]
+                                    [--rounds 10]
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ LORA_RANK_GEMMS = ("simt", "tensor_core")  # the first is the default (lora/lora
 RASTERS = ("m1", "m2", "m4", "m8", "n1", "n2", "n4", "n8")  # the first is the default (common/sm90_tile_order.h)
 MOE_LORAS = ("extra_k", "separate")  # the first is the default (moe/moe.h)
 NF4_FORWARDS = ("dequantize", "mainloop")  # the first is the default (nf4/nf4_gemm_sm90.h)
+NF4_DEQUANTS = ("units", "warps")  # the first is the default (nf4/nf4.h)
 ROUNDS = 10
 
 
@@ -155,6 +159,21 @@ def qlora_forward_cases():
             yield f"qlora forward {shape} T{tokens} r16", call, flops
 
 
+def nf4_dequant_cases():
+    from benchmarks.test_bench_nf4 import SHAPES, packed_bytes
+    from pykernels import nf4
+
+    for shape_name, shape in SHAPES.items():
+        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        weight = nf4.quantize(x, 64, double_quant=True)
+        moved = x.numel() * 2 + packed_bytes(x.numel())  # the benchmarks' bytes: bf16 out, packed in
+        out = torch.empty_like(x)
+        yield (f"copy of the bf16 output {shape_name} (reference: bytes read + written)",
+               lambda out=out, x=x: out.copy_(x), 2 * x.numel() * 2)
+        yield (f"nf4 dequantize {shape_name} bf16, blocksize 64, double-quantized",
+               lambda w=weight: nf4.dequantize(w), moved)
+
+
 def logprobs_cases():
     from pykernels.logprobs import token_logprobs
 
@@ -182,10 +201,13 @@ CASES = {"moe": (moe_cases, "PYKERNELS_SM90_TILE", "tiles"), "lora": (lora_cases
          "lora_rank": (lora_rank_cases, "PYKERNELS_LORA_RANK_GEMM", "lora_rank_gemms"),
          "raster": (raster_cases, "PYKERNELS_SM90_RASTER", "rasters"),
          "moe_lora": (moe_lora_cases, "PYKERNELS_SM90_MOE_LORA", "moe_loras"),
-         "qlora_forward": (qlora_forward_cases, "PYKERNELS_SM90_NF4", "nf4_forwards")}
+         "qlora_forward": (qlora_forward_cases, "PYKERNELS_SM90_NF4", "nf4_forwards"),
+         "nf4_dequant": (nf4_dequant_cases, "PYKERNELS_NF4_DEQUANT", "nf4_dequants")}
+# What a case's third number counts, per op: FLOPs (the default, rated in TF/s) or bytes moved (GB/s).
+RATE_UNITS = {"nf4_dequant": ("GB/s", 1e6)}
 
 
-def sweep(cases, variable: str, tiles: list[str], rounds: int) -> None:
+def sweep(cases, variable: str, tiles: list[str], rounds: int, unit: tuple[str, float] = ("TF/s", 1e9)) -> None:
     """Each case under each choice; a choice "value@tile" also sets the core's tile (PYKERNELS_SM90_TILE:
     the extended-K LoRA forward runs on the core)."""
     for name, fn, flops in cases:
@@ -199,7 +221,7 @@ def sweep(cases, variable: str, tiles: list[str], rounds: int) -> None:
             if core_tile:
                 os.environ.pop("PYKERNELS_SM90_TILE")
         os.environ.pop(variable)
-        print(row_line(name, times, flops, tiles), flush=True)
+        print(row_line(name, times, flops, tiles, unit), flush=True)
 
 
 def header(tiles: list[str]) -> str:
@@ -207,9 +229,12 @@ def header(tiles: list[str]) -> str:
             + "|---" * (len(tiles) + 3) + "|")
 
 
-def row_line(name: str, times: dict[str, float], flops: int, tiles: list[str]) -> str:
+def row_line(name: str, times: dict[str, float], work: int, tiles: list[str],
+             unit: tuple[str, float] = ("TF/s", 1e9)) -> str:
+    """A case's row: each choice's ms and rate (work per ms / unit[1], in unit[0]), the best choice."""
     best = min(times, key=times.get)
-    cells = [f"{times[t]:.3f} ({flops / times[t] / 1e9:.0f} TF/s)" for t in tiles]
+    label, per_ms = unit
+    cells = [f"{times[t]:.3f} ({work / times[t] / per_ms:.0f} {label})" for t in tiles]
     return f"| {name} | " + " | ".join(cells) + f" | {best} | {times[tiles[0]] / times[best]:.2f}x |"
 
 
@@ -222,7 +247,8 @@ CHOICE_ARGS = {"tiles": (TILES, "the GEMM core's tiles"),
                "lora_rank_gemms": (LORA_RANK_GEMMS, "the LoRA rank products' ways with fp32 factors"),
                "rasters": (RASTERS, "the GEMM core's tile orders"),
                "moe_loras": (MOE_LORAS, "the experts' LoRA products' ways"),
-               "nf4_forwards": (NF4_FORWARDS, "the QLoRA forward's ways of reading NF4")}
+               "nf4_forwards": (NF4_FORWARDS, "the QLoRA forward's ways of reading NF4"),
+               "nf4_dequants": (NF4_DEQUANTS, "the NF4 dequantize's kernels")}
 
 
 def known_choices() -> dict[str, list[str]]:
@@ -259,7 +285,7 @@ def main() -> None:
     for op in ops:
         cases, variable, kind = CASES[op]
         print(f"\n{op} ({variable})\n{header(tiles[kind])}", flush=True)
-        sweep(cases(), variable, tiles[kind], args.rounds)
+        sweep(cases(), variable, tiles[kind], args.rounds, RATE_UNITS.get(op, ("TF/s", 1e9)))
         torch.cuda.empty_cache()
 
 

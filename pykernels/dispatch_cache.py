@@ -5,8 +5,8 @@ one entry per *identity*: device name, GPU driver version, torch version, pykern
 compiled extension's size and mtime, whether the Hopper GEMMs are on (PYKERNELS_SM90), their tiles
 (PYKERNELS_SM90_TILE, PYKERNELS_SM90_LOGPROBS_TILE) and tile order (PYKERNELS_SM90_RASTER), LoRA
 forward and grad_x (PYKERNELS_SM90_LORA, PYKERNELS_SM90_LORA_GRAD_X), the LoRA rank products
-(PYKERNELS_LORA_RANK_GEMM), QLoRA forward (PYKERNELS_SM90_NF4) and experts' LoRA
-(PYKERNELS_SM90_MOE_LORA). A decision is only valid for the identity that made it: a new driver,
+(PYKERNELS_LORA_RANK_GEMM), QLoRA forward (PYKERNELS_SM90_NF4), experts' LoRA
+(PYKERNELS_SM90_MOE_LORA) and NF4 dequantize kernel (PYKERNELS_NF4_DEQUANT). A decision is only valid for the identity that made it: a new driver,
 torch or kernel build can change who is faster or whether ours is right, so any change means a
 fresh entry (re-decided on first use) and the stale entries of that device are dropped.
 Writes are atomic (temporary file + os.replace), so a crash or a second process never leaves a
@@ -79,8 +79,8 @@ def identity(device: torch.device) -> dict:
             # PYKERNELS_SM90_LORA / _GRAD_X the LoRA forward's and grad_x's GEMMs
             # (lora/lora_extended_k.h), PYKERNELS_LORA_RANK_GEMM its rank products (lora/lora_rank_pieces.h),
             # PYKERNELS_SM90_NF4 the QLoRA forward's (nf4/nf4_gemm_sm90.h), PYKERNELS_SM90_MOE_LORA the
-            # experts' LoRA products (moe/moe.h): decisions made with one set of kernels must not be
-            # reused for another
+            # experts' LoRA products (moe/moe.h), PYKERNELS_NF4_DEQUANT the NF4 dequantize (nf4/nf4.h):
+            # decisions made with one set of kernels must not be reused for another
             "sm90_kernels": os.environ.get("PYKERNELS_SM90") != "0",
             "sm90_tiles": [os.environ.get("PYKERNELS_SM90_TILE") or "default",
                            os.environ.get("PYKERNELS_SM90_LOGPROBS_TILE") or "default"],
@@ -89,7 +89,8 @@ def identity(device: torch.device) -> dict:
             "sm90_lora_grad_x": os.environ.get("PYKERNELS_SM90_LORA_GRAD_X") or "default",
             "lora_rank_gemm": os.environ.get("PYKERNELS_LORA_RANK_GEMM") or "default",
             "sm90_nf4_forward": os.environ.get("PYKERNELS_SM90_NF4") or "default",
-            "sm90_moe_lora": os.environ.get("PYKERNELS_SM90_MOE_LORA") or "default"}
+            "sm90_moe_lora": os.environ.get("PYKERNELS_SM90_MOE_LORA") or "default",
+            "nf4_dequantize": os.environ.get("PYKERNELS_NF4_DEQUANT") or "default"}
     return _identities[str(device)]
 
 

@@ -242,6 +242,7 @@ def test_tile_sweep_names_what_it_needs(monkeypatch):
     assert refusal("--lora-rank-gemms", "tf32") == "unknown choice tf32: --lora-rank-gemms takes simt, tensor_core"
     assert refusal("--rasters", "m1,m3") == "unknown choice m3: --rasters takes m1, m2, m4, m8, n1, n2, n4, n8"
     assert refusal("--ops", "moe,mlp") == ("unknown op mlp: moe, lora, logprobs, lora_forward, lora_grad_x, lora_rank, "
-                                           "raster, moe_lora, qlora_forward")
+                                           "raster, moe_lora, qlora_forward, nf4_dequant")
+    assert refusal("--nf4-dequants", "threads") == "unknown choice threads: --nf4-dequants takes units, warps"
     if not torch.cuda.is_available():
         assert "needs a compute capability 9.0 GPU" in refusal()

@@ -10,7 +10,9 @@ with grad_x as one extended-K GEMM (PYKERNELS_SM90_LORA_GRAD_X=extended_k, csrc/
 with the rank products as bf16 pieces on tensor cores (PYKERNELS_LORA_RANK_GEMM=tensor_core,
 csrc/lora/lora_rank_pieces.h) and with the NF4 weight decoded in the GEMM's mainloop
 (PYKERNELS_SM90_NF4=mainloop, csrc/nf4/nf4_gemm_sm90.h), and the MoE calls with the experts' LoRA
-products as their own GEMMs (PYKERNELS_SM90_MOE_LORA=separate, csrc/moe/moe.h).
+products as their own GEMMs (PYKERNELS_SM90_MOE_LORA=separate, csrc/moe/moe.h), and the NF4 calls
+with the dequantize by warp chunks (PYKERNELS_NF4_DEQUANT=warps, csrc/nf4/nf4.h: its codes staged in
+shared memory, racecheck's case).
 On CPU (the dry run) the same calls check that this script still matches the ops' signatures.
 
     python .ci/gpu/sanitize_ops.py [--device cuda|cpu]
@@ -47,7 +49,8 @@ def run_nf4(device: str) -> None:
     weight = randn(83, 64, device=device)
     for double_quant in (False, True):
         packed = nf4.quantize(weight, 64, double_quant=double_quant)
-        assert nf4.dequantize(packed).shape == weight.shape
+        for dtype in (torch.float32, torch.bfloat16):  # 4 and 8 values per 16-byte store
+            assert nf4.dequantize(packed, dtype).shape == weight.shape
 
 
 def run_lora(device: str) -> None:
@@ -118,12 +121,14 @@ FAMILIES = {"nf4": run_nf4, "lora": run_lora, "logprobs": run_logprobs, "moe": r
 # cuBLAS, grad_x as one extended-K GEMM (lora/lora_extended_k.h), the rank products on tensor cores
 # (lora/lora_rank_pieces.h), the core's tiles walked along N in swizzled blocks (common/sm90_tile_order.h),
 # the NF4 decode in the GEMM
-# (nf4/nf4_gemm_sm90.h), and the experts' LoRA products as their own GEMMs (moe/moe.h).
+# (nf4/nf4_gemm_sm90.h), the experts' LoRA products as their own GEMMs (moe/moe.h), and the NF4
+# dequantize by warp chunks (nf4/nf4.h).
 OTHER_SETTINGS = [("PYKERNELS_SM90_TILE", tile, "moe") for tile in _C.host_logic.gemm_sm90_tiles] + [
     ("PYKERNELS_SM90_LOGPROBS_TILE", tile, "logprobs") for tile in _C.host_logic.logprobs_sm90_tiles[1:]] + [
     ("PYKERNELS_SM90_LORA", "cublas", "lora"), ("PYKERNELS_SM90_LORA_GRAD_X", "extended_k", "lora"),
     ("PYKERNELS_LORA_RANK_GEMM", "tensor_core", "lora"), ("PYKERNELS_SM90_RASTER", "n8", "moe"),
-    ("PYKERNELS_SM90_NF4", "mainloop", "lora"), ("PYKERNELS_SM90_MOE_LORA", "separate", "moe")]
+    ("PYKERNELS_SM90_NF4", "mainloop", "lora"), ("PYKERNELS_SM90_MOE_LORA", "separate", "moe"),
+    ("PYKERNELS_NF4_DEQUANT", "warps", "nf4")]
 
 
 def run_family(family: str, device: str, setting: str = "") -> None:

@@ -292,6 +292,56 @@ std::vector<float> nf4_dequantize_double_quant(const std::vector<uint8_t>& packe
   return out;
 }
 
+// The warp-chunk dequantize (nf4.cu's dequantize_warps_kernel, PYKERNELS_NF4_DEQUANT=warps) composed
+// on the host from the layout helpers it uses (nf4_layout.h): per whole chunk of kWarpChunkValues, the
+// 512 staged bytes in lane order, lane l's scale of block (c0 >> shift) + l, and lane t's store units,
+// each decoded with the scale of lane warp_scale_lane; the last, partial chunk value by value. Every
+// value must be written exactly once and every scale taken from a lane that holds one. unit_values:
+// 8 (16-bit out) or 4 (fp32); absmax per block (the scale decode is the units kernel's).
+std::vector<float> nf4_dequantize_warps(const std::vector<uint8_t>& packed, int64_t numel, int64_t blocksize,
+                                        const std::vector<float>& absmax, int unit_values) {
+  const nf4::Divider block_div = nf4::divider(blocksize);
+  require(block_div.shift >= 5, "the warp kernel runs for power-of-two blocksizes >= 32");
+  require(unit_values == 8 || unit_values == 4, "unit_values is 8 (16-bit out) or 4 (fp32)");
+  require(static_cast<int64_t>(packed.size()) >= nf4::packed_bytes(numel), "packed too short");
+  require(static_cast<int64_t>(absmax.size()) >= nf4::num_blocks(numel, blocksize), "absmax too short");
+  const int shift = block_div.shift;
+  const int units_per_lane = static_cast<int>(nf4::kWarpChunkValues) / (32 * unit_values);
+  std::vector<float> out(numel, 0.0f);
+  std::vector<int> writes(numel, 0);
+  auto write = [&](int64_t i, int code, float scale) {
+    out[i] = nf4::dequantize_value(nf4::kCode[code], scale);
+    ++writes[i];
+  };
+  for (int64_t c0 = 0; c0 < numel; c0 += nf4::kWarpChunkValues) {
+    if (c0 + nf4::kWarpChunkValues > numel) {
+      for (int64_t i = c0; i < numel; ++i)
+        write(i, nf4::code_of_element(packed[nf4::packed_byte_of(i)], i), absmax[i >> shift]);
+      continue;
+    }
+    const uint8_t* staged = packed.data() + nf4::packed_byte_of(c0);  // 32 lanes x 16 bytes, in lane order
+    float lane_scale[32];
+    for (int lane = 0; lane < 32; ++lane)
+      lane_scale[lane] = nf4::warp_lane_has_scale(c0, lane, shift) ? absmax[(c0 >> shift) + lane] : 0.0f;
+    for (int lane = 0; lane < 32; ++lane) {
+      for (int u = 0; u < units_per_lane; ++u) {
+        const int64_t offset = nf4::warp_unit_offset(u, lane, unit_values);
+        const int source = nf4::warp_scale_lane(c0, offset, shift);
+        require(source >= 0 && source < 32 && nf4::warp_lane_has_scale(c0, source, shift),
+                "a unit's scale from a lane that holds none");
+        require((source + (c0 >> shift)) == ((c0 + offset + unit_values - 1) >> shift), "a unit spans two blocks");
+        for (int k = 0; k < unit_values / 2; ++k) {
+          const uint8_t byte = staged[nf4::packed_byte_of(offset) + k];
+          write(c0 + offset + 2 * k, nf4::high_code(byte), lane_scale[source]);
+          write(c0 + offset + 2 * k + 1, nf4::low_code(byte), lane_scale[source]);
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < numel; ++i) require(writes[i] == 1, "a value written other than once");
+  return out;
+}
+
 // ------------------------------------------------------------------ logprobs
 std::vector<std::pair<int64_t, int64_t>> logprobs_chunks(int64_t extent, int64_t chunk) {
   require(extent >= 0 && chunk >= 1, "need extent >= 0 and chunk >= 1");
@@ -582,6 +632,10 @@ void define_host_logic(py::module_& m) {
   m.def("nf4_dequantize_double_quant", &nf4_dequantize_double_quant, py::arg("packed"), py::arg("numel"),
         py::arg("blocksize"), py::arg("absmax_q"), py::arg("nested_code"), py::arg("nested_absmax"),
         py::arg("nested_offset"), py::arg("nested_blocksize"));
+  m.def("nf4_dequantize_warps", &nf4_dequantize_warps, py::arg("packed"), py::arg("numel"), py::arg("blocksize"),
+        py::arg("absmax"), py::arg("unit_values"));
+  m.def("nf4_warp_unit_offset", &nf4::warp_unit_offset, py::arg("u"), py::arg("lane"), py::arg("unit_values"));
+  def_two_way_knob(m, "nf4_dequantize_kernel", &nf4::dequantize_warps_for, "warps", "units");
   // moe/moe_schedule.h
   m.def("moe_bucket_slots", &moe_bucket_slots, py::arg("offsets"), py::arg("slots"));
   m.def("moe_row_tile_schedule", &moe_row_tile_schedule, py::arg("offsets"), py::arg("slots"),

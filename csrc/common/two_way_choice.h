@@ -1,4 +1,4 @@
-// The Hopper path's two-way knobs (PYKERNELS_SM90_LORA, PYKERNELS_SM90_NF4, PYKERNELS_SM90_MOE_LORA),
+// The two-way knobs (PYKERNELS_SM90_LORA, PYKERNELS_SM90_NF4, PYKERNELS_SM90_MOE_LORA, PYKERNELS_NF4_DEQUANT, ...),
 // read on every call so one process can time both ways (benchmarks/tile_sweep.py). Torch- and
 // CUDA-free: host-tested through pykernels._C.host_logic with each knob.
 #pragma once

@@ -1,5 +1,6 @@
 // NF4 CUDA kernels. Memory-bound: each quantize thread moves 8 values, each dequantize thread one
-// 16-byte store per unit of 8 (16-bit out) or 4 (fp32) values; the aim is >= 85% of copy bandwidth.
+// 16-byte store per unit of 8 (16-bit out) or 4 (fp32) values (by units, or by warp chunks with
+// 16-byte loads: PYKERNELS_NF4_DEQUANT, nf4.h); the aim is >= 85% of copy bandwidth.
 // Results are bit-identical to the CPU kernels (and so to bitsandbytes 0.50 on CPU): every rounding
 // step is an explicit _rn intrinsic, so nvcc's default multiply-add contraction cannot change a bit.
 #include <cuda_bf16.h>
@@ -7,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -210,6 +212,75 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t* __r
   }
 }
 
+// ------------------------------------------------------------------ dequantize by warp chunks
+// PYKERNELS_NF4_DEQUANT=warps (nf4.h; the layout: nf4_layout.h, kWarpChunkValues). A warp issues, for
+// each of kWarpChunksInFlight chunks, one 16-byte load of packed codes per lane and the decode of at
+// most one block scale per lane, before it decodes anything; then per chunk the codes go through
+// shared memory so that each 16-byte store instruction writes 512 contiguous bytes, and each store
+// unit takes its scale from the lane that decoded it (a shuffle): per 8 bf16 values, 0.25 loads of
+// codes and at most one scale decode per block, against the units kernel's one load of codes and one
+// scale decode per unit. Power-of-two blocksizes (shifts) and 16-byte aligned packed and out only
+// (the launcher checks); the last, partial chunk goes value by value.
+constexpr int kWarpChunksInFlight = 2;
+constexpr int kWarpsPerBlock = kThreads / 32;
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) dequantize_warps_kernel(const uint8_t* __restrict__ packed,
+                                                                    BlockScales scales, int64_t numel,
+                                                                    Divider block_div, Divider nested_div,
+                                                                    T* __restrict__ out) {
+  using Codes = typename DequantUnit<T>::Codes;
+  constexpr int kValues = DequantUnit<T>::kValues;
+  constexpr int kUnitsPerLane = static_cast<int>(kWarpChunkValues) / (32 * kValues);  // 4 (16-bit out), 8 (fp32)
+  constexpr int kPackedPerLane = static_cast<int>(kWarpChunkValues) / 2 / 32;          // 16 bytes
+  static_assert(kPackedPerLane == 16, "one 16-byte load of codes per lane and chunk");
+  __shared__ float code[16];
+  __shared__ __align__(16) uint8_t staged[kWarpsPerBlock][kWarpChunksInFlight][kWarpChunkValues / 2];
+  if (threadIdx.x < 16) code[threadIdx.x] = c_code[threadIdx.x];
+  __syncthreads();
+  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
+  const int shift = block_div.shift;
+  const int64_t chunks = ceil_div(numel, kWarpChunkValues);
+  const int64_t warps = int64_t(gridDim.x) * kWarpsPerBlock;
+  for (int64_t base = int64_t(blockIdx.x) * kWarpsPerBlock + warp; base < chunks;
+       base += warps * kWarpChunksInFlight) {
+    uint4 loaded[kWarpChunksInFlight];
+    float scale[kWarpChunksInFlight];
+#pragma unroll
+    for (int c = 0; c < kWarpChunksInFlight; ++c) {
+      const int64_t chunk = base + c * warps, c0 = chunk * kWarpChunkValues;
+      if (chunk < chunks && c0 + kWarpChunkValues <= numel) {
+        loaded[c] = *reinterpret_cast<const uint4*>(packed + packed_byte_of(c0) + lane * kPackedPerLane);
+        scale[c] = warp_lane_has_scale(c0, lane, shift) ? block_scale<true>(scales, (c0 >> shift) + lane, nested_div)
+                                                        : 0.0f;
+      }
+    }
+    __syncwarp();  // every lane is done reading the staged codes of the previous pass
+#pragma unroll
+    for (int c = 0; c < kWarpChunksInFlight; ++c) {
+      const int64_t chunk = base + c * warps, c0 = chunk * kWarpChunkValues;
+      if (chunk >= chunks) break;  // the same for the whole warp
+      if (c0 + kWarpChunkValues > numel) {
+        for (int64_t i = c0 + lane; i < numel; i += 32) {
+          const float s = block_scale<true>(scales, i >> shift, nested_div);
+          out[i] = from_float<T>(dequantize_value(code[code_of_element(packed[packed_byte_of(i)], i)], s));
+        }
+        continue;
+      }
+      uint8_t* stage = staged[warp][c];
+      *reinterpret_cast<uint4*>(stage + lane * kPackedPerLane) = loaded[c];
+      __syncwarp();
+#pragma unroll
+      for (int u = 0; u < kUnitsPerLane; ++u) {
+        const int64_t offset = warp_unit_offset(u, lane, kValues);
+        const Codes codes = *reinterpret_cast<const Codes*>(stage + packed_byte_of(offset));
+        const float unit_scale = __shfl_sync(0xffffffffu, scale[c], warp_scale_lane(c0, offset, shift));
+        decode_and_store<T>(codes, unit_scale, code, out + c0 + offset);
+      }
+    }
+  }
+}
+
 // ------------------------------------------------------------------ 8-bit dynamic (absmax)
 // One CTA per block. Reproduces bitsandbytes' CPU table lookup without the table: entry i of the
 // table is the number of code midpoints below -1 + 2i / 65535, computed here directly.
@@ -303,12 +374,20 @@ const char* launch_quantize(const QuantizeParams& p, cudaStream_t stream) {
 
 namespace {
 
-// One element type's launch, by shifts when every divisor is a power of two (bitsandbytes' always are).
+// One element type's launch, by shifts when every divisor is a power of two (bitsandbytes' always are);
+// by warp chunks when `warps` asks for it and the shifts and 16-byte alignment allow.
 template <typename T>
-void launch_dequantize_as(const DequantizeParams& p, const Divider& block_div, const Divider& nested_div,
+void launch_dequantize_as(const DequantizeParams& p, const Divider& block_div, const Divider& nested_div, bool warps,
                           cudaStream_t stream) {
+  const bool shifts = dequantize_by_shifts(block_div, nested_div, /*double_quant=*/p.scales.absmax == nullptr);
+  if (warps && shifts && is_aligned(p.packed, 16) && is_aligned(p.out, 16)) {
+    const int64_t passes = ceil_div(ceil_div(p.numel, kWarpChunkValues), kWarpChunksInFlight);
+    dequantize_warps_kernel<T><<<grid_for(passes * 32, kThreads), kThreads, 0, stream>>>(
+        p.packed, p.scales, p.numel, block_div, nested_div, static_cast<T*>(p.out));
+    return;
+  }
   const int grid = grid_for(ceil_div(ceil_div(p.numel, DequantUnit<T>::kValues), kDequantUnitsInFlight), kThreads);
-  if (dequantize_by_shifts(block_div, nested_div, /*double_quant=*/p.scales.absmax == nullptr)) {
+  if (shifts) {
     dequantize_kernel<T, true><<<grid, kThreads, 0, stream>>>(p.packed, p.scales, p.numel, block_div, nested_div,
                                                               static_cast<T*>(p.out));
   } else {
@@ -324,11 +403,13 @@ const char* launch_dequantize(const DequantizeParams& p, cudaStream_t stream) {
   // 4096], are multiples of 8; the launch itself has no other limit (grid-stride loop).
   if (p.blocksize < 32 || p.blocksize % 32 != 0)
     return "nf4 dequantize: blocksize must be a multiple of 32 (a power of two in [32, 4096])";
+  bool warps = false;
+  if (const char* error = dequantize_warps_for(std::getenv("PYKERNELS_NF4_DEQUANT"), &warps)) return error;
   const Divider block_div = divider(p.blocksize), nested_div = divider(p.scales.nested_blocksize);
   switch (p.out_dtype) {
-    case DType::kFloat32: launch_dequantize_as<float>(p, block_div, nested_div, stream); break;
-    case DType::kFloat16: launch_dequantize_as<__half>(p, block_div, nested_div, stream); break;
-    case DType::kBFloat16: launch_dequantize_as<__nv_bfloat16>(p, block_div, nested_div, stream); break;
+    case DType::kFloat32: launch_dequantize_as<float>(p, block_div, nested_div, warps, stream); break;
+    case DType::kFloat16: launch_dequantize_as<__half>(p, block_div, nested_div, warps, stream); break;
+    case DType::kBFloat16: launch_dequantize_as<__nv_bfloat16>(p, block_div, nested_div, warps, stream); break;
   }
   return launch_status("nf4 dequantize: kernel launch failed");
 }

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "common/dtype.h"
+#include "common/two_way_choice.h"
 
 typedef struct CUstream_st* cudaStream_t;
 
@@ -113,6 +114,16 @@ struct TransposedScalesParams {
   int64_t rows, groups;
   float* out;
 };
+
+// PYKERNELS_NF4_DEQUANT, read by launch_dequantize on every call (benchmarks/tile_sweep.py times both
+// ways in one process): `units` (the default), a thread per 16-byte store unit with four units'
+// 4-byte loads in flight; `warps`, a warp per 1024 values with one 16-byte load per lane, staged in
+// shared memory, and one scale lookup per block (nf4_layout.h, kWarpChunkValues), for power-of-two
+// blocksizes and 16-byte aligned tensors (else units). Not yet timed on a GPU.
+inline const char* dequantize_warps_for(const char* setting, bool* warps) {
+  return two_way_choice(setting, "units", "warps", "PYKERNELS_NF4_DEQUANT must be units (the default) or warps",
+                        warps);
+}
 
 // CUDA launchers (nf4.cu). Each returns nullptr on success or a message naming what failed.
 const char* launch_quantize(const QuantizeParams& params, cudaStream_t stream);

@@ -72,6 +72,29 @@ inline bool dequantize_by_shifts(const Divider& block_div, const Divider& nested
   return block_div.shift >= 0 && (!double_quant || nested_div.shift >= 0);
 }
 
+// The warp-chunk dequantize (PYKERNELS_NF4_DEQUANT=warps, nf4.cu): a warp takes kWarpChunkValues
+// consecutive values at a time. Each lane loads 16 of the chunk's 512 packed bytes (one coalesced
+// 512-byte load per warp) into shared memory; lane t's u-th 16-byte store then covers store unit
+// 32 u + t, `unit_values` values (8 of 16-bit out, 4 of fp32) from value offset
+// warp_unit_offset(u, t, unit_values) of the chunk, so every store instruction of the warp writes 512
+// contiguous bytes. Block scales: lane l decodes the scale of block (c0 >> shift) + l of a chunk
+// starting at value c0 (a chunk spans at most 32 blocks: blocksize >= 32), and a unit takes its
+// scale by a shuffle from lane warp_scale_lane.
+inline constexpr int64_t kWarpChunkValues = 1024;
+
+PYKERNELS_HOST_DEVICE constexpr int64_t warp_unit_offset(int u, int lane, int unit_values) {
+  return (int64_t{32} * u + lane) * unit_values;
+}
+
+PYKERNELS_HOST_DEVICE constexpr int warp_scale_lane(int64_t c0, int64_t offset, int shift) {
+  return static_cast<int>(((c0 + offset) >> shift) - (c0 >> shift));
+}
+
+// Whether lane `lane` holds a block scale of the chunk at c0 (its block starts before the chunk ends).
+PYKERNELS_HOST_DEVICE constexpr bool warp_lane_has_scale(int64_t c0, int lane, int shift) {
+  return (c0 >> shift) + lane <= ((c0 + kWarpChunkValues - 1) >> shift);
+}
+
 // A double-quantized block's absmax: nested_code[absmax_q] * nested_absmax + nested_offset.
 PYKERNELS_HOST_DEVICE inline float decode_absmax(float nested_code_value, float nested_absmax, float nested_offset) {
   return add_rn(mul_rn(nested_code_value, nested_absmax), nested_offset);

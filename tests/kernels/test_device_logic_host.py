@@ -519,6 +519,40 @@ def test_nf4_double_quant_dequantize_matches_bitsandbytes(numel, blocksize):
     assert torch.equal(torch.tensor(ours, dtype=torch.float32), expected)
 
 
+@pytest.mark.parametrize("numel", [1024, 3 * 1024 + 77, 64 * 1024, 40_001])
+@pytest.mark.parametrize("blocksize", [32, 64, 256, 1024, 4096])
+@pytest.mark.parametrize("unit_values", [8, 4])  # 16-bit out, fp32 out
+def test_nf4_warp_chunk_dequantize_matches_bitsandbytes(numel, blocksize, unit_values):
+    """PYKERNELS_NF4_DEQUANT=warps: the warp kernel's staging of codes (16-byte loads in lane order),
+    its per-lane block scales and the shuffle each store unit takes its scale by, composed on the host
+    from the same helpers (nf4_layout.h), write every value once and give bitsandbytes' values."""
+    import bnb_oracle
+    import torch
+
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel + blocksize)) * torch.linspace(0.01, 9, numel)
+    packed, state = bnb_oracle.quantize(x, blocksize, double_quant=False)
+    ours = H.nf4_dequantize_warps(packed.tolist(), numel, blocksize, state.absmax.tolist(), unit_values)
+    expected = bnb_oracle.dequantize(packed, state, torch.float32)
+    assert torch.equal(torch.tensor(ours, dtype=torch.float32), expected)
+
+
+def test_nf4_warp_chunk_stores_cover_512_contiguous_bytes_per_instruction():
+    """Store u of the 32 lanes covers one run of 32 units: 512 contiguous bytes (8 bf16 or 4 fp32 values
+    a unit), what makes each 16-byte store instruction whole sectors."""
+    for unit_values in (8, 4):
+        for u in range(1024 // (32 * unit_values)):
+            starts = [H.nf4_warp_unit_offset(u, lane, unit_values) for lane in range(32)]
+            assert starts == [starts[0] + lane * unit_values for lane in range(32)]
+            assert starts[0] == u * 32 * unit_values
+
+
+def test_nf4_dequantize_kernel_knob():
+    assert H.nf4_dequantize_kernel(None) == H.nf4_dequantize_kernel("") == H.nf4_dequantize_kernel("units") == "units"
+    assert H.nf4_dequantize_kernel("warps") == "warps"
+    with pytest.raises(ValueError, match="PYKERNELS_NF4_DEQUANT must be units"):
+        H.nf4_dequantize_kernel("warp")
+
+
 # ------------------------------------------------------------------ online softmax merge
 NEG_INF = float("-inf")
 EMPTY = (NEG_INF, 0.0, 0.0)

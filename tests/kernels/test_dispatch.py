@@ -226,7 +226,7 @@ def test_the_cache_survives_a_restart_without_re_timing(isolated, timings):
 
 @pytest.mark.parametrize("change", ["pykernels", "torch", "hopper_tile", "hopper_raster", "hopper_lora_forward",
                                     "hopper_lora_grad_x", "lora_rank_gemm", "hopper_nf4_forward", "hopper_moe_lora",
-                                    "device"])
+                                    "nf4_dequantize", "device"])
 def test_a_version_or_device_change_invalidates_the_cache(monkeypatch, isolated, timings, change):
     pykernels.lora.lora_linear(*_lora_args())
     assert len(timings) == 2
@@ -248,6 +248,8 @@ def test_a_version_or_device_change_invalidates_the_cache(monkeypatch, isolated,
         monkeypatch.setenv("PYKERNELS_SM90_NF4", "mainloop")
     elif change == "hopper_moe_lora":
         monkeypatch.setenv("PYKERNELS_SM90_MOE_LORA", "separate")
+    elif change == "nf4_dequantize":  # the warp-chunk dequantize is another kernel
+        monkeypatch.setenv("PYKERNELS_NF4_DEQUANT", "warps")
     else:
         monkeypatch.setattr(dispatch_cache, "device_name", lambda device: "cpu another")
     dispatch_cache.forget()

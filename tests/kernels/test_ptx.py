@@ -60,6 +60,23 @@ def test_nf4_dequantize_stores_16_bytes_per_thread_with_loads_in_flight(tmp_path
     assert sum("Lb1E" in name for name in kernels) == 3
 
 
+def test_nf4_dequantize_by_warps_loads_16_bytes_per_lane_with_chunks_in_flight(tmp_path):
+    """PYKERNELS_NF4_DEQUANT=warps: a lane's codes of a chunk come in one 16-byte load, both chunks'
+    loads issued before the first store; they pass through shared memory (one 16-byte store per lane),
+    each unit's scale arrives by shuffle, each unit leaves in one 16-byte store, and no division."""
+    kernels = {name: ptx for name, ptx in kernels_ptx("nf4/nf4.cu", tmp_path).items()
+               if "dequantize_warps_kernel" in name}
+    assert len(kernels) == 3, list(kernels)  # fp32, fp16, bf16 outputs
+    for name, ptx in kernels.items():
+        loads = [m.start() for m in re.finditer(r"ld\.global(?:\.nc)?\.v4\.[bu]32", ptx)]
+        stores = [m.start() for m in re.finditer(r"st\.global\.v4\.(?:[bu]32|f32)", ptx)]
+        assert stores, f"{name}: no 16-byte store"
+        assert len([at for at in loads if at < stores[0]]) >= 2, f"{name}: the chunks' loads are not in flight together"
+        assert re.search(r"st\.shared\.v4\.[bu]32", ptx), f"{name}: codes not staged 16 bytes a lane"
+        assert re.search(r"shfl\.sync\.idx", ptx), f"{name}: no shuffle of block scales"
+        assert not re.search(r"\bdiv\.[su]", ptx), f"{name}: a division"
+
+
 def test_lora_rank_gemm_reads_shared_memory_16_bytes_at_a_time(tmp_path):
     """The SIMT rank GEMM (fp32 LoRA factors against 16-bit activations) is bound by its shared-memory
     loads: per slice of 16 k, each thread's groups of 4 values are one ld.shared.v4 each (lora.h,

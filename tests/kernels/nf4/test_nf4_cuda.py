@@ -34,6 +34,13 @@ def assert_cuda_matches_cpu(x: torch.Tensor, blocksize: int, double_quant: bool)
                           f"dequantize {dtype}")
 
 
+@pytest.fixture(params=["units", "warps"])
+def dequantize_kernel(request, monkeypatch):
+    """Both dequantize kernels (PYKERNELS_NF4_DEQUANT, csrc/nf4/nf4.h)."""
+    monkeypatch.setenv("PYKERNELS_NF4_DEQUANT", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("double_quant", [False, True])
 @pytest.mark.parametrize("blocksize", BLOCKSIZES)
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -43,7 +50,28 @@ def test_cuda_matches_cpu(shape, dtype, blocksize, double_quant):
     assert_cuda_matches_cpu(x, blocksize, double_quant)
 
 
-def test_cuda_random_shapes_match_cpu():
+@pytest.mark.parametrize("double_quant", [False, True])
+@pytest.mark.parametrize("blocksize", BLOCKSIZES)
+@pytest.mark.parametrize("numel", [1024, 2048 + 1000, 64 * 1024 + 5, 1_000_003])
+def test_cuda_dequantize_by_warp_chunks(numel, blocksize, double_quant, dequantize_kernel):
+    """Whole 1024-value chunks (the warps kernel's 16-byte path), several per warp, and a partial last
+    one, at every blocksize (a chunk spans 32 blocks of 32 or sits inside one of 4096): the same bits
+    as the CPU dequantize, for every output dtype."""
+    x = (torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 3).to(torch.bfloat16)
+    weight = nf4.quantize(x, blocksize, double_quant=double_quant)
+    on_cuda = weight.to("cuda")
+    for dtype in DTYPES:
+        assert_bits_equal(nf4.dequantize(on_cuda, dtype).cpu(), nf4.dequantize(weight, dtype), f"{dtype}")
+
+
+def test_cuda_dequantize_kernel_knob_is_checked(monkeypatch):
+    weight = nf4.quantize(torch.randn(4096, device="cuda"), 64)
+    monkeypatch.setenv("PYKERNELS_NF4_DEQUANT", "fast")
+    with pytest.raises(RuntimeError, match="PYKERNELS_NF4_DEQUANT must be units"):
+        nf4.dequantize(weight)
+
+
+def test_cuda_random_shapes_match_cpu(dequantize_kernel):
     rng = random.Random(99)
     for _ in range(100):
         shape = tuple(rng.randint(1, 300) for _ in range(rng.randint(1, 3)))
@@ -52,16 +80,17 @@ def test_cuda_random_shapes_match_cpu():
 
 
 @pytest.mark.parametrize("case", list(special_values(torch.float32)))
-def test_cuda_special_values_match_cpu(case):
+def test_cuda_special_values_match_cpu(case, dequantize_kernel):
     for dtype in DTYPES:
         assert_cuda_matches_cpu(special_values(dtype)[case].to(dtype), 64, True)
 
 
 @pytest.mark.parametrize("offset", [1, 2, 3, 4, 5])
-def test_cuda_unaligned_views(offset):
+def test_cuda_unaligned_views(offset, dequantize_kernel):
     """Views that start mid-allocation: the dequantize kernel loads 4 (16-bit out) or 2 (fp32 out)
     packed bytes per thread, so offsets 2 and 4 keep its vector path for some outputs and the
-    others take the scalar one; the same bits either way."""
+    others take the scalar one; the warps kernel needs 16-byte alignment and leaves such views to the
+    units kernel. The same bits every way."""
     base = torch.randn(4096 + 64, dtype=torch.bfloat16)
     x = base[offset : offset + 4096]
     assert_cuda_matches_cpu(x, 64, False)
