@@ -6,9 +6,10 @@ compiled extension's size and mtime, whether the Hopper GEMMs are on (PYKERNELS_
 (PYKERNELS_SM90_TILE, PYKERNELS_SM90_LOGPROBS_TILE) and tile order (PYKERNELS_SM90_RASTER), LoRA
 forward and grad_x (PYKERNELS_SM90_LORA, PYKERNELS_SM90_LORA_GRAD_X), the LoRA rank products
 (PYKERNELS_LORA_RANK_GEMM), QLoRA forward (PYKERNELS_SM90_NF4), experts' LoRA
-(PYKERNELS_SM90_MOE_LORA) and NF4 dequantize kernel (PYKERNELS_NF4_DEQUANT). A decision is only valid for the identity that made it: a new driver,
-torch or kernel build can change who is faster or whether ours is right, so any change means a
-fresh entry (re-decided on first use) and the stale entries of that device are dropped.
+(PYKERNELS_SM90_MOE_LORA) and NF4 dequantize kernel (PYKERNELS_NF4_DEQUANT). A decision is only
+valid for the identity that made it: a new driver, torch or kernel build can change who is faster
+or whether ours is right, so any change means a fresh entry (re-decided on first use) and the
+stale entries of that device are dropped.
 Writes are atomic (temporary file + os.replace), so a crash or a second process never leaves a
 half-written file; a file that does not parse is ignored with one warning and rewritten.
 """
