@@ -282,6 +282,32 @@ def test_no_host_synchronization():
         torch.cuda.set_sync_debug_mode("default")
 
 
+def test_experts_forward_queues_without_a_host_synchronization():
+    """The whole expert MLP (routing sort, both grouped GEMMs with LoRA, the gated activation, the gated
+    per-token sum) forward and backward, as the model integrations call it: nothing waits for the GPU."""
+    from pykernels import backend
+
+    g = torch.Generator().manual_seed(12)
+    tokens, hidden, inter, experts, top_k, rank = 64, 128, 64, 8, 2, 4
+    idx = torch.randint(0, experts, (tokens, top_k), generator=g).cuda()
+    leaves = [(torch.randn(*shape, generator=g) * 0.1).bfloat16().cuda().requires_grad_() for shape in
+              [(tokens, hidden), (tokens, top_k), (experts, 2 * inter, hidden), (experts, hidden, inter),
+               (rank * experts, hidden), (2 * inter, rank * experts)]]
+    x, w, gate_up, down, a, b = leaves
+    backend.set_kernels("ours")  # `auto` times both sides on a first call
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = moe.experts_forward(x, idx, w, gate_up, down, lora={"gate_up_proj": moe.LoRAFactors(a, b, 0.5)})
+            grads = torch.autograd.grad(out.float().square().sum(), leaves)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    finally:
+        backend.set_kernels("auto")
+    assert all(grad is not None and grad.shape == leaf.shape for grad, leaf in zip(grads, leaves))
+
+
 def test_bad_inputs_name_the_argument():
     case = {name: v.cuda() if isinstance(v, torch.Tensor) else v
             for name, v in make_case((6, 2, 3, 8, 5, 2), False, True, True, torch.float32).items()}
