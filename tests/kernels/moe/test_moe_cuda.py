@@ -294,8 +294,7 @@ def test_experts_forward_queues_without_a_host_synchronization():
               [(tokens, hidden), (tokens, top_k), (experts, 2 * inter, hidden), (experts, hidden, inter),
                (rank * experts, hidden), (2 * inter, rank * experts)]]
     x, w, gate_up, down, a, b = leaves
-    backend.set_kernels("ours")  # `auto` times both sides on a first call
-    try:
+    with backend.kernels_mode("ours"):  # `auto` times both sides on a first call
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -303,8 +302,6 @@ def test_experts_forward_queues_without_a_host_synchronization():
             grads = torch.autograd.grad(out.float().square().sum(), leaves)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    finally:
-        backend.set_kernels("auto")
     assert all(grad is not None and grad.shape == leaf.shape for grad, leaf in zip(grads, leaves))
 
 

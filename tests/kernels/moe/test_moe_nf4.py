@@ -172,8 +172,7 @@ def test_cuda_nf4_experts_run_without_a_host_synchronization(tokens):
     idx, gate_up, down = idx.cuda(), gate_up.to("cuda"), down.to("cuda")
     leaves = [t.detach().cuda().requires_grad_() for t in leaves]
     dense_gate_up, dense_down = gate_up.dequantize(torch.bfloat16), down.dequantize(torch.bfloat16)
-    backend.set_kernels("ours")  # not torch._grouped_mm, which `auto` may pick
-    try:
+    with backend.kernels_mode("ours"):  # not torch._grouped_mm, which `auto` may pick
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -181,7 +180,5 @@ def test_cuda_nf4_experts_run_without_a_host_synchronization(tokens):
         finally:
             torch.cuda.set_sync_debug_mode("default")
         dense = run(moe.experts_forward, idx, dense_gate_up, dense_down, leaves)
-    finally:
-        backend.set_kernels("auto")
     for name, a, b in zip(["out", "x", "gates", "A1", "B1", "A2", "B2"], ours, dense):
         assert torch.equal(a, b), name
