@@ -23,8 +23,18 @@ def cutlass_include() -> str:
     return str(Path(cutlass_library.__file__).parent / "source" / "include")
 
 
+_COMPILED: dict[tuple, dict[str, str]] = {}  # (source, arch, flags) -> its kernels: each file compiled once a run
+
+
 def kernels_ptx(source: str, tmp_path: Path, arch: str = "90a", flags: tuple[str, ...] = ()) -> dict[str, str]:
     """Each kernel's PTX in `source` (relative to csrc/), by mangled name."""
+    key = (source, arch, flags)
+    if key not in _COMPILED:
+        _COMPILED[key] = _compile_ptx(source, tmp_path, arch, flags)
+    return _COMPILED[key]
+
+
+def _compile_ptx(source: str, tmp_path: Path, arch: str, flags: tuple[str, ...]) -> dict[str, str]:
     out = tmp_path / "out.ptx"
     subprocess.run([NVCC, "-ptx", "-std=c++17", f"-I{ROOT / 'csrc'}", *flags,
                     f"-gencode=arch=compute_{arch},code=compute_{arch}", str(ROOT / "csrc" / source), "-o", str(out)],
