@@ -519,7 +519,7 @@ def test_nf4_double_quant_dequantize_matches_bitsandbytes(numel, blocksize):
     assert torch.equal(torch.tensor(ours, dtype=torch.float32), expected)
 
 
-@pytest.mark.parametrize("numel", [1024, 3 * 1024 + 77, 64 * 1024, 40_001])
+@pytest.mark.parametrize("numel", [2048, 3 * 1024 + 77, 40_001])  # whole chunks only; a partial last; 39 + 1
 @pytest.mark.parametrize("blocksize", [32, 64, 256, 1024, 4096])
 @pytest.mark.parametrize("unit_values", [8, 4])  # 16-bit out, fp32 out
 def test_nf4_warp_chunk_dequantize_matches_bitsandbytes(numel, blocksize, unit_values):
