@@ -71,6 +71,8 @@ def compact_lora(lora: LoRAFactors | None, routing: CompactRouting) -> LoRAFacto
     if lora.a.dim() != 2 or lora.b.dim() != 2 or lora.a.shape[0] % num_experts or lora.b.shape[1] != lora.a.shape[0]:
         raise ValueError(f"LoRA factors for {num_experts} experts must be A [r*E, in] and B [out, r*E], got "
                          f"{tuple(lora.a.shape)} and {tuple(lora.b.shape)}")
+    if experts.numel() == num_experts:  # every expert, in order (compact_routing lists fewer otherwise)
+        return lora
     rank = lora.a.shape[0] // num_experts
     a = lora.a.view(num_experts, rank, -1)[experts].reshape(experts.numel() * rank, -1)
     b = lora.b.view(lora.b.shape[0], rank, num_experts)[:, :, experts].reshape(lora.b.shape[0], -1)
