@@ -5,30 +5,16 @@ of its kernels, forward and backward, with our kernels forced (`auto` times both
 A host sync per layer stalls the CPU's run-ahead once per layer and breaks CUDA-graph capture. The MoE
 ops have their own (tests/kernels/moe/test_moe_cuda.py, test_moe_nf4.py)."""
 
-import contextlib
-
 import pytest
 import torch
 
 import pykernels.nf4 as nf4
 from conftest import requires_cuda
-from pykernels import backend
+from cuda_sync import no_host_sync
 from pykernels.logprobs import token_logprobs
 from pykernels.lora import lora_linear
 
 pytestmark = [requires_cuda, pytest.mark.cuda]
-
-
-@contextlib.contextmanager
-def no_host_sync():
-    """Our kernels forced; any synchronization inside raises."""
-    with backend.kernels_mode("ours"):
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            yield
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
 
 
 def randn(*shape, scale=1.0, dtype=torch.bfloat16, grad=False):

@@ -12,6 +12,7 @@ the CPU's bf16 path does). The CPU ops must agree with the CUDA ops within twice
 import pytest
 import torch
 from cuda_oracle import check_outputs
+from cuda_sync import no_host_sync
 from test_moe_ops import FLAGS, make_routing
 
 from conftest import requires_cuda
@@ -274,19 +275,13 @@ def test_no_host_synchronization():
     case = make_case((300, 4, 8, 256, 128, 5), False, True, True, torch.bfloat16, seed=10)
     dy = torch.randn(300, 128, generator=torch.Generator().manual_seed(11)).bfloat16().cuda()
     inputs = {name: v.cuda() if isinstance(v, torch.Tensor) else v for name, v in case.items()}
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         run_ops(inputs, False, False, dy, "cuda")
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 def test_experts_forward_queues_without_a_host_synchronization():
     """The whole expert MLP (routing sort, both grouped GEMMs with LoRA, the gated activation, the gated
     per-token sum) forward and backward, as the model integrations call it: nothing waits for the GPU."""
-    from pykernels import backend
-
     g = torch.Generator().manual_seed(12)
     tokens, hidden, inter, experts, top_k, rank = 64, 128, 64, 8, 2, 4
     idx = torch.randint(0, experts, (tokens, top_k), generator=g).cuda()
@@ -294,14 +289,9 @@ def test_experts_forward_queues_without_a_host_synchronization():
               [(tokens, hidden), (tokens, top_k), (experts, 2 * inter, hidden), (experts, hidden, inter),
                (rank * experts, hidden), (2 * inter, rank * experts)]]
     x, w, gate_up, down, a, b = leaves
-    with backend.kernels_mode("ours"):  # `auto` times both sides on a first call
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            out = moe.experts_forward(x, idx, w, gate_up, down, lora={"gate_up_proj": moe.LoRAFactors(a, b, 0.5)})
-            grads = torch.autograd.grad(out.float().square().sum(), leaves)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    with no_host_sync():
+        out = moe.experts_forward(x, idx, w, gate_up, down, lora={"gate_up_proj": moe.LoRAFactors(a, b, 0.5)})
+        grads = torch.autograd.grad(out.float().square().sum(), leaves)
     assert all(grad is not None and grad.shape == leaf.shape for grad, leaf in zip(grads, leaves))
 
 

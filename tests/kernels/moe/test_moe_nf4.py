@@ -7,6 +7,7 @@ import torch
 
 import pykernels.nf4 as nf4
 from conftest import requires_cuda
+from cuda_sync import no_host_sync
 from pykernels import backend, moe
 from pykernels.nf4_weight import NF4Weight
 from pykernels.ops import moe_nf4
@@ -172,13 +173,9 @@ def test_cuda_nf4_experts_run_without_a_host_synchronization(tokens):
     idx, gate_up, down = idx.cuda(), gate_up.to("cuda"), down.to("cuda")
     leaves = [t.detach().cuda().requires_grad_() for t in leaves]
     dense_gate_up, dense_down = gate_up.dequantize(torch.bfloat16), down.dequantize(torch.bfloat16)
+    with no_host_sync():
+        ours = run(moe.experts_forward, idx, gate_up, down, leaves)
     with backend.kernels_mode("ours"):  # not torch._grouped_mm, which `auto` may pick
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            ours = run(moe.experts_forward, idx, gate_up, down, leaves)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         dense = run(moe.experts_forward, idx, dense_gate_up, dense_down, leaves)
     for name, a, b in zip(["out", "x", "gates", "A1", "B1", "A2", "B2"], ours, dense):
         assert torch.equal(a, b), name
