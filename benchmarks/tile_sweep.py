@@ -203,11 +203,13 @@ CASES = {"moe": (moe_cases, "PYKERNELS_SM90_TILE", "tiles"), "lora": (lora_cases
          "moe_lora": (moe_lora_cases, "PYKERNELS_SM90_MOE_LORA", "moe_loras"),
          "qlora_forward": (qlora_forward_cases, "PYKERNELS_SM90_NF4", "nf4_forwards"),
          "nf4_dequant": (nf4_dequant_cases, "PYKERNELS_NF4_DEQUANT", "nf4_dequants")}
-# What a case's third number counts, per op: FLOPs (the default, rated in TF/s) or bytes moved (GB/s).
+# What a case's third number counts, per op: FLOPs (the default, rated in TF/s) or bytes moved (GB/s);
+# (label, work per ms per unit).
+TFLOPS = ("TF/s", 1e9)
 RATE_UNITS = {"nf4_dequant": ("GB/s", 1e6)}
 
 
-def sweep(cases, variable: str, tiles: list[str], rounds: int, unit: tuple[str, float] = ("TF/s", 1e9)) -> None:
+def sweep(cases, variable: str, tiles: list[str], rounds: int, unit: tuple[str, float] = TFLOPS) -> None:
     """Each case under each choice; a choice "value@tile" also sets the core's tile (PYKERNELS_SM90_TILE:
     the extended-K LoRA forward runs on the core)."""
     for name, fn, flops in cases:
@@ -230,7 +232,7 @@ def header(tiles: list[str]) -> str:
 
 
 def row_line(name: str, times: dict[str, float], work: int, tiles: list[str],
-             unit: tuple[str, float] = ("TF/s", 1e9)) -> str:
+             unit: tuple[str, float] = TFLOPS) -> str:
     """A case's row: each choice's ms and rate (work per ms / unit[1], in unit[0]), the best choice."""
     best = min(times, key=times.get)
     label, per_ms = unit
@@ -285,7 +287,7 @@ def main() -> None:
     for op in ops:
         cases, variable, kind = CASES[op]
         print(f"\n{op} ({variable})\n{header(tiles[kind])}", flush=True)
-        sweep(cases(), variable, tiles[kind], args.rounds, RATE_UNITS.get(op, ("TF/s", 1e9)))
+        sweep(cases(), variable, tiles[kind], args.rounds, RATE_UNITS.get(op, TFLOPS))
         torch.cuda.empty_cache()
 
 

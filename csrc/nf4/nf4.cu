@@ -166,6 +166,13 @@ __device__ __forceinline__ void decode_and_store(typename DequantUnit<T>::Codes 
   }
 }
 
+// Element i alone (tails, unaligned tensors, a last partial chunk), given its block's scale.
+template <typename T>
+__device__ __forceinline__ void dequantize_element(const uint8_t* packed, int64_t i, float scale, const float* code,
+                                                   T* out) {
+  out[i] = from_float<T>(dequantize_value(code[code_of_element(packed[packed_byte_of(i)], i)], scale));
+}
+
 // Memory-bound: every thread issues the loads of kDequantUnitsInFlight units before it decodes any
 // (several loads in flight per thread), then writes each unit with one 16-byte store. Tails and
 // misaligned tensors take the element-wise path. A unit's block and nested block come from shifts
@@ -205,8 +212,7 @@ __global__ void __launch_bounds__(kThreads) dequantize_kernel(const uint8_t* __r
       } else {
         const float tail_scale = block_scale<kShift>(scales, divide_as<kShift>(block_div, first), nested_div);
         const int64_t end = first + elements_in_range(first, kValues, numel);
-        for (int64_t i = first; i < end; ++i)
-          out[i] = from_float<T>(dequantize_value(code[code_of_element(packed[packed_byte_of(i)], i)], tail_scale));
+        for (int64_t i = first; i < end; ++i) dequantize_element(packed, i, tail_scale, code, out);
       }
     }
   }
@@ -261,10 +267,8 @@ __global__ void __launch_bounds__(kThreads) dequantize_warps_kernel(const uint8_
       const int64_t chunk = base + c * warps, c0 = chunk * kWarpChunkValues;
       if (chunk >= chunks) break;  // the same for the whole warp
       if (c0 + kWarpChunkValues > numel) {
-        for (int64_t i = c0 + lane; i < numel; i += 32) {
-          const float s = block_scale<true>(scales, i >> shift, nested_div);
-          out[i] = from_float<T>(dequantize_value(code[code_of_element(packed[packed_byte_of(i)], i)], s));
-        }
+        for (int64_t i = c0 + lane; i < numel; i += 32)
+          dequantize_element(packed, i, block_scale<true>(scales, i >> shift, nested_div), code, out);
         continue;
       }
       uint8_t* stage = staged[warp][c];

@@ -1,7 +1,7 @@
 """A training step's CUDA ops queue without waiting for the GPU (torch.cuda.set_sync_debug_mode("error")
 raises on any device-to-host synchronization): the LoRA linear on a dense and on an NF4 weight, the
 packed logprobs with a trainable and a frozen lm_head (with entropy), and the NF4 dequantize under both
-of its kernels, forward and backward, with our kernels forced (`auto` times both sides on a first call).
+of its kernels, forward and backward (our kernels: tests/conftest.py forces them in `cuda` tests).
 A host sync per layer stalls the CPU's run-ahead once per layer and breaks CUDA-graph capture. The MoE
 ops have their own (tests/kernels/moe/test_moe_cuda.py, test_moe_nf4.py)."""
 

@@ -175,7 +175,6 @@ def test_cuda_nf4_experts_run_without_a_host_synchronization(tokens):
     dense_gate_up, dense_down = gate_up.dequantize(torch.bfloat16), down.dequantize(torch.bfloat16)
     with no_host_sync():
         ours = run(moe.experts_forward, idx, gate_up, down, leaves)
-    with backend.kernels_mode("ours"):  # not torch._grouped_mm, which `auto` may pick
-        dense = run(moe.experts_forward, idx, dense_gate_up, dense_down, leaves)
+    dense = run(moe.experts_forward, idx, dense_gate_up, dense_down, leaves)  # ours too (tests/conftest.py)
     for name, a, b in zip(["out", "x", "gates", "A1", "B1", "A2", "B2"], ours, dense):
         assert torch.equal(a, b), name
