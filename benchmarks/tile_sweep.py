@@ -4,14 +4,16 @@ the GEMM core's (PYKERNELS_SM90_TILE, common/sm90_tiles.h) on MoE and LoRA, the 
 LoRA forward (PYKERNELS_SM90_LORA, lora/lora_extended_k.h: one GEMM with the term as extra K, or
 cuBLAS's base GEMM with the LoRA term as its C operand) and the backward's grad_x
 (PYKERNELS_SM90_LORA_GRAD_X: cuBLAS's dy W plus the rank term, or one extra-K GEMM), the rank products
-with fp32 adapters (PYKERNELS_LORA_RANK_GEMM, lora/lora_rank_pieces.h: SIMT fp32, or bf16 pieces on
-tensor cores; r 16 and 64), the core's tile orders (PYKERNELS_SM90_RASTER, common/sm90_tile_order.h:
+with fp32 adapters (PYKERNELS_LORA_RANK_GEMM, lora/lora_rank_pieces.h: bf16 pieces on tensor cores, or
+SIMT fp32; r 16 and 64), the core's tile orders (PYKERNELS_SM90_RASTER, common/sm90_tile_order.h:
 raster direction and swizzle, on MoE and the LoRA forward), both of the
 experts' LoRA products (PYKERNELS_SM90_MOE_LORA, moe/moe.h: extra K of the base GEMM, or their own
 GEMMs), both ways of reading the QLoRA forward's NF4 weight (PYKERNELS_SM90_NF4,
 nf4/nf4_gemm_sm90.h: dequantized chunks for cuBLAS, or decoded in the GEMM's mainloop) and both NF4
-dequantize kernels (PYKERNELS_NF4_DEQUANT, nf4/nf4.h: a thread per store unit, or a warp per 1024
-values with 16-byte loads; the benchmarks' shapes, in GB/s beside a copy of the same output). All are
+dequantize kernels (PYKERNELS_NF4_DEQUANT, nf4/nf4.h: a warp per 1024 values with 16-byte loads,
+or a thread per store unit; the benchmarks' shapes, in GB/s beside a copy of the same output) and the
+QLoRA GEMMs' chunks of W (PYKERNELS_NF4_CHUNK_MIB, lora/nf4_chunks.h: grown until a chunk's GEMM fills
+the GPU, or 16 MiB). All are
 read on every call, so a lent GPU measures them all without rebuilding (~3 minutes of a 15-minute
 lease per build). For choosing the defaults and the core's `auto` rule; the timings that count stay
 the benchmarks' (pytest --benchmark).
@@ -54,11 +56,12 @@ LOGPROBS_TILES = ("256x128", "128x128")  # the first is the default (logprobs/lo
 # the first is the default (lora/lora_extended_k.h); extended_k runs on the core's tile (@: which)
 LORA_FORWARDS = ("extended_k", "cublas", "extended_k@128x128", "extended_k@128x256")
 LORA_GRAD_XS = ("cublas", "extended_k")  # the first is the default (lora/lora_extended_k.h)
-LORA_RANK_GEMMS = ("simt", "tensor_core")  # the first is the default (lora/lora_rank_pieces.h)
+LORA_RANK_GEMMS = ("tensor_core", "simt")  # the first is the default (lora/lora_rank_pieces.h)
 RASTERS = ("m1", "m2", "m4", "m8", "n1", "n2", "n4", "n8")  # the first is the default (common/sm90_tile_order.h)
 MOE_LORAS = ("extra_k", "separate")  # the first is the default (moe/moe.h)
 NF4_FORWARDS = ("dequantize", "mainloop")  # the first is the default (nf4/nf4_gemm_sm90.h)
-NF4_DEQUANTS = ("units", "warps")  # the first is the default (nf4/nf4.h)
+NF4_DEQUANTS = ("warps", "units")  # the first is the default (nf4/nf4.h)
+NF4_CHUNKS = ("auto", "16")  # the first is the default (lora/nf4_chunks.h)
 ROUNDS = 10
 
 
@@ -202,7 +205,8 @@ CASES = {"moe": (moe_cases, "PYKERNELS_SM90_TILE", "tiles"), "lora": (lora_cases
          "raster": (raster_cases, "PYKERNELS_SM90_RASTER", "rasters"),
          "moe_lora": (moe_lora_cases, "PYKERNELS_SM90_MOE_LORA", "moe_loras"),
          "qlora_forward": (qlora_forward_cases, "PYKERNELS_SM90_NF4", "nf4_forwards"),
-         "nf4_dequant": (nf4_dequant_cases, "PYKERNELS_NF4_DEQUANT", "nf4_dequants")}
+         "nf4_dequant": (nf4_dequant_cases, "PYKERNELS_NF4_DEQUANT", "nf4_dequants"),
+         "nf4_chunks": (qlora_forward_cases, "PYKERNELS_NF4_CHUNK_MIB", "nf4_chunks")}
 # What a case's third number counts, per op: FLOPs (the default, rated in TF/s) or bytes moved (GB/s);
 # (label, work per ms per unit).
 TFLOPS = ("TF/s", 1e9)
@@ -250,7 +254,8 @@ CHOICE_ARGS = {"tiles": (TILES, "the GEMM core's tiles"),
                "rasters": (RASTERS, "the GEMM core's tile orders"),
                "moe_loras": (MOE_LORAS, "the experts' LoRA products' ways"),
                "nf4_forwards": (NF4_FORWARDS, "the QLoRA forward's ways of reading NF4"),
-               "nf4_dequants": (NF4_DEQUANTS, "the NF4 dequantize's kernels")}
+               "nf4_dequants": (NF4_DEQUANTS, "the NF4 dequantize's kernels"),
+               "nf4_chunks": (NF4_CHUNKS, "the QLoRA GEMMs' chunks of NF4 W (MiB, or auto)")}
 
 
 def known_choices() -> dict[str, list[str]]:

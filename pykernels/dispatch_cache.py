@@ -2,11 +2,8 @@
 
 One JSON file, $PYKERNELS_CACHE/dispatch.json (default ~/.cache/pykernels/dispatch.json), holding
 one entry per *identity*: device name, GPU driver version, torch version, pykernels version, the
-compiled extension's size and mtime, whether the Hopper GEMMs are on (PYKERNELS_SM90), their tiles
-(PYKERNELS_SM90_TILE, PYKERNELS_SM90_LOGPROBS_TILE) and tile order (PYKERNELS_SM90_RASTER), LoRA
-forward and grad_x (PYKERNELS_SM90_LORA, PYKERNELS_SM90_LORA_GRAD_X), the LoRA rank products
-(PYKERNELS_LORA_RANK_GEMM), QLoRA forward (PYKERNELS_SM90_NF4), experts' LoRA
-(PYKERNELS_SM90_MOE_LORA) and NF4 dequantize kernel (PYKERNELS_NF4_DEQUANT). A decision is only
+compiled extension's size and mtime, whether the Hopper GEMMs are on (PYKERNELS_SM90) and every
+knob that picks other kernels or other sizes of them (KERNEL_KNOBS). A decision is only
 valid for the identity that made it: a new driver, torch or kernel build can change who is faster
 or whether ours is right, so any change means a fresh entry (re-decided on first use) and the
 stale entries of that device are dropped.
@@ -68,30 +65,32 @@ def device_name(device: torch.device) -> str:
     return f"{device.type} {platform.processor() or platform.machine()}"
 
 
+# The knobs read on every call that pick other kernels, or other sizes of them (identity key ->
+# environment variable; csrc/ names each one's choices): decisions made under one setting must not be
+# reused for another.
+KERNEL_KNOBS = {
+    "sm90_tile": "PYKERNELS_SM90_TILE",  # the Hopper GEMM core's tile (common/sm90_tiles.h)
+    "sm90_logprobs_tile": "PYKERNELS_SM90_LOGPROBS_TILE",  # the lm_head GEMMs' (logprobs/logprobs_sm90.h)
+    "sm90_raster": "PYKERNELS_SM90_RASTER",  # the core's tile order (common/sm90_tile_order.h)
+    "sm90_lora_forward": "PYKERNELS_SM90_LORA",  # the LoRA forward's GEMM (lora/lora_extended_k.h)
+    "sm90_lora_grad_x": "PYKERNELS_SM90_LORA_GRAD_X",  # its grad_x's (lora/lora_extended_k.h)
+    "lora_rank_gemm": "PYKERNELS_LORA_RANK_GEMM",  # its rank products (lora/lora_rank_pieces.h)
+    "nf4_chunk_mib": "PYKERNELS_NF4_CHUNK_MIB",  # the QLoRA GEMMs' chunks of W (lora/nf4_chunks.h)
+    "sm90_nf4_forward": "PYKERNELS_SM90_NF4",  # the QLoRA forward's GEMM (nf4/nf4_gemm_sm90.h)
+    "sm90_moe_lora": "PYKERNELS_SM90_MOE_LORA",  # the experts' LoRA products (moe/moe.h)
+    "nf4_dequantize": "PYKERNELS_NF4_DEQUANT",  # the NF4 dequantize kernel (nf4/nf4.h)
+}
+
+
 def identity(device: torch.device) -> dict:
     device = torch.device(device)
     if str(device) not in _identities:
         _identities[str(device)] = {
             "device": device_name(device), "driver": _driver_version() if device.type == "cuda" else "none",
             "torch": torch.__version__, "pykernels": pykernels.__version__, "extension": _extension_stamp(),
-            # PYKERNELS_SM90=0 swaps the Hopper GEMMs for the sm80 kernels (csrc/common/gemm_sm90_torch.h),
-            # PYKERNELS_SM90_TILE / PYKERNELS_SM90_LOGPROBS_TILE their tiles (common/sm90_tiles.h,
-            # logprobs/logprobs_sm90.h), PYKERNELS_SM90_RASTER the core's tile order (common/sm90_tile_order.h),
-            # PYKERNELS_SM90_LORA / _GRAD_X the LoRA forward's and grad_x's GEMMs
-            # (lora/lora_extended_k.h), PYKERNELS_LORA_RANK_GEMM its rank products (lora/lora_rank_pieces.h),
-            # PYKERNELS_SM90_NF4 the QLoRA forward's (nf4/nf4_gemm_sm90.h), PYKERNELS_SM90_MOE_LORA the
-            # experts' LoRA products (moe/moe.h), PYKERNELS_NF4_DEQUANT the NF4 dequantize (nf4/nf4.h):
-            # decisions made with one set of kernels must not be reused for another
+            # PYKERNELS_SM90=0 swaps the Hopper GEMMs for the sm80 kernels (csrc/common/gemm_sm90_torch.h)
             "sm90_kernels": os.environ.get("PYKERNELS_SM90") != "0",
-            "sm90_tiles": [os.environ.get("PYKERNELS_SM90_TILE") or "default",
-                           os.environ.get("PYKERNELS_SM90_LOGPROBS_TILE") or "default"],
-            "sm90_raster": os.environ.get("PYKERNELS_SM90_RASTER") or "default",
-            "sm90_lora_forward": os.environ.get("PYKERNELS_SM90_LORA") or "default",
-            "sm90_lora_grad_x": os.environ.get("PYKERNELS_SM90_LORA_GRAD_X") or "default",
-            "lora_rank_gemm": os.environ.get("PYKERNELS_LORA_RANK_GEMM") or "default",
-            "sm90_nf4_forward": os.environ.get("PYKERNELS_SM90_NF4") or "default",
-            "sm90_moe_lora": os.environ.get("PYKERNELS_SM90_MOE_LORA") or "default",
-            "nf4_dequantize": os.environ.get("PYKERNELS_NF4_DEQUANT") or "default"}
+            **{name: os.environ.get(variable) or "default" for name, variable in KERNEL_KNOBS.items()}}
     return _identities[str(device)]
 
 

@@ -7,12 +7,12 @@ tile of the Hopper GEMM core forced (PYKERNELS_SM90_TILE, csrc/common/sm90_tiles
 by shape), the logprobs calls on the lm_head GEMMs' other tile (PYKERNELS_SM90_LOGPROBS_TILE,
 csrc/logprobs/logprobs_sm90.h), the LoRA calls with the forward on cuBLAS (PYKERNELS_SM90_LORA=cublas),
 with grad_x as one extended-K GEMM (PYKERNELS_SM90_LORA_GRAD_X=extended_k, csrc/lora/lora_extended_k.h),
-with the rank products as bf16 pieces on tensor cores (PYKERNELS_LORA_RANK_GEMM=tensor_core,
+with the rank products as SIMT fp32 (PYKERNELS_LORA_RANK_GEMM=simt,
 csrc/lora/lora_rank_pieces.h) and with the NF4 weight decoded in the GEMM's mainloop
 (PYKERNELS_SM90_NF4=mainloop, csrc/nf4/nf4_gemm_sm90.h), and the MoE calls with the experts' LoRA
 products as their own GEMMs (PYKERNELS_SM90_MOE_LORA=separate, csrc/moe/moe.h), and the NF4 calls
-with the dequantize by warp chunks (PYKERNELS_NF4_DEQUANT=warps, csrc/nf4/nf4.h: its codes staged in
-shared memory, racecheck's case).
+with the dequantize by store units (PYKERNELS_NF4_DEQUANT=units, csrc/nf4/nf4.h; the default, by warp
+chunks, stages codes in shared memory: racecheck's case).
 On CPU (the dry run) the same calls check that this script still matches the ops' signatures.
 
     python .ci/gpu/sanitize_ops.py [--device cuda|cpu]
@@ -126,9 +126,9 @@ FAMILIES = {"nf4": run_nf4, "lora": run_lora, "logprobs": run_logprobs, "moe": r
 OTHER_SETTINGS = [("PYKERNELS_SM90_TILE", tile, "moe") for tile in _C.host_logic.gemm_sm90_tiles] + [
     ("PYKERNELS_SM90_LOGPROBS_TILE", tile, "logprobs") for tile in _C.host_logic.logprobs_sm90_tiles[1:]] + [
     ("PYKERNELS_SM90_LORA", "cublas", "lora"), ("PYKERNELS_SM90_LORA_GRAD_X", "extended_k", "lora"),
-    ("PYKERNELS_LORA_RANK_GEMM", "tensor_core", "lora"), ("PYKERNELS_SM90_RASTER", "n8", "moe"),
+    ("PYKERNELS_LORA_RANK_GEMM", "simt", "lora"), ("PYKERNELS_SM90_RASTER", "n8", "moe"),
     ("PYKERNELS_SM90_NF4", "mainloop", "lora"), ("PYKERNELS_SM90_MOE_LORA", "separate", "moe"),
-    ("PYKERNELS_NF4_DEQUANT", "warps", "nf4")]
+    ("PYKERNELS_NF4_DEQUANT", "units", "nf4")]
 
 
 def run_family(family: str, device: str, setting: str = "") -> None:

@@ -27,6 +27,7 @@
 #include "lora/lora.h"
 #include "lora/lora_extended_k.h"
 #include "lora/lora_rank_pieces.h"
+#include "lora/nf4_chunks.h"
 #include "logprobs/logprobs_sm90.h"
 #include "logprobs/vocab_chunks.h"
 #include "moe/moe.h"
@@ -437,6 +438,15 @@ const char* logprobs_sm90_error(int64_t tokens, int64_t rows, int64_t h, uintptr
 }
 
 // lora/lora.h: the rank GEMM's tile and split-k plan, and the workspace the binding allocates.
+// lora/nf4_chunks.h: rows per dequantized chunk of an NF4 weight under PYKERNELS_NF4_CHUNK_MIB=`setting`.
+int64_t lora_nf4_chunk_rows(int64_t n, int64_t k, int64_t m, int64_t element_size, int64_t sms,
+                            const std::optional<std::string>& setting) {
+  int64_t cap_bytes = 0;
+  const char* error = lora::nf4_chunk_cap_for(setting ? setting->c_str() : nullptr, &cap_bytes);
+  require(error == nullptr, error ? error : "");
+  return lora::nf4_chunk_rows(n, k, m, element_size, sms, cap_bytes);
+}
+
 std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t> lora_rank_gemm_plan(int64_t m, int64_t n, int64_t k,
                                                                            int sms) {
   const lora::RankTile tile = lora::rank_tile(m, n);
@@ -575,6 +585,8 @@ void define_host_logic(py::module_& m) {
   // lora/lora.h: (tile_m, tile_n, splits, k_per_split, workspace_floats); which rows / columns of its
   // tile a thread accumulates, its (tx, ty), and the shared-memory row stride
   m.def("lora_rank_gemm_plan", &lora_rank_gemm_plan, py::arg("m"), py::arg("n"), py::arg("k"), py::arg("sms"));
+  m.def("lora_nf4_chunk_rows", &lora_nf4_chunk_rows, py::arg("n"), py::arg("k"), py::arg("m"),
+        py::arg("element_size"), py::arg("sms"), py::arg("setting") = std::nullopt);
   m.def("lora_rank_fragment_index", &lora::rank_fragment_index, py::arg("extent"), py::arg("t"), py::arg("i"));
   m.def(
       "lora_rank_thread",

@@ -22,10 +22,10 @@
 // The GEMMs take one input dtype; products that meet an fp32 LoRA weight or the fp32 xa / dxa
 // go to launch_rank_gemm instead, which reads each operand in its own dtype and sums in fp32, so
 // nothing on the LoRA path is rounded to 16 bits before its output (as on the CPU and in PEFT,
-// whose fp32 adapters see an fp32 copy of x); under PYKERNELS_LORA_RANK_GEMM=tensor_core with bf16 x
-// they run on the tensor-core GEMM, each fp32 factor as three bf16 pieces (lora_rank_pieces.h).
-// With an NF4 weight, chunks of rows of W (up to 16 MiB) are dequantized into one buffer and
-// multiplied one after the other; grad_x sums the chunks in an fp32 buffer and is rounded once. The
+// whose fp32 adapters see an fp32 copy of x); with bf16 x they run on the tensor-core GEMM, each fp32
+// factor as three bf16 pieces (lora_rank_pieces.h; PYKERNELS_LORA_RANK_GEMM=simt keeps the FMA kernel).
+// With an NF4 weight, chunks of rows of W (nf4_chunks.h: 16 MiB, or more until a chunk's GEMM fills
+// the GPU) are dequantized into one buffer and multiplied one after the other; grad_x sums the chunks in an fp32 buffer and is rounded once. The
 // base weight's GEMM dy W (and x W^T under PYKERNELS_SM90_LORA=cublas) runs on cuBLAS through ATen,
 // which measured twice as fast as our 128x128 tiles (base_gemm); the tensor-core products with an
 // fp32 output (xa, dxa, NF4's dy W) run on the sm_90a core on Hopper (bf16, common/gemm_sm90_torch.h),
@@ -44,13 +44,12 @@
 #include "lora/lora_extended_k.h"
 #include "lora/lora_rank_pieces.h"
 #include "lora/lora_torch_checks.h"
+#include "lora/nf4_chunks.h"
 #include "nf4/nf4.h"
 #include "nf4/nf4_gemm_sm90.h"
 
 namespace pykernels::lora {
 namespace {
-
-constexpr int64_t kWeightChunkBytes = int64_t{16} << 20;  // dequantized NF4 rows per GEMM
 
 void check_launch(const char* error) { TORCH_CHECK(error == nullptr, error); }
 
@@ -118,7 +117,8 @@ void base_gemm(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool ac
   }
 }
 
-// The rows of an NF4 weight [n, k], dequantized a chunk at a time into one buffer of x's dtype.
+// The rows of an NF4 weight [n, k], dequantized a chunk at a time (nf4_chunks.h) into one buffer of
+// x's dtype.
 // The dequantize launcher starts at a block boundary (and, with double quantization, at a nested
 // block boundary), so a chunk is decoded from the boundary at or before its first row; the slack
 // before the row is at most one such group.
@@ -128,9 +128,11 @@ class Nf4RowChunks {
       : weight_(weight), k_(k) {
     const bool nested = weight.scales.absmax == nullptr;
     group_ = weight.blocksize * (nested ? weight.scales.nested_blocksize : 1);
-    // Multiples of 8 rows keep each chunk's columns of y 16-byte aligned (tensor-core path).
-    const int64_t fit = kWeightChunkBytes / (k * x.element_size()) / 8 * 8;
-    rows_per_chunk_ = std::min(n, std::max<int64_t>(8, fit));
+    int64_t cap_bytes = 0;
+    const char* error = nf4_chunk_cap_for(std::getenv("PYKERNELS_NF4_CHUNK_MIB"), &cap_bytes);
+    TORCH_CHECK_VALUE(error == nullptr, error);
+    const int64_t m = x.numel() / k;  // x [..., k]: the tokens of the GEMM
+    rows_per_chunk_ = nf4_chunk_rows(n, k, m, x.element_size(), device_multiprocessors(x.get_device()), cap_bytes);
     buffer_ = at::empty({rows_per_chunk_ * k + group_}, x.options());
     weight_.out_dtype = dtype_of(x);
   }
@@ -191,8 +193,8 @@ void rank_gemm(int64_t m, int64_t n, int64_t k, RankOperand a, RankOperand b, at
   check_launch(launch_rank_gemm(p, stream));
 }
 
-// PYKERNELS_LORA_RANK_GEMM=tensor_core with bf16 x: the rank products that meet an fp32 factor run
-// as bf16 pieces on the tensor-core GEMM (lora_rank_pieces.h) instead of rank_gemm.
+// With bf16 x and PYKERNELS_LORA_RANK_GEMM=tensor_core (the default) the rank products that meet an
+// fp32 factor run as bf16 pieces on the tensor-core GEMM (lora_rank_pieces.h) instead of rank_gemm.
 bool rank_on_tensor_cores(const at::Tensor& x) {
   bool wanted = false;
   const char* error = lora_rank_gemm_for(std::getenv("PYKERNELS_LORA_RANK_GEMM"), &wanted);

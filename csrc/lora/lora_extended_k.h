@@ -51,8 +51,9 @@ inline const char* lora_sm90_forward_for(const char* setting, bool* cublas) {
 
 // PYKERNELS_SM90_LORA_GRAD_X picks how the backward's input gradient runs on Hopper (dense W, no
 // x_lora):
-//   cublas      dy W on cuBLAS, dxa A added by the rank kernel: the default until a GPU has timed the
-//               other (the forward's measurement says little here: dy W has K = out_features)
+//   cublas      dy W on cuBLAS, dxa A added by the rank kernel: the default, 1.02x faster than the other
+//               on an H100 (a step at 4096 x 14336, T 8192, r 16: 4.40 against 4.48 ms; benchmarks/
+//               results/h100.md, 2026-11-27 second lease)
 //   extended_k  grad_x = [dy | U] [W ; V^T], one GEMM on the Hopper core
 inline const char* lora_sm90_grad_x_for(const char* setting, bool* extended_k) {
   return two_way_choice(setting, "cublas", "extended_k",

@@ -116,13 +116,18 @@ struct TransposedScalesParams {
 };
 
 // PYKERNELS_NF4_DEQUANT, read by launch_dequantize on every call (benchmarks/tile_sweep.py times both
-// ways in one process): `units` (the default), a thread per 16-byte store unit with four units'
-// 4-byte loads in flight; `warps`, a warp per 1024 values with one 16-byte load per lane, staged in
-// shared memory, and one scale lookup per block (nf4_layout.h, kWarpChunkValues), for power-of-two
-// blocksizes and 16-byte aligned tensors (else units). Not yet timed on a GPU.
+// ways in one process): `warps` (the default), a warp per 1024 values with one 16-byte load per lane,
+// staged in shared memory, and one scale lookup per block (nf4_layout.h, kWarpChunkValues), for
+// power-of-two blocksizes and 16-byte aligned tensors (else units); `units`, a thread per 16-byte
+// store unit with four units' 4-byte loads in flight. On an H100 warps took 1.21-1.24x less time than
+// units at 4096 x 4096, 4096 x 14336 and 128 experts of 2048 x 768 (benchmarks/results/h100.md,
+// 2026-11-27 second lease).
 inline const char* dequantize_warps_for(const char* setting, bool* warps) {
-  return two_way_choice(setting, "units", "warps", "PYKERNELS_NF4_DEQUANT must be units (the default) or warps",
-                        warps);
+  bool units = false;
+  const char* error = two_way_choice(setting, "warps", "units",
+                                     "PYKERNELS_NF4_DEQUANT must be warps (the default) or units", &units);
+  *warps = error == nullptr && !units;
+  return error;
 }
 
 // CUDA launchers (nf4.cu). Each returns nullptr on success or a message naming what failed.

@@ -547,9 +547,9 @@ def test_nf4_warp_chunk_stores_cover_512_contiguous_bytes_per_instruction():
 
 
 def test_nf4_dequantize_kernel_knob():
-    assert H.nf4_dequantize_kernel(None) == H.nf4_dequantize_kernel("") == H.nf4_dequantize_kernel("units") == "units"
-    assert H.nf4_dequantize_kernel("warps") == "warps"
-    with pytest.raises(ValueError, match="PYKERNELS_NF4_DEQUANT must be units"):
+    assert H.nf4_dequantize_kernel(None) == H.nf4_dequantize_kernel("") == H.nf4_dequantize_kernel("warps") == "warps"
+    assert H.nf4_dequantize_kernel("units") == "units"
+    with pytest.raises(ValueError, match=r"PYKERNELS_NF4_DEQUANT must be warps \(the default\) or units"):
         H.nf4_dequantize_kernel("warp")
 
 

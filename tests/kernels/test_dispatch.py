@@ -224,9 +224,18 @@ def test_the_cache_survives_a_restart_without_re_timing(isolated, timings):
     assert len(timings) == 4
 
 
-@pytest.mark.parametrize("change", ["pykernels", "torch", "hopper_tile", "hopper_raster", "hopper_lora_forward",
-                                    "hopper_lora_grad_x", "lora_rank_gemm", "hopper_nf4_forward", "hopper_moe_lora",
-                                    "nf4_dequantize", "device"])
+# A setting of each kernel knob other than its default (pykernels/dispatch_cache.py KERNEL_KNOBS).
+OTHER_KERNELS = {
+    "sm90_tile": "128x256", "sm90_logprobs_tile": "128x128", "sm90_raster": "n8", "sm90_lora_forward": "cublas",
+    "sm90_lora_grad_x": "extended_k", "lora_rank_gemm": "simt", "nf4_chunk_mib": "16", "sm90_nf4_forward": "mainloop",
+    "sm90_moe_lora": "separate", "nf4_dequantize": "units"}
+
+
+def test_every_kernel_knob_has_another_setting_here():
+    assert OTHER_KERNELS.keys() == dispatch_cache.KERNEL_KNOBS.keys()
+
+
+@pytest.mark.parametrize("change", ["pykernels", "torch", "device", *OTHER_KERNELS])
 def test_a_version_or_device_change_invalidates_the_cache(monkeypatch, isolated, timings, change):
     pykernels.lora.lora_linear(*_lora_args())
     assert len(timings) == 2
@@ -234,24 +243,10 @@ def test_a_version_or_device_change_invalidates_the_cache(monkeypatch, isolated,
         monkeypatch.setattr(pykernels, "__version__", "99.0")
     elif change == "torch":
         monkeypatch.setattr(torch, "__version__", "99.0+cpu")
-    elif change == "hopper_tile":  # another tile of the Hopper GEMM core is another kernel
-        monkeypatch.setenv("PYKERNELS_SM90_TILE", "128x256")
-    elif change == "hopper_raster":  # another walk over the tiles can change who is faster
-        monkeypatch.setenv("PYKERNELS_SM90_RASTER", "n8")
-    elif change == "hopper_lora_forward":  # the LoRA forward on cuBLAS is another kernel
-        monkeypatch.setenv("PYKERNELS_SM90_LORA", "cublas")
-    elif change == "hopper_lora_grad_x":  # grad_x as one extended-K GEMM is another kernel
-        monkeypatch.setenv("PYKERNELS_SM90_LORA_GRAD_X", "extended_k")
-    elif change == "lora_rank_gemm":  # the rank products on tensor cores are other kernels
-        monkeypatch.setenv("PYKERNELS_LORA_RANK_GEMM", "tensor_core")
-    elif change == "hopper_nf4_forward":  # the NF4 decode in the GEMM is another kernel
-        monkeypatch.setenv("PYKERNELS_SM90_NF4", "mainloop")
-    elif change == "hopper_moe_lora":
-        monkeypatch.setenv("PYKERNELS_SM90_MOE_LORA", "separate")
-    elif change == "nf4_dequantize":  # the warp-chunk dequantize is another kernel
-        monkeypatch.setenv("PYKERNELS_NF4_DEQUANT", "warps")
-    else:
+    elif change == "device":
         monkeypatch.setattr(dispatch_cache, "device_name", lambda device: "cpu another")
+    else:  # another kernel (or other sizes of one) can change who is faster
+        monkeypatch.setenv(dispatch_cache.KERNEL_KNOBS[change], OTHER_KERNELS[change])
     dispatch_cache.forget()
     pykernels.lora.lora_linear(*_lora_args())
     assert len(timings) == 4

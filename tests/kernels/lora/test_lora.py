@@ -298,10 +298,12 @@ def test_odd_sizes_and_misaligned_views(layout, weight_kind, lora_dtype, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_nf4_grad_x_is_rounded_once_across_weight_chunks(device):
+def test_nf4_grad_x_is_rounded_once_across_weight_chunks(device, monkeypatch):
     """grad_x = dy W with W [4096, 14336] in NF4: the op dequantizes W in chunks of rows (15 on
-    CPU, 8 on CUDA) and must sum the chunks in fp32 and round once, like one bf16 GEMM; rounding
-    the running sum to bf16 after every chunk costs ~sqrt(chunks / 2) times torch's error."""
+    CPU, 8 on CUDA under PYKERNELS_NF4_CHUNK_MIB=16, which at 4 tokens would otherwise take the whole
+    weight) and must sum the chunks in fp32 and round once, like one bf16 GEMM; rounding the running
+    sum to bf16 after every chunk costs ~sqrt(chunks / 2) times torch's error."""
+    monkeypatch.setenv("PYKERNELS_NF4_CHUNK_MIB", "16")
     m, k, n, r = 4, 14336, 4096, 8
     g = torch.Generator().manual_seed(12)
     w4 = nf4.quantize((torch.randn(n, k, generator=g) * k ** -0.5).bfloat16().to(device), 64)

@@ -18,6 +18,7 @@ import pykernels.nf4 as nf4
 from pykernels.nf4_format import nf4_code
 from pykernels.reference import nf4 as reference
 from conftest import requires_cuda
+from pykernels import _C
 from pykernels._extension import ops
 
 pytestmark = [requires_cuda, pytest.mark.cuda]
@@ -31,7 +32,8 @@ SCALING = 2.0
 # (M, K, N, r, bias, x_lora, fp32 LoRA weights). Covers r in {1, 8, 16, 64, 128, 256}, K and N in
 # {769, 4096, 5125}, M in {1, 7, 1024} and every bias / x_lora pair. Sizes that are multiples of 8
 # take the tensor-core GEMMs, odd ones the SIMT fallback; (K, N) = (5125, 4096) and (4096, 4096)
-# split an NF4 weight into several dequantized chunks.
+# split an NF4 weight into several dequantized chunks of 16 MiB (PYKERNELS_NF4_CHUNK_MIB=16; by
+# default, at these token counts, a chunk grows to the whole weight: csrc/lora/nf4_chunks.h).
 CASES = [
     (1, 769, 5125, 1, False, False, False),
     (7, 5125, 769, 8, True, False, True),
@@ -124,6 +126,8 @@ def weight_for(kind, dense):
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_cuda_matches_fp64_and_cpu(case, dtype, weight_kind, lora_forward, monkeypatch):
     monkeypatch.setenv("PYKERNELS_SM90_LORA", lora_forward)
+    # NF4 weights: the default chunks (the whole weight here) on one side, 16 MiB chunks on the other
+    monkeypatch.setenv("PYKERNELS_NF4_CHUNK_MIB", "16" if lora_forward == "cublas" else "")
     t = make_inputs(case, dtype, seed=CASES.index(case))
     weight, dense = weight_for(weight_kind, t["weight"])
     cuda = run_ops(t, weight, "cuda")
@@ -143,6 +147,41 @@ def test_cuda_without_grad_x(x_lora, weight_kind):
     assert partial["grad_x"].shape == (0,)
     for name in ["y", "xa", "grad_x_lora", "grad_A", "grad_B"]:
         assert torch.equal(partial[name], full[name]), name
+
+
+def dequantize_launches(fn) -> int:
+    """NF4 dequantize kernels launched by fn()."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        fn()
+        torch.cuda.synchronize()
+    return sum(event.count for event in profile.key_averages() if "dequantize" in event.key)
+
+
+def test_cuda_nf4_chunks_follow_the_rule(monkeypatch):
+    """The QLoRA forward dequantizes W in as many chunks as csrc/lora/nf4_chunks.h says for this GPU:
+    at 1024 tokens of a 4096 -> 14336 layer the whole weight at once by default (16 MiB chunks left
+    each GEMM under half a wave on an H100), 7 chunks under PYKERNELS_NF4_CHUNK_MIB=16, the same y
+    either way; a bad cap is named."""
+    m, k, n = 1024, 4096, 14336
+    t = make_inputs((m, k, n, 16, False, False, True), torch.bfloat16, seed=5)
+    weight, _ = weight_for("nf4_double_quant", t["weight"])
+    quantized, nested = nf4_args(weight.to("cuda"))
+    x, a, b = t["x"].cuda(), t["lora_A"].cuda(), t["lora_B"].cuda()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ys = {}
+    for setting in ("", "16"):
+        monkeypatch.setenv("PYKERNELS_NF4_CHUNK_MIB", setting)
+
+        def forward():
+            ys[setting] = ops.lora_linear_nf4(x, *quantized, n, a, b, SCALING, None, None, *nested)[0]
+
+        rows = _C.host_logic.lora_nf4_chunk_rows(n, k, m, 2, sms, setting)
+        assert dequantize_launches(forward) == -(-n // rows), f"PYKERNELS_NF4_CHUNK_MIB={setting!r}"
+    assert _C.host_logic.lora_nf4_chunk_rows(n, k, m, 2, 132, "16") == 2048  # the H100's 7 chunks
+    torch.testing.assert_close(ys[""], ys["16"], rtol=2**-7, atol=1e-3)
+    monkeypatch.setenv("PYKERNELS_NF4_CHUNK_MIB", "16MiB")
+    with pytest.raises(ValueError, match="PYKERNELS_NF4_CHUNK_MIB must be a whole number of MiB"):
+        ops.lora_linear_nf4(x, *quantized, n, a, b, SCALING, None, None, *nested)
 
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -178,6 +217,7 @@ def test_cuda_extended_k_matches_fp64_and_cpu(case, weight_kind, monkeypatch):
     cuBLAS path; and it must be those GEMMs that ran."""
     monkeypatch.delenv("PYKERNELS_SM90_LORA", raising=False)
     monkeypatch.setenv("PYKERNELS_SM90_LORA_GRAD_X", "extended_k")
+    monkeypatch.setenv("PYKERNELS_NF4_CHUNK_MIB", "16")  # several chunks of an NF4 W at N 4096
     t = make_inputs(case, torch.bfloat16, seed=EXTENDED_K_CASES.index(case))
     weight, dense = weight_for(weight_kind, t["weight"])
     outputs = {}

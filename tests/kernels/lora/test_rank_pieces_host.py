@@ -14,8 +14,8 @@ H = _C.host_logic
 
 def test_rank_gemm_knob():
     assert [H.lora_rank_gemm(s) for s in (None, "", "simt", "tensor_core")] == [
-        "simt", "simt", "simt", "tensor_core"]
-    with pytest.raises(ValueError, match=r"PYKERNELS_LORA_RANK_GEMM must be simt \(the default\) or tensor_core"):
+        "tensor_core", "tensor_core", "simt", "tensor_core"]
+    with pytest.raises(ValueError, match=r"PYKERNELS_LORA_RANK_GEMM must be tensor_core \(the default\) or simt"):
         H.lora_rank_gemm("tf32")
 
 

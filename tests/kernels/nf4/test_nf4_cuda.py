@@ -67,7 +67,7 @@ def test_cuda_dequantize_by_warp_chunks(numel, blocksize, double_quant, dequanti
 def test_cuda_dequantize_kernel_knob_is_checked(monkeypatch):
     weight = nf4.quantize(torch.randn(4096, device="cuda"), 64)
     monkeypatch.setenv("PYKERNELS_NF4_DEQUANT", "fast")
-    with pytest.raises(RuntimeError, match="PYKERNELS_NF4_DEQUANT must be units"):
+    with pytest.raises(RuntimeError, match="PYKERNELS_NF4_DEQUANT must be warps"):
         nf4.dequantize(weight)
 
 
