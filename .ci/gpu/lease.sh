@@ -18,9 +18,10 @@
 # instead of timing failing rules again (on the 2026-11-27 lease: every case of the three failing LoRA
 # ops, twice), which, stopped by the stage's limit, loses the file's JSON (written when the session ends).
 #
-# A 15-minute lease (2026-11-27: build 181 s, tests 129 s on 12 processes, sanitizer 61 s, sweep
-# 41 s at --rounds 5 before it grew): a first call of DEADLINE_S=570 with STAGES="build test
-# sanitize sweep", then at once (the machine stays warm 30 s) STAGES="bench" for what time is left.
+# A 15-minute lease (2026-11-27, second lease: build 184 s, tests 170 s on 12 processes, sanitizer
+# 56 s, sweep 45 s; then every case of a benchmark file in 20-60 s, the breakdown 22 s): a first
+# call of DEADLINE_S=555 with STAGES="build test sanitize sweep", then at once (the machine stays
+# warm 30 s) STAGES="bench" and "breakdown" calls for what time is left (benchmarks/results/h100.md).
 set -u
 shopt -s nullglob  # no log yet: no line for it
 cd "$(dirname "$0")/../.."

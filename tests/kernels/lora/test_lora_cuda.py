@@ -172,7 +172,7 @@ def test_cuda_nf4_chunks_follow_the_rule(monkeypatch):
     for setting in ("", "16"):
         monkeypatch.setenv("PYKERNELS_NF4_CHUNK_MIB", setting)
 
-        def forward():
+        def forward(setting=setting):
             ys[setting] = ops.lora_linear_nf4(x, *quantized, n, a, b, SCALING, None, None, *nested)[0]
 
         rows = _C.host_logic.lora_nf4_chunk_rows(n, k, m, 2, sms, setting)
