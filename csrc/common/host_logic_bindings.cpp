@@ -437,7 +437,6 @@ const char* logprobs_sm90_error(int64_t tokens, int64_t rows, int64_t h, uintptr
   return ld == 0 ? logprobs::logits_gemm_sm90_error(p.gemm) : logprobs::logit_grad_sm90_error(p);
 }
 
-// lora/lora.h: the rank GEMM's tile and split-k plan, and the workspace the binding allocates.
 // lora/nf4_chunks.h: rows per dequantized chunk of an NF4 weight under PYKERNELS_NF4_CHUNK_MIB=`setting`.
 int64_t lora_nf4_chunk_rows(int64_t n, int64_t k, int64_t m, int64_t element_size, int64_t sms,
                             const std::optional<std::string>& setting) {
@@ -447,6 +446,7 @@ int64_t lora_nf4_chunk_rows(int64_t n, int64_t k, int64_t m, int64_t element_siz
   return lora::nf4_chunk_rows(n, k, m, element_size, sms, cap_bytes);
 }
 
+// lora/lora.h: the rank GEMM's tile and split-k plan, and the workspace the binding allocates.
 std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t> lora_rank_gemm_plan(int64_t m, int64_t n, int64_t k,
                                                                            int sms) {
   const lora::RankTile tile = lora::rank_tile(m, n);

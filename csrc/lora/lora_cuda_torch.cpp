@@ -25,9 +25,10 @@
 // whose fp32 adapters see an fp32 copy of x); with bf16 x they run on the tensor-core GEMM, each fp32
 // factor as three bf16 pieces (lora_rank_pieces.h; PYKERNELS_LORA_RANK_GEMM=simt keeps the FMA kernel).
 // With an NF4 weight, chunks of rows of W (nf4_chunks.h: 16 MiB, or more until a chunk's GEMM fills
-// the GPU) are dequantized into one buffer and multiplied one after the other; grad_x sums the chunks in an fp32 buffer and is rounded once. The
-// base weight's GEMM dy W (and x W^T under PYKERNELS_SM90_LORA=cublas) runs on cuBLAS through ATen,
-// which measured twice as fast as our 128x128 tiles (base_gemm); the tensor-core products with an
+// the GPU) are dequantized into one buffer and multiplied one after the other; grad_x sums the chunks
+// in an fp32 buffer and is rounded once. The base weight's GEMM dy W (and x W^T under
+// PYKERNELS_SM90_LORA=cublas) runs on cuBLAS through ATen, which measured twice as fast as our
+// 128x128 tiles (base_gemm); the tensor-core products with an
 // fp32 output (xa, dxa, NF4's dy W) run on the sm_90a core on Hopper (bf16, common/gemm_sm90_torch.h),
 // else on the sm80 GEMM (common/gemm_sm80.h).
 #include <c10/cuda/CUDAGuard.h>
