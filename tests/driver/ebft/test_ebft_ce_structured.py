@@ -157,8 +157,11 @@ def test_the_loss_and_its_parts_split_into_micro_batches_exactly(policy, split):
     assert whole_metrics["loss"] == pytest.approx(
         0.7 * whole_metrics["ebft/rl_loss"] + 0.3 * whole_metrics["ebft/ce_loss"], abs=1e-6)
     expected = adapter_grads(whole)
+    # fp32 sums over other partitions of the batch differ by rounding, which near a gradient's zero
+    # crossings is all of an element: the tolerance is relative to the tensor's largest element (a
+    # micro-batch weighed wrong would be off by ~1/9 of the gradient, ~1000x this).
     for name, grad in adapter_grads(parts).items():
-        torch.testing.assert_close(grad, expected[name], atol=1e-6, rtol=1e-4)
+        torch.testing.assert_close(grad, expected[name], atol=1e-4 * expected[name].abs().max().item(), rtol=1e-4)
 
 
 def test_torchrun_shards_add_up_to_the_whole_step(policy):
