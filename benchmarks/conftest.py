@@ -77,11 +77,12 @@ def bench_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-AVX512_CPU_CLASSES = ("cpu", "cpu-zen4")  # both time the same cases; each has its own floors
-# Zen 4 is the CI machine's class: there the runs no rule of benchmarks/thresholds.toml reads are left
-# out (the MoE forward without LoRA, grouped_mm's MoE forward+backward without LoRA, chunked torch's
-# logprobs forward: ~25 s of CI). Every other class times them: their rows fill the results pages.
-RULES_ONLY_CLASSES = ("cpu-zen4",)
+AVX512_CPU_CLASSES = ("cpu", "cpu-zen4", "cpu-avx512")  # they time the same cases; each has its own floors
+# The CI machines' classes (Zen 4, and Intel Xeons without AVX-512 BF16): there the runs no rule of
+# benchmarks/thresholds.toml reads are left out (the MoE forward without LoRA, grouped_mm's MoE
+# forward+backward without LoRA, chunked torch's logprobs forward: ~25 s of CI on Zen 4). Every other
+# class times them: their rows fill the results pages.
+RULES_ONLY_CLASSES = ("cpu-zen4", "cpu-avx512")
 
 
 @functools.cache
@@ -117,6 +118,19 @@ def cpu_family() -> tuple[str, int]:
     return fields.get("vendor_id", ""), int(family) if family.isdigit() else 0
 
 
+def cpu_flags() -> set[str]:
+    """The flags of /proc/cpuinfo's first processor; empty where there is none."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                key, _, value = line.partition(":")
+                if key.strip() == "flags":
+                    return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
 def device_class(device: torch.device) -> str:
     """The thresholds section that judges a run on `device`, and the case set it times.
 
@@ -126,12 +140,17 @@ def device_class(device: torch.device) -> str:
     are, which decides how close torch's oneDNN GEMMs come to the peak that ours reaches: "cpu-zen4"
     (AMD family 0x19: 512-bit instructions on 256-bit units, where oneDNN's bf16 GEMM runs at
     ~85% of the peak and a GEMM-bound op of ours can win only that gap) and "cpu" (AMD Zen 5 and the
-    rest: full 512-bit units, where oneDNN ran at 55-85% of what ours reaches). Same cases, own floors.
+    rest: full 512-bit units, where oneDNN ran at 55-85% of what ours reaches). "cpu-avx512" is AVX-512
+    without its BF16 instructions (Intel Xeons before Sapphire Rapids: a CI machine since 2026-11-27),
+    where neither side has a bf16 dot product: ours widens to fp32 FMAs, torch's bf16 GEMMs slow down
+    more. Same cases (without the N=4096 logprobs case, a CI-time cost), own floors.
     """
     if device.type == "cpu":
         if pykernels.build_info()["cpu_isa_detected"] != "avx512":
             return "cpu-scalar"
-        return "cpu-zen4" if cpu_family() == ("AuthenticAMD", 0x19) else "cpu"
+        if cpu_family() == ("AuthenticAMD", 0x19):
+            return "cpu-zen4"
+        return "cpu" if "avx512_bf16" in cpu_flags() else "cpu-avx512"
     name = torch.cuda.get_device_name(device)
     for known in ("H200", "H100"):
         if known in name:

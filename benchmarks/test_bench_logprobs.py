@@ -12,7 +12,7 @@ every implementation must return). bf16 throughout.
 GPUs run N in {4096, 16384}; the 2-core CPU runs N=512, H=2048 so the suite stays within minutes. On
 Zen 5 ("cpu") one more case at N=4096 (the issue's smallest size, where its CPU targets are stated)
 times forward+backward with a trainable lm_head against materialized torch (~11 s and ~14-19 s a
-call, one timed round each), for its time floor. Zen 4 ("cpu-zen4", the CI machine) leaves it out:
+call, one timed round each), for its time floor. Zen 4 ("cpu-zen4", a CI machine) leaves it out:
 there both run at the GEMM's peak (0.96x, no floor can hold), the N=512 memory rule already catches
 materialized logits, and its three calls per implementation cost CI 155 s.
 A CPU without AVX-512 ("cpu-scalar": ours multiplies fp32 copies; torch's bf16 GEMM has no vector

@@ -18,7 +18,7 @@ from torch import nn
 
 import pykernels.lora as lora
 import pykernels.nf4 as nf4
-from benchmarks.conftest import AVX512_CPU_CLASSES, run_device_class
+from benchmarks.conftest import AVX512_CPU_CLASSES, read_by_a_rule, run_device_class
 
 SHAPES = {"4096x4096": (4096, 4096), "4096x14336": (4096, 14336), "2048x768": (2048, 768)}  # (in, out)
 
@@ -87,14 +87,21 @@ def layers():
     return {}
 
 
-@pytest.mark.parametrize("mode", ["forward", "forward_backward"])
-@pytest.mark.parametrize("base", ["bf16", "nf4"])
-@pytest.mark.parametrize("case", cases(run_device_class()), ids=lambda c: f"{c[0]}-T{c[1]}-r{c[2]}")
-@pytest.mark.parametrize("impl", ["ours", "peft", "base_matmul"])
+def params() -> list:
+    """(impl, case, base, mode) in the order the layers are built; the base matmul is timed once, with
+    the bf16 base (the same dense GEMM for both); on a rules-only class, the runs a rule reads."""
+    device_class = run_device_class()
+    runs = [(impl, case, base, mode) for base in ("bf16", "nf4") for case in cases(device_class)
+            for mode in ("forward", "forward_backward") for impl in ("ours", "peft", "base_matmul")
+            if not (impl == "base_matmul" and base == "nf4")
+            and read_by_a_rule("lora", f"{mode}_{base}", impl, device_class)]
+    return [pytest.param(impl, case, base, mode, id=f"{impl}-{case[0]}-T{case[1]}-r{case[2]}-{base}-{mode}")
+            for impl, case, base, mode in runs]
+
+
+@pytest.mark.parametrize(("impl", "case", "base", "mode"), params())
 def test_lora(measure, device, layers, impl, case, base, mode):
     name, tokens, r = case
-    if impl == "base_matmul" and base == "nf4":
-        pytest.skip("the base matmul is the same dense GEMM for both bases")
     in_features, out_features = SHAPES[name]
     key = (name, r, base)
     if key not in layers:

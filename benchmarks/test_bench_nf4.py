@@ -33,7 +33,8 @@ IMPLS = ["ours", "bitsandbytes", "torch_reference"]
 
 
 def shapes(device_class: str) -> dict[str, tuple[int, ...]]:
-    return {"cpu": CPU_SHAPES, "cpu-zen4": CPU_SHAPES, "cpu-scalar": CPU_SCALAR_SHAPES}.get(device_class, SHAPES)
+    cpu = {"cpu": CPU_SHAPES, "cpu-zen4": CPU_SHAPES, "cpu-avx512": CPU_SHAPES, "cpu-scalar": CPU_SCALAR_SHAPES}
+    return cpu.get(device_class, SHAPES)
 
 
 def quantize_fn(impl: str, x: torch.Tensor):

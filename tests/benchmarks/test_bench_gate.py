@@ -96,7 +96,7 @@ def test_missing_results_file_is_reported(tmp_path, thresholds, capsys):
 
 
 def test_repository_thresholds_parse_for_every_device_class():
-    for device_class in ("cpu", "cpu-zen4", "cpu-scalar", "h100", "h200"):
+    for device_class in ("cpu", "cpu-zen4", "cpu-avx512", "cpu-scalar", "h100", "h200"):
         floors = gate.load_floors(gate.DEFAULT_THRESHOLDS, device_class)
         assert floors
         for rule, floor in ((rule, floor) for rule, rule_floors in floors.items() for floor in rule_floors):
@@ -222,13 +222,14 @@ def test_scope_judges_complete_families_strictly_and_subsets_on_what_ran(tmp_pat
     assert [c.rule for c in not_evaluated] == ["lora.forward_bf16.peft", "nf4.dequantize.torch_reference"]
 
 
-@pytest.mark.parametrize(("isa", "cpu", "expected"), [
-    ("avx512", ("AuthenticAMD", 0x1A), "cpu"),  # Zen 5
-    ("avx512", ("GenuineIntel", 6), "cpu"),
-    ("avx512", ("AuthenticAMD", 0x19), "cpu-zen4"),
-    ("scalar", ("AuthenticAMD", 0x19), "cpu-scalar"),  # Zen 3 is family 0x19 too, without AVX-512
+@pytest.mark.parametrize(("isa", "cpu", "bf16", "expected"), [
+    ("avx512", ("AuthenticAMD", 0x1A), True, "cpu"),  # Zen 5
+    ("avx512", ("GenuineIntel", 6), True, "cpu"),  # Sapphire Rapids and later
+    ("avx512", ("GenuineIntel", 6), False, "cpu-avx512"),  # Skylake-SP to Ice Lake
+    ("avx512", ("AuthenticAMD", 0x19), True, "cpu-zen4"),
+    ("scalar", ("AuthenticAMD", 0x19), False, "cpu-scalar"),  # Zen 3 is family 0x19 too, without AVX-512
 ])
-def test_cpu_device_class_follows_the_kernels_cpu_path_and_the_vector_units(monkeypatch, isa, cpu, expected):
+def test_cpu_device_class_follows_the_kernels_cpu_path_and_the_vector_units(monkeypatch, isa, cpu, bf16, expected):
     import torch
 
     import pykernels
@@ -237,6 +238,7 @@ def test_cpu_device_class_follows_the_kernels_cpu_path_and_the_vector_units(monk
     info = pykernels.build_info()
     monkeypatch.setattr(pykernels, "build_info", lambda: {**info, "cpu_isa_detected": isa})
     monkeypatch.setattr(conftest, "cpu_family", lambda: cpu)
+    monkeypatch.setattr(conftest, "cpu_flags", lambda: {"avx512f", "avx512bw"} | ({"avx512_bf16"} if bf16 else set()))
     assert conftest.device_class(torch.device("cpu")) == expected
 
 
@@ -247,3 +249,11 @@ def test_cpu_family_reads_this_machines_first_processor():
     with open("/proc/cpuinfo") as cpuinfo:
         text = cpuinfo.read()
     assert f"vendor_id\t: {vendor}" in text and f"cpu family\t: {family}" in text
+
+
+def test_cpu_flags_read_this_machines_first_processor():
+    from benchmarks import conftest
+
+    with open("/proc/cpuinfo") as cpuinfo:
+        first = next(line for line in cpuinfo if line.startswith("flags"))
+    assert conftest.cpu_flags() == set(first.partition(":")[2].split())
