@@ -576,7 +576,7 @@ void define_host_logic(py::module_& m) {
   def_two_way_knob(m, "lora_sm90_grad_x", &lora::lora_sm90_grad_x_for, "extended_k", "cublas");
   // lora/lora_rank_pieces.h: the PYKERNELS_LORA_RANK_GEMM knob, an fp32 value's three bf16 pieces,
   // and the blocked operands / the sum of a blocked product
-  def_two_way_knob(m, "lora_rank_gemm", &lora::lora_rank_gemm_for, "tensor_core", "simt");
+  def_two_way_knob(m, "lora_rank_gemm", &lora::lora_rank_gemm_for, "simt", "tensor_core");
   m.def("lora_bf16_piece", &lora::bf16_piece, py::arg("value"), py::arg("piece"));
   m.def("lora_split_pieces", &lora_split_pieces, py::arg("values"), py::arg("rows"), py::arg("cols"),
         py::arg("layout"));
@@ -647,7 +647,7 @@ void define_host_logic(py::module_& m) {
   m.def("nf4_dequantize_warps", &nf4_dequantize_warps, py::arg("packed"), py::arg("numel"), py::arg("blocksize"),
         py::arg("absmax"), py::arg("unit_values"));
   m.def("nf4_warp_unit_offset", &nf4::warp_unit_offset, py::arg("u"), py::arg("lane"), py::arg("unit_values"));
-  def_two_way_knob(m, "nf4_dequantize_kernel", &nf4::dequantize_warps_for, "warps", "units");
+  def_two_way_knob(m, "nf4_dequantize_kernel", &nf4::dequantize_units_for, "units", "warps");
   // moe/moe_schedule.h
   m.def("moe_bucket_slots", &moe_bucket_slots, py::arg("offsets"), py::arg("slots"));
   m.def("moe_row_tile_schedule", &moe_row_tile_schedule, py::arg("offsets"), py::arg("slots"),
@@ -678,7 +678,7 @@ void define_host_logic(py::module_& m) {
         py::arg("misaligned") = false, py::arg("grouped") = true, py::arg("ldd") = 0);
   m.def("gemm_sm90_extra_k_groups", &gemm_sm90_extra_k_groups, py::arg("offsets"), py::arg("slots"), py::arg("k"),
         py::arg("k2"), py::arg("lda2"), py::arg("b2_expert_stride"), py::arg("block_k"));
-  def_two_way_knob(m, "moe_sm90_lora", &moe::moe_lora_extra_k_for, "extra_k", "separate");
+  def_two_way_knob(m, "moe_sm90_lora", &moe::moe_lora_separate_for, "separate", "extra_k");
   m.def(
       "gemm_sm90_tile_order",
       [](const std::optional<std::string>& setting) {

@@ -197,10 +197,10 @@ void rank_gemm(int64_t m, int64_t n, int64_t k, RankOperand a, RankOperand b, at
 // With bf16 x and PYKERNELS_LORA_RANK_GEMM=tensor_core (the default) the rank products that meet an
 // fp32 factor run as bf16 pieces on the tensor-core GEMM (lora_rank_pieces.h) instead of rank_gemm.
 bool rank_on_tensor_cores(const at::Tensor& x) {
-  bool wanted = false;
-  const char* error = lora_rank_gemm_for(std::getenv("PYKERNELS_LORA_RANK_GEMM"), &wanted);
+  bool simt = false;
+  const char* error = lora_rank_gemm_for(std::getenv("PYKERNELS_LORA_RANK_GEMM"), &simt);
   TORCH_CHECK_VALUE(error == nullptr, error);
-  return wanted && x.scalar_type() == at::kBFloat16;
+  return !simt && x.scalar_type() == at::kBFloat16;
 }
 
 // t (contiguous [l.rows, l.cols], fp32 or 16-bit) as bf16 pieces laid out as l.

@@ -37,13 +37,11 @@ namespace pykernels::lora {
 //                3.40 ms against simt's 4.42 at r 16 and 3.50 against 6.99 at r 64 (benchmarks/results/
 //                h100.md, 2026-11-27 second lease)
 //   simt         launch_rank_gemm: fp32 FMA, split over k
-// Sets *tensor_core; null on success, else a message naming the choices. Read on every call.
-inline const char* lora_rank_gemm_for(const char* setting, bool* tensor_core) {
-  bool simt = false;
-  const char* error = two_way_choice(setting, "tensor_core", "simt",
-                                     "PYKERNELS_LORA_RANK_GEMM must be tensor_core (the default) or simt", &simt);
-  *tensor_core = error == nullptr && !simt;
-  return error;
+// Sets *simt (the other side, as every two-way knob sets); null on success, else a message naming the
+// choices. Read on every call.
+inline const char* lora_rank_gemm_for(const char* setting, bool* simt) {
+  return two_way_choice(setting, "tensor_core", "simt",
+                        "PYKERNELS_LORA_RANK_GEMM must be tensor_core (the default) or simt", simt);
 }
 
 inline constexpr int kMaxPieceBlocks = 6;

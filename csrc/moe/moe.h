@@ -28,12 +28,9 @@ namespace pykernels::moe {
 //   separate  as their own grouped GEMMs accumulating into the rows (a second pass over them)
 // Read on every call, so one process can time both (benchmarks/tile_sweep.py). Null on success,
 // else a message naming the choices.
-inline const char* moe_lora_extra_k_for(const char* setting, bool* extra_k) {
-  bool separate = false;
-  const char* error = two_way_choice(setting, "extra_k", "separate",
-                                     "PYKERNELS_SM90_MOE_LORA must be extra_k (the default) or separate", &separate);
-  *extra_k = !separate;
-  return error;
+inline const char* moe_lora_separate_for(const char* setting, bool* separate) {
+  return two_way_choice(setting, "extra_k", "separate",
+                        "PYKERNELS_SM90_MOE_LORA must be extra_k (the default) or separate", separate);
 }
 
 // ------------------------------------------------------------------ sort

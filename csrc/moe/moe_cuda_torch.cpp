@@ -230,10 +230,10 @@ struct ExtraK {
 
 // Whether the LoRA products ride as extra K (PYKERNELS_SM90_MOE_LORA, moe.h).
 bool lora_as_extra_k() {
-  bool extra_k = true;
-  const char* error = moe_lora_extra_k_for(std::getenv("PYKERNELS_SM90_MOE_LORA"), &extra_k);
+  bool separate = false;
+  const char* error = moe_lora_separate_for(std::getenv("PYKERNELS_SM90_MOE_LORA"), &separate);
   TORCH_CHECK_VALUE(error == nullptr, error);
-  return extra_k;
+  return !separate;
 }
 
 // D[s] (+)= A[s] B_e^T (B_e [n, k] with row stride ldb) or A[s] B_e (B_e [k, n]) for the slots of

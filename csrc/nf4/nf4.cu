@@ -407,8 +407,9 @@ const char* launch_dequantize(const DequantizeParams& p, cudaStream_t stream) {
   // 4096], are multiples of 8; the launch itself has no other limit (grid-stride loop).
   if (p.blocksize < 32 || p.blocksize % 32 != 0)
     return "nf4 dequantize: blocksize must be a multiple of 32 (a power of two in [32, 4096])";
-  bool warps = false;
-  if (const char* error = dequantize_warps_for(std::getenv("PYKERNELS_NF4_DEQUANT"), &warps)) return error;
+  bool units = false;
+  if (const char* error = dequantize_units_for(std::getenv("PYKERNELS_NF4_DEQUANT"), &units)) return error;
+  const bool warps = !units;
   const Divider block_div = divider(p.blocksize), nested_div = divider(p.scales.nested_blocksize);
   switch (p.out_dtype) {
     case DType::kFloat32: launch_dequantize_as<float>(p, block_div, nested_div, warps, stream); break;

@@ -122,12 +122,10 @@ struct TransposedScalesParams {
 // store unit with four units' 4-byte loads in flight. On an H100 warps took 1.21-1.24x less time than
 // units at 4096 x 4096, 4096 x 14336 and 128 experts of 2048 x 768 (benchmarks/results/h100.md,
 // 2026-11-27 second lease).
-inline const char* dequantize_warps_for(const char* setting, bool* warps) {
-  bool units = false;
-  const char* error = two_way_choice(setting, "warps", "units",
-                                     "PYKERNELS_NF4_DEQUANT must be warps (the default) or units", &units);
-  *warps = error == nullptr && !units;
-  return error;
+// Sets *units (the other side, as every two-way knob sets); null on success, else the message.
+inline const char* dequantize_units_for(const char* setting, bool* units) {
+  return two_way_choice(setting, "warps", "units", "PYKERNELS_NF4_DEQUANT must be warps (the default) or units",
+                        units);
 }
 
 // CUDA launchers (nf4.cu). Each returns nullptr on success or a message naming what failed.
