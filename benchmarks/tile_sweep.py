@@ -52,7 +52,7 @@ from pykernels import _C
 from pykernels.dispatch import cuda_timer
 
 TILES = ("auto", "128x128", "128x256")  # the first is the default (common/sm90_tiles.h)
-LOGPROBS_TILES = ("256x128", "128x128")  # the first is the default (logprobs/logprobs_sm90.h)
+LOGPROBS_TILES = ("256x128", "128x128", "128x128_pingpong")  # the first is the default (logprobs/logprobs_sm90.h)
 # the first is the default (lora/lora_extended_k.h); extended_k runs on the core's tile (@: which)
 LORA_FORWARDS = ("extended_k", "cublas", "extended_k@128x128", "extended_k@128x256")
 LORA_GRAD_XS = ("cublas", "extended_k")  # the first is the default (lora/lora_extended_k.h)

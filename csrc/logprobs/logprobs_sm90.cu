@@ -22,7 +22,12 @@ const char* logprobs_sm90_failure(std::string message) {
 namespace {
 
 const LogprobsSm90TileKernels& kernels_of(LogprobsSm90Tile tile) {
-  return tile == LogprobsSm90Tile::k256x128 ? kLogprobsTile256x128 : kLogprobsTile128x128;
+  switch (tile) {
+    case LogprobsSm90Tile::k256x128: return kLogprobsTile256x128;
+    case LogprobsSm90Tile::k128x128: return kLogprobsTile128x128;
+    case LogprobsSm90Tile::k128x128Pingpong: return kLogprobsTile128x128Pingpong;
+  }
+  return kLogprobsTile256x128;
 }
 
 }  // namespace

@@ -677,15 +677,17 @@ def test_sm90_forward_stats_match_fp64(tokens, cols, scale, shift):
 
 
 def test_sm90_logprobs_tile_choice():
-    """PYKERNELS_SM90_LOGPROBS_TILE: unset or empty runs the measured default; both tiles by name (each
-    128 vocabulary entries wide, at most kSm90RowPad tokens tall: the partial planes hold either);
+    """PYKERNELS_SM90_LOGPROBS_TILE: unset or empty runs the measured default; every tile by name (each
+    128 vocabulary entries wide, at most kSm90RowPad tokens tall: the partial planes hold any);
     anything else is refused naming the choices."""
     assert H.logprobs_sm90_tile(None) == H.logprobs_sm90_tile("") == "256x128"
-    assert H.logprobs_sm90_tile("128x128") == "128x128" and H.logprobs_sm90_tile("256x128") == "256x128"
-    assert H.logprobs_sm90_tiles == ["256x128", "128x128"]  # the default first
+    assert H.logprobs_sm90_tiles == ["256x128", "128x128", "128x128_pingpong"]  # the default first
+    for tile in H.logprobs_sm90_tiles:
+        assert H.logprobs_sm90_tile(tile) == tile
     assert H.logprobs_sm90_row_pad % 256 == 0
-    with pytest.raises(ValueError, match=r"256x128 \(the default\) or 128x128"):
-        H.logprobs_sm90_tile("128x256")
+    for bad in ("128x256", "pingpong", "128X128"):
+        with pytest.raises(ValueError, match=r"256x128 \(the default\), 128x128 or 128x128_pingpong"):
+            H.logprobs_sm90_tile(bad)
 
 
 @pytest.mark.parametrize("g_lp, g_ent", [(1.0, 0.0), (0.0, 1.0), (-0.7, 2.5), (0.0, 0.0)])
