@@ -118,17 +118,17 @@ FAMILIES = {"nf4": run_nf4, "lora": run_lora, "logprobs": run_logprobs, "moe": r
 
 # The Hopper kernels' other settings, each with the family it runs: every core tile forced (the default
 # picks by shape), the lm_head GEMMs' other tiles (the first is the default), the LoRA forward on
-# cuBLAS, grad_x as one extended-K GEMM (lora/lora_extended_k.h), the rank products on tensor cores
+# cuBLAS, grad_x as one extended-K GEMM (lora/lora_extended_k.h), the rank products on fp32 FMA
 # (lora/lora_rank_pieces.h), the core's tiles walked along N in swizzled blocks (common/sm90_tile_order.h),
-# the NF4 decode in the GEMM
-# (nf4/nf4_gemm_sm90.h), the experts' LoRA products as their own GEMMs (moe/moe.h), and the NF4
-# dequantize by warp chunks (nf4/nf4.h).
+# the NF4 decode in the GEMM (nf4/nf4_gemm_sm90.h), the experts' LoRA products as their own GEMMs
+# (moe/moe.h), the NF4 dequantize by store units (nf4/nf4.h), and the logprobs statistics folded on a
+# lazy reference (logprobs/logprobs_sm90.h).
 OTHER_SETTINGS = [("PYKERNELS_SM90_TILE", tile, "moe") for tile in _C.host_logic.gemm_sm90_tiles] + [
     ("PYKERNELS_SM90_LOGPROBS_TILE", tile, "logprobs") for tile in _C.host_logic.logprobs_sm90_tiles[1:]] + [
     ("PYKERNELS_SM90_LORA", "cublas", "lora"), ("PYKERNELS_SM90_LORA_GRAD_X", "extended_k", "lora"),
     ("PYKERNELS_LORA_RANK_GEMM", "simt", "lora"), ("PYKERNELS_SM90_RASTER", "n8", "moe"),
     ("PYKERNELS_SM90_NF4", "mainloop", "lora"), ("PYKERNELS_SM90_MOE_LORA", "separate", "moe"),
-    ("PYKERNELS_NF4_DEQUANT", "units", "nf4")]
+    ("PYKERNELS_NF4_DEQUANT", "units", "nf4"), ("PYKERNELS_SM90_LOGPROBS_FOLD", "lazy_max", "logprobs")]
 
 
 def run_family(family: str, device: str, setting: str = "") -> None:

@@ -383,18 +383,18 @@ Partial softmax_merge_all(const std::vector<Partial>& chunks) {
   return from_partial(running);
 }
 
-Partial softmax_add_logits(const std::vector<float>& logits) {
+Partial softmax_add_logits(const std::vector<float>& logits, float slack) {
   SoftmaxPartial running{-INFINITY, 0.0f, 0.0f};
-  for (const float z : logits) running = add_logit(running, z);
+  for (const float z : logits) running = add_logit(running, z, slack);
   return from_partial(running);
 }
 
 // The Hopper forward's statistics for logits z [tokens][cols] (one vocab chunk), as its kernels
 // make them: per (row, 128-column tile) the four lanes of a wgmma quad each fold their column pairs
-// with add_logit (columns past cols skipped), the shuffle tree merges lane 2 into 0 and 3 into 1,
+// with add_logit at `slack` (columns past cols skipped), the shuffle tree merges lane 2 into 0 and 3 into 1,
 // then 1 into 0; the partial goes to the planes at partial_index; the fold pass merges a row's
 // partials in tile order into stats that start empty. Returns (lse, entropy) per row.
-std::vector<std::pair<float, float>> logprobs_sm90_stats(const std::vector<std::vector<float>>& z) {
+std::vector<std::pair<float, float>> logprobs_sm90_stats(const std::vector<std::vector<float>>& z, float slack) {
   const int64_t tokens = static_cast<int64_t>(z.size());
   require(tokens >= 1, "need at least one row");
   const int64_t cols = static_cast<int64_t>(z[0].size());
@@ -408,7 +408,7 @@ std::vector<std::pair<float, float>> logprobs_sm90_stats(const std::vector<std::
         lane[l] = {-INFINITY, 0.0f, 0.0f};
         for (int64_t c = tile * logprobs::kSm90Tile + 2 * l; c < (tile + 1) * logprobs::kSm90Tile; c += 8) {
           for (int64_t pair = c; pair < c + 2; ++pair)
-            if (row < tokens && pair < cols) lane[l] = add_logit(lane[l], z[row][pair]);
+            if (row < tokens && pair < cols) lane[l] = add_logit(lane[l], z[row][pair], slack);
         }
       }
       lane[0] = merge_partials(lane[0], lane[2]);
@@ -621,7 +621,8 @@ void define_host_logic(py::module_& m) {
       },
       py::arg("running"), py::arg("new_max"), py::arg("chunk_sum_exp"), py::arg("chunk_sum_exp_z"));
   m.def("softmax_merge_all", &softmax_merge_all, py::arg("partials"));
-  m.def("softmax_add_logits", &softmax_add_logits, py::arg("logits"));
+  m.def("softmax_add_logits", &softmax_add_logits, py::arg("logits"), py::arg("slack") = 0.0f);
+  m.attr("softmax_lazy_max_slack") = kLazyMaxSlack;
   m.def(
       "softmax_summarize",
       [](const Partial& p) {
@@ -718,7 +719,8 @@ void define_host_logic(py::module_& m) {
       tiles.emplace_back(logprobs::logprobs_sm90_tile_name(tile));
     m.attr("logprobs_sm90_tiles") = tiles;
   }
-  m.def("logprobs_sm90_stats", &logprobs_sm90_stats, py::arg("logits"));
+  m.def("logprobs_sm90_stats", &logprobs_sm90_stats, py::arg("logits"), py::arg("slack") = 0.0f);
+  def_two_way_knob(m, "logprobs_sm90_fold", &logprobs::logprobs_sm90_lazy_fold_for, "lazy_max", "running_max");
   m.def(
       "logprobs_sm90_tile",
       [](const std::optional<std::string>& setting) {

@@ -2,6 +2,9 @@
 // entropy term: a partial over a set of logits z is
 //   max_z, sum_exp = sum exp(z - max_z), sum_exp_z = sum exp(z - max_z) (z - max_z).
 // Partials over disjoint sets merge exactly (up to rounding) by re-basing both on the larger max.
+// Every formula here holds for any reference in place of the max (lse = ref + log sum_exp, entropy
+// = log sum_exp - sum_exp_z / sum_exp); add_logit with a slack keeps a reference up to `slack` below
+// the max, so each exp is at most e^slack.
 // An empty partial has sum_exp == 0 (and max_z == -inf, as the stats are initialised): it is never
 // re-based through exp(-inf - -inf) = NaN but contributes zeros.
 #pragma once
@@ -49,10 +52,19 @@ PYKERNELS_HOST_DEVICE inline SoftmaxPartial merge_partials(SoftmaxPartial a, Sof
   return fold_chunk(a, max_z, rebased_b.sum_exp, rebased_b.sum_exp_z);
 }
 
+// The Hopper logprobs epilogue's lazy reference (PYKERNELS_SM90_LOGPROBS_FOLD=lazy_max): a row's
+// reference moves only when a logit passes it by more than this. Each exp is then at most e^16 (9e6):
+// a thread's 32 logits of a row sum to under 3e8, far inside fp32, with the same relative rounding.
+inline constexpr float kLazyMaxSlack = 16.0f;
+
 // p with one more logit z: one exp per logit (merge_partials(p, {z, 1, 0}) would take two). The
 // step of the Hopper logprobs epilogue, which folds each logit of a tile as it leaves the GEMM.
-PYKERNELS_HOST_DEVICE inline SoftmaxPartial add_logit(SoftmaxPartial p, float z) {
-  if (z > p.max_z) {  // z is the new max: it adds exp(0) = 1 and (z - z) = 0
+// p is re-based on z when z passes its reference by more than `slack`: 0 keeps the running max (a
+// re-base, one more exp, at each new max: in a warp whose lanes fold their own rows, ~20 of a row's
+// first 32 logits are some lane's new max, and the warp runs both paths); kLazyMaxSlack re-bases
+// about once per row (the first logit), the rest take the one-exp path together.
+PYKERNELS_HOST_DEVICE inline SoftmaxPartial add_logit(SoftmaxPartial p, float z, float slack = 0.0f) {
+  if (z > p.max_z + slack) {  // z is the new reference: it adds exp(0) = 1 and (z - z) = 0
     const SoftmaxPartial old = rebase_partial(p, z);
     return {z, old.sum_exp + 1.0f, old.sum_exp_z};
   }

@@ -185,6 +185,14 @@ LogprobsSm90Tile sm90_tile() {
   return tile;
 }
 
+// The statistics epilogue's slack (PYKERNELS_SM90_LOGPROBS_FOLD, read on every call like the tile).
+float sm90_fold_slack() {
+  bool lazy = false;
+  const char* error = logprobs_sm90_lazy_fold_for(std::getenv("PYKERNELS_SM90_LOGPROBS_FOLD"), &lazy);
+  TORCH_CHECK_VALUE(error == nullptr, error);
+  return lazy ? kLazyMaxSlack : 0.0f;
+}
+
 // The same on Hopper: per (vocab chunk, token chunk) the partials GEMM and the fold of its
 // partials; the target logits from one dot per token.
 at::Tensor fold_stats_sm90(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
@@ -195,6 +203,7 @@ at::Tensor fold_stats_sm90(const at::Tensor& hidden, const at::Tensor& weight, c
   at::Tensor planes = at::empty({3 * plane}, hidden.options().dtype(at::kFloat));
   float* max_z = planes.data_ptr<float>();
   const LogprobsSm90Tile tile = sm90_tile();
+  const float slack = sm90_fold_slack();
   for (int64_t vc = 0; vc < chunk_count(s.v, kSm90VocabChunk); ++vc) {
     const auto [v0, rows] = chunk_at(s.v, kSm90VocabChunk, vc);
     for (int64_t tc = 0; tc < chunk_count(s.n, kTokenChunk); ++tc) {
@@ -202,7 +211,7 @@ at::Tensor fold_stats_sm90(const at::Tensor& hidden, const at::Tensor& weight, c
       const SoftmaxPartialsSm90Params p{{static_cast<const char*>(hidden.data_ptr()) + t0 * s.h * elem,
                                          static_cast<const char*>(weight.data_ptr()) + v0 * s.h * elem, tokens, rows,
                                          s.h, scale, tile},
-                                        max_z, max_z + plane, max_z + 2 * plane};
+                                        max_z, max_z + plane, max_z + 2 * plane, slack};
       const at::Tensor space = gemm::sm90_workspace(softmax_partials_sm90_workspace_bytes(p, device), device);
       check_launch(launch_softmax_partials_sm90(p, space.data_ptr(), device, stream));
       check_launch(launch_fold_partials({p.max_z, p.sum_exp, p.sum_exp_z, tokens, vocab_tiles(rows),

@@ -35,6 +35,7 @@
 #include <cstring>
 
 #include "common/tails.h"
+#include "common/two_way_choice.h"
 
 typedef struct CUstream_st* cudaStream_t;
 
@@ -68,6 +69,19 @@ inline const char* logprobs_sm90_tile_for(const char* setting, LogprobsSm90Tile*
   return "PYKERNELS_SM90_LOGPROBS_TILE must be 256x128 (the default), 128x128 or 128x128_pingpong";
 }
 
+// PYKERNELS_SM90_LOGPROBS_FOLD picks how the statistics epilogue folds a row's logits (`setting`; null
+// or empty: the default; common/online_softmax.h, add_logit):
+//   running_max  each partial relative to the row's running max, re-based at every new max: the
+//                measured default
+//   lazy_max     relative to a reference that moves only when a logit passes it by kLazyMaxSlack:
+//                the same sums (up to rounding) without the new-max re-bases that split a warp's
+//                lanes across two paths. Not yet timed
+// Sets *lazy; null on success, else a message naming the choices. Read on every call.
+inline const char* logprobs_sm90_lazy_fold_for(const char* setting, bool* lazy) {
+  return two_way_choice(setting, "running_max", "lazy_max",
+                        "PYKERNELS_SM90_LOGPROBS_FOLD must be running_max (the default) or lazy_max", lazy);
+}
+
 // The logits GEMM both kernels share: z [tokens, rows] = scale hidden W^T.
 struct LogitsGemmSm90 {
   const void* hidden;  // bf16 [tokens, h], row stride h
@@ -79,9 +93,10 @@ struct LogitsGemmSm90 {
 
 struct SoftmaxPartialsSm90Params {
   LogitsGemmSm90 gemm;
-  float* max_z;  // each [vocab_tiles(rows)][partial_rows(tokens)]
+  float* max_z;  // each [vocab_tiles(rows)][partial_rows(tokens)]; max_z the partial's reference
   float* sum_exp;
   float* sum_exp_z;
+  float slack;  // add_logit's (common/online_softmax.h): 0, or kLazyMaxSlack under lazy_max
 };
 
 struct LogitGradSm90Params {

@@ -136,7 +136,7 @@ typename G::Gemm::Arguments base_arguments(const LogitsGemmSm90& g, int device) 
 
 typename PartialsGemm::Gemm::Arguments arguments(const SoftmaxPartialsSm90Params& p, int device) {
   auto args = base_arguments<PartialsGemm>(p.gemm, device);
-  args.epilogue.thread.op_1 = {p.max_z, p.sum_exp, p.sum_exp_z, p.gemm.scale};  // op_0: AccFetch
+  args.epilogue.thread.op_1 = {p.max_z, p.sum_exp, p.sum_exp_z, p.gemm.scale, p.slack};  // op_0: AccFetch
   return args;
 }
 

@@ -6,7 +6,8 @@
 // value, which no single-op reduction can do: sum_exp is relative to a max that is not known until
 // the row has been seen.
 //   visit   each thread folds each of its in-bounds logits z = scale * acc into its register
-//           partial of z's row (add_logit: one exp per logit); the registers of one row alias
+//           partial of z's row (add_logit with the call's slack: one exp per logit, a second where
+//           the row's reference moves); the registers of one row alias
 //           across N (stride-0 mode), as in Sm90ColReduction.
 //   reduce  after the tile's last epilogue subtile: a shuffle tree over the lanes that share a row
 //           (merge_partials), then the lane holding column 0 writes the three planes. In the
@@ -43,6 +44,7 @@ struct Sm90SoftmaxPartials {
     float* sum_exp = nullptr;
     float* sum_exp_z = nullptr;
     float scale = 1.0f;  // z = scale * acc
+    float slack = 0.0f;  // add_logit's: 0 the running max, kLazyMaxSlack the lazy reference
   };
   using Params = Arguments;
 
@@ -99,7 +101,8 @@ struct Sm90SoftmaxPartials {
         const int v = epi_v * FragmentSize + i;
         if (cute::elem_less(coord_mn(v), residue_tCcCol)) {  // columns past the vocabulary are not logits
           const SoftmaxPartial p =
-              add_logit({max_mn(v), sum_mn(v), sum_z_mn(v)}, params.scale * static_cast<float>(frg_input[i]));
+              add_logit({max_mn(v), sum_mn(v), sum_z_mn(v)}, params.scale * static_cast<float>(frg_input[i]),
+                        params.slack);
           max_mn(v) = p.max_z;
           sum_mn(v) = p.sum_exp;
           sum_z_mn(v) = p.sum_exp_z;

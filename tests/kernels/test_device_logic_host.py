@@ -640,37 +640,61 @@ def test_softmax_merge_with_empty_partials_is_exact():
     assert H.softmax_fold_chunk(EMPTY, 2.0, 1.0, 0.0) == (2.0, 1.0, 0.0)
 
 
+SLACKS = [0.0, H.softmax_lazy_max_slack]  # add_logit's: the running max, the lazy reference
+
+
 @pytest.mark.parametrize("n, scale, shift, p_neg_inf", CASES)
 @pytest.mark.parametrize("order", ["as drawn", "ascending", "descending"])
-def test_softmax_add_logits_matches_fp64(n, scale, shift, p_neg_inf, order):
-    """add_logit, the Hopper epilogue's per-logit step: ascending logits take the new-max branch every
-    time, descending ones never; -inf logits (also before any finite one) add nothing, never NaN."""
+@pytest.mark.parametrize("slack", SLACKS)
+def test_softmax_add_logits_matches_fp64(n, scale, shift, p_neg_inf, order, slack):
+    """add_logit, the Hopper epilogue's per-logit step: ascending logits take the re-base branch every
+    time (slack 0) or at every jump past the reference (the lazy one), descending ones never; -inf
+    logits (also before any finite one) add nothing, never NaN."""
     rng = random.Random(n + 7)
     z = logits(rng, n, scale, shift, p_neg_inf)
     if all(v == NEG_INF for v in z):
         z[-1] = 0.0
     z = {"as drawn": z, "ascending": sorted(z), "descending": sorted(z, reverse=True)}[order]
-    assert_close_to_fp64(H.softmax_add_logits(z), z)
+    partial = H.softmax_add_logits(z, slack)
+    assert_close_to_fp64(partial, z)
+    finite = [v for v in z if v != NEG_INF]
+    assert max(finite) - slack <= partial[0] <= max(finite)  # the reference trails the max by <= slack
 
 
-def test_softmax_add_logit_edge_values():
-    assert H.softmax_add_logits([]) == EMPTY
-    assert H.softmax_add_logits([NEG_INF, NEG_INF]) == EMPTY
-    assert H.softmax_add_logits([NEG_INF, 2.0, NEG_INF]) == (2.0, 1.0, 0.0)
-    assert math.isnan(H.softmax_add_logits([1.0, float("nan"), 0.5])[1])  # a NaN logit is not hidden
+@pytest.mark.parametrize("slack", SLACKS)
+def test_softmax_add_logit_edge_values(slack):
+    assert H.softmax_add_logits([], slack) == EMPTY
+    assert H.softmax_add_logits([NEG_INF, NEG_INF], slack) == EMPTY
+    assert H.softmax_add_logits([NEG_INF, 2.0, NEG_INF], slack) == (2.0, 1.0, 0.0)
+    assert math.isnan(H.softmax_add_logits([1.0, float("nan"), 0.5], slack)[1])  # a NaN logit is not hidden
+    assert H.softmax_add_logits([0.0, float("inf")], slack)[:2] == (float("inf"), 1.0)
+
+
+def test_the_lazy_reference_moves_only_past_its_slack():
+    """Under the lazy reference a logit within the slack above it is summed relative to it (exp > 1);
+    one past the slack re-bases, as every new max does with slack 0."""
+    slack = H.softmax_lazy_max_slack
+    within, past = slack - 1.0, slack + 1.0
+    assert H.softmax_add_logits([0.0, within], 0.0) == (within, pytest.approx(1.0 + math.exp(-within)),
+                                                         pytest.approx(-within * math.exp(-within)))
+    ref, sum_exp, sum_exp_z = H.softmax_add_logits([0.0, within], slack)
+    assert ref == 0.0 and sum_exp == pytest.approx(1.0 + math.exp(within), rel=1e-6)
+    assert sum_exp_z == pytest.approx(within * math.exp(within), rel=1e-6)
+    assert H.softmax_add_logits([0.0, past], slack)[0] == past
 
 
 # ------------------------------------------------------------------ Hopper logprobs (logprobs_sm90.h)
 @pytest.mark.parametrize("tokens, cols", [(1, 1), (3, 127), (2, 128), (5, 129), (130, 300), (4, 1000), (260, 3)])
 @pytest.mark.parametrize("scale, shift", [(1.0, 0.0), (30.0, -20.0), (1.0, 8000.0)])
-def test_sm90_forward_stats_match_fp64(tokens, cols, scale, shift):
+@pytest.mark.parametrize("slack", SLACKS)
+def test_sm90_forward_stats_match_fp64(tokens, cols, scale, shift, slack):
     """The Hopper forward's statistics path (per-lane add_logit, the quad's shuffle tree, planes at
     partial_index with rows padded to 256, the fold pass in tile order) gives each row's log-sum-exp
     and entropy: partial last tiles, padding rows and tokens past one GEMM tile (of 128 or 256 rows)
     included."""
     rng = random.Random(tokens * 1000 + cols)
     z = [logits(rng, cols, scale, shift, 0.0) for _ in range(tokens)]
-    for row, (lse, entropy) in zip(z, H.logprobs_sm90_stats(z)):
+    for row, (lse, entropy) in zip(z, H.logprobs_sm90_stats(z, slack)):
         lse64, entropy64 = lse_entropy_fp64(row)
         assert math.isclose(lse, lse64, rel_tol=2e-6, abs_tol=2e-5), (lse, lse64)
         assert math.isclose(entropy, entropy64, rel_tol=1e-4, abs_tol=1e-4), (entropy, entropy64)
@@ -688,6 +712,15 @@ def test_sm90_logprobs_tile_choice():
     for bad in ("128x256", "pingpong", "128X128"):
         with pytest.raises(ValueError, match=r"256x128 \(the default\), 128x128 or 128x128_pingpong"):
             H.logprobs_sm90_tile(bad)
+
+
+def test_sm90_logprobs_fold_choice():
+    """PYKERNELS_SM90_LOGPROBS_FOLD: the running max unless lazy_max is named; anything else refused."""
+    for default in (None, "", "running_max"):
+        assert H.logprobs_sm90_fold(default) == "running_max"
+    assert H.logprobs_sm90_fold("lazy_max") == "lazy_max"
+    with pytest.raises(ValueError, match=r"running_max \(the default\) or lazy_max"):
+        H.logprobs_sm90_fold("lazy")
 
 
 @pytest.mark.parametrize("g_lp, g_ent", [(1.0, 0.0), (0.0, 1.0), (-0.7, 2.5), (0.0, 0.0)])

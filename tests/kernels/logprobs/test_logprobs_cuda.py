@@ -97,12 +97,15 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9,
 
 @pytest.mark.skipif(not HOPPER, reason="the Hopper lm_head GEMMs' tiles run on compute capability 9.0")
 @pytest.mark.parametrize("tile", _C.host_logic.logprobs_sm90_tiles)  # logprobs/logprobs_sm90.h
+@pytest.mark.parametrize("fold", ["running_max", "lazy_max"])  # PYKERNELS_SM90_LOGPROBS_FOLD, the same file
 @pytest.mark.parametrize("n,h,v", [(4099, 64, 9000), (513, 128, 151936), (300, 64, 776)])
-def test_every_hopper_tile_against_fp64(n, h, v, tile, monkeypatch):
-    """Each tile of the Hopper lm_head GEMMs (PYKERNELS_SM90_LOGPROBS_TILE, read on every call), bf16,
-    forward and trainable backward: 4099 tokens over two token chunks and a partial 256-row tile, 513
-    over 151936 entries (three vocabulary chunks), 300 tokens over 776 (a partial vocabulary tile)."""
+def test_every_hopper_tile_against_fp64(n, h, v, tile, fold, monkeypatch):
+    """Each tile of the Hopper lm_head GEMMs (PYKERNELS_SM90_LOGPROBS_TILE, read on every call) with
+    each fold of the statistics epilogue, bf16, forward and trainable backward: 4099 tokens over two
+    token chunks and a partial 256-row tile, 513 over 151936 entries (three vocabulary chunks), 300
+    tokens over 776 (a partial vocabulary tile)."""
     monkeypatch.setenv("PYKERNELS_SM90_LOGPROBS_TILE", tile)
+    monkeypatch.setenv("PYKERNELS_SM90_LOGPROBS_FOLD", fold)
     (_, _, _, _, _), cuda, (lp64, ent64, h64, w64), (t_lp, t_ent, t_gh, t_gw) = with_oracles(
         n, h, v, torch.bfloat16, 0.7, grad_seed=3)
     hid, wt = cuda[0].clone().requires_grad_(), cuda[1].clone().requires_grad_()
