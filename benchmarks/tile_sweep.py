@@ -13,13 +13,15 @@ nf4/nf4_gemm_sm90.h: dequantized chunks for cuBLAS, or decoded in the GEMM's mai
 dequantize kernels (PYKERNELS_NF4_DEQUANT, nf4/nf4.h: a warp per 1024 values with 16-byte loads,
 or a thread per store unit; the benchmarks' shapes, in GB/s beside a copy of the same output) and the
 QLoRA GEMMs' chunks of W (PYKERNELS_NF4_CHUNK_MIB, lora/nf4_chunks.h: grown until a chunk's GEMM fills
-the GPU, or 16 MiB). All are
+the GPU, or 16 MiB), and both folds of the logprobs statistics epilogue (PYKERNELS_SM90_LOGPROBS_FOLD,
+logprobs/logprobs_sm90.h: on the running max, or on a lazy reference). All are
 read on every call, so a lent GPU measures them all without rebuilding (~3 minutes of a 15-minute
 lease per build). For choosing the defaults and the core's `auto` rule; the timings that count stay
 the benchmarks' (pytest --benchmark).
 
-Each case is forward+backward, our kernels forced, CUDA-event median of ROUNDS calls after warm-up,
-every tile timed back to back on the same tensors. MoE: Qwen3-30B-A3B's experts at T 512 / 4096 /
+Each case is forward+backward, our kernels forced, CUDA-event median of ROUNDS rounds after warm-up
+(a round: one call, or as many queued calls as fill ROUND_MS when one is shorter), every tile timed
+back to back on the same tensors. MoE: Qwen3-30B-A3B's experts at T 512 / 4096 /
 16384 and Mixtral's at T 512 / 4096, with and without LoRA r 16 on the experts (benchmarks/
 test_bench_moe.py's modules). LoRA (and lora_grad_x): r 16 on 4096 x 14336 at T 8192, dense bf16
 weight, fp32 adapters. logprobs: H 4096, V 151936 at N 4096 and 16384, trainable and frozen lm_head
@@ -30,14 +32,17 @@ base GEMM (torch's x W^T, the same under every setting) as the first row. QLoRA 
 (double-quantized, blocksize 64) 4096 x 14336 and 4096 x 4096 at T 1024 and 8192, r 16 fp32
 adapters, after the bare bf16 base GEMM.
 
-    python -m benchmarks.tile_sweep [--ops moe,lora,logprobs,lora_forward,lora_grad_x,lora_rank,raster,
-                                           moe_lora,qlora_forward,nf4_dequant]
-                                    [--tiles auto,128x128,128x256] [--logprobs-tiles 256x128,128x128]
+    python -m benchmarks.tile_sweep [--ops moe,lora,logprobs,logprobs_fold,lora_forward,lora_grad_x,lora_rank,
+                                           raster,moe_lora,qlora_forward,nf4_dequant,nf4_chunks]
+                                    [--tiles auto,128x128,128x256]
+                                    [--logprobs-tiles 256x128,128x128,128x128_pingpong]
+                                    [--logprobs-folds running_max,lazy_max]
                                     [--lora-forwards extended_k,cublas,extended_k@128x128,extended_k@128x256]
                                     [--lora-grad-xs cublas,extended_k] [--lora-rank-gemms simt,tensor_core]
                                     [--rasters m1,m2,m4,m8,n1,n2,n4,n8]
                                     [--moe-loras extra_k,separate]
-                                    [--nf4-forwards dequantize,mainloop] [--nf4-dequants units,warps]
+                                    [--nf4-forwards dequantize,mainloop] [--nf4-dequants warps,units]
+                                    [--nf4-chunks auto,16]
                                     [--rounds 10]
 """
 
@@ -49,6 +54,9 @@ import os
 import torch
 
 from pykernels import _C
+import math
+import statistics
+
 from pykernels.dispatch import cuda_timer
 
 TILES = ("auto", "128x128", "128x256")  # the first is the default (common/sm90_tiles.h)
@@ -62,6 +70,7 @@ MOE_LORAS = ("extra_k", "separate")  # the first is the default (moe/moe.h)
 NF4_FORWARDS = ("dequantize", "mainloop")  # the first is the default (nf4/nf4_gemm_sm90.h)
 NF4_DEQUANTS = ("warps", "units")  # the first is the default (nf4/nf4.h)
 NF4_CHUNKS = ("auto", "16")  # the first is the default (lora/nf4_chunks.h)
+LOGPROBS_FOLDS = ("running_max", "lazy_max")  # the first is the default (logprobs/logprobs_sm90.h)
 ROUNDS = 10
 
 
@@ -199,6 +208,7 @@ def logprobs_cases():
 # op: (its cases, the variable that picks the tile, the tiles' argument)
 CASES = {"moe": (moe_cases, "PYKERNELS_SM90_TILE", "tiles"), "lora": (lora_cases, "PYKERNELS_SM90_TILE", "tiles"),
          "logprobs": (logprobs_cases, "PYKERNELS_SM90_LOGPROBS_TILE", "logprobs_tiles"),
+         "logprobs_fold": (logprobs_cases, "PYKERNELS_SM90_LOGPROBS_FOLD", "logprobs_folds"),
          "lora_forward": (lora_forward_cases, "PYKERNELS_SM90_LORA", "lora_forwards"),
          "lora_grad_x": (lora_cases, "PYKERNELS_SM90_LORA_GRAD_X", "lora_grad_xs"),
          "lora_rank": (lora_rank_cases, "PYKERNELS_LORA_RANK_GEMM", "lora_rank_gemms"),
@@ -213,6 +223,29 @@ TFLOPS = ("TF/s", 1e9)
 RATE_UNITS = {"nf4_dequant": ("GB/s", 1e6)}
 
 
+ROUND_MS = 1.0  # GPU time a timed round covers at least
+
+
+def per_call_ms(fn, rounds: int) -> float:
+    """Median ms per call of fn over `rounds` rounds, each round as many back-to-back calls as fill
+    ROUND_MS: a short kernel timed alone between two events also times the host's launch gap (the
+    first sweep put a 17 us NF4 dequantize at 36 us), queued calls keep the GPU busy."""
+    once = cuda_timer(fn, warmup=3, iters=1) * 1e3
+    calls = max(1, math.ceil(ROUND_MS / max(once, 1e-3)))
+    if calls == 1:
+        return cuda_timer(fn, warmup=0, iters=rounds) * 1e3
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
 def sweep(cases, variable: str, tiles: list[str], rounds: int, unit: tuple[str, float] = TFLOPS) -> None:
     """Each case under each choice; a choice "value@tile" also sets the core's tile (PYKERNELS_SM90_TILE:
     the extended-K LoRA forward runs on the core)."""
@@ -223,7 +256,7 @@ def sweep(cases, variable: str, tiles: list[str], rounds: int, unit: tuple[str, 
             os.environ[variable] = value
             if core_tile:
                 os.environ["PYKERNELS_SM90_TILE"] = core_tile
-            times[tile] = cuda_timer(fn, warmup=3, iters=rounds) * 1e3
+            times[tile] = per_call_ms(fn, rounds)
             if core_tile:
                 os.environ.pop("PYKERNELS_SM90_TILE")
         os.environ.pop(variable)
@@ -248,6 +281,7 @@ def row_line(name: str, times: dict[str, float], work: int, tiles: list[str],
 # default setting) and what they are the ways of.
 CHOICE_ARGS = {"tiles": (TILES, "the GEMM core's tiles"),
                "logprobs_tiles": (LOGPROBS_TILES, "the lm_head GEMMs' tiles"),
+               "logprobs_folds": (LOGPROBS_FOLDS, "the logprobs statistics epilogue's folds"),
                "lora_forwards": (LORA_FORWARDS, "the LoRA forward's ways"),
                "lora_grad_xs": (LORA_GRAD_XS, "the LoRA backward's ways of computing grad_x"),
                "lora_rank_gemms": (LORA_RANK_GEMMS, "the LoRA rank products' ways with fp32 factors"),
@@ -288,7 +322,8 @@ def main() -> None:
         raise SystemExit("tile_sweep times the Hopper kernels: it needs a compute capability 9.0 GPU")
     os.environ["PYKERNELS_KERNELS"] = "ours"
     os.environ.pop("PYKERNELS_SM90", None)
-    print(f"{torch.cuda.get_device_name()}: forward+backward, CUDA-event median of {args.rounds} calls", flush=True)
+    print(f"{torch.cuda.get_device_name()}: forward+backward, CUDA-event median per call of {args.rounds} rounds "
+          f"(short calls queued {ROUND_MS} ms a round)", flush=True)
     for op in ops:
         cases, variable, kind = CASES[op]
         print(f"\n{op} ({variable})\n{header(tiles[kind])}", flush=True)
