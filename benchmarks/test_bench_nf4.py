@@ -4,6 +4,8 @@ Shapes come from real models: a 4096x4096 attention projection, a 4096x14336 MLP
 (Llama-3-8B / Mistral-7B) and the stacked down_proj experts of Qwen3-30B-A3B (128 experts of
 2048x768; 32 experts on CPU so one case stays within seconds; 8, and no 4096x14336, on a CPU
 without AVX-512). Inputs are bf16, blocksize 64 with double quantization: what QLoRA uses.
+On a GPU the dequantize also runs beside `copy`, a device copy moving the same bytes (half read,
+half written): the bandwidth ceiling issue 20's ">= 85% of copy bandwidth" is measured against.
 """
 
 from __future__ import annotations
@@ -68,6 +70,15 @@ def dequantize_fn(impl: str, x: torch.Tensor):
     return torch_reference
 
 
+def copy_fn(x: torch.Tensor):
+    """A device copy of as many bytes as the dequantize reads and writes together (codes and scales
+    in, bf16 out): its time over ours is our share of the copy bandwidth."""
+    moved = x.numel() * 2 + packed_bytes(x.numel())
+    source = torch.empty(moved // 2, dtype=torch.uint8, device=x.device)
+    target = torch.empty_like(source)
+    return lambda: target.copy_(source)
+
+
 def packed_bytes(numel: int) -> int:
     blocks = -(-numel // BLOCKSIZE)
     return (numel + 1) // 2 + blocks + 4 * (-(-blocks // 256))  # codes + absmax_q + nested absmax
@@ -76,13 +87,22 @@ def packed_bytes(numel: int) -> int:
 OPS = {"quantize": quantize_fn, "dequantize": dequantize_fn}
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("case", list(shapes(run_device_class())))
-@pytest.mark.parametrize("op", list(OPS))
+def params() -> list:
+    """(op, case, impl); `copy` beside the dequantize on GPUs only (on a CPU a memcpy into fresh pages
+    times page faults, and no CPU rule reads it)."""
+    device_class = run_device_class()
+    gpu = not device_class.startswith("cpu")
+    runs = [(op, case, impl) for op in OPS for case in shapes(device_class)
+            for impl in IMPLS + (["copy"] if gpu and op == "dequantize" else [])]
+    return [pytest.param(*run, id="-".join(run)) for run in runs]
+
+
+@pytest.mark.parametrize(("op", "case", "impl"), params())
 def test_nf4(measure, device, op, case, impl):
     if impl == "bitsandbytes" and bnb_functional is None:
         pytest.skip("bitsandbytes is not installed")
     x = torch.randn(shapes(device.device_class)[case], dtype=torch.bfloat16, device=device.torch_device)
     # Either way one side is the bf16 tensor and the other the packed form: the bytes are the same.
-    measure(OPS[op](impl, x), x.numel() * 2 + packed_bytes(x.numel()),
+    fn = copy_fn(x) if impl == "copy" else OPS[op](impl, x)
+    measure(fn, x.numel() * 2 + packed_bytes(x.numel()),
             family="nf4", op=op, case=case, impl=impl, shape="x".join(map(str, x.shape)))
