@@ -1,10 +1,12 @@
 """Where an op's GPU time goes: torch.profiler's per-kernel CUDA time for one forward+backward of the
-LoRA, logprobs and MoE ops at a size users train at, on the default path and with the Hopper GEMM
-core switched off (PYKERNELS_SM90=0), beside the torch baseline the gate compares with. For choosing
+LoRA, logprobs and MoE ops at a size users train at, and for the LoRA and QLoRA forwards alone (issue
+20's forward targets: <= 5% over the bare base GEMM at T 8192, >= 1.5x PEFT's QLoRA at T 1024), on
+the default path and with the Hopper GEMM core switched off (PYKERNELS_SM90=0), beside the torch
+baseline the gate compares with. For choosing
 what to tune during a short GPU lease (e.g. the core's tile, README "On a GPU machine"); the timings
 that count are the benchmarks' (pytest --benchmark).
 
-    python -m benchmarks.kernel_breakdown [--top 12] [--ops lora,logprobs,moe]
+    python -m benchmarks.kernel_breakdown [--top 12] [--ops lora,lora_forward,qlora_forward,logprobs,moe]
 """
 
 from __future__ import annotations
@@ -25,6 +27,28 @@ def lora_case():
     layer = Layer(in_features, out_features, 16, "bf16", torch.device("cuda"))
     x = torch.randn(8192, in_features, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     return {"ours": lambda: layer.ours(x).sum().backward(), "peft": lambda: layer.peft(x).sum().backward()}
+
+
+def forward_case(base: str, tokens: int, baseline: str, device: str = "cuda"):
+    """The LoRA forward (r 16, fp32 adapters, 4096 x 14336) alone, beside `baseline`: the bare base GEMM
+    (x W^T) or PEFT's layer (for NF4: bitsandbytes' dequantize, cuBLAS, the LoRA term)."""
+    from benchmarks.test_bench_lora import SHAPES, Layer
+
+    def case():
+        in_features, out_features = SHAPES["4096x14336"]
+        layer = Layer(in_features, out_features, 16, base, torch.device(device))
+        x = torch.randn(tokens, in_features, device=device, dtype=torch.bfloat16)
+        other = layer.base_only if baseline == "base_matmul" else layer.peft
+
+        def no_grad(fn):
+            def call():
+                with torch.no_grad():
+                    fn(x)
+            return call
+
+        return {"ours": no_grad(layer.ours), baseline: no_grad(other)}
+
+    return case
 
 
 def logprobs_case():
@@ -54,7 +78,8 @@ def moe_case():
     return {"ours": run("pykernels"), "grouped_mm": run("grouped_mm")}
 
 
-CASES = {"lora": lora_case, "logprobs": logprobs_case, "moe": moe_case}
+CASES = {"lora": lora_case, "lora_forward": forward_case("bf16", 8192, "base_matmul"),
+         "qlora_forward": forward_case("nf4", 1024, "peft"), "logprobs": logprobs_case, "moe": moe_case}
 
 
 def breakdown(fn, top: int) -> str:
