@@ -2,7 +2,7 @@
 #   make demo   the main job: GRPO + LoRA on a tiny model with vLLM (examples/tiny-grpo.yaml)
 #   make test   set-up, build, the unit and integration tests, lint, and the CUDA compile check when
 #               nvcc is present (a few minutes)
-# Other targets: test-e2e (the end-to-end tier: real vLLM engines, ~8.5 min; CI runs it), lint,
+# Other targets: test-e2e (the end-to-end tier: real vLLM engines, 8.5 min on Zen 4, ~20 on CI's Xeon), lint,
 # install, build, bench, cuda-check, gpu-wheels (here) and gpu-install, gpu (on the GPU machine), clean.
 
 PYTHON_BOOTSTRAP ?= python3

@@ -29,13 +29,13 @@ def lora_case():
     return {"ours": lambda: layer.ours(x).sum().backward(), "peft": lambda: layer.peft(x).sum().backward()}
 
 
-def forward_case(base: str, tokens: int, baseline: str, device: str = "cuda"):
+def forward_case(base: str, tokens: int, baseline: str, device: str = "cuda", shape: str = "4096x14336"):
     """The LoRA forward (r 16, fp32 adapters, 4096 x 14336) alone, beside `baseline`: the bare base GEMM
     (x W^T) or PEFT's layer (for NF4: bitsandbytes' dequantize, cuBLAS, the LoRA term)."""
     from benchmarks.test_bench_lora import SHAPES, Layer
 
     def case():
-        in_features, out_features = SHAPES["4096x14336"]
+        in_features, out_features = SHAPES[shape]
         layer = Layer(in_features, out_features, 16, base, torch.device(device))
         x = torch.randn(tokens, in_features, device=device, dtype=torch.bfloat16)
         other = layer.base_only if baseline == "base_matmul" else layer.peft

@@ -20,7 +20,7 @@ def test_the_forward_cases_build_and_run(base, baseline):
     bitsandbytes layer) on the CPU, a few tokens: what the GPU stage profiles runs."""
     from benchmarks.kernel_breakdown import forward_case
 
-    calls = forward_case(base, 3, baseline, device="cpu")()
+    calls = forward_case(base, 3, baseline, device="cpu", shape="2048x768")()
     assert list(calls) == ["ours", baseline]
     for call in calls.values():
         call()
