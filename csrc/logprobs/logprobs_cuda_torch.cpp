@@ -36,6 +36,7 @@
 #include <optional>
 
 #include "common/gemm_sm90_torch.h"
+#include "common/online_softmax.h"
 #include "logprobs/logprobs.h"
 #include "logprobs/logprobs_sm90.h"
 #include "logprobs/logprobs_torch_checks.h"
