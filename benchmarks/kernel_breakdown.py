@@ -30,8 +30,8 @@ def lora_case():
 
 
 def forward_case(base: str, tokens: int, baseline: str, device: str = "cuda", shape: str = "4096x14336"):
-    """The LoRA forward (r 16, fp32 adapters, 4096 x 14336) alone, beside `baseline`: the bare base GEMM
-    (x W^T) or PEFT's layer (for NF4: bitsandbytes' dequantize, cuBLAS, the LoRA term)."""
+    """The LoRA forward (r 16, fp32 adapters, `shape` in x out) alone, beside `baseline`: the bare base
+    GEMM (x W^T) or PEFT's layer (for NF4: bitsandbytes' dequantize, cuBLAS, the LoRA term)."""
     from benchmarks.test_bench_lora import SHAPES, Layer
 
     def case():

@@ -13,7 +13,6 @@ def test_help_runs_without_a_gpu():
     assert "--ops" in result.stdout and "PYKERNELS_SM90=0" in result.stdout
 
 
-
 @pytest.mark.parametrize("base, baseline", [("bf16", "base_matmul"), ("nf4", "peft")])
 def test_the_forward_cases_build_and_run(base, baseline):
     """The forward-only cases (the LoRA forward beside the bare base GEMM, the QLoRA one beside PEFT's
