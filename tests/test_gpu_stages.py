@@ -250,3 +250,20 @@ def test_tile_sweep_names_what_it_needs(monkeypatch):
     assert refusal("--nf4-chunks", "auto,64") == "unknown choice 64: --nf4-chunks takes auto, 16"
     if not torch.cuda.is_available():
         assert "needs a compute capability 9.0 GPU" in refusal()
+
+
+# The kernel knobs the sanitizer leaves on their default, and why.
+UNSANITIZED_KNOBS = {
+    # Its other side (16 MiB chunks) splits W only past 16 MiB; the sanitizer's shapes are one chunk
+    # either way, and the CUDA tests run the QLoRA ops at cap 16 over several chunks.
+    "PYKERNELS_NF4_CHUNK_MIB",
+}
+
+
+def test_the_sanitizer_runs_every_kernel_knobs_other_side():
+    """A knob added to pykernels/dispatch_cache.py KERNEL_KNOBS picks other kernels: compute-sanitizer
+    must run them too (.ci/gpu/sanitize_ops.py OTHER_SETTINGS), or this test names why not."""
+    from pykernels import dispatch_cache
+
+    sanitized = {variable for variable, _, _ in load("sanitize_ops").OTHER_SETTINGS}
+    assert set(dispatch_cache.KERNEL_KNOBS.values()) - UNSANITIZED_KNOBS == sanitized
