@@ -1,19 +1,19 @@
-"""The workload gpu-sanitize runs under compute-sanitizer: every public op once, forward and
-backward, on small odd shapes, with our kernels forced (PYKERNELS_KERNELS=ours); and once more on
-sizes whose bf16 GEMMs a Hopper GPU runs on the sm_90a core (multiples of 8: csrc/common/
-gemm_sm90_torch.h), MoE with LoRA on its experts and a dropped assignment, GPT-OSS' expert layout, and
-the logprobs backward of a frozen lm_head over two token chunks; the MoE calls then run again on each
-tile of the Hopper GEMM core forced (PYKERNELS_SM90_TILE, csrc/common/sm90_tiles.h; the default picks
-by shape), the logprobs calls on the lm_head GEMMs' other tiles (PYKERNELS_SM90_LOGPROBS_TILE,
-csrc/logprobs/logprobs_sm90.h: 128x128 cooperative and ping-pong) and with the statistics folded on a
-lazy reference (PYKERNELS_SM90_LOGPROBS_FOLD=lazy_max), the LoRA calls with the forward on cuBLAS
-(PYKERNELS_SM90_LORA=cublas), with grad_x as one extended-K GEMM (PYKERNELS_SM90_LORA_GRAD_X=extended_k, csrc/lora/lora_extended_k.h),
-with the rank products as SIMT fp32 (PYKERNELS_LORA_RANK_GEMM=simt,
+"""The workload gpu-sanitize runs under compute-sanitizer: every public op once, forward and backward, on
+small odd shapes, with our kernels forced (PYKERNELS_KERNELS=ours); and once more on sizes whose bf16
+GEMMs a Hopper GPU runs on the sm_90a core (multiples of 8: csrc/common/gemm_sm90_torch.h), MoE with
+LoRA on its experts and a dropped assignment, GPT-OSS' expert layout, and the logprobs backward of a
+frozen lm_head over two token chunks; the MoE calls then run again on each tile of the Hopper GEMM core
+forced (PYKERNELS_SM90_TILE, csrc/common/sm90_tiles.h; the default picks by shape), the logprobs calls
+on the lm_head GEMMs' other tiles (PYKERNELS_SM90_LOGPROBS_TILE, csrc/logprobs/logprobs_sm90.h: 128x128
+cooperative and ping-pong) and with the statistics folded on a lazy reference
+(PYKERNELS_SM90_LOGPROBS_FOLD=lazy_max), the LoRA calls with the forward on cuBLAS
+(PYKERNELS_SM90_LORA=cublas), with grad_x as one extended-K GEMM (PYKERNELS_SM90_LORA_GRAD_X=extended_k,
+csrc/lora/lora_extended_k.h), with the rank products as SIMT fp32 (PYKERNELS_LORA_RANK_GEMM=simt,
 csrc/lora/lora_rank_pieces.h) and with the NF4 weight decoded in the GEMM's mainloop
 (PYKERNELS_SM90_NF4=mainloop, csrc/nf4/nf4_gemm_sm90.h), and the MoE calls with the experts' LoRA
-products as their own GEMMs (PYKERNELS_SM90_MOE_LORA=separate, csrc/moe/moe.h), and the NF4 calls
-with the dequantize by store units (PYKERNELS_NF4_DEQUANT=units, csrc/nf4/nf4.h; the default, by warp
-chunks, stages codes in shared memory: racecheck's case).
+products as their own GEMMs (PYKERNELS_SM90_MOE_LORA=separate, csrc/moe/moe.h), and the NF4 calls with
+the dequantize by store units (PYKERNELS_NF4_DEQUANT=units, csrc/nf4/nf4.h; the default, by warp chunks,
+stages codes in shared memory: racecheck's case).
 On CPU (the dry run) the same calls check that this script still matches the ops' signatures.
 
     python .ci/gpu/sanitize_ops.py [--device cuda|cpu]
