@@ -172,7 +172,7 @@ def run_lease(tmp_path, stages: str) -> subprocess.CompletedProcess:
 def test_lease_script_refuses_an_unknown_stage(tmp_path):
     result = run_lease(tmp_path, "tests build")
     assert result.returncode == 2, result.stdout + result.stderr
-    assert "unknown stage tests (build, test, sanitize, bench, breakdown, sweep)" in result.stdout
+    assert "unknown stage tests (build, test, sanitize, bench, breakdown, sweep, profile)" in result.stdout
 
 
 def test_lease_script_with_no_stage_prints_only_the_summary(tmp_path):
@@ -267,3 +267,24 @@ def test_the_sanitizer_runs_every_kernel_knobs_other_side():
 
     sanitized = {variable for variable, _, _ in load("sanitize_ops").OTHER_SETTINGS}
     assert set(dispatch_cache.KERNEL_KNOBS.values()) - UNSANITIZED_KNOBS == sanitized
+
+
+def test_lease_script_profiles_the_targets_under_ncu_and_summarizes_its_csv(tmp_path, monkeypatch):
+    """The profile stage runs benchmarks/ncu_targets.py under ncu (NCU: a stand-in that records its
+    arguments and writes a CSV) and summarizes the CSV (benchmarks/ncu_summary.py) into its log."""
+    ncu = tmp_path / "ncu"
+    ncu.write_text("#!/bin/sh\necho \"$@\" > \"$(dirname \"$0\")/ncu-args\"\n"
+                   "printf '\"ID\",\"Kernel Name\",\"Metric Name\",\"Metric Unit\",\"Metric Value\"\\n'\n"
+                   "printf '\"0\",\"nvjet_tst\",\"Duration\",\"usecond\",\"12.0\"\\n'\n")
+    ncu.chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "OUT": str(out), "STAGES": "profile", "GPU_PYTHON": sys.executable, "NCU": str(ncu)}
+    result = subprocess.run(["bash", str(GPU_DIR / "lease.sh")], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    args = (tmp_path / "ncu-args").read_text()
+    assert "--profile-from-start off --clock-control none --csv --page details" in args
+    assert args.rstrip().endswith("-m benchmarks.ncu_targets")
+    assert "| nvjet_tst | 0.012 |" in (out / "profile.log").read_text()
+    assert "---- profile.log" in result.stdout and "profile: exit 0" in result.stdout

@@ -13,6 +13,7 @@
 #   STAGES="build sanitize test breakdown" TEST_ARGS="tests/kernels/moe/test_moe_cuda.py" bash .ci/gpu/lease.sh
 #   STAGES="build sweep" bash .ci/gpu/lease.sh     # time every tile and knob of the Hopper kernels
 #   STAGES="bench" BENCH_K="mixtral-T4096 or N16384-H4096" bash .ci/gpu/lease.sh   # -k: a few cases
+#   STAGES="profile" bash .ci/gpu/lease.sh    # Nsight Compute on benchmarks/ncu_targets.py's kernels
 #
 # The benchmarks run with PYKERNELS_BENCH_RETIME=0: the gate judges the one run (benchmarks/gate_plugin.py)
 # instead of timing failing rules again (on the 2026-11-27 lease: every case of the three failing LoRA
@@ -86,7 +87,12 @@ for stage in $STAGES; do
         done ;;
     breakdown) step breakdown breakdown 150 "$PY" -m benchmarks.kernel_breakdown --top 8 ;;
     sweep) step sweep sweep 240 "$PY" -m benchmarks.tile_sweep ;;  # every tile of the Hopper kernels, one build
-    *) echo "unknown stage $stage (build, test, sanitize, bench, breakdown, sweep)"; exit 2 ;;
+    profile)  # ncu (NCU: its path) on issue 20's unexplained gaps; --clock-control none leaves the clocks alone
+        step profile profile 150 bash -c '"$1" --profile-from-start off --clock-control none --csv --page details \
+            --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+            "$2" -m benchmarks.ncu_targets > "$3" && "$2" -m benchmarks.ncu_summary "$3"' \
+            profile "${NCU:-ncu}" "$PY" "$OUT/ncu.csv" ;;
+    *) echo "unknown stage $stage (build, test, sanitize, bench, breakdown, sweep, profile)"; exit 2 ;;
     esac
 done
 
@@ -98,6 +104,7 @@ for log in "$OUT"/*.log; do
 done
 [ -f "$OUT/breakdown.log" ] && { echo "---- breakdown.log"; grep -v "^==" "$OUT/breakdown.log" | tail -60; }
 [ -f "$OUT/sweep.log" ] && { echo "---- sweep.log"; grep -v "^==" "$OUT/sweep.log" | tail -150; }
+[ -f "$OUT/profile.log" ] && { echo "---- profile.log"; grep -v "^==" "$OUT/profile.log" | tail -30; }
 echo "---- stages"
 printf '%s\n' "${summary[@]}"
 kept=("$OUT"/*.log "$OUT"/*.json)
