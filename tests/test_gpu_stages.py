@@ -288,3 +288,18 @@ def test_lease_script_profiles_the_targets_under_ncu_and_summarizes_its_csv(tmp_
     assert args.rstrip().endswith("-m benchmarks.ncu_targets")
     assert "| nvjet_tst | 0.012 |" in (out / "profile.log").read_text()
     assert "---- profile.log" in result.stdout and "profile: exit 0" in result.stdout
+
+
+def test_lease_scripts_profile_stage_shows_why_ncu_made_no_table(tmp_path):
+    """An ncu that cannot read the counters prints its error where the CSV goes: the log shows it."""
+    ncu = tmp_path / "ncu"
+    ncu.write_text("#!/bin/sh\necho '==ERROR== ERR_NVGPUCTRPERM - no permission to the counters'\nexit 1\n")
+    ncu.chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "OUT": str(out), "STAGES": "profile", "GPU_PYTHON": sys.executable, "NCU": str(ncu)}
+    result = subprocess.run(["bash", str(GPU_DIR / "lease.sh")], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 1 and "profile: exit 1" in result.stdout, result.stdout + result.stderr
+    log = (out / "profile.log").read_text()
+    assert "no ncu CSV in the input" in log and "ERR_NVGPUCTRPERM" in log

@@ -87,10 +87,12 @@ for stage in $STAGES; do
         done ;;
     breakdown) step breakdown breakdown 150 "$PY" -m benchmarks.kernel_breakdown --top 8 ;;
     sweep) step sweep sweep 240 "$PY" -m benchmarks.tile_sweep ;;  # every tile of the Hopper kernels, one build
-    profile)  # ncu (NCU: its path) on issue 20's unexplained gaps; --clock-control none leaves the clocks alone
+    profile)  # ncu (NCU: its path) on issue 20's unexplained gaps; --clock-control none leaves the clocks alone.
+        # ncu writes its messages to stdout with the CSV: when no table comes of it, the CSV's tail says why.
         step profile profile 150 bash -c '"$1" --profile-from-start off --clock-control none --csv --page details \
             --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-            "$2" -m benchmarks.ncu_targets > "$3" && "$2" -m benchmarks.ncu_summary "$3"' \
+            "$2" -m benchmarks.ncu_targets > "$3"; rc=$?
+            "$2" -m benchmarks.ncu_summary "$3" || { rc=1; tail -n 20 "$3"; }; exit $rc' \
             profile "${NCU:-ncu}" "$PY" "$OUT/ncu.csv" ;;
     *) echo "unknown stage $stage (build, test, sanitize, bench, breakdown, sweep, profile)"; exit 2 ;;
     esac
