@@ -269,19 +269,26 @@ def test_the_sanitizer_runs_every_kernel_knobs_other_side():
     assert set(dispatch_cache.KERNEL_KNOBS.values()) - UNSANITIZED_KNOBS == sanitized
 
 
-def test_lease_script_profiles_the_targets_under_ncu_and_summarizes_its_csv(tmp_path, monkeypatch):
-    """The profile stage runs benchmarks/ncu_targets.py under ncu (NCU: a stand-in that records its
-    arguments and writes a CSV) and summarizes the CSV (benchmarks/ncu_summary.py) into its log."""
+def run_profile_stage(tmp_path, ncu_script: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """lease.sh's profile stage with this python and a stand-in ncu (NCU) running `ncu_script`; returns
+    the run and its OUT folder."""
     ncu = tmp_path / "ncu"
-    ncu.write_text("#!/bin/sh\necho \"$@\" > \"$(dirname \"$0\")/ncu-args\"\n"
-                   "printf '\"ID\",\"Kernel Name\",\"Metric Name\",\"Metric Unit\",\"Metric Value\"\\n'\n"
-                   "printf '\"0\",\"nvjet_tst\",\"Duration\",\"usecond\",\"12.0\"\\n'\n")
+    ncu.write_text("#!/bin/sh\n" + ncu_script)
     ncu.chmod(0o755)
     out = tmp_path / "out"
     out.mkdir()
     env = {**os.environ, "OUT": str(out), "STAGES": "profile", "GPU_PYTHON": sys.executable, "NCU": str(ncu)}
-    result = subprocess.run(["bash", str(GPU_DIR / "lease.sh")], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=120)
+    return subprocess.run(["bash", str(GPU_DIR / "lease.sh")], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120), out
+
+
+def test_lease_script_profiles_the_targets_under_ncu_and_summarizes_its_csv(tmp_path):
+    """The profile stage runs benchmarks/ncu_targets.py under ncu (NCU: a stand-in that records its
+    arguments and writes a CSV) and summarizes the CSV (benchmarks/ncu_summary.py) into its log."""
+    result, out = run_profile_stage(
+        tmp_path, "echo \"$@\" > \"$(dirname \"$0\")/ncu-args\"\n"
+                  "printf '\"ID\",\"Kernel Name\",\"Metric Name\",\"Metric Unit\",\"Metric Value\"\\n'\n"
+                  "printf '\"0\",\"nvjet_tst\",\"Duration\",\"usecond\",\"12.0\"\\n'\n")
     assert result.returncode == 0, result.stdout + result.stderr
     args = (tmp_path / "ncu-args").read_text()
     assert "--profile-from-start off --clock-control none --csv --page details" in args
@@ -292,14 +299,8 @@ def test_lease_script_profiles_the_targets_under_ncu_and_summarizes_its_csv(tmp_
 
 def test_lease_scripts_profile_stage_shows_why_ncu_made_no_table(tmp_path):
     """An ncu that cannot read the counters prints its error where the CSV goes: the log shows it."""
-    ncu = tmp_path / "ncu"
-    ncu.write_text("#!/bin/sh\necho '==ERROR== ERR_NVGPUCTRPERM - no permission to the counters'\nexit 1\n")
-    ncu.chmod(0o755)
-    out = tmp_path / "out"
-    out.mkdir()
-    env = {**os.environ, "OUT": str(out), "STAGES": "profile", "GPU_PYTHON": sys.executable, "NCU": str(ncu)}
-    result = subprocess.run(["bash", str(GPU_DIR / "lease.sh")], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=120)
+    result, out = run_profile_stage(tmp_path, "echo '==ERROR== ERR_NVGPUCTRPERM - no permission to the counters'\n"
+                                              "exit 1\n")
     assert result.returncode == 1 and "profile: exit 1" in result.stdout, result.stdout + result.stderr
     log = (out / "profile.log").read_text()
     assert "no ncu CSV in the input" in log and "ERR_NVGPUCTRPERM" in log
