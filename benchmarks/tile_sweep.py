@@ -55,7 +55,6 @@ import torch
 
 from pykernels import _C
 import math
-import statistics
 
 from pykernels.dispatch import cuda_timer
 
@@ -232,18 +231,7 @@ def per_call_ms(fn, rounds: int) -> float:
     first sweep put a 17 us NF4 dequantize at 36 us), queued calls keep the GPU busy."""
     once = cuda_timer(fn, warmup=3, iters=1) * 1e3
     calls = max(1, math.ceil(ROUND_MS / max(once, 1e-3)))
-    if calls == 1:
-        return cuda_timer(fn, warmup=0, iters=rounds) * 1e3
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+    return cuda_timer(fn, warmup=0, iters=rounds, calls=calls) * 1e3
 
 
 def sweep(cases, variable: str, tiles: list[str], rounds: int, unit: tuple[str, float] = TFLOPS) -> None:

@@ -96,18 +96,20 @@ def cpu_timer(fn: Callable[[], object], warmup: int = 1, iters: int = 3) -> floa
     return statistics.median(times)
 
 
-def cuda_timer(fn: Callable[[], object], warmup: int = 2, iters: int = 5) -> float:
-    """Median seconds of fn() between CUDA events on the current stream (no host-side noise)."""
+def cuda_timer(fn: Callable[[], object], warmup: int = 2, iters: int = 5, calls: int = 1) -> float:
+    """Median seconds of fn() between CUDA events on the current stream (no host-side noise), over
+    iters rounds of `calls` back-to-back calls each (per call)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(calls):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(start.elapsed_time(end) / 1e3 / calls)
     return statistics.median(times)
 
 
