@@ -13,8 +13,10 @@ nf4/nf4_gemm_sm90.h: dequantized chunks for cuBLAS, or decoded in the GEMM's mai
 dequantize kernels (PYKERNELS_NF4_DEQUANT, nf4/nf4.h: a warp per 1024 values with 16-byte loads,
 or a thread per store unit; the benchmarks' shapes, in GB/s beside a copy of the same output) and the
 QLoRA GEMMs' chunks of W (PYKERNELS_NF4_CHUNK_MIB, lora/nf4_chunks.h: grown until a chunk's GEMM fills
-the GPU, or 16 MiB), and both folds of the logprobs statistics epilogue (PYKERNELS_SM90_LOGPROBS_FOLD,
-logprobs/logprobs_sm90.h: on the running max, or on a lazy reference). All are
+the GPU, or 16 MiB), both ways of running the experts' gated activation (PYKERNELS_SM90_MOE_ACT,
+pykernels/ops/moe.py: its own pass after the gate_up GEMM, or in that GEMM's epilogue,
+common/paired_rows.h; on the MoE cases), and both folds of the logprobs statistics epilogue
+(PYKERNELS_SM90_LOGPROBS_FOLD, logprobs/logprobs_sm90.h: on the running max, or on a lazy reference). All are
 read on every call, so a lent GPU measures them all without rebuilding (~3 minutes of a 15-minute
 lease per build). For choosing the defaults and the core's `auto` rule; the timings that count stay
 the benchmarks' (pytest --benchmark).
@@ -33,14 +35,14 @@ base GEMM (torch's x W^T, the same under every setting) as the first row. QLoRA 
 adapters, after the bare bf16 base GEMM.
 
     python -m benchmarks.tile_sweep [--ops moe,lora,logprobs,logprobs_fold,lora_forward,lora_grad_x,lora_rank,
-                                           raster,moe_lora,qlora_forward,nf4_dequant,nf4_chunks]
+                                           raster,moe_lora,moe_act,qlora_forward,nf4_dequant,nf4_chunks]
                                     [--tiles auto,128x128,128x256]
                                     [--logprobs-tiles 256x128,128x128,128x128_pingpong]
                                     [--logprobs-folds running_max,lazy_max]
                                     [--lora-forwards extended_k,cublas,extended_k@128x128,extended_k@128x256]
                                     [--lora-grad-xs cublas,extended_k] [--lora-rank-gemms simt,tensor_core]
                                     [--rasters m1,m2,m4,m8,n1,n2,n4,n8]
-                                    [--moe-loras extra_k,separate]
+                                    [--moe-loras extra_k,separate] [--moe-acts separate,epilogue]
                                     [--nf4-forwards dequantize,mainloop] [--nf4-dequants warps,units]
                                     [--nf4-chunks auto,16]
                                     [--rounds 10]
@@ -66,6 +68,7 @@ LORA_GRAD_XS = ("cublas", "extended_k")  # the first is the default (lora/lora_e
 LORA_RANK_GEMMS = ("tensor_core", "simt")  # the first is the default (lora/lora_rank_pieces.h)
 RASTERS = ("m1", "m2", "m4", "m8", "n1", "n2", "n4", "n8")  # the first is the default (common/sm90_tile_order.h)
 MOE_LORAS = ("extra_k", "separate")  # the first is the default (moe/moe.h)
+MOE_ACTS = ("separate", "epilogue")  # the first is the default (pykernels/ops/moe.py)
 NF4_FORWARDS = ("dequantize", "mainloop")  # the first is the default (nf4/nf4_gemm_sm90.h)
 NF4_DEQUANTS = ("warps", "units")  # the first is the default (nf4/nf4.h)
 NF4_CHUNKS = ("auto", "16")  # the first is the default (lora/nf4_chunks.h)
@@ -213,6 +216,7 @@ CASES = {"moe": (moe_cases, "PYKERNELS_SM90_TILE", "tiles"), "lora": (lora_cases
          "lora_rank": (lora_rank_cases, "PYKERNELS_LORA_RANK_GEMM", "lora_rank_gemms"),
          "raster": (raster_cases, "PYKERNELS_SM90_RASTER", "rasters"),
          "moe_lora": (moe_lora_cases, "PYKERNELS_SM90_MOE_LORA", "moe_loras"),
+         "moe_act": (moe_cases, "PYKERNELS_SM90_MOE_ACT", "moe_acts"),
          "qlora_forward": (qlora_forward_cases, "PYKERNELS_SM90_NF4", "nf4_forwards"),
          "nf4_dequant": (nf4_dequant_cases, "PYKERNELS_NF4_DEQUANT", "nf4_dequants"),
          "nf4_chunks": (qlora_forward_cases, "PYKERNELS_NF4_CHUNK_MIB", "nf4_chunks")}
@@ -275,6 +279,7 @@ CHOICE_ARGS = {"tiles": (TILES, "the GEMM core's tiles"),
                "lora_rank_gemms": (LORA_RANK_GEMMS, "the LoRA rank products' ways with fp32 factors"),
                "rasters": (RASTERS, "the GEMM core's tile orders"),
                "moe_loras": (MOE_LORAS, "the experts' LoRA products' ways"),
+               "moe_acts": (MOE_ACTS, "the experts' gated activation's ways"),
                "nf4_forwards": (NF4_FORWARDS, "the QLoRA forward's ways of reading NF4"),
                "nf4_dequants": (NF4_DEQUANTS, "the NF4 dequantize's kernels"),
                "nf4_chunks": (NF4_CHUNKS, "the QLoRA GEMMs' chunks of NF4 W (MiB, or auto)")}

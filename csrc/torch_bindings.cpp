@@ -101,11 +101,21 @@ TORCH_LIBRARY(pykernels, m) {
   // The expert MLP's gated activation in one pass (moe/gated_act.h): inner [rows, I] = act(gate) * up
   // from gate_up [rows, 2I] (gate, up: the first and last I columns, or alternate columns when
   // interleaved); act 0 silu, 1 gelu, 2 gelu_tanh, 3 relu, 4 clamped_swiglu (alpha, limit: GPT-OSS).
-  // fp32 math, one rounding. The backward gives grad_gate_up [rows, 2I] in the same layout.
+  // fp32 math, one rounding. The backward gives grad_gate_up [rows, 2I] in the same layout, or in the
+  // other one when grad_interleaved says so (moe_gate_up_act's backward: paired in, the weight's out).
   m.def("moe_gated_act(Tensor gate_up, int act, bool interleaved, float alpha, float limit) -> Tensor");
   m.def(
       "moe_gated_act_backward(Tensor grad_inner, Tensor gate_up, int act, bool interleaved, float alpha, "
-      "float limit) -> Tensor");
+      "float limit, bool? grad_interleaved=None) -> Tensor");
+
+  // The gate_up projection and the gated activation as one op (moe/gate_up_act.h): the slot-order
+  // rows of moe_grouped_linear(x, weight, ..., grouped_out=True) (weight [E, 2I, in], gate rows then
+  // up rows) and act(gate) * up from them. Returns (inner [slots, I], gate_up [slots, 2I] with gate_j,
+  // up_j in columns 2j, 2j + 1: the pre-activation the backward reads). On Hopper one GEMM writes both.
+  m.def(
+      "moe_gate_up_act(Tensor x, Tensor weight, Tensor sorted_expert_idx, Tensor sorted_token_idx, "
+      "Tensor expert_offsets, int top_k, bool grouped_in, Tensor? lora_a, Tensor? lora_b, float lora_scaling, "
+      "int act, float alpha, float limit) -> (Tensor, Tensor)");
 
   // Gradients of moe_grouped_linear: grad_x, grad_weight [E, out, in], grad_gates [T, k], grad_lora_a,
   // grad_lora_b (fp32 sums, rounded once), each empty when its compute flag is false.

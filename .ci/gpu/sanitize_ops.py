@@ -11,7 +11,9 @@ cooperative and ping-pong) and with the statistics folded on a lazy reference
 csrc/lora/lora_extended_k.h), with the rank products as SIMT fp32 (PYKERNELS_LORA_RANK_GEMM=simt,
 csrc/lora/lora_rank_pieces.h) and with the NF4 weight decoded in the GEMM's mainloop
 (PYKERNELS_SM90_NF4=mainloop, csrc/nf4/nf4_gemm_sm90.h), and the MoE calls with the experts' LoRA
-products as their own GEMMs (PYKERNELS_SM90_MOE_LORA=separate, csrc/moe/moe.h), and the NF4 calls with
+products as their own GEMMs (PYKERNELS_SM90_MOE_LORA=separate, csrc/moe/moe.h) and with the gated
+activation in the gate_up GEMM's epilogue (PYKERNELS_SM90_MOE_ACT=epilogue, on intermediate sizes the
+gated GEMM takes on each tile: csrc/common/paired_rows.h), and the NF4 calls with
 the dequantize by store units (PYKERNELS_NF4_DEQUANT=units, csrc/nf4/nf4.h; the default, by warp chunks,
 stages codes in shared memory: racecheck's case).
 On CPU (the dry run) the same calls check that this script still matches the ops' signatures.
@@ -114,7 +116,31 @@ def run_moe(device: str) -> None:
     out.float().square().sum().backward()
 
 
+def run_moe_act(device: str) -> None:
+    """The gated gate_up GEMM (PYKERNELS_SM90_MOE_ACT=epilogue): intermediate 64 (whole pairs on the
+    128x128 tile only), then 128 on each tile (the rule picks 128x128 at these few rows), with and
+    without LoRA, one assignment dropped."""
+    tokens, hidden_size, experts, top_k, rank = 7, 64, 4, 2, 3
+    hidden = randn(tokens, hidden_size, device=device, grad=True)
+    top_k_weights, top_k_index = moe.route(randn(tokens, experts, device=device).float(), top_k)
+    top_k_index = top_k_index.clone()
+    top_k_index[0, 0] = experts
+    for intermediate, tile in ((64, "auto"), (128, "auto"), (128, "128x256")):
+        os.environ["PYKERNELS_SM90_TILE"] = tile
+        gate_up, down = randn(experts, 2 * intermediate, hidden_size, device=device), randn(
+            experts, hidden_size, intermediate, device=device)
+        adapters = {"gate_up_proj": moe.LoRAFactors(randn(rank * experts, hidden_size, device=device, grad=True),
+                                                    randn(2 * intermediate, rank * experts, device=device, grad=True),
+                                                    2.0)}
+        for factors in (None, adapters):
+            out = moe.experts_forward(hidden, top_k_index, top_k_weights.to(DTYPE), gate_up, down, lora=factors)
+            out.float().square().sum().backward()
+    os.environ.pop("PYKERNELS_SM90_TILE")
+
+
 FAMILIES = {"nf4": run_nf4, "lora": run_lora, "logprobs": run_logprobs, "moe": run_moe}
+# Families that run only under one of OTHER_SETTINGS (their default is another family's run).
+SETTING_FAMILIES = {"moe_act": run_moe_act}
 
 
 # The Hopper kernels' other settings, each with the family it runs: every core tile forced (the default
@@ -122,18 +148,20 @@ FAMILIES = {"nf4": run_nf4, "lora": run_lora, "logprobs": run_logprobs, "moe": r
 # cuBLAS, grad_x as one extended-K GEMM (lora/lora_extended_k.h), the rank products on fp32 FMA
 # (lora/lora_rank_pieces.h), the core's tiles walked along N in swizzled blocks (common/sm90_tile_order.h),
 # the NF4 decode in the GEMM (nf4/nf4_gemm_sm90.h), the experts' LoRA products as their own GEMMs
-# (moe/moe.h), the NF4 dequantize by store units (nf4/nf4.h), and the logprobs statistics folded on a
-# lazy reference (logprobs/logprobs_sm90.h).
+# (moe/moe.h), the NF4 dequantize by store units (nf4/nf4.h), the logprobs statistics folded on a
+# lazy reference (logprobs/logprobs_sm90.h), and the experts' activation in the gated gate_up GEMM's
+# epilogue on each tile (common/paired_rows.h).
 OTHER_SETTINGS = [("PYKERNELS_SM90_TILE", tile, "moe") for tile in _C.host_logic.gemm_sm90_tiles] + [
     ("PYKERNELS_SM90_LOGPROBS_TILE", tile, "logprobs") for tile in _C.host_logic.logprobs_sm90_tiles[1:]] + [
     ("PYKERNELS_SM90_LORA", "cublas", "lora"), ("PYKERNELS_SM90_LORA_GRAD_X", "extended_k", "lora"),
     ("PYKERNELS_LORA_RANK_GEMM", "simt", "lora"), ("PYKERNELS_SM90_RASTER", "n8", "moe"),
     ("PYKERNELS_SM90_NF4", "mainloop", "lora"), ("PYKERNELS_SM90_MOE_LORA", "separate", "moe"),
-    ("PYKERNELS_NF4_DEQUANT", "units", "nf4"), ("PYKERNELS_SM90_LOGPROBS_FOLD", "lazy_max", "logprobs")]
+    ("PYKERNELS_NF4_DEQUANT", "units", "nf4"), ("PYKERNELS_SM90_LOGPROBS_FOLD", "lazy_max", "logprobs")] + [
+    ("PYKERNELS_SM90_MOE_ACT", "epilogue", "moe_act")]
 
 
 def run_family(family: str, device: str, setting: str = "") -> None:
-    FAMILIES[family](device)
+    {**FAMILIES, **SETTING_FAMILIES}[family](device)
     if device == "cuda":
         torch.cuda.synchronize()
     print(f"{family}{setting}: ran on {device}", flush=True)

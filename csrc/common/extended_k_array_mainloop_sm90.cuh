@@ -17,9 +17,20 @@
 // sum of both in whole tiles, so its k-tile count (which the consumers loop over) covers both; the
 // stages, barriers and transaction bytes are the first pair's (the same box shapes), and TMA
 // zero-fills each pair's last k tile past K1 / K2.
+//
+// kPairedB (the gated gate_up GEMM, common/paired_rows.h): B1 is read through a 3-D descriptor built
+// here, (k, half, j) of each expert's [gate | up] weight, so the B tile's rows come in (gate_j, up_j)
+// pairs; its box, loads and shared-memory rows are paired_rows.h's, everything else is unchanged (the
+// same bytes per stage). The second pair may then be absent (K2 = 0: no LoRA term).
 #pragma once
 
+#include <cuda.h>
+
+#include "common/paired_rows.h"
+#include "cute/arch/copy_sm90_desc.hpp"
+#include "cute/arch/copy_sm90_tma.hpp"
 #include "cute/tensor.hpp"
+#include "cutlass/cuda_host_adapter.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/gemm/collective/collective_builder.hpp"
 
@@ -33,7 +44,7 @@ namespace pykernels::gemm {
 // shared memory carved out of its stages. K1 and K2 are the pairs' extents (the same for all
 // groups); the problem shapes' K is ceil(K1 / BLK_K) BLK_K + ceil(K2 / BLK_K) BLK_K, TMA
 // zero-filling both pairs' last k tile.
-template <class Base>
+template <class Base, bool kPairedB = false>
 struct ExtendedKArrayMainloop : Base {
   using typename Base::ElementA;
   using typename Base::ElementB;
@@ -53,6 +64,8 @@ struct ExtendedKArrayMainloop : Base {
   using typename Base::TMA_A;
   using typename Base::TMA_B;
   static constexpr int kBlockK = cute::size<2>(TileShape{});
+  static constexpr int kBlockN = cute::size<1>(TileShape{});
+  static constexpr int kClusterM = cute::size<0>(typename DispatchPolicy::ClusterShape{});
   static constexpr int kTensorMaps = 4;  // A, B, A2, B2 per SM in the workspace, in that order
 
   struct TensorMapStorage : cute::aligned_struct<128, cute::_0> {
@@ -72,6 +85,7 @@ struct ExtendedKArrayMainloop : Base {
     ElementB const** ptr_B2 = nullptr;
     StrideB dB2 = nullptr;
     int k1 = 0, k2 = 0;
+    int64_t paired_inner = 0, paired_ldb = 0;  // kPairedB: I (B1_e is [2I, K1]) and B1_e's row stride
   };
 
   struct Params : Base::Params {
@@ -82,7 +96,25 @@ struct ExtendedKArrayMainloop : Base {
     InternalElementB const** ptr_B2;
     StrideB dB2;
     int k1, k2;
+    cute::TmaDescriptor paired_b;  // kPairedB: B1's (k, half, j) descriptor, every group's but its address
   };
+
+  // B1's paired descriptor (paired_rows.h) at `address` (any 16-byte aligned one: each group sets its
+  // own); false if the driver refuses it (the launcher has checked paired_rows_error before).
+  static bool encode_paired_b(cute::TmaDescriptor* descriptor, void const* address, int64_t inner, int64_t k,
+                              int64_t ldb) {
+    static_assert(cute::sizeof_bits_v<InternalElementB> == 16, "the paired descriptor is for bf16 B");
+    const PairedRowsBox b = paired_rows_box(inner, k, ldb, 2, kBlockN, kBlockK, kClusterM);
+    const cuuint32_t element_strides[3] = {1, 1, 1};
+    const cuuint32_t box[3] = {b.box[0], b.box[1], b.box[2]};
+    const cuuint64_t dims[3] = {b.dims[0], b.dims[1], b.dims[2]};
+    const cuuint64_t strides[2] = {b.strides[0], b.strides[1]};
+    const CUresult result = CUTLASS_CUDA_DRIVER_WRAPPER_CALL(cuTensorMapEncodeTiled)(
+        descriptor, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(address), dims, strides, box,
+        element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    return result == CUDA_SUCCESS;
+  }
 
   static constexpr int k1_tiles_of(int k1) { return (k1 + kBlockK - 1) / kBlockK; }
 
@@ -102,6 +134,11 @@ struct ExtendedKArrayMainloop : Base {
     params.dB2 = args.dB2;
     params.k1 = args.k1;
     params.k2 = args.k2;
+    if constexpr (kPairedB) {
+      const void* placeholder = reinterpret_cast<void const*>(reinterpret_cast<uint64_t>(args.ptr_B) & ~uint64_t{15});
+      if (!encode_paired_b(&params.paired_b, placeholder, args.paired_inner, args.k1, args.paired_ldb))
+        params.paired_b = cute::TmaDescriptor{};  // can_implement has refused these arguments
+    }
     return params;
   }
 
@@ -119,7 +156,14 @@ struct ExtendedKArrayMainloop : Base {
   // The shapes live on the device (nothing to check on the host but the pointers, K1 and K2).
   template <class ProblemShape>
   static bool can_implement(ProblemShape problem_shapes, Arguments const& args) {
-    return args.k1 >= 1 && args.k2 >= 1 && args.ptr_A2 != nullptr && args.ptr_B2 != nullptr && args.dA2 != nullptr &&
+    if constexpr (kPairedB) {
+      cute::TmaDescriptor probe{};
+      if (paired_rows_error(2 * args.paired_inner, args.k1, args.paired_ldb, 2, kBlockN, kBlockK, kClusterM) !=
+              nullptr ||
+          !encode_paired_b(&probe, args.ptr_B, args.paired_inner, args.k1, args.paired_ldb))
+        return false;
+    }
+    return args.k1 >= 1 && args.k2 >= (kPairedB ? 0 : 1) && args.ptr_A2 != nullptr && args.ptr_B2 != nullptr && args.dA2 != nullptr &&
            args.dB2 != nullptr &&
            Base::can_implement(problem_shapes, typename Base::Arguments{args.ptr_A, args.dA, args.ptr_B, args.dB});
   }
@@ -135,9 +179,9 @@ struct ExtendedKArrayMainloop : Base {
     return cute::make_tuple(
         tiled(params.tma_load_a.get_tma_tensor(cute::make_shape(M, K, init_l)), cute::Step<cute::_1, X, cute::_1>{}),
         tiled(params.tma_load_b.get_tma_tensor(cute::make_shape(N, K, init_l)), cute::Step<X, cute::_1, cute::_1>{}),
-        tiled(params.tma_load_a2.get_tma_tensor(cute::make_shape(M, params.k2, init_l)),
+        tiled(params.tma_load_a2.get_tma_tensor(cute::make_shape(M, cute::max(params.k2, 1), init_l)),
               cute::Step<cute::_1, X, cute::_1>{}),
-        tiled(params.tma_load_b2.get_tma_tensor(cute::make_shape(N, params.k2, init_l)),
+        tiled(params.tma_load_b2.get_tma_tensor(cute::make_shape(N, cute::max(params.k2, 1), init_l)),
               cute::Step<X, cute::_1, cute::_1>{}));
   }
 
@@ -190,8 +234,13 @@ struct ExtendedKArrayMainloop : Base {
       if (k_tile < k1_tiles) {
         copy(params.tma_load_a.with(get<0>(input_tensormaps), *tma_barrier, mcast_mask_a), tAgA(_, _, _, k_tile),
              tAsA(_, _, _, stage));
-        copy(params.tma_load_b.with(get<1>(input_tensormaps), *tma_barrier, mcast_mask_b), tBgB(_, _, _, k_tile),
-             tBsB(_, _, _, stage));
+        if constexpr (kPairedB) {
+          load_paired_b(get<1>(input_tensormaps), tma_barrier, mcast_mask_b, shared_tensors, stage, n_coord,
+                        cluster_local_block_id.x, k_tile);
+        } else {
+          copy(params.tma_load_b.with(get<1>(input_tensormaps), *tma_barrier, mcast_mask_b), tBgB(_, _, _, k_tile),
+               tBsB(_, _, _, stage));
+        }
       } else {
         const int k2_tile = k_tile - k1_tiles;
         copy(params.tma_load_a2.with(get<2>(input_tensormaps), *tma_barrier, mcast_mask_a),
@@ -204,13 +253,37 @@ struct ExtendedKArrayMainloop : Base {
     }
   }
 
+  // One k tile of the paired B1 (paired_rows.h): this CTA's part of the box, multicast to the cluster's
+  // CTAs sharing the tile when B is multicast. Rows of the K-major 128-byte-swizzled tile are 128 bytes
+  // apart and the part's first row is a multiple of 8 (a whole swizzle atom), so it starts unswizzled.
+  template <class Barrier>
+  CUTLASS_DEVICE static void load_paired_b(cute::TmaDescriptor const* descriptor, Barrier* barrier,
+                                           uint16_t mcast_mask, TensorStorage& shared_tensors, int stage, int n_tile,
+                                           int part, int k_tile) {
+    constexpr int kStageElements = kBlockN * kBlockK;
+    static_assert(cute::cosize_v<SmemLayoutB> == kStageElements * DispatchPolicy::Stages,
+                  "the paired B loads assume whole stages of BLK_N x BLK_K");
+    static_assert((kBlockN / kClusterM) % 8 == 0, "each CTA's part must start on a swizzle atom");
+    const int row0 = static_cast<int>(paired_rows_first_tile_row(part, kBlockN, kClusterM));
+    auto* smem = shared_tensors.smem_B.data() + stage * kStageElements + row0 * kBlockK;
+    const int j0 = static_cast<int>(paired_rows_j0(n_tile, part, kBlockN, kClusterM));
+    const uint64_t hint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+    auto* mbar = reinterpret_cast<uint64_t*>(barrier);
+    if constexpr (cute::is_same_v<GmemTiledCopyB, cute::SM90_TMA_LOAD_MULTICAST>) {
+      cute::SM90_TMA_LOAD_MULTICAST_3D::copy(descriptor, mbar, mcast_mask, hint, smem, k_tile * kBlockK, 0, j0);
+    } else {
+      cute::SM90_TMA_LOAD_3D::copy(descriptor, mbar, hint, smem, k_tile * kBlockK, 0, j0);
+    }
+  }
+
   // ---- the descriptors: Base's steps for A and B, and the same for A2 and B2
   CUTLASS_DEVICE auto tensormaps_init(Params const& params, TensorMapStorage& shared, int32_t sm_count,
                                       int32_t sm_idx) {
     cute::TmaDescriptor* gmem = reinterpret_cast<cute::TmaDescriptor*>(params.tensormaps);
     if (cute::elect_one_sync()) {
       const cute::TmaDescriptor* from[kTensorMaps] = {
-          params.tma_load_a.get_tma_descriptor(), params.tma_load_b.get_tma_descriptor(),
+          params.tma_load_a.get_tma_descriptor(),
+          kPairedB ? &params.paired_b : params.tma_load_b.get_tma_descriptor(),
           params.tma_load_a2.get_tma_descriptor(), params.tma_load_b2.get_tma_descriptor()};
       cute::TmaDescriptor* to[kTensorMaps] = {&shared.smem_tensormap_A, &shared.smem_tensormap_B,
                                               &shared.smem_tensormap_A2, &shared.smem_tensormap_B2};
@@ -253,8 +326,11 @@ struct ExtendedKArrayMainloop : Base {
     const uint32_t k1 = uint32_t(params.k1), k2 = uint32_t(params.k2);
     replace_dims_strides<TMA_A, InternalElementA>(shared.smem_tensormap_A, params.tma_load_a, M, k1,
                                                   params.dA[next_group]);
-    replace_dims_strides<TMA_B, InternalElementB>(shared.smem_tensormap_B, params.tma_load_b, N, k1,
-                                                  params.dB[next_group]);
+    if constexpr (!kPairedB) {  // the paired descriptor's dims and strides are every group's
+      replace_dims_strides<TMA_B, InternalElementB>(shared.smem_tensormap_B, params.tma_load_b, N, k1,
+                                                    params.dB[next_group]);
+    }
+    if (k2 == 0) return;  // no second pair: its descriptors are never used
     replace_dims_strides<TMA_A, InternalElementA>(shared.smem_tensormap_A2, params.tma_load_a2, M, k2,
                                                   params.dA2[next_group]);
     replace_dims_strides<TMA_B, InternalElementB>(shared.smem_tensormap_B2, params.tma_load_b2, N, k2,

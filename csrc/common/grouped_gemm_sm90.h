@@ -13,6 +13,11 @@
 //               u B_e^T and dy W_e + v A_e, in one GEMM. A2 [slots, k2] row stride lda2; B2_e at
 //               e * b2_expert_stride laid out like B (K-major [n, k2] with row stride ldb2 for
 //               kRowsKMajorB, N-major [k2, n] for kRowsNMajorB).
+// Gated (kRowsKMajorB, bf16 D, no C, when act_out is given): B_e [n, k] holds n / 2 gate rows, then
+//               n / 2 up rows (the MoE gate_up weight); the GEMM reads them paired (common/
+//               paired_rows.h), so D[s, 2j] = gate_j and D[s, 2j + 1] = up_j (extra K's B2_e, if any,
+//               must come in that paired row order), and its epilogue also writes
+//               act_out[s, j] = act(gate_j) * up_j (moe/gated_act.h; act_out [slots, n / 2] bf16).
 // s runs over the slots of group e; A [slots, *] and B (kWeightGrad) are row-major with row strides
 // lda / ldb; D and C (which may alias D, or be null when beta == 0) are row-major with row stride
 // ldd, bf16 or fp32. Rows of slots no group owns (the dropped bucket) are not written. TMA needs
@@ -27,9 +32,11 @@
 #include <cstdint>
 
 #include "common/dtype.h"
+#include "common/paired_rows.h"
 #include "common/sm90_tile_order.h"
 #include "common/sm90_tiles.h"
 #include "common/tails.h"
+#include "moe/gated_act.h"
 
 typedef struct CUstream_st* cudaStream_t;
 
@@ -58,6 +65,8 @@ struct GroupedGemmSm90Params {
   int64_t lda2;
   const void* b2;                 // bf16, B's layout
   int64_t ldb2, b2_expert_stride, k2;
+  void* act_out;                  // gated: bf16 [slots, n / 2], or null (not gated)
+  moe::GatedActSpec act_spec;
 };
 
 // The mean group's M, for the tile rule (sm90_tile_for): a rows GEMM's slots per group, a weight
@@ -98,6 +107,13 @@ inline const char* grouped_gemm_sm90_error(const GroupedGemmSm90Params& p) {
       return "extra K's row and expert strides must be multiples of 16 bytes and a2, b2 16-byte aligned";
     if (p.k2 % 8 != 0 || (p.kind == Sm90GemmKind::kRowsNMajorB && p.n % 8 != 0))
       return "extra K's contiguous extents must be multiples of 16 bytes";
+  }
+  if (p.act_out != nullptr) {  // gated
+    if (p.kind != Sm90GemmKind::kRowsKMajorB || p.d_dtype != DType::kBFloat16 || p.c != nullptr)
+      return "the gated GEMM is a kRowsKMajorB GEMM with bf16 D and no C";
+    if (const char* error = paired_rows_error(p.n, p.k, p.ldb, 2, sm90_tile_columns(p.tile), kSm90TileK,
+                                              sm90_tile_cluster_m(p.tile)))
+      return error;
   }
   return nullptr;
 }

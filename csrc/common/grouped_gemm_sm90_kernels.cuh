@@ -22,7 +22,10 @@
 //           zero-fills the M, N and K tails of a group, so any size works.
 // scope     bf16 operands, bf16 or fp32 D: six kernels, three operand layouts x two output types;
 //           and two with extra K (kRowsKMajorB, kRowsNMajorB, bf16 D: the MoE experts' LoRA in the
-//           base GEMM), whose mainloop reads a second operand pair (extended_k_array_mainloop_sm90.cuh).
+//           base GEMM), whose mainloop reads a second operand pair (extended_k_array_mainloop_sm90.cuh);
+//           and the gated gate_up GEMM (kRowsKMajorB, bf16 D, act_out: paired_rows.h), the same
+//           mainloop reading B paired, with or without the second pair, whose epilogue also writes
+//           act(gate) * up (moe/gated_act_visitor_sm90.cuh).
 #pragma once
 
 #ifndef PYKERNELS_SM90_TILE_KERNELS
@@ -42,12 +45,14 @@
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
 #include "cutlass/epilogue/thread/linear_combination.h"
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "moe/gated_act_visitor_sm90.cuh"
 
 namespace pykernels::gemm {
 namespace {
@@ -69,16 +74,26 @@ using EpilogueFp32 = cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::epilogue::collective::EpilogueTileAuto, float, float, float, cutlass::layout::RowMajor*, 4, float,
     cutlass::layout::RowMajor*, 4, PYKERNELS_SM90_EPILOGUE_SCHEDULE,
     cutlass::epilogue::fusion::LinearCombination<float, float>>::CollectiveOp;
+// The gated GEMM's: D = acc (bf16, no C) and act(gate) * up per column pair into act_out.
+using GatedActTree = cutlass::epilogue::fusion::Sm90EVT<moe::sm90::Sm90GatedActStore<cutlass::bfloat16_t>,
+                                                        cutlass::epilogue::fusion::Sm90AccFetch>;
+using EpilogueGated = cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+    cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::RowMajor*, 8,
+    cutlass::bfloat16_t, cutlass::layout::RowMajor*, 8, PYKERNELS_SM90_EPILOGUE_SCHEDULE, GatedActTree>::CollectiveOp;
 
 // One CUTLASS grouped GEMM: bf16 A and B in the given layouts, row-major D by Epilogue; with
 // kExtended, the extra-K mainloop over a second operand pair (its two more TMA descriptors carved
-// out of shared memory before the stages are counted).
-template <class LayoutA, class LayoutB, class EpilogueT, bool kExtended = false>
+// out of shared memory before the stages are counted); with kGatedB, that mainloop reading B paired
+// (EpilogueGated's GEMM).
+template <class LayoutA, class LayoutB, class EpilogueT, bool kExtended = false, bool kGatedB = false>
 struct GroupedGemm {
+  static_assert(!kGatedB || kExtended, "the gated GEMM runs on the extra-K mainloop");
   using Element = ElementAB;
   using Epilogue = EpilogueT;
   using ElementD = typename Epilogue::ElementD;
   static constexpr bool kExtraK = kExtended;
+  static constexpr bool kGated = kGatedB;
   static constexpr int kCarveout = static_cast<int>(sizeof(typename EpilogueT::SharedStorage)) +
                                    (kExtended ? 2 * static_cast<int>(sizeof(cute::TmaDescriptor)) : 0);
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
@@ -86,7 +101,7 @@ struct GroupedGemm {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, 8, Element, LayoutB*, 8, float,
       TileShape, ClusterShape, cutlass::gemm::collective::StageCountAutoCarveout<kCarveout>,
       PYKERNELS_SM90_KERNEL_SCHEDULE>::CollectiveOp;
-  using Mainloop = cute::conditional_t<kExtended, ExtendedKArrayMainloop<BaseMainloop>, BaseMainloop>;
+  using Mainloop = cute::conditional_t<kExtended, ExtendedKArrayMainloop<BaseMainloop, kGatedB>, BaseMainloop>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;
@@ -202,11 +217,17 @@ typename G::Gemm::Arguments arguments(const GroupedGemmSm90Params& p, const Grou
     args.mainloop.k1 = static_cast<int>(p.k);
     args.mainloop.k2 = static_cast<int>(p.k2);
   }
-  auto& fusion = args.epilogue.thread;
-  fusion.alpha = p.alpha;
-  fusion.beta = p.beta;
-  args.epilogue.ptr_C = p.c != nullptr ? arrays.c : nullptr;  // no C: the epilogue loads no source
-  args.epilogue.dC = arrays.stride_d;
+  if constexpr (G::kGated) {
+    args.mainloop.paired_inner = p.n / 2;
+    args.mainloop.paired_ldb = p.ldb;
+    args.epilogue.thread.op_1 = {p.act_out, p.expert_offsets, p.experts, p.slots, p.n / 2, p.act_spec};
+  } else {
+    auto& fusion = args.epilogue.thread;
+    fusion.alpha = p.alpha;
+    fusion.beta = p.beta;
+    args.epilogue.ptr_C = p.c != nullptr ? arrays.c : nullptr;  // no C: the epilogue loads no source
+    args.epilogue.dC = arrays.stride_d;
+  }
   args.epilogue.ptr_D = arrays.d;
   args.epilogue.dD = arrays.stride_d;
   args.hw_info = hw;
@@ -216,15 +237,26 @@ typename G::Gemm::Arguments arguments(const GroupedGemmSm90Params& p, const Grou
   return args;
 }
 
+// The gated GEMM without extra K runs its mainloop with an empty second pair (K2 = 0) whose
+// descriptors, never loaded, point at the first pair.
+GroupedGemmSm90Params with_empty_second_pair(const GroupedGemmSm90Params& p) {
+  if (p.act_out == nullptr || p.a2 != nullptr) return p;
+  GroupedGemmSm90Params q = p;
+  q.a2 = p.a, q.lda2 = p.lda, q.b2 = p.b, q.ldb2 = p.ldb, q.b2_expert_stride = p.b_expert_stride, q.k2 = 0;
+  return q;
+}
+
 template <class G>
-int64_t workspace_bytes(const GroupedGemmSm90Params& p, int device) {
+int64_t workspace_bytes(const GroupedGemmSm90Params& params, int device) {
+  const GroupedGemmSm90Params p = with_empty_second_pair(params);
   int64_t arrays_bytes = 0;
   const GroupArrays<G> arrays = carve<G>(nullptr, p.experts, &arrays_bytes);
   return arrays_bytes + aligned(int64_t(G::Gemm::get_workspace_size(arguments<G>(p, arrays, device))));
 }
 
 template <class G>
-const char* run(const GroupedGemmSm90Params& p, void* workspace, int device, cudaStream_t stream) {
+const char* run(const GroupedGemmSm90Params& params, void* workspace, int device, cudaStream_t stream) {
+  const GroupedGemmSm90Params p = with_empty_second_pair(params);
   const GroupArrays<G> arrays = carve<G>(workspace, p.experts);
   const int blocks = static_cast<int>((p.experts + kSetupThreads - 1) / kSetupThreads);
   group_setup_kernel<G><<<blocks, kSetupThreads, 0, stream>>>(p, arrays);
@@ -245,9 +277,10 @@ auto with_layouts(Sm90GemmKind kind, F&& f) {
 }
 
 // f(GroupedGemm<...>{}) for the kernel of p's kind and output type (extra K: the two kinds it has,
-// bf16 D; grouped_gemm_sm90_error has checked that).
+// bf16 D; gated: kRowsKMajorB, bf16 D; grouped_gemm_sm90_error has checked that).
 template <class F>
 auto with_kernel(const GroupedGemmSm90Params& p, F&& f) {
+  if (p.act_out != nullptr) return f(GroupedGemm<RowMajor, ColumnMajor, EpilogueGated, true, true>{});
   if (p.a2 != nullptr) {
     return p.kind == Sm90GemmKind::kRowsKMajorB ? f(GroupedGemm<RowMajor, ColumnMajor, EpilogueBf16, true>{})
                                                 : f(GroupedGemm<RowMajor, RowMajor, EpilogueBf16, true>{});

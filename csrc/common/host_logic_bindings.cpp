@@ -16,6 +16,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "common/gemm_groups.h"
@@ -130,6 +131,45 @@ py::object gemm_sm90_extra_k_error(const std::string& kind, int64_t n, int64_t k
   g.b2 = fake_address(4, false), g.ldb2 = ldb2, g.b2_expert_stride = b2_expert_stride;
   const char* error = gemm::grouped_gemm_sm90_error(g);
   return error ? py::object(py::str(error)) : py::object(py::none());
+}
+
+// The check on the gated gate_up GEMM (grouped_gemm_sm90.h, common/paired_rows.h): a grouped rows
+// GEMM of n = 2I columns on `tile`, with or without extra K.
+py::object gemm_sm90_gated_error(const std::string& kind, int64_t n, int64_t k, const std::string& tile,
+                                 const std::string& d_dtype, bool accumulate, int64_t k2) {
+  static const int64_t offsets[2] = {0, 0};
+  gemm::GroupedGemmSm90Params g{};
+  g.kind = kind == "rows_n_major_b" ? gemm::Sm90GemmKind::kRowsNMajorB : gemm::Sm90GemmKind::kRowsKMajorB;
+  g.slots = 64, g.experts = 1, g.expert_offsets = offsets, g.n = n, g.k = k;
+  g.a = fake_address(0, false), g.lda = k, g.b = fake_address(1, false), g.ldb = k, g.b_expert_stride = n * k;
+  g.d = const_cast<void*>(fake_address(2, false)), g.ldd = n, g.d_dtype = dtype_named(d_dtype), g.alpha = 1.0f;
+  g.c = accumulate ? g.d : nullptr, g.beta = accumulate ? 1.0f : 0.0f;
+  if (const char* error = gemm::sm90_tile_for(tile.c_str(), 64, n, &g.tile)) return py::str(error);
+  if (k2 > 0) g.a2 = fake_address(3, false), g.lda2 = k2, g.k2 = k2, g.b2 = fake_address(4, false), g.ldb2 = k2;
+  g.b2_expert_stride = n * k2;
+  g.act_out = const_cast<void*>(fake_address(5, false));
+  const char* error = gemm::grouped_gemm_sm90_error(g);
+  return error ? py::object(py::str(error)) : py::object(py::none());
+}
+
+// common/paired_rows.h on one tile: for each of its cluster_m parts, the box at (n_tile, part) read
+// through the descriptor's geometry, element by element: (the tile's row it lands in, the weight's row
+// it reads), as the TMA unit would place and fetch them.
+std::vector<std::pair<int64_t, int64_t>> gemm_paired_rows_tile(int64_t inner, int64_t k, int64_t ldb,
+                                                               int64_t block_n, int64_t cluster_m, int64_t n_tile) {
+  std::vector<std::pair<int64_t, int64_t>> rows;
+  const gemm::PairedRowsBox box = gemm::paired_rows_box(inner, k, ldb, 2, block_n, 64, cluster_m);
+  for (int64_t part = 0; part < cluster_m; ++part) {
+    const int64_t j0 = gemm::paired_rows_j0(n_tile, part, block_n, cluster_m);
+    const int64_t first = gemm::paired_rows_first_tile_row(part, block_n, cluster_m);
+    for (uint32_t jj = 0; jj < box.box[2]; ++jj) {
+      for (uint32_t h = 0; h < box.box[1]; ++h) {  // dims fastest first: (k, half, j), smem rows h + 2 jj
+        const uint64_t bytes = h * box.strides[0] + (uint64_t(j0) + jj) * box.strides[1];
+        rows.emplace_back(first + h + 2 * int64_t(jj), int64_t(bytes / box.strides[1]));  // in rows of ldb
+      }
+    }
+  }
+  return rows;
 }
 
 // common/gemm_groups.h: (a2_offset, b2_offset, k) of each group of a rows GEMM with extra K.
@@ -670,6 +710,18 @@ void define_host_logic(py::module_& m) {
   m.def("gemm_sm90_dense", &gemm_sm90_dense, py::arg("m"), py::arg("n"), py::arg("k"), py::arg("lda"),
         py::arg("ldb"), py::arg("ldd"), py::arg("a_transposed"), py::arg("b_transposed"), py::arg("ab_dtype"),
         py::arg("d_dtype"), py::arg("accumulate"), py::arg("misaligned") = false);
+  m.def("gemm_sm90_gated_error", &gemm_sm90_gated_error, py::arg("kind"), py::arg("n"), py::arg("k"), py::arg("tile"),
+        py::arg("d_dtype") = "bf16", py::arg("accumulate") = false, py::arg("k2") = 0);
+  m.def("gemm_paired_rows_tile", &gemm_paired_rows_tile, py::arg("inner"), py::arg("k"), py::arg("ldb"),
+        py::arg("block_n"), py::arg("cluster_m"), py::arg("n_tile"));
+  m.def("gemm_paired_weight_row", &gemm::paired_weight_row, py::arg("n"), py::arg("inner"));
+  m.def(
+      "gemm_paired_rows_error",
+      [](int64_t n, int64_t k, int64_t ldb, int64_t block_n, int64_t cluster_m) -> py::object {
+        const char* error = gemm::paired_rows_error(n, k, ldb, 2, block_n, 64, cluster_m);
+        return error ? py::object(py::str(error)) : py::object(py::none());
+      },
+      py::arg("n"), py::arg("k"), py::arg("ldb"), py::arg("block_n"), py::arg("cluster_m"));
   m.def("gemm_sm90_error", &gemm_sm90_error, py::arg("kind"), py::arg("grouped"), py::arg("experts"),
         py::arg("slots"), py::arg("m"), py::arg("n"), py::arg("k"), py::arg("lda"), py::arg("ldb"),
         py::arg("b_expert_stride"), py::arg("ldd"), py::arg("d_expert_stride"), py::arg("d_dtype"),

@@ -33,6 +33,11 @@ inline const char* sm90_tile_name(Sm90Tile tile) {
   }
 }
 
+// A tile's CTA columns and the CTAs along M of its cluster (which share each B tile by multicast).
+inline int64_t sm90_tile_columns(Sm90Tile tile) { return tile == Sm90Tile::k128x256 ? 256 : 128; }
+inline int64_t sm90_tile_cluster_m(Sm90Tile tile) { return tile == Sm90Tile::k128x256 ? 2 : 1; }
+inline constexpr int64_t kSm90TileK = 64;  // every tile's k extent
+
 inline constexpr int64_t kSm90SmallGroupRows = 64;     // at most this many mean rows: 128x128
 inline constexpr int64_t kSm90NarrowColumns = 128;     // at most this many columns: 128x128
 

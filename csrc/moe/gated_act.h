@@ -109,7 +109,8 @@ PYKERNELS_HOST_DEVICE inline int64_t up_column(int64_t j, int64_t inner, bool in
 }
 
 // The CUDA launcher (moe_routing.cu): forward when grad_inner is null (inner = act(gate) * up),
-// else the backward (grad_gate_up [rows, 2 inner] from grad_inner [rows, inner]). All contiguous.
+// else the backward (grad_gate_up [rows, 2 inner] from grad_inner [rows, inner], in gate_up's layout
+// or, with grad_interleaved != interleaved, in the other). All contiguous.
 struct GatedActParams {
   DType dtype;  // of every tensor
   GatedActSpec spec;
@@ -118,6 +119,7 @@ struct GatedActParams {
   const void* gate_up;     // [rows, 2 inner]
   const void* grad_inner;  // backward: [rows, inner]
   void* out;               // forward: inner [rows, inner]; backward: grad_gate_up [rows, 2 inner]
+  bool grad_interleaved;   // backward: grad_gate_up's layout
 };
 const char* launch_gated_act(const GatedActParams& p, cudaStream_t stream);
 

@@ -7,6 +7,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <optional>
+
 #include "common/cpu_isa.h"
 #include "moe/gated_act.h"
 #include "moe/gated_act_cpu_kernels.h"
@@ -59,12 +61,13 @@ at::Tensor gated_act_cpu(const at::Tensor& gate_up, int64_t act, bool interleave
 }
 
 at::Tensor gated_act_backward_cpu(const at::Tensor& grad_inner, const at::Tensor& gate_up, int64_t act,
-                                  bool interleaved, double alpha, double limit) {
+                                  bool interleaved, double alpha, double limit, std::optional<bool> grad_interleaved) {
   const int64_t inner = check_gated_act(gate_up, act, kGatedActCount), rows = gate_up.size(0);
   check_gated_act_grad(grad_inner, gate_up);
   const GatedActSpec spec = spec_of(act, alpha, limit);
+  const bool out_interleaved = grad_interleaved.value_or(interleaved);
   at::Tensor grad_gate_up = at::empty_like(gate_up);
-  if (avx512_silu(gate_up, act, interleaved)) {
+  if (out_interleaved == interleaved && avx512_silu(gate_up, act, interleaved)) {
     at::parallel_for(0, rows, grain_rows(inner), [&](int64_t begin, int64_t end) {
       cpu::silu_gated_backward_bf16(bf16_bits(gate_up), bf16_bits(grad_inner), begin, end, inner,
                                     bf16_bits(grad_gate_up));
@@ -83,8 +86,8 @@ at::Tensor gated_act_backward_cpu(const at::Tensor& grad_inner, const at::Tensor
           const int64_t g = gate_column(j, inner, interleaved), u = up_column(j, inner, interleaved);
           const GatedActGrad d = gated_act_grad(spec, static_cast<float>(row[g]), static_cast<float>(row[u]),
                                                 static_cast<float>(dy[r * inner + j]));
-          grad_row[g] = static_cast<scalar_t>(d.gate);
-          grad_row[u] = static_cast<scalar_t>(d.up);
+          grad_row[gate_column(j, inner, out_interleaved)] = static_cast<scalar_t>(d.gate);
+          grad_row[up_column(j, inner, out_interleaved)] = static_cast<scalar_t>(d.up);
         }
       }
     });

@@ -4,6 +4,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <optional>
+
 #include "moe/gated_act.h"
 #include "moe/moe_torch_checks.h"
 
@@ -11,7 +13,7 @@ namespace pykernels::moe {
 namespace {
 
 at::Tensor run(const at::Tensor& gate_up, const at::Tensor* grad_inner, int64_t act, bool interleaved, double alpha,
-               double limit) {
+               double limit, bool grad_interleaved) {
   const int64_t inner = check_gated_act(gate_up, act, kGatedActCount);
   if (grad_inner != nullptr) check_gated_act_grad(*grad_inner, gate_up);
   const c10::cuda::CUDAGuard guard(gate_up.device());
@@ -24,19 +26,20 @@ at::Tensor run(const at::Tensor& gate_up, const at::Tensor* grad_inner, int64_t 
                          inner,
                          gate_up.data_ptr(),
                          grad_inner != nullptr ? grad_inner->data_ptr() : nullptr,
-                         out.data_ptr()};
+                         out.data_ptr(),
+                         grad_interleaved};
   const char* error = launch_gated_act(p, c10::cuda::getCurrentCUDAStream(gate_up.device().index()).stream());
   TORCH_CHECK(error == nullptr, error);
   return out;
 }
 
 at::Tensor gated_act_cuda(const at::Tensor& gate_up, int64_t act, bool interleaved, double alpha, double limit) {
-  return run(gate_up, nullptr, act, interleaved, alpha, limit);
+  return run(gate_up, nullptr, act, interleaved, alpha, limit, interleaved);
 }
 
 at::Tensor gated_act_backward_cuda(const at::Tensor& grad_inner, const at::Tensor& gate_up, int64_t act,
-                                   bool interleaved, double alpha, double limit) {
-  return run(gate_up, &grad_inner, act, interleaved, alpha, limit);
+                                   bool interleaved, double alpha, double limit, std::optional<bool> grad_interleaved) {
+  return run(gate_up, &grad_inner, act, interleaved, alpha, limit, grad_interleaved.value_or(interleaved));
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 //
 // moe_grouped_linear: gradients to x, weight, gates and the LoRA factors, each computed only when
 // its input needs one; none for the routing tensors. moe_gated_act: gradient to gate_up.
+// moe_gate_up_act: gradients to x, weight and the LoRA factors through both.
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -45,8 +46,16 @@ const auto& gated_act_op() {
 }
 
 const auto& gated_act_backward_op() {
-  static const auto op = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, bool, double, double)>(
-      "pykernels::moe_gated_act_backward");
+  static const auto op =
+      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, bool, double, double, std::optional<bool>)>(
+          "pykernels::moe_gated_act_backward");
+  return op;
+}
+
+const auto& gate_up_act_op() {
+  static const auto op = find_op<std::tuple<at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool,
+      const OptionalTensor&, const OptionalTensor&, double, int64_t, double, double)>("pykernels::moe_gate_up_act");
   return op;
 }
 
@@ -111,8 +120,57 @@ struct GatedAct : public torch::autograd::Function<GatedAct> {
     const at::Tensor grad = gated_act_backward_op().call(
         grad_outputs[0].contiguous(), ctx->get_saved_variables()[0], ctx->saved_data["act"].toInt(),
         ctx->saved_data["interleaved"].toBool(), ctx->saved_data["alpha"].toDouble(),
-        ctx->saved_data["limit"].toDouble());
+        ctx->saved_data["limit"].toDouble(), std::nullopt);
     return {grad, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// moe_gate_up_act (moe/gate_up_act.h): the activation's gradient pass reads the paired pre-activation
+// and writes its gradient in the weight's layout (gate rows, then up rows), which the gate_up
+// projection's backward then takes as moe_grouped_linear's grad_y (grouped_out: slot order).
+struct GateUpAct : public torch::autograd::Function<GateUpAct> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                               const at::Tensor& sorted_expert_idx, const at::Tensor& sorted_token_idx,
+                               const at::Tensor& expert_offsets, int64_t top_k, bool grouped_in,
+                               const OptionalTensor& lora_a, const OptionalTensor& lora_b, double lora_scaling,
+                               int64_t act, double alpha, double limit) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [inner, gate_up] = gate_up_act_op().call(x, weight, sorted_expert_idx, sorted_token_idx, expert_offsets,
+                                                  top_k, grouped_in, lora_a, lora_b, lora_scaling, act, alpha, limit);
+    ctx->save_for_backward({x, weight, sorted_expert_idx, sorted_token_idx, expert_offsets,
+                            lora_a.value_or(at::Tensor()), lora_b.value_or(at::Tensor()), gate_up});
+    ctx->saved_data["top_k"] = top_k;
+    ctx->saved_data["grouped_in"] = grouped_in;
+    ctx->saved_data["lora_scaling"] = lora_scaling;
+    ctx->saved_data["act"] = act;
+    ctx->saved_data["alpha"] = alpha;
+    ctx->saved_data["limit"] = limit;
+    OptionalEdges edges(5);  // edges: x, weight, the three routing tensors, then these
+    ctx->saved_data["lora_a_edge"] = edges.add(lora_a);
+    ctx->saved_data["lora_b_edge"] = edges.add(lora_b);
+    ctx->mark_non_differentiable({gate_up});  // an output for the backward's sake, not a result
+    return {inner, gate_up};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    variable_list out(13);  // one per forward argument, in order
+    if (!grad_outputs[0].defined()) return out;
+    const variable_list s = ctx->get_saved_variables();
+    const bool need_x = ctx->needs_input_grad(0), need_weight = ctx->needs_input_grad(1);
+    const bool need_a = needs_grad(ctx, ctx->saved_data["lora_a_edge"].toInt());
+    const bool need_b = needs_grad(ctx, ctx->saved_data["lora_b_edge"].toInt());
+    const at::Tensor grad_gate_up = gated_act_backward_op().call(
+        grad_outputs[0].contiguous(), s[7], ctx->saved_data["act"].toInt(), /*interleaved=*/true,
+        ctx->saved_data["alpha"].toDouble(), ctx->saved_data["limit"].toDouble(), /*grad_interleaved=*/false);
+    auto [grad_x, grad_weight, grad_gates, grad_a, grad_b] = grouped_linear_backward_op().call(
+        grad_gate_up, s[0], s[1], s[2], s[3], s[4], ctx->saved_data["top_k"].toInt(),
+        ctx->saved_data["grouped_in"].toBool(), /*grouped_out=*/true, std::nullopt, present(s[5]), present(s[6]),
+        ctx->saved_data["lora_scaling"].toDouble(), need_x, need_weight, false, need_a || need_b);
+    if (need_x) out[0] = grad_x;
+    if (need_weight) out[1] = grad_weight;
+    if (need_a) out[7] = grad_a;
+    if (need_b) out[8] = grad_b;
+    return out;
   }
 };
 
@@ -128,11 +186,24 @@ at::Tensor gated_act_autograd(const at::Tensor& gate_up, int64_t act, bool inter
   return GatedAct::apply(gate_up, act, interleaved, alpha, limit);
 }
 
+std::tuple<at::Tensor, at::Tensor> gate_up_act_autograd(const at::Tensor& x, const at::Tensor& weight,
+                                                        const at::Tensor& sorted_expert_idx,
+                                                        const at::Tensor& sorted_token_idx,
+                                                        const at::Tensor& expert_offsets, int64_t top_k,
+                                                        bool grouped_in, const OptionalTensor& lora_a,
+                                                        const OptionalTensor& lora_b, double lora_scaling, int64_t act,
+                                                        double alpha, double limit) {
+  const variable_list out = GateUpAct::apply(x, weight, sorted_expert_idx, sorted_token_idx, expert_offsets, top_k,
+                                             grouped_in, lora_a, lora_b, lora_scaling, act, alpha, limit);
+  return {out[0], out[1]};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(pykernels, Autograd, m) {
   m.impl("moe_grouped_linear", &grouped_linear_autograd);
   m.impl("moe_gated_act", &gated_act_autograd);
+  m.impl("moe_gate_up_act", &gate_up_act_autograd);
 }
 
 }  // namespace pykernels::moe

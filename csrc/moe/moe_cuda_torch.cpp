@@ -37,9 +37,12 @@
 #include <cstdlib>
 #include <initializer_list>
 #include <optional>
+#include <tuple>
 
 #include "common/gemm_sm90_torch.h"
 #include "common/tails.h"
+#include "moe/gate_up_act.h"
+#include "moe/gated_act.h"
 #include "moe/moe.h"
 #include "moe/moe_torch_checks.h"
 
@@ -534,10 +537,82 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> grouped_l
   return {grad_x, grad_weight, grad_gates, grad_a, grad_b};
 }
 
+// The gated gate_up GEMM on the sm_90a core (common/paired_rows.h): one GEMM writes the paired
+// pre-activation and act(gate) * up (moe/gate_up_act.h); the experts' LoRA rides as extra K, B_e's
+// rows paired like the weight's. Nothing when the problem cannot take it: the caller composes.
+std::optional<std::tuple<at::Tensor, at::Tensor>> gate_up_act_sm90(const Problem& p, const GatedActSpec& spec) {
+  const Sizes& z = p.size;
+  if (p.weight_n_major || !use_sm90(p, {p.x, p.weight, p.lora_a, p.lora_b}) || (p.lora() && !lora_as_extra_k()))
+    return std::nullopt;
+  GroupedGemmSm90Params g = sm90_gemm(p, Sm90GemmKind::kRowsKMajorB);
+  g.n = z.out;
+  g.k = z.in;
+  g.ldb = z.in;
+  g.b_expert_stride = z.out * z.in;
+  // The rule's tile, or 128x128 where the rule's holds no whole pairs of halves (n / 2 not a multiple of 128).
+  auto fits = [&](gemm::Sm90Tile tile) {
+    return gemm::paired_rows_error(z.out, z.in, z.in, 2, gemm::sm90_tile_columns(tile), gemm::kSm90TileK,
+                                   gemm::sm90_tile_cluster_m(tile)) == nullptr;
+  };
+  g.tile = gemm::sm90_tile_of(g);
+  if (!fits(g.tile)) g.tile = gemm::Sm90Tile::k128x128;
+  if (!fits(g.tile)) return std::nullopt;
+  const at::Tensor xs = in_slot_order(p, p.x, p.grouped_in ? at::Tensor() : p.token_of_slot);
+  at::Tensor rows = at::empty({z.slots, z.out}, p.x.options());
+  at::Tensor inner = at::empty({z.slots, z.out / 2}, p.x.options());
+  at::Tensor u, b;
+  if (p.lora()) {
+    const int64_t r8 = p.padded_rank();
+    u = lora_u(p);
+    b = lora_b_by_expert(p).view({z.experts, 2, z.out / 2, r8}).transpose(1, 2).reshape({z.experts, z.out, r8});
+    g.a2 = u.data_ptr();
+    g.lda2 = r8;
+    g.k2 = r8;
+    g.b2 = b.data_ptr();
+    g.ldb2 = r8;
+    g.b2_expert_stride = z.out * r8;
+  }
+  g.a = xs.data_ptr();
+  g.lda = z.in;
+  g.b = p.weight.data_ptr();
+  g.d = rows.data_ptr();
+  g.ldd = z.out;
+  g.act_out = inner.data_ptr();
+  g.act_spec = spec;
+  gemm::run_grouped_gemm_sm90(g, static_cast<int>(p.x.get_device()), p.stream, /*keep_tile=*/true);
+  zero_dropped_rows(p, rows);
+  zero_dropped_rows(p, inner);
+  return std::make_tuple(inner, rows);
+}
+
+std::tuple<at::Tensor, at::Tensor> gate_up_act_cuda(const at::Tensor& x, const at::Tensor& weight,
+                                                    const at::Tensor& sorted_expert_idx,
+                                                    const at::Tensor& sorted_token_idx,
+                                                    const at::Tensor& expert_offsets, int64_t top_k, bool grouped_in,
+                                                    const std::optional<at::Tensor>& lora_a,
+                                                    const std::optional<at::Tensor>& lora_b, double lora_scaling,
+                                                    int64_t act, double alpha, double limit) {
+  check_gate_up_weight(weight);
+  TORCH_CHECK_VALUE(act >= 0 && act < kGatedActCount, "moe_gate_up_act: act must be in [0, ", kGatedActCount,
+                    "), got ", act);
+  const Sizes sizes = check_grouped_linear(x, weight, sorted_expert_idx, sorted_token_idx, expert_offsets, top_k,
+                                           grouped_in, std::nullopt, lora_a, lora_b);
+  {
+    const c10::cuda::CUDAGuard guard(x.device());
+    const Problem p = make_problem(sizes, x, weight, sorted_token_idx, expert_offsets, grouped_in,
+                                   /*grouped_out=*/true, std::nullopt, lora_a, lora_b, lora_scaling);
+    const GatedActSpec spec{static_cast<GatedAct>(act), static_cast<float>(alpha), static_cast<float>(limit)};
+    if (auto fused = gate_up_act_sm90(p, spec)) return *fused;
+  }
+  return gate_up_act_composed(x, weight, sorted_expert_idx, sorted_token_idx, expert_offsets, top_k, grouped_in,
+                              lora_a, lora_b, lora_scaling, act, alpha, limit);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(pykernels, CUDA, m) {
   m.impl("moe_sort_tokens", &sort_tokens_cuda);
+  m.impl("moe_gate_up_act", &gate_up_act_cuda);
   m.impl("moe_grouped_linear", &grouped_linear_cuda);
   m.impl("moe_grouped_linear_backward", &grouped_linear_backward_cuda);
 }

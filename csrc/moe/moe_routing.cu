@@ -182,8 +182,9 @@ __global__ void __launch_bounds__(kThreads) scale_rows_kernel(const ScaleRowsPar
 // The gated activation (gated_act.h), forward when p.grad_inner is null. Each work item: kV
 // consecutive columns j of one row of inner (kV = 16 bytes of elements where the launcher found
 // everything aligned: 16-byte loads of gate, up and grad_inner, 16-byte stores). Interleaved rows
-// hold (gate, up) pairs: the item's 2 kV gate_up elements are contiguous, read as two packs.
-template <typename T, int kV, bool kInterleaved>
+// hold (gate, up) pairs: the item's 2 kV gate_up elements are contiguous, read as two packs. The
+// backward writes grad_gate_up interleaved or not by kGradInterleaved (gate_up's layout unless asked).
+template <typename T, int kV, bool kInterleaved, bool kGradInterleaved = kInterleaved>
 __global__ void __launch_bounds__(kThreads) gated_act_kernel(const GatedActParams p) {
   const T* gate_up = static_cast<const T*>(p.gate_up);
   const int64_t packs = p.inner / kV;
@@ -220,7 +221,7 @@ __global__ void __launch_bounds__(kThreads) gated_act_kernel(const GatedActParam
       d_gate[k] = d.gate, d_up[k] = d.up;
     }
     T* out = static_cast<T*>(p.out) + r * 2 * p.inner;
-    if constexpr (kInterleaved) {
+    if constexpr (kGradInterleaved) {
       float pairs[2][kV];
 #pragma unroll
       for (int k = 0; k < kV; ++k) {
@@ -360,7 +361,17 @@ const char* launch_gated_act(const GatedActParams& p, cudaStream_t stream) {
                         packs_of_16_bytes<T>(p.out, out_cols, out_cols) &&
                         (p.grad_inner == nullptr || packs_of_16_bytes<T>(p.grad_inner, p.inner, p.inner));
     const int blocks = grid_for(p.rows * p.inner / (packed ? kV : 1), kThreads);
-    if (packed && p.interleaved) {
+    if (p.grad_inner != nullptr && p.grad_interleaved != p.interleaved) {  // a backward changing layout
+      if (packed && p.interleaved) {
+        gated_act_kernel<T, kV, true, false><<<blocks, kThreads, 0, stream>>>(p);
+      } else if (packed) {
+        gated_act_kernel<T, kV, false, true><<<blocks, kThreads, 0, stream>>>(p);
+      } else if (p.interleaved) {
+        gated_act_kernel<T, 1, true, false><<<blocks, kThreads, 0, stream>>>(p);
+      } else {
+        gated_act_kernel<T, 1, false, true><<<blocks, kThreads, 0, stream>>>(p);
+      }
+    } else if (packed && p.interleaved) {
       gated_act_kernel<T, kV, true><<<blocks, kThreads, 0, stream>>>(p);
     } else if (packed) {
       gated_act_kernel<T, kV, false><<<blocks, kThreads, 0, stream>>>(p);

@@ -4,6 +4,7 @@ csrc/moe/moe_autograd.cpp, the pure-torch statement in pykernels/reference/moe.p
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -56,8 +57,17 @@ def _gated_act_fake(gate_up, act, interleaved, alpha, limit):
 
 
 @torch.library.register_fake("pykernels::moe_gated_act_backward")
-def _gated_act_backward_fake(grad_inner, gate_up, act, interleaved, alpha, limit):
+def _gated_act_backward_fake(grad_inner, gate_up, act, interleaved, alpha, limit, grad_interleaved=None):
+    del grad_interleaved  # either layout has gate_up's shape
     return torch.empty_like(gate_up)
+
+
+@torch.library.register_fake("pykernels::moe_gate_up_act")
+def _gate_up_act_fake(x, weight, sorted_expert_idx, sorted_token_idx, expert_offsets, top_k, grouped_in, lora_a,
+                      lora_b, lora_scaling, act, alpha, limit):
+    torch._check(weight.shape[2] == x.shape[1], lambda: "weight's in_features must match x")
+    slots, gate_up = sorted_token_idx.shape[0], weight.shape[1]
+    return x.new_empty((slots, gate_up // 2)), x.new_empty((slots, gate_up))
 
 
 # ---------------------------------------------------------------- public functions
@@ -107,11 +117,32 @@ def gated_activation(gate_up: torch.Tensor, act: Activation = "silu", interleave
                          f"{tuple(gate_up.shape) if isinstance(gate_up, torch.Tensor) else type(gate_up).__name__}")
     if _reference_for(gate_up):
         return moe_types.gated_activation(gate_up, act, interleaved)
+    code, alpha, limit = _act_arguments(act)
+    return ops.moe_gated_act(gate_up.contiguous(), code, bool(interleaved), alpha, limit)
+
+
+def _act_arguments(act: Activation) -> tuple[int, float, float]:
+    """The ops' (act, alpha, limit) arguments for a checked activation."""
     if act == "clamped_swiglu":
         act = ClampedSwiGLU()
-    code, alpha, limit = ((_CLAMPED_SWIGLU_CODE, act.alpha, act.limit) if isinstance(act, ClampedSwiGLU)
-                          else (_GATED_ACT_CODES[act], 0.0, 0.0))
-    return ops.moe_gated_act(gate_up.contiguous(), code, bool(interleaved), float(alpha), float(limit))
+    if isinstance(act, ClampedSwiGLU):
+        return _CLAMPED_SWIGLU_CODE, float(act.alpha), float(act.limit)
+    return _GATED_ACT_CODES[act], 0.0, 0.0
+
+
+_MOE_ACT_KNOB = "PYKERNELS_SM90_MOE_ACT"
+
+
+def _act_in_gate_up_epilogue(hidden: torch.Tensor) -> bool:
+    """PYKERNELS_SM90_MOE_ACT (read on every call): `separate` (the default, also when unset) runs the
+    experts' gated activation as its own pass after the gate_up GEMM; `epilogue` runs both as one op,
+    moe_gate_up_act, whose Hopper kernel computes act(gate) * up in the GEMM's epilogue
+    (csrc/common/paired_rows.h; elsewhere the op composes the two kernels). On CUDA tensors only.
+    `separate` stays the default until a GPU has timed both (benchmarks/tile_sweep.py, op moe_act)."""
+    setting = os.environ.get(_MOE_ACT_KNOB) or "separate"
+    if setting not in ("separate", "epilogue"):
+        raise ValueError(f"{_MOE_ACT_KNOB} must be separate (the default) or epilogue, got {setting!r}")
+    return setting == "epilogue" and hidden.is_cuda
 
 
 def _top_k(x, sorted_token_idx, grouped_in, gates) -> int:
@@ -206,14 +237,26 @@ def experts_forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weigh
                                            sorted_token_idx=routing[1], expert_offsets=routing[2])
         down_linear = functools.partial(grouped_linear, weight=down_proj, sorted_expert_idx=routing[0],
                                         sorted_token_idx=routing[1], expert_offsets=routing[2])
-    gate_up = gate_up_linear(hidden, grouped_out=True, lora=lora.get("gate_up_proj"))
-    if gate_up_bias is not None:
-        gate_up = gate_up + _bias_of_slots(gate_up_bias, routing[0])
-    inner = gated_activation(gate_up, act, interleaved)
+    if not nf4 and gate_up_bias is None and not interleaved and _act_in_gate_up_epilogue(hidden):
+        inner = _gate_up_act(hidden, gate_up_proj, routing, lora.get("gate_up_proj"), act)
+    else:
+        gate_up = gate_up_linear(hidden, grouped_out=True, lora=lora.get("gate_up_proj"))
+        if gate_up_bias is not None:
+            gate_up = gate_up + _bias_of_slots(gate_up_bias, routing[0])
+        inner = gated_activation(gate_up, act, interleaved)
     out = down_linear(inner, grouped_in=True, gates=top_k_weights, lora=lora.get("down_proj"))
     if down_bias is None:
         return out
     return (out.float() + _weighted_bias(down_bias, top_k_index, top_k_weights)).to(out.dtype)
+
+
+def _gate_up_act(hidden, gate_up_proj, routing, lora: LoRAFactors | None, act: Activation) -> torch.Tensor:
+    """inner [T*k, I] in slot order: the gate_up projection and the activation as one op (moe_gate_up_act)."""
+    top_k = _top_k(hidden, routing[1], False, None)
+    lora_a, lora_b, scaling = (lora.a, lora.b, float(lora.scaling)) if lora is not None else (None, None, 1.0)
+    code, alpha, limit = _act_arguments(act)
+    return ops.moe_gate_up_act(hidden, gate_up_proj, *routing, top_k, False, lora_a, lora_b, scaling, code, alpha,
+                               limit)[0]
 
 
 def _bias_of_slots(bias: torch.Tensor, sorted_expert_idx: torch.Tensor) -> torch.Tensor:

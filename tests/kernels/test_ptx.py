@@ -126,13 +126,14 @@ def test_hopper_gemm_core_is_wgmma_fed_by_tma(tmp_path, tile):
     """The sm_90a GEMM core (common/grouped_gemm_sm90.cu dispatching to a file per tile) runs the MoE
     expert GEMMs (bf16 out: forward, grad_x, weight gradient; with LoRA on the experts, the two
     extra-K kernels), the LoRA GEMMs (bf16 out; the forward, Hopper's default PYKERNELS_SM90_LORA,
-    on the extra-K kernel) and the logprobs GEMMs (fp32 out: dh, dW). Each
-    tile's eight kernels must issue bf16 wgmma of the tile's
+    on the extra-K kernel), the logprobs GEMMs (fp32 out: dh, dW) and the experts' gated gate_up GEMM
+    (common/paired_rows.h, the extra-K mainloop reading B paired). Each
+    tile's nine kernels must issue bf16 wgmma of the tile's
     width from shared memory that TMA fills: a CUTLASS configuration mistake falls back to mma.sync or
     to cp.async loads without a word."""
     kernels = sm90_kernels_ptx(f"common/grouped_gemm_tile_{tile}_sm90.cu", tmp_path)
     gemms = {name: ptx for name, ptx in kernels.items() if "GemmUniversal" in name}
-    assert len(gemms) == 8, list(kernels)
+    assert len(gemms) == 9, list(kernels)
     for name, ptx in gemms.items():
         wgmma = rf"wgmma\.mma_async\.sync\.aligned\.{SM90_CORE_TILES[tile]}\.f32\.bf16\.bf16"
         assert re.search(wgmma, ptx), f"{name}: no bf16 wgmma {SM90_CORE_TILES[tile]}"
@@ -146,9 +147,41 @@ def test_hopper_gemm_core_is_wgmma_fed_by_tma(tmp_path, tile):
     address_swaps = {name: len(re.findall(r"tensormap\.replace\.tile\.global_address", ptx))
                      for name, ptx in gemms.items()}
     extended = [name for name in gemms if "ExtendedKArrayMainloop" in name]
-    assert len(extended) == 2
+    assert len(extended) == 3
+    (gated,) = [name for name in gemms if "Sm90GatedActStore" in name]
+    assert gated in extended
     (plain,) = {address_swaps[name] for name in gemms if name not in extended}
-    assert [address_swaps[name] for name in extended] == [plain + 4] * 2, address_swaps
+    # the gated kernel's epilogue has no C operand: one descriptor fewer than the others' (each swap
+    # appears twice in these kernels' PTX)
+    want = {name: plain + 4 - (2 if name == gated else 0) for name in extended}
+    assert {name: address_swaps[name] for name in extended} == want, address_swaps
+
+
+@pytest.mark.hopper_ptx
+@pytest.mark.parametrize("tile", SM90_CORE_TILES)
+def test_hopper_gated_gemm_reads_the_weight_paired_and_writes_the_activation(tmp_path, tile):
+    """The experts' gated gate_up GEMM (common/paired_rows.h): B comes through a 3-D TMA descriptor,
+    (k, half, j) of the [gate | up] weight, whose dims every group shares (only its address is
+    rewritten per expert, where the other extra-K kernels rewrite B's dims too); its epilogue stores
+    D by TMA and each column pair's act(gate) * up with 2-byte global stores. A 2-D load of B here
+    would be the unpaired weight: gate and up in different tiles, the activation computed from the
+    wrong columns, and no error anywhere. The epilogue traps on a fragment whose two columns are not
+    one (gate, up) pair; the register coordinates are static, so the compiler removes that trap when
+    it proves every pair whole: a trap left in the PTX is a pairing CUTLASS's layouts no longer keep."""
+    kernels = sm90_kernels_ptx(f"common/grouped_gemm_tile_{tile}_sm90.cu", tmp_path)
+    gemms = {name: ptx for name, ptx in kernels.items() if "GemmUniversal" in name}
+    (gated,) = [ptx for name, ptx in gemms.items() if "Sm90GatedActStore" in name]
+    others = [ptx for name, ptx in gemms.items()
+              if "ExtendedKArrayMainloop" in name and "Sm90GatedActStore" not in name]
+    assert re.search(r"cp\.async\.bulk\.tensor\.3d\.shared::cluster\.global", gated), "no 3-D TMA load of B"
+    assert re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", gated), "D not stored by TMA"
+    assert re.search(r"st\.global\.[bu]16", gated), "no 2-byte stores of act(gate) * up"
+    assert "trap;" not in gated, "the compiler could not prove that every fragment holds (gate, up) pairs"
+
+    def dims_rewritten(ptx: str) -> int:
+        return len(re.findall(r"tensormap\.replace\.tile\.global_dim", ptx))
+
+    assert dims_rewritten(gated) < min(map(dims_rewritten, others)), "B's dims rewritten per group"
 
 
 def test_every_hopper_tile_has_its_file_and_ptx_check():
