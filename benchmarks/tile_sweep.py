@@ -30,7 +30,8 @@ weight, fp32 adapters. logprobs: H 4096, V 151936 at N 4096 and 16384, trainable
 (the statistics and dz GEMMs run on the tile; dh and dW on cuBLAS). LoRA forward (no backward:
 issue 20's target is the forward's overhead over the bare base GEMM, <= 5% at r 16, T 8192): 4096 x
 14336 and 4096 x 4096 at T 8192, r 16, fp32 and bf16 adapters, bf16 and NF4 weights, with the bare
-base GEMM (torch's x W^T, the same under every setting) as the first row. QLoRA forward: NF4
+base GEMM (torch's x W^T, the same under every setting) as the first row and the same product on the
+Hopper core alone (the MoE op, one expert) as the second. QLoRA forward: NF4
 (double-quantized, blocksize 64) 4096 x 14336 and 4096 x 4096 at T 1024 and 8192, r 16 fp32
 adapters, after the bare bf16 base GEMM.
 
@@ -140,6 +141,7 @@ def lora_forward_cases(shapes=("4096x14336", "4096x4096"), bases=("bf16", "nf4")
         b = torch.randn(out_features, 16, device="cuda") * 0.01
         flops = 2 * 8192 * in_features * out_features  # the base GEMM's: the LoRA term rides on it
         yield f"base x W^T {shape} T8192 (reference)", lambda x=x, w=dense: torch.nn.functional.linear(x, w), flops
+        yield f"base x W^T {shape} T8192 on the core", core_gemm(x, dense), flops
         for base in bases:
             weight = nf4.quantize(dense, 64, double_quant=True) if base == "nf4" else dense
             for adapters, (a_, b_) in (("fp32", (a, b)), ("bf16", (a.bfloat16(), b.bfloat16()))):
@@ -148,6 +150,22 @@ def lora_forward_cases(shapes=("4096x14336", "4096x4096"), bases=("bf16", "nf4")
                         lora.lora_linear(x, weight, a, b, 2.0)
 
                 yield f"lora forward {shape} T8192 r16 {base} weight, {adapters} adapters", call, flops
+
+
+def core_gemm(x: torch.Tensor, weight: torch.Tensor):
+    """x W^T on the Hopper GEMM core alone (no LoRA term): the MoE op with one expert every token picks,
+    x already in slot order (grouped_in: no gather), so the extended-K LoRA forward's time splits into
+    the core's GEMM against cuBLAS's and what the LoRA term adds."""
+    from pykernels import moe
+
+    routing = moe.sort_tokens(torch.zeros(x.shape[0], 1, dtype=torch.long, device=x.device), 1)
+    experts = weight.unsqueeze(0)
+
+    def call():
+        with torch.no_grad():
+            moe.grouped_linear(x, experts, *routing, grouped_in=True, grouped_out=True)
+
+    return call
 
 
 def qlora_forward_cases():
