@@ -15,8 +15,11 @@ or a thread per store unit; the benchmarks' shapes, in GB/s beside a copy of the
 QLoRA GEMMs' chunks of W (PYKERNELS_NF4_CHUNK_MIB, lora/nf4_chunks.h: grown until a chunk's GEMM fills
 the GPU, or 16 MiB), both ways of running the experts' gated activation (PYKERNELS_SM90_MOE_ACT,
 pykernels/ops/moe.py: its own pass after the gate_up GEMM, or in that GEMM's epilogue,
-common/paired_rows.h; on the MoE cases), and both folds of the logprobs statistics epilogue
-(PYKERNELS_SM90_LOGPROBS_FOLD, logprobs/logprobs_sm90.h: on the running max, or on a lazy reference). All are
+common/paired_rows.h; on the MoE cases), both ways of reading the experts' rows by token
+(PYKERNELS_SM90_MOE_GATHER, moe/moe.h: a gather pass, or the GEMM's producer warp copying them; on the
+MoE cases with the activation in the epilogue, where the gate_up GEMM gathers too), and both folds of
+the logprobs statistics epilogue (PYKERNELS_SM90_LOGPROBS_FOLD, logprobs/logprobs_sm90.h: on the running
+max, or on a lazy reference). All are
 read on every call, so a lent GPU measures them all without rebuilding (~3 minutes of a 15-minute
 lease per build). For choosing the defaults and the core's `auto` rule; the timings that count stay
 the benchmarks' (pytest --benchmark).
@@ -36,7 +39,8 @@ Hopper core alone (the MoE op, one expert) as the second. QLoRA forward: NF4
 adapters, after the bare bf16 base GEMM.
 
     python -m benchmarks.tile_sweep [--ops moe,lora,logprobs,logprobs_fold,lora_forward,lora_grad_x,lora_rank,
-                                           raster,moe_lora,moe_act,qlora_forward,nf4_dequant,nf4_chunks]
+                                           raster,moe_lora,moe_act,moe_gather,qlora_forward,nf4_dequant,
+                                           nf4_chunks]
                                     [--tiles auto,128x128,128x256]
                                     [--logprobs-tiles 256x128,128x128,128x128_pingpong]
                                     [--logprobs-folds running_max,lazy_max]
@@ -44,6 +48,7 @@ adapters, after the bare bf16 base GEMM.
                                     [--lora-grad-xs cublas,extended_k] [--lora-rank-gemms simt,tensor_core]
                                     [--rasters m1,m2,m4,m8,n1,n2,n4,n8]
                                     [--moe-loras extra_k,separate] [--moe-acts separate,epilogue]
+                                    [--moe-gathers pass,mainloop]
                                     [--nf4-forwards dequantize,mainloop] [--nf4-dequants warps,units]
                                     [--nf4-chunks auto,16]
                                     [--rounds 10]
@@ -70,6 +75,7 @@ LORA_RANK_GEMMS = ("tensor_core", "simt")  # the first is the default (lora/lora
 RASTERS = ("m1", "m2", "m4", "m8", "n1", "n2", "n4", "n8")  # the first is the default (common/sm90_tile_order.h)
 MOE_LORAS = ("extra_k", "separate")  # the first is the default (moe/moe.h)
 MOE_ACTS = ("separate", "epilogue")  # the first is the default (pykernels/ops/moe.py)
+MOE_GATHERS = ("pass", "mainloop")  # the first is the default (moe/moe.h)
 NF4_FORWARDS = ("dequantize", "mainloop")  # the first is the default (nf4/nf4_gemm_sm90.h)
 NF4_DEQUANTS = ("warps", "units")  # the first is the default (nf4/nf4.h)
 NF4_CHUNKS = ("auto", "16")  # the first is the default (lora/nf4_chunks.h)
@@ -99,6 +105,17 @@ def moe_cases(loras=(False, True)):
 
 def moe_lora_cases():
     return moe_cases(loras=(True,))
+
+
+def moe_epilogue_act_cases():
+    """The MoE cases with the activation in the gate_up GEMM's epilogue (PYKERNELS_SM90_MOE_ACT=epilogue),
+    whose gated GEMM is one of the two that gather in the mainloop (the other: grad_x of the down
+    projection, in every case)."""
+    os.environ["PYKERNELS_SM90_MOE_ACT"] = "epilogue"
+    try:
+        yield from moe_cases()
+    finally:
+        os.environ.pop("PYKERNELS_SM90_MOE_ACT")
 
 
 def lora_cases():
@@ -235,6 +252,7 @@ CASES = {"moe": (moe_cases, "PYKERNELS_SM90_TILE", "tiles"), "lora": (lora_cases
          "raster": (raster_cases, "PYKERNELS_SM90_RASTER", "rasters"),
          "moe_lora": (moe_lora_cases, "PYKERNELS_SM90_MOE_LORA", "moe_loras"),
          "moe_act": (moe_cases, "PYKERNELS_SM90_MOE_ACT", "moe_acts"),
+         "moe_gather": (moe_epilogue_act_cases, "PYKERNELS_SM90_MOE_GATHER", "moe_gathers"),
          "qlora_forward": (qlora_forward_cases, "PYKERNELS_SM90_NF4", "nf4_forwards"),
          "nf4_dequant": (nf4_dequant_cases, "PYKERNELS_NF4_DEQUANT", "nf4_dequants"),
          "nf4_chunks": (qlora_forward_cases, "PYKERNELS_NF4_CHUNK_MIB", "nf4_chunks")}
@@ -298,6 +316,7 @@ CHOICE_ARGS = {"tiles": (TILES, "the GEMM core's tiles"),
                "rasters": (RASTERS, "the GEMM core's tile orders"),
                "moe_loras": (MOE_LORAS, "the experts' LoRA products' ways"),
                "moe_acts": (MOE_ACTS, "the experts' gated activation's ways"),
+               "moe_gathers": (MOE_GATHERS, "the experts' ways of reading rows by token"),
                "nf4_forwards": (NF4_FORWARDS, "the QLoRA forward's ways of reading NF4"),
                "nf4_dequants": (NF4_DEQUANTS, "the NF4 dequantize's kernels"),
                "nf4_chunks": (NF4_CHUNKS, "the QLoRA GEMMs' chunks of NF4 W (MiB, or auto)")}

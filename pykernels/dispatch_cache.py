@@ -80,6 +80,7 @@ KERNEL_KNOBS = {
     "sm90_nf4_forward": "PYKERNELS_SM90_NF4",  # the QLoRA forward's GEMM (nf4/nf4_gemm_sm90.h)
     "sm90_moe_lora": "PYKERNELS_SM90_MOE_LORA",  # the experts' LoRA products (moe/moe.h)
     "sm90_moe_act": "PYKERNELS_SM90_MOE_ACT",  # the experts' activation (pykernels/ops/moe.py)
+    "sm90_moe_gather": "PYKERNELS_SM90_MOE_GATHER",  # their rows by token (moe/moe.h)
     "nf4_dequantize": "PYKERNELS_NF4_DEQUANT",  # the NF4 dequantize kernel (nf4/nf4.h)
 }
 

@@ -241,12 +241,13 @@ def test_tile_sweep_names_what_it_needs(monkeypatch):
     assert refusal("--lora-grad-xs", "fused") == "unknown choice fused: --lora-grad-xs takes cublas, extended_k"
     assert refusal("--moe-loras", "fused") == "unknown choice fused: --moe-loras takes extra_k, separate"
     assert refusal("--moe-acts", "fused") == "unknown choice fused: --moe-acts takes separate, epilogue"
+    assert refusal("--moe-gathers", "tma") == "unknown choice tma: --moe-gathers takes pass, mainloop"
     assert refusal("--nf4-forwards", "fused") == "unknown choice fused: --nf4-forwards takes dequantize, mainloop"
     assert refusal("--lora-rank-gemms", "tf32") == "unknown choice tf32: --lora-rank-gemms takes tensor_core, simt"
     assert refusal("--rasters", "m1,m3") == "unknown choice m3: --rasters takes m1, m2, m4, m8, n1, n2, n4, n8"
     assert refusal("--ops", "moe,mlp") == ("unknown op mlp: moe, lora, logprobs, logprobs_fold, lora_forward, "
-                                           "lora_grad_x, lora_rank, raster, moe_lora, moe_act, qlora_forward, "
-                                           "nf4_dequant, nf4_chunks")
+                                           "lora_grad_x, lora_rank, raster, moe_lora, moe_act, moe_gather, "
+                                           "qlora_forward, nf4_dequant, nf4_chunks")
     assert refusal("--nf4-dequants", "threads") == "unknown choice threads: --nf4-dequants takes warps, units"
     assert refusal("--nf4-chunks", "auto,64") == "unknown choice 64: --nf4-chunks takes auto, 16"
     if not torch.cuda.is_available():

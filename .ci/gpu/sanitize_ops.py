@@ -117,9 +117,11 @@ def run_moe(device: str) -> None:
 
 
 def run_moe_act(device: str) -> None:
-    """The gated gate_up GEMM (PYKERNELS_SM90_MOE_ACT=epilogue): intermediate 64 (whole pairs on the
-    128x128 tile only), then 128 on each tile (the rule picks 128x128 at these few rows), with and
-    without LoRA, one assignment dropped."""
+    """The gated gate_up GEMM (PYKERNELS_SM90_MOE_ACT=epilogue, set here too): intermediate 64 (whole
+    pairs on the 128x128 tile only), then 128 on each tile (the rule picks 128x128 at these few rows),
+    with and without LoRA, one assignment dropped."""
+    saved = {name: os.environ.get(name) for name in ("PYKERNELS_SM90_MOE_ACT", "PYKERNELS_SM90_TILE")}
+    os.environ["PYKERNELS_SM90_MOE_ACT"] = "epilogue"
     tokens, hidden_size, experts, top_k, rank = 7, 64, 4, 2, 3
     hidden = randn(tokens, hidden_size, device=device, grad=True)
     top_k_weights, top_k_index = moe.route(randn(tokens, experts, device=device).float(), top_k)
@@ -135,7 +137,11 @@ def run_moe_act(device: str) -> None:
         for factors in (None, adapters):
             out = moe.experts_forward(hidden, top_k_index, top_k_weights.to(DTYPE), gate_up, down, lora=factors)
             out.float().square().sum().backward()
-    os.environ.pop("PYKERNELS_SM90_TILE")
+    for name, value in saved.items():  # as the caller had them
+        if value is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = value
 
 
 FAMILIES = {"nf4": run_nf4, "lora": run_lora, "logprobs": run_logprobs, "moe": run_moe}
@@ -149,15 +155,17 @@ SETTING_FAMILIES = {"moe_act": run_moe_act}
 # (lora/lora_rank_pieces.h), the core's tiles walked along N in swizzled blocks (common/sm90_tile_order.h),
 # the NF4 decode in the GEMM (nf4/nf4_gemm_sm90.h), the experts' LoRA products as their own GEMMs
 # (moe/moe.h), the NF4 dequantize by store units (nf4/nf4.h), the logprobs statistics folded on a
-# lazy reference (logprobs/logprobs_sm90.h), and the experts' activation in the gated gate_up GEMM's
-# epilogue on each tile (common/paired_rows.h).
+# lazy reference (logprobs/logprobs_sm90.h), the experts' activation in the gated gate_up GEMM's
+# epilogue on each tile (common/paired_rows.h), and the experts' rows gathered in the GEMMs' mainloop
+# (moe/moe.h), under both activation settings.
 OTHER_SETTINGS = [("PYKERNELS_SM90_TILE", tile, "moe") for tile in _C.host_logic.gemm_sm90_tiles] + [
     ("PYKERNELS_SM90_LOGPROBS_TILE", tile, "logprobs") for tile in _C.host_logic.logprobs_sm90_tiles[1:]] + [
     ("PYKERNELS_SM90_LORA", "cublas", "lora"), ("PYKERNELS_SM90_LORA_GRAD_X", "extended_k", "lora"),
     ("PYKERNELS_LORA_RANK_GEMM", "simt", "lora"), ("PYKERNELS_SM90_RASTER", "n8", "moe"),
     ("PYKERNELS_SM90_NF4", "mainloop", "lora"), ("PYKERNELS_SM90_MOE_LORA", "separate", "moe"),
     ("PYKERNELS_NF4_DEQUANT", "units", "nf4"), ("PYKERNELS_SM90_LOGPROBS_FOLD", "lazy_max", "logprobs")] + [
-    ("PYKERNELS_SM90_MOE_ACT", "epilogue", "moe_act")]
+    ("PYKERNELS_SM90_MOE_ACT", "epilogue", "moe_act"), ("PYKERNELS_SM90_MOE_GATHER", "mainloop", "moe_act"),
+    ("PYKERNELS_SM90_MOE_GATHER", "mainloop", "moe")]
 
 
 def run_family(family: str, device: str, setting: str = "") -> None:

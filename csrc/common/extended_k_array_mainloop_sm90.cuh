@@ -22,14 +22,24 @@
 // here, (k, half, j) of each expert's [gate | up] weight, so the B tile's rows come in (gate_j, up_j)
 // pairs; its box, loads and shared-memory rows are paired_rows.h's, everything else is unchanged (the
 // same bytes per stage). The second pair may then be absent (K2 = 0: no LoRA term).
+//
+// kGatherA (the MoE rows GEMMs reading x or dy by token: PYKERNELS_SM90_MOE_GATHER, moe/moe.h): A1's row of slot s
+// is gather_a[gather_rows[s]] and A2's is gather_a2[s]; no TMA can gather on Hopper, so the whole
+// producer warp copies A's k tiles with 16-byte cp.async into the swizzled stage (4 rows a lane at a
+// 128-row tile, 8 chunks a row), zero-filling rows past the group's and columns past K, while its
+// leader lane loads B by TMA as before. The stage's full barrier then counts both: each lane's
+// cp.async.mbarrier.arrive (issued before the leader's arrive, so the phase waits for them) and
+// B's transaction bytes (the pipeline's, set to B's alone). No copy of the rows in slot order exists.
 #pragma once
 
 #include <cuda.h>
 
+#include "common/gemm_groups.h"
 #include "common/paired_rows.h"
 #include "cute/arch/copy_sm90_desc.hpp"
 #include "cute/arch/copy_sm90_tma.hpp"
 #include "cute/tensor.hpp"
+#include "cutlass/arch/barrier.h"
 #include "cutlass/cuda_host_adapter.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/gemm/collective/collective_builder.hpp"
@@ -44,7 +54,13 @@ namespace pykernels::gemm {
 // shared memory carved out of its stages. K1 and K2 are the pairs' extents (the same for all
 // groups); the problem shapes' K is ceil(K1 / BLK_K) BLK_K + ceil(K2 / BLK_K) BLK_K, TMA
 // zero-filling both pairs' last k tile.
-template <class Base, bool kPairedB = false>
+// The group (expert) a producer's tiles belong to, for the gathered A: its first slot and rows.
+struct GatherGroup {
+  int64_t first_slot = 0;
+  int32_t rows = 0;
+};
+
+template <class Base, bool kPairedB = false, bool kGatherA = false>
 struct ExtendedKArrayMainloop : Base {
   using typename Base::ElementA;
   using typename Base::ElementB;
@@ -65,6 +81,7 @@ struct ExtendedKArrayMainloop : Base {
   using typename Base::TMA_B;
   static constexpr int kBlockK = cute::size<2>(TileShape{});
   static constexpr int kBlockN = cute::size<1>(TileShape{});
+  static constexpr int kBlockM = cute::size<0>(TileShape{});
   static constexpr int kClusterM = cute::size<0>(typename DispatchPolicy::ClusterShape{});
   static constexpr int kTensorMaps = 4;  // A, B, A2, B2 per SM in the workspace, in that order
 
@@ -86,6 +103,15 @@ struct ExtendedKArrayMainloop : Base {
     StrideB dB2 = nullptr;
     int k1 = 0, k2 = 0;
     int64_t paired_inner = 0, paired_ldb = 0;  // kPairedB: I (B1_e is [2I, K1]) and B1_e's row stride
+    // kGatherA: A1 row of slot s = gather_a + gather_rows[s] * gather_lda (null gather_rows: row s);
+    // A2 row of slot s = gather_a2 + s * gather_lda2; the groups' slots from expert_offsets.
+    const int64_t* gather_rows = nullptr;
+    ElementA const* gather_a = nullptr;
+    int64_t gather_lda = 0;
+    ElementA const* gather_a2 = nullptr;
+    int64_t gather_lda2 = 0;
+    const int64_t* expert_offsets = nullptr;
+    int64_t experts = 1, slots = 0;
   };
 
   struct Params : Base::Params {
@@ -97,6 +123,13 @@ struct ExtendedKArrayMainloop : Base {
     StrideB dB2;
     int k1, k2;
     cute::TmaDescriptor paired_b;  // kPairedB: B1's (k, half, j) descriptor, every group's but its address
+    const int64_t* gather_rows;    // kGatherA: as in Arguments
+    InternalElementA const* gather_a;
+    int64_t gather_lda;
+    InternalElementA const* gather_a2;
+    int64_t gather_lda2;
+    const int64_t* expert_offsets;
+    int64_t experts, slots;
   };
 
   // B1's paired descriptor (paired_rows.h) at `address` (any 16-byte aligned one: each group sets its
@@ -134,6 +167,17 @@ struct ExtendedKArrayMainloop : Base {
     params.dB2 = args.dB2;
     params.k1 = args.k1;
     params.k2 = args.k2;
+    params.gather_rows = args.gather_rows;
+    params.gather_a = reinterpret_cast<InternalElementA const*>(args.gather_a);
+    params.gather_lda = args.gather_lda;
+    params.gather_a2 = reinterpret_cast<InternalElementA const*>(args.gather_a2);
+    params.gather_lda2 = args.gather_lda2;
+    params.expert_offsets = args.expert_offsets;
+    params.experts = args.experts;
+    params.slots = args.slots;
+    if constexpr (kGatherA) {  // A arrives by cp.async: the stage's transaction bytes are B's alone
+      params.tma_transaction_bytes = static_cast<uint32_t>(kBlockN * kBlockK * sizeof(InternalElementB));
+    }
     if constexpr (kPairedB) {
       const void* placeholder = reinterpret_cast<void const*>(reinterpret_cast<uint64_t>(args.ptr_B) & ~uint64_t{15});
       if (!encode_paired_b(&params.paired_b, placeholder, args.paired_inner, args.k1, args.paired_ldb))
@@ -163,7 +207,12 @@ struct ExtendedKArrayMainloop : Base {
           !encode_paired_b(&probe, args.ptr_B, args.paired_inner, args.k1, args.paired_ldb))
         return false;
     }
-    return args.k1 >= 1 && args.k2 >= (kPairedB ? 0 : 1) && args.ptr_A2 != nullptr && args.ptr_B2 != nullptr && args.dA2 != nullptr &&
+    if constexpr (kGatherA) {
+      if (args.gather_a == nullptr || args.gather_lda % 8 != 0 || (args.k2 > 0 && args.gather_a2 == nullptr) ||
+          args.gather_lda2 % 8 != 0 || args.k1 % 8 != 0 || args.k2 % 8 != 0)
+        return false;
+    }
+    return args.k1 >= 1 && args.k2 >= (kPairedB || kGatherA ? 0 : 1) && args.ptr_A2 != nullptr && args.ptr_B2 != nullptr && args.dA2 != nullptr &&
            args.dB2 != nullptr &&
            Base::can_implement(problem_shapes, typename Base::Arguments{args.ptr_A, args.dA, args.ptr_B, args.dB});
   }
@@ -182,18 +231,37 @@ struct ExtendedKArrayMainloop : Base {
         tiled(params.tma_load_a2.get_tma_tensor(cute::make_shape(M, cute::max(params.k2, 1), init_l)),
               cute::Step<cute::_1, X, cute::_1>{}),
         tiled(params.tma_load_b2.get_tma_tensor(cute::make_shape(N, cute::max(params.k2, 1), init_l)),
-              cute::Step<X, cute::_1, cute::_1>{}));
+              cute::Step<X, cute::_1, cute::_1>{}),
+        GatherGroup{});
+  }
+
+  // The kernel calls this when its producer moves to another group: the gathered A's group.
+  template <class InputTensors, class ProblemShape_MNKL>
+  CUTLASS_DEVICE InputTensors tensors_perform_update(InputTensors const& input_tensors, Params const& params,
+                                                     ProblemShape_MNKL problem_shape_mnkl, int32_t next_batch) {
+    InputTensors updated = input_tensors;
+    if constexpr (kGatherA) {
+      cute::get<4>(updated) = GatherGroup{
+          group_slots(params.expert_offsets, params.experts, params.slots, next_batch).begin,
+          static_cast<int32_t>(cute::get<0>(problem_shape_mnkl))};
+    }
+    return updated;
   }
 
   // Base::load's loop, each k tile from the pair it lies in, through the group's descriptors.
   template <class TensorA, class TensorB, class TensorA2, class TensorB2, class TensorMapA, class TensorMapB,
             class TensorMapA2, class TensorMapB2, class KTileIterator, class BlockCoord>
   CUTLASS_DEVICE void load(Params const& params, MainloopPipeline pipeline, PipelineState smem_pipe_write,
-                           cute::tuple<TensorA, TensorB, TensorA2, TensorB2> const& load_inputs,
+                           cute::tuple<TensorA, TensorB, TensorA2, TensorB2, GatherGroup> const& load_inputs,
                            cute::tuple<TensorMapA, TensorMapB, TensorMapA2, TensorMapB2> const& input_tensormaps,
                            BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count, int thread_idx,
                            uint32_t block_rank_in_cluster, TensorStorage& shared_tensors) {
     using namespace cute;
+    if constexpr (kGatherA) {
+      load_gathered(params, pipeline, smem_pipe_write, load_inputs, input_tensormaps, blk_coord, k_tile_iter,
+                    k_tile_count, thread_idx, block_rank_in_cluster, shared_tensors);
+      return;
+    }
     if (!elect_one_sync()) return;
     Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
     Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
@@ -251,6 +319,102 @@ struct ExtendedKArrayMainloop : Base {
       ++k_tile_iter;
       ++smem_pipe_write;
     }
+  }
+
+  // Base::load's loop for a gathered A (kGatherA, the top of this file), run by the whole producer warp.
+  template <class TensorA, class TensorB, class TensorA2, class TensorB2, class TensorMapA, class TensorMapB,
+            class TensorMapA2, class TensorMapB2, class KTileIterator, class BlockCoord>
+  CUTLASS_DEVICE void load_gathered(Params const& params, MainloopPipeline pipeline, PipelineState smem_pipe_write,
+                                    cute::tuple<TensorA, TensorB, TensorA2, TensorB2, GatherGroup> const& load_inputs,
+                                    cute::tuple<TensorMapA, TensorMapB, TensorMapA2, TensorMapB2> const&
+                                        input_tensormaps,
+                                    BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count,
+                                    int thread_idx, uint32_t block_rank_in_cluster, TensorStorage& shared_tensors) {
+    using namespace cute;
+    constexpr int kWarpThreads = cutlass::NumThreadsPerWarp;
+    constexpr int kChunk = 16 / static_cast<int>(sizeof(InternalElementA));  // elements a 16-byte copy moves
+    constexpr int kChunks = kBlockK / kChunk;                                  // of a row's k tile
+    constexpr int kRowsPerLane = kBlockM / kWarpThreads;
+    static_assert(kBlockM % kWarpThreads == 0 && kBlockK % kChunk == 0);
+    const int lane = thread_idx % kWarpThreads;
+    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
+    constexpr uint32_t cluster_shape_x = get<0>(typename DispatchPolicy::ClusterShape());
+    const uint2 cluster_local_block_id = {block_rank_in_cluster % cluster_shape_x,
+                                          block_rank_in_cluster / cluster_shape_x};
+    auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
+    auto block_tma_b = params.tma_load_b.get_slice(cluster_local_block_id.x);
+    auto block_tma_b2 = params.tma_load_b2.get_slice(cluster_local_block_id.x);
+    Tensor tBgB = block_tma_b.partition_S(get<1>(load_inputs)(_, _, n_coord, _, l_coord));
+    Tensor tBgB2 = block_tma_b2.partition_S(get<3>(load_inputs)(_, _, n_coord, _, l_coord));
+    Tensor tBsB = block_tma_b.partition_D(sB);
+    uint16_t mcast_mask_b = 0;
+    if constexpr (is_same_v<GmemTiledCopyB, SM90_TMA_LOAD_MULTICAST>) {
+      auto block_layout = Layout<typename DispatchPolicy::ClusterShape>{};
+      for (int m = 0; m < size<0>(block_layout); ++m)
+        mcast_mask_b |= (uint16_t(1) << block_layout(m, cluster_local_block_id.y, Int<0>{}));
+    }
+
+    // This lane's rows of the tile (lane + 32 i): the slot each holds and A1's row for it, -1 past the
+    // group's rows (32-bit: slots < 2^31, and the producer warp runs on 40 registers).
+    const GatherGroup group = get<4>(load_inputs);
+    int32_t slot[kRowsPerLane], a1_row[kRowsPerLane];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRowsPerLane; ++i) {
+      const int row = static_cast<int>(m_coord) * kBlockM + lane + kWarpThreads * i;
+      slot[i] = row < group.rows ? static_cast<int32_t>(group.first_slot + row) : -1;
+      a1_row[i] = slot[i] < 0 ? -1 : params.gather_rows != nullptr ? static_cast<int32_t>(params.gather_rows[slot[i]])
+                                                                   : slot[i];
+    }
+    const int k1_tiles = k1_tiles_of(params.k1);
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; k_tile_count > 0; --k_tile_count) {
+      auto token = pipeline.producer_try_acquire(smem_pipe_write);  // every lane waits for the stage
+      while (token.get() != cutlass::BarrierStatus::WaitDone) token = pipeline.producer_try_acquire(smem_pipe_write);
+      const int stage = smem_pipe_write.index();
+      const int k_tile = *k_tile_iter;
+      const bool first_pair = k_tile < k1_tiles;
+      const int k0 = (first_pair ? k_tile : k_tile - k1_tiles) * kBlockK;
+      const int k_end = first_pair ? params.k1 : params.k2;
+      CUTLASS_PRAGMA_NO_UNROLL  // one row at a time: the producer warp has 40 registers
+      for (int i = 0; i < kRowsPerLane; ++i) {
+        const int32_t r = first_pair ? a1_row[i] : slot[i];
+        InternalElementA const* row = first_pair ? params.gather_a + int64_t(r < 0 ? 0 : r) * params.gather_lda
+                                                 : params.gather_a2 + int64_t(r < 0 ? 0 : r) * params.gather_lda2;
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < kChunks; ++c) {
+          const int k = k0 + c * kChunk;
+          const bool copy = r >= 0 && k < k_end;
+          copy_16_bytes(&sA(lane + kWarpThreads * i, c * kChunk, stage), copy ? row + k : row, copy);
+        }
+      }
+      // Counted before the leader's arrive (the warp synchronizes between), so the phase waits for them.
+      cutlass::arch::cpasync_barrier_arrive(pipeline.producer_get_barrier(smem_pipe_write));
+      __syncwarp();
+      pipeline.producer_acquire(smem_pipe_write, token);  // the leader: arrive, expecting B's bytes
+      if (lane == 0) {
+        auto* tma_barrier = pipeline.producer_get_barrier(smem_pipe_write);
+        if (!first_pair) {
+          copy(params.tma_load_b2.with(get<3>(input_tensormaps), *tma_barrier, mcast_mask_b),
+               tBgB2(_, _, _, k_tile - k1_tiles), tBsB(_, _, _, stage));
+        } else if constexpr (kPairedB) {
+          load_paired_b(get<1>(input_tensormaps), tma_barrier, mcast_mask_b, shared_tensors, stage, n_coord,
+                        cluster_local_block_id.x, k_tile);
+        } else {
+          copy(params.tma_load_b.with(get<1>(input_tensormaps), *tma_barrier, mcast_mask_b), tBgB(_, _, _, k_tile),
+               tBsB(_, _, _, stage));
+        }
+      }
+      ++k_tile_iter;
+      ++smem_pipe_write;
+    }
+  }
+
+  // 16 bytes from global to shared memory by cp.async (L2 only), or 16 zero bytes when !copy.
+  CUTLASS_DEVICE static void copy_16_bytes(void* smem, void const* gmem, bool copy) {
+    const uint32_t smem_address = cute::cast_smem_ptr_to_uint(smem);
+    const int src_bytes = copy ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address), "l"(gmem), "r"(src_bytes));
   }
 
   // One k tile of the paired B1 (paired_rows.h): this CTA's part of the box, multicast to the cluster's

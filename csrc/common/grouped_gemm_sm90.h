@@ -18,6 +18,9 @@
 //               paired_rows.h), so D[s, 2j] = gate_j and D[s, 2j + 1] = up_j (extra K's B2_e, if any,
 //               must come in that paired row order), and its epilogue also writes
 //               act_out[s, j] = act(gate_j) * up_j (moe/gated_act.h; act_out [slots, n / 2] bf16).
+// Gathered A (a_rows given: the gated GEMM, or kRowsNMajorB with bf16 D): A's row for slot s is
+//               a[a_rows[s]] (row stride lda) instead of a[s], read by the GEMM's producer warp
+//               (extended_k_array_mainloop_sm90.cuh, kGatherA); extra K's A2 stays in slot order.
 // s runs over the slots of group e; A [slots, *] and B (kWeightGrad) are row-major with row strides
 // lda / ldb; D and C (which may alias D, or be null when beta == 0) are row-major with row stride
 // ldd, bf16 or fp32. Rows of slots no group owns (the dropped bucket) are not written. TMA needs
@@ -67,6 +70,7 @@ struct GroupedGemmSm90Params {
   int64_t ldb2, b2_expert_stride, k2;
   void* act_out;                  // gated: bf16 [slots, n / 2], or null (not gated)
   moe::GatedActSpec act_spec;
+  const int64_t* a_rows;          // gathered A: a's row of each slot, or null (a in slot order)
 };
 
 // The mean group's M, for the tile rule (sm90_tile_for): a rows GEMM's slots per group, a weight
@@ -114,6 +118,12 @@ inline const char* grouped_gemm_sm90_error(const GroupedGemmSm90Params& p) {
     if (const char* error = paired_rows_error(p.n, p.k, p.ldb, 2, sm90_tile_columns(p.tile), kSm90TileK,
                                               sm90_tile_cluster_m(p.tile)))
       return error;
+  }
+  if (p.a_rows != nullptr) {  // gathered A
+    if (p.act_out == nullptr && (p.kind != Sm90GemmKind::kRowsNMajorB || p.d_dtype != DType::kBFloat16))
+      return "a gathered A is for the gated GEMM or a kRowsNMajorB GEMM with bf16 D";
+    if (p.k % 8 != 0 || (p.a2 != nullptr && p.k2 % 8 != 0))
+      return "a gathered A copies 16-byte chunks: k (and k2) must be multiples of 8";
   }
   return nullptr;
 }

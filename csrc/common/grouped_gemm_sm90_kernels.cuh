@@ -25,7 +25,8 @@
 //           base GEMM), whose mainloop reads a second operand pair (extended_k_array_mainloop_sm90.cuh);
 //           and the gated gate_up GEMM (kRowsKMajorB, bf16 D, act_out: paired_rows.h), the same
 //           mainloop reading B paired, with or without the second pair, whose epilogue also writes
-//           act(gate) * up (moe/gated_act_visitor_sm90.cuh).
+//           act(gate) * up (moe/gated_act_visitor_sm90.cuh); and both of the gated GEMM and the
+//           kRowsNMajorB extra-K GEMM again with A's rows gathered by the producer warp (a_rows).
 #pragma once
 
 #ifndef PYKERNELS_SM90_TILE_KERNELS
@@ -85,15 +86,17 @@ using EpilogueGated = cutlass::epilogue::collective::CollectiveBuilder<
 // One CUTLASS grouped GEMM: bf16 A and B in the given layouts, row-major D by Epilogue; with
 // kExtended, the extra-K mainloop over a second operand pair (its two more TMA descriptors carved
 // out of shared memory before the stages are counted); with kGatedB, that mainloop reading B paired
-// (EpilogueGated's GEMM).
-template <class LayoutA, class LayoutB, class EpilogueT, bool kExtended = false, bool kGatedB = false>
+// (EpilogueGated's GEMM); with kGatherA, that mainloop gathering A's rows (p.a_rows).
+template <class LayoutA, class LayoutB, class EpilogueT, bool kExtended = false, bool kGatedB = false,
+          bool kGatherA = false>
 struct GroupedGemm {
-  static_assert(!kGatedB || kExtended, "the gated GEMM runs on the extra-K mainloop");
+  static_assert((!kGatedB && !kGatherA) || kExtended, "the gated GEMM and a gathered A run on the extra-K mainloop");
   using Element = ElementAB;
   using Epilogue = EpilogueT;
   using ElementD = typename Epilogue::ElementD;
   static constexpr bool kExtraK = kExtended;
   static constexpr bool kGated = kGatedB;
+  static constexpr bool kGather = kGatherA;
   static constexpr int kCarveout = static_cast<int>(sizeof(typename EpilogueT::SharedStorage)) +
                                    (kExtended ? 2 * static_cast<int>(sizeof(cute::TmaDescriptor)) : 0);
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
@@ -101,7 +104,7 @@ struct GroupedGemm {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, 8, Element, LayoutB*, 8, float,
       TileShape, ClusterShape, cutlass::gemm::collective::StageCountAutoCarveout<kCarveout>,
       PYKERNELS_SM90_KERNEL_SCHEDULE>::CollectiveOp;
-  using Mainloop = cute::conditional_t<kExtended, ExtendedKArrayMainloop<BaseMainloop, kGatedB>, BaseMainloop>;
+  using Mainloop = cute::conditional_t<kExtended, ExtendedKArrayMainloop<BaseMainloop, kGatedB, kGatherA>, BaseMainloop>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;
@@ -217,6 +220,16 @@ typename G::Gemm::Arguments arguments(const GroupedGemmSm90Params& p, const Grou
     args.mainloop.k1 = static_cast<int>(p.k);
     args.mainloop.k2 = static_cast<int>(p.k2);
   }
+  if constexpr (G::kGather) {
+    args.mainloop.gather_rows = p.a_rows;
+    args.mainloop.gather_a = static_cast<const typename G::Element*>(p.a);
+    args.mainloop.gather_lda = p.lda;
+    args.mainloop.gather_a2 = static_cast<const typename G::Element*>(p.a2);
+    args.mainloop.gather_lda2 = p.lda2;
+    args.mainloop.expert_offsets = p.expert_offsets;
+    args.mainloop.experts = p.experts;
+    args.mainloop.slots = p.slots;
+  }
   if constexpr (G::kGated) {
     args.mainloop.paired_inner = p.n / 2;
     args.mainloop.paired_ldb = p.ldb;
@@ -237,10 +250,10 @@ typename G::Gemm::Arguments arguments(const GroupedGemmSm90Params& p, const Grou
   return args;
 }
 
-// The gated GEMM without extra K runs its mainloop with an empty second pair (K2 = 0) whose
-// descriptors, never loaded, point at the first pair.
+// The gated GEMM and a gathered A without extra K run their mainloop with an empty second pair (K2 =
+// 0) whose descriptors, never loaded, point at the first pair.
 GroupedGemmSm90Params with_empty_second_pair(const GroupedGemmSm90Params& p) {
-  if (p.act_out == nullptr || p.a2 != nullptr) return p;
+  if ((p.act_out == nullptr && p.a_rows == nullptr) || p.a2 != nullptr) return p;
   GroupedGemmSm90Params q = p;
   q.a2 = p.a, q.lda2 = p.lda, q.b2 = p.b, q.ldb2 = p.ldb, q.b2_expert_stride = p.b_expert_stride, q.k2 = 0;
   return q;
@@ -277,10 +290,15 @@ auto with_layouts(Sm90GemmKind kind, F&& f) {
 }
 
 // f(GroupedGemm<...>{}) for the kernel of p's kind and output type (extra K: the two kinds it has,
-// bf16 D; gated: kRowsKMajorB, bf16 D; grouped_gemm_sm90_error has checked that).
+// bf16 D; gated: kRowsKMajorB, bf16 D; gathered A: gated or kRowsNMajorB, bf16 D;
+// grouped_gemm_sm90_error has checked that).
 template <class F>
 auto with_kernel(const GroupedGemmSm90Params& p, F&& f) {
-  if (p.act_out != nullptr) return f(GroupedGemm<RowMajor, ColumnMajor, EpilogueGated, true, true>{});
+  if (p.act_out != nullptr) {
+    return p.a_rows != nullptr ? f(GroupedGemm<RowMajor, ColumnMajor, EpilogueGated, true, true, true>{})
+                               : f(GroupedGemm<RowMajor, ColumnMajor, EpilogueGated, true, true>{});
+  }
+  if (p.a_rows != nullptr) return f(GroupedGemm<RowMajor, RowMajor, EpilogueBf16, true, false, true>{});
   if (p.a2 != nullptr) {
     return p.kind == Sm90GemmKind::kRowsKMajorB ? f(GroupedGemm<RowMajor, ColumnMajor, EpilogueBf16, true>{})
                                                 : f(GroupedGemm<RowMajor, RowMajor, EpilogueBf16, true>{});

@@ -732,6 +732,7 @@ void define_host_logic(py::module_& m) {
   m.def("gemm_sm90_extra_k_groups", &gemm_sm90_extra_k_groups, py::arg("offsets"), py::arg("slots"), py::arg("k"),
         py::arg("k2"), py::arg("lda2"), py::arg("b2_expert_stride"), py::arg("block_k"));
   def_two_way_knob(m, "moe_sm90_lora", &moe::moe_lora_separate_for, "separate", "extra_k");
+  def_two_way_knob(m, "moe_sm90_gather", &moe::moe_gather_in_mainloop_for, "mainloop", "pass");
   m.def(
       "gemm_sm90_tile_order",
       [](const std::optional<std::string>& setting) {

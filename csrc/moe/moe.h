@@ -33,6 +33,18 @@ inline const char* moe_lora_separate_for(const char* setting, bool* separate) {
                         "PYKERNELS_SM90_MOE_LORA must be extra_k (the default) or separate", separate);
 }
 
+// PYKERNELS_SM90_MOE_GATHER picks how the Hopper expert GEMMs read rows by token: x in the gate_up
+// forward's gated GEMM (PYKERNELS_SM90_MOE_ACT=epilogue) and dy in grad_x of a weight stored [E, out,
+// in] when no weight gradient is asked (the frozen experts of LoRA training):
+//   pass      a pass copies the rows into slot order for the GEMM's TMA loads (the default)
+//   mainloop  the GEMM's producer warp copies them by 16-byte cp.async straight into its pipeline
+//             (common/extended_k_array_mainloop_sm90.cuh, kGatherA): no [T*k, *] copy in memory
+// Read on every call; sets *mainloop. Null on success, else a message naming the choices.
+inline const char* moe_gather_in_mainloop_for(const char* setting, bool* mainloop) {
+  return two_way_choice(setting, "pass", "mainloop", "PYKERNELS_SM90_MOE_GATHER must be pass (the default) or mainloop",
+                        mainloop);
+}
+
 // ------------------------------------------------------------------ sort
 // Stable counting sort of the assignments by expert; the same three outputs as the CPU op.
 struct SortParams {

@@ -239,19 +239,29 @@ bool lora_as_extra_k() {
   return !separate;
 }
 
+// Whether the rows GEMMs that can gather their A rows do so in their mainloop (PYKERNELS_SM90_MOE_GATHER).
+bool gather_in_mainloop() {
+  bool mainloop = false;
+  const char* error = moe_gather_in_mainloop_for(std::getenv("PYKERNELS_SM90_MOE_GATHER"), &mainloop);
+  TORCH_CHECK_VALUE(error == nullptr, error);
+  return mainloop;
+}
+
 // D[s] (+)= A[s] B_e^T (B_e [n, k] with row stride ldb) or A[s] B_e (B_e [k, n]) for the slots of
 // each expert, + A2[s] op(B2_e) in the same accumulation with extra K (or, under
 // PYKERNELS_SM90_MOE_LORA=separate, as a second GEMM accumulating into D); A [slots, >= k] and D
-// [slots, n] contiguous.
+// [slots, n] contiguous, or with a_rows (int64 [slots]) A's row of slot s is a[a_rows[s]], gathered
+// by the GEMM (kRowsNMajorB only).
 void sm90_rows(const Problem& p, Sm90GemmKind kind, const at::Tensor& a, int64_t k, const at::Tensor& b,
                int64_t ldb, int64_t b_expert_stride, at::Tensor& d, bool accumulate,
-               const std::optional<ExtraK>& extra = std::nullopt) {
+               const std::optional<ExtraK>& extra = std::nullopt, const at::Tensor& a_rows = {}) {
   if (extra.has_value() && !lora_as_extra_k()) {
-    sm90_rows(p, kind, a, k, b, ldb, b_expert_stride, d, accumulate);
+    sm90_rows(p, kind, a, k, b, ldb, b_expert_stride, d, accumulate, std::nullopt, a_rows);
     sm90_rows(p, kind, *extra->a2, extra->k2, *extra->b2, extra->ldb2, extra->b2_expert_stride, d, true);
     return;
   }
   GroupedGemmSm90Params g = sm90_gemm(p, kind);
+  if (a_rows.defined()) g.a_rows = a_rows.data_ptr<int64_t>();
   if (extra.has_value()) {
     g.a2 = extra->a2->data_ptr();
     g.lda2 = extra->a2->size(1);
@@ -333,8 +343,11 @@ void grouped_linear_backward_sm90(const Problem& p, const at::Tensor& dy, const 
                                   bool compute_grad_weight, bool compute_grad_gates, at::Tensor& grad_x,
                                   at::Tensor& grad_weight, at::Tensor& grad_gates) {
   const Sizes& z = p.size;
-  const at::Tensor dys =
-      in_slot_order(p, dy, p.grouped_out ? at::Tensor() : p.summed() ? p.token_of_slot : p.sorted_token_idx);
+  const at::Tensor dy_map = p.grouped_out ? at::Tensor() : p.summed() ? p.token_of_slot : p.sorted_token_idx;
+  // dy's rows by token in grad_x's GEMM itself (PYKERNELS_SM90_MOE_GATHER=mainloop) where that GEMM is
+  // the only reader of them in slot order: no weight gradient, the weight stored [E, out, in].
+  const bool gather = dy_map.defined() && !compute_grad_weight && !p.weight_n_major && gather_in_mainloop();
+  const at::Tensor dys = gather ? dy : in_slot_order(p, dy, dy_map);
   if (compute_grad_x || compute_grad_gates) {
     at::Tensor dx_rows = at::empty({z.slots, z.in}, p.x.options());  // dy_s W_e + v_s A_e, ungated
     // With LoRA, v A_e is extra K of the same GEMM (K = r8 as in the forward: A_e padded with zero
@@ -351,7 +364,8 @@ void grouped_linear_backward_sm90(const Problem& p, const at::Tensor& dy, const 
     if (p.weight_n_major) {  // W_e = the stored [in, out] matrix transposed: B [n, k]
       sm90_rows(p, Sm90GemmKind::kRowsKMajorB, dys, z.out, p.weight, z.out, z.out * z.in, dx_rows, false, lora_term);
     } else {
-      sm90_rows(p, Sm90GemmKind::kRowsNMajorB, dys, z.out, p.weight, z.in, z.out * z.in, dx_rows, false, lora_term);
+      sm90_rows(p, Sm90GemmKind::kRowsNMajorB, dys, z.out, p.weight, z.in, z.out * z.in, dx_rows, false, lora_term,
+                gather ? dy_map : at::Tensor());
     }
     if (compute_grad_gates) {
       at::Tensor dots = at::empty({1, z.slots}, p.x.options().dtype(at::kFloat));
@@ -557,7 +571,10 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> gate_up_act_sm90(const Problem
   g.tile = gemm::sm90_tile_of(g);
   if (!fits(g.tile)) g.tile = gemm::Sm90Tile::k128x128;
   if (!fits(g.tile)) return std::nullopt;
-  const at::Tensor xs = in_slot_order(p, p.x, p.grouped_in ? at::Tensor() : p.token_of_slot);
+  // x's rows by token: gathered by the GEMM (PYKERNELS_SM90_MOE_GATHER=mainloop) or by a pass first
+  const bool gather = !p.grouped_in && gather_in_mainloop();
+  const at::Tensor xs = p.grouped_in || gather ? p.x : in_slot_order(p, p.x, p.token_of_slot);
+  if (gather) g.a_rows = p.token_of_slot.data_ptr<int64_t>();
   at::Tensor rows = at::empty({z.slots, z.out}, p.x.options());
   at::Tensor inner = at::empty({z.slots, z.out / 2}, p.x.options());
   at::Tensor u, b;

@@ -127,13 +127,14 @@ def test_hopper_gemm_core_is_wgmma_fed_by_tma(tmp_path, tile):
     expert GEMMs (bf16 out: forward, grad_x, weight gradient; with LoRA on the experts, the two
     extra-K kernels), the LoRA GEMMs (bf16 out; the forward, Hopper's default PYKERNELS_SM90_LORA,
     on the extra-K kernel), the logprobs GEMMs (fp32 out: dh, dW) and the experts' gated gate_up GEMM
-    (common/paired_rows.h, the extra-K mainloop reading B paired). Each
-    tile's nine kernels must issue bf16 wgmma of the tile's
+    (common/paired_rows.h, the extra-K mainloop reading B paired), and that GEMM and the N-major-B
+    extra-K one again with A's rows gathered by the producer warp. Each
+    tile's eleven kernels must issue bf16 wgmma of the tile's
     width from shared memory that TMA fills: a CUTLASS configuration mistake falls back to mma.sync or
     to cp.async loads without a word."""
     kernels = sm90_kernels_ptx(f"common/grouped_gemm_tile_{tile}_sm90.cu", tmp_path)
     gemms = {name: ptx for name, ptx in kernels.items() if "GemmUniversal" in name}
-    assert len(gemms) == 9, list(kernels)
+    assert len(gemms) == 11, list(kernels)
     for name, ptx in gemms.items():
         wgmma = rf"wgmma\.mma_async\.sync\.aligned\.{SM90_CORE_TILES[tile]}\.f32\.bf16\.bf16"
         assert re.search(wgmma, ptx), f"{name}: no bf16 wgmma {SM90_CORE_TILES[tile]}"
@@ -147,13 +148,13 @@ def test_hopper_gemm_core_is_wgmma_fed_by_tma(tmp_path, tile):
     address_swaps = {name: len(re.findall(r"tensormap\.replace\.tile\.global_address", ptx))
                      for name, ptx in gemms.items()}
     extended = [name for name in gemms if "ExtendedKArrayMainloop" in name]
-    assert len(extended) == 3
-    (gated,) = [name for name in gemms if "Sm90GatedActStore" in name]
-    assert gated in extended
+    assert len(extended) == 5
+    gated = [name for name in gemms if "Sm90GatedActStore" in name]
+    assert len(gated) == 2 and set(gated) <= set(extended)
     (plain,) = {address_swaps[name] for name in gemms if name not in extended}
-    # the gated kernel's epilogue has no C operand: one descriptor fewer than the others' (each swap
+    # the gated kernels' epilogue has no C operand: one descriptor fewer than the others' (each swap
     # appears twice in these kernels' PTX)
-    want = {name: plain + 4 - (2 if name == gated else 0) for name in extended}
+    want = {name: plain + 4 - (2 if name in gated else 0) for name in extended}
     assert {name: address_swaps[name] for name in extended} == want, address_swaps
 
 
@@ -170,18 +171,44 @@ def test_hopper_gated_gemm_reads_the_weight_paired_and_writes_the_activation(tmp
     it proves every pair whole: a trap left in the PTX is a pairing CUTLASS's layouts no longer keep."""
     kernels = sm90_kernels_ptx(f"common/grouped_gemm_tile_{tile}_sm90.cu", tmp_path)
     gemms = {name: ptx for name, ptx in kernels.items() if "GemmUniversal" in name}
-    (gated,) = [ptx for name, ptx in gemms.items() if "Sm90GatedActStore" in name]
+    gated = [ptx for name, ptx in gemms.items() if "Sm90GatedActStore" in name]
     others = [ptx for name, ptx in gemms.items()
               if "ExtendedKArrayMainloop" in name and "Sm90GatedActStore" not in name]
-    assert re.search(r"cp\.async\.bulk\.tensor\.3d\.shared::cluster\.global", gated), "no 3-D TMA load of B"
-    assert re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", gated), "D not stored by TMA"
-    assert re.search(r"st\.global\.[bu]16", gated), "no 2-byte stores of act(gate) * up"
-    assert "trap;" not in gated, "the compiler could not prove that every fragment holds (gate, up) pairs"
+    assert len(gated) == 2  # x read by TMA from slot order, or gathered (the next test)
 
     def dims_rewritten(ptx: str) -> int:
         return len(re.findall(r"tensormap\.replace\.tile\.global_dim", ptx))
 
-    assert dims_rewritten(gated) < min(map(dims_rewritten, others)), "B's dims rewritten per group"
+    for ptx in gated:
+        assert re.search(r"cp\.async\.bulk\.tensor\.3d\.shared::cluster\.global", ptx), "no 3-D TMA load of B"
+        assert re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx), "D not stored by TMA"
+        assert re.search(r"st\.global\.[bu]16", ptx), "no 2-byte stores of act(gate) * up"
+        assert "trap;" not in ptx, "the compiler could not prove that every fragment holds (gate, up) pairs"
+        assert dims_rewritten(ptx) < min(map(dims_rewritten, others)), "B's dims rewritten per group"
+
+
+@pytest.mark.hopper_ptx
+@pytest.mark.parametrize("tile", SM90_CORE_TILES)
+def test_hopper_gathered_rows_are_copied_by_the_producer_warp(tmp_path, tile):
+    """PYKERNELS_SM90_MOE_GATHER=mainloop's kernels (extended_k_array_mainloop_sm90.cuh, kGatherA): the
+    gated GEMM and the N-major-B extra-K GEMM with A's rows read by token. A comes by 16-byte cp.async
+    with a source size (0: the zero-filled rows past a group and columns past K), each lane's copies
+    counted on the stage's barrier by cp.async.mbarrier.arrive without .noinc (the barrier expects one
+    arrival; the .noinc form would complete the stage before the rows land), and only B by TMA: one
+    fewer 2-D TMA load than the same GEMM reading A from slot order."""
+    kernels = sm90_kernels_ptx(f"common/grouped_gemm_tile_{tile}_sm90.cu", tmp_path)
+    gemms = {name: ptx for name, ptx in kernels.items() if "GemmUniversal" in name}
+    gathered = {name: ptx for name, ptx in gemms.items() if "cp.async.cg.shared.global" in ptx}
+    assert len(gathered) == 2 and sum("Sm90GatedActStore" in name for name in gathered) == 1, list(gathered)
+    for name, ptx in gathered.items():
+        assert re.search(r"cp\.async\.cg\.shared\.global \[%r\d+\], \[%rd\d+\], 16, %r\d+;", ptx), name
+        assert "cp.async.mbarrier.arrive.shared::cta.b64" in ptx, f"{name}: copies not counted on the barrier"
+        assert ".noinc" not in ptx, f"{name}: a .noinc arrive the barrier's count does not expect"
+        assert "wgmma.mma_async" in ptx and "mma.sync" not in ptx, name
+    two_d = r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global"
+    (gated_gathered,) = [ptx for name, ptx in gathered.items() if "Sm90GatedActStore" in name]
+    (gated_tma,) = [ptx for name, ptx in gemms.items() if "Sm90GatedActStore" in name and name not in gathered]
+    assert len(re.findall(two_d, gated_gathered)) < len(re.findall(two_d, gated_tma)), "A still loaded by TMA"
 
 
 def test_every_hopper_tile_has_its_file_and_ptx_check():

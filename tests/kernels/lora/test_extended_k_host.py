@@ -127,3 +127,13 @@ def test_moe_lora_knob_and_the_sweep():
     assert [H.moe_sm90_lora(s) for s in (None, "", *MOE_LORAS)] == ["extra_k", "extra_k", *MOE_LORAS]
     with pytest.raises(ValueError, match="extra_k .the default. or separate"):
         H.moe_sm90_lora("fused")
+
+
+def test_moe_gather_knob_and_the_sweep():
+    """PYKERNELS_SM90_MOE_GATHER (moe/moe.h): a gather pass by default, else in the GEMM's mainloop; the
+    sweep times both."""
+    from benchmarks.tile_sweep import MOE_GATHERS
+
+    assert [H.moe_sm90_gather(s) for s in (None, "", *MOE_GATHERS)] == ["pass", "pass", *MOE_GATHERS]
+    with pytest.raises(ValueError, match="pass .the default. or mainloop"):
+        H.moe_sm90_gather("tma")

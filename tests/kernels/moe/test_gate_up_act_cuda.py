@@ -5,8 +5,10 @@ core's ungated GEMM, then the activation pass) as the error yardstick:
 
     max|fused - fp64| <= 2 max|separate - fp64| + one bf16 ulp of the largest |fp64|
 
-and inner == act(the paired output it wrote) to one bf16 ulp (both from the same bf16 values). Also
-experts_forward with PYKERNELS_SM90_MOE_ACT=epilogue against the default, forward and backward, and no
+and inner == act(the paired output it wrote) to one bf16 ulp (both from the same bf16 values); with x's
+rows gathered by a pass or in the GEMM's mainloop (PYKERNELS_SM90_MOE_GATHER). Also experts_forward
+with PYKERNELS_SM90_MOE_ACT=epilogue against the default, forward and backward (frozen experts: the
+down projection's grad_x gathers dy in its mainloop under PYKERNELS_SM90_MOE_GATHER=mainloop), and no
 host synchronization. The CPU op and the index logic: test_gate_up_act.py, test_gated_gemm_host.py."""
 
 import pytest
@@ -85,11 +87,13 @@ def assert_within_budget(name, got, lowprec, want):
 
 
 @pytest.mark.skipif(not HOPPER, reason="the gated GEMM runs on compute capability 9.0")
+@pytest.mark.parametrize("gather", ["pass", "mainloop"])
 @pytest.mark.parametrize("tile", ["auto", "128x128", "128x256"])
 @pytest.mark.parametrize("act_name", ACTS)
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-def test_fused_gate_up_and_activation_match_fp64(shape, act_name, tile, monkeypatch):
+def test_fused_gate_up_and_activation_match_fp64(shape, act_name, tile, gather, monkeypatch):
     monkeypatch.setenv("PYKERNELS_SM90_TILE", tile)
+    monkeypatch.setenv("PYKERNELS_SM90_MOE_GATHER", gather)
     top_k_index, x, weight, lora = make(shape)
     with no_host_sync():
         inner, paired = gate_up_act(x, weight, top_k_index, lora, act_name)
@@ -105,8 +109,9 @@ def test_fused_gate_up_and_activation_match_fp64(shape, act_name, tile, monkeypa
 
 
 @pytest.mark.skipif(not HOPPER, reason="the gated GEMM runs on compute capability 9.0")
+@pytest.mark.parametrize("gather", ["pass", "mainloop"])
 @pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[3]], ids=shape_id)
-def test_experts_forward_with_the_activation_in_the_epilogue(shape, monkeypatch):
+def test_experts_forward_with_the_activation_in_the_epilogue(shape, gather, monkeypatch):
     """PYKERNELS_SM90_MOE_ACT=epilogue against the default (separate pass): output and every gradient
     (hidden, routing weights, LoRA factors of both projections) within the separate path's own error
     against fp64 (pykernels.reference.experts_forward on fp64 copies)."""
@@ -139,6 +144,7 @@ def test_experts_forward_with_the_activation_in_the_epilogue(shape, monkeypatch)
 
     want = run("separate", torch.float64)
     base = run("separate", torch.bfloat16)
+    monkeypatch.setenv("PYKERNELS_SM90_MOE_GATHER", gather)
     fused = run("epilogue", torch.bfloat16)
     for name in want:
         assert_within_budget(name, fused[name], base[name], want[name])

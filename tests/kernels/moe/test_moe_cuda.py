@@ -211,6 +211,23 @@ def test_hopper_experts_lora_both_ways(shape, moe_lora, monkeypatch):
     check_against_oracles(case, False, False, torch.bfloat16)
 
 
+@pytest.mark.skipif(not HOPPER, reason="the Hopper GEMM core runs on compute capability 9.0")
+@pytest.mark.parametrize(("grouped_in", "grouped_out", "with_gates", "with_lora"), FLAGS, ids=FLAG_IDS)
+def test_hopper_grad_x_gathering_dy_in_its_mainloop(grouped_in, grouped_out, with_gates, with_lora, monkeypatch):
+    """PYKERNELS_SM90_MOE_GATHER=mainloop: grad_x's GEMM reads dy by token itself (cp.async in its
+    producer warp, csrc/common/extended_k_array_mainloop_sm90.cuh) when no weight gradient is asked;
+    every layout flag, the grads against fp64 like the default's, and the output the pass's exactly."""
+    monkeypatch.setenv("PYKERNELS_SM90_MOE_GATHER", "mainloop")
+    case = make_case((300, 4, 8, 256, 128, 5), grouped_in, with_gates, with_lora, torch.bfloat16, seed=7)
+    dy = torch.randn(grad_rows(case, grouped_out), 128, generator=torch.Generator().manual_seed(8)).bfloat16()
+    no_weight_grad = (True, False, True, True)  # grad_x, grad_weight, grad_gates, the LoRA grads
+    gathered = run_ops(case, grouped_in, grouped_out, dy, "cuda", no_weight_grad)
+    monkeypatch.setenv("PYKERNELS_SM90_MOE_GATHER", "pass")
+    passed = run_ops(case, grouped_in, grouped_out, dy, "cuda", no_weight_grad)
+    for name in OUTPUTS:
+        assert torch.equal(gathered[name], passed[name]), name
+
+
 @pytest.mark.parametrize(("grouped_in", "grouped_out", "with_gates", "with_lora"), FLAGS, ids=FLAG_IDS)
 def test_unaligned_and_non_contiguous_inputs(grouped_in, grouped_out, with_gates, with_lora):
     """x starting one element into its allocation (SIMT instead of tensor cores) and a strided x
