@@ -23,8 +23,8 @@
 // pairs; its box, loads and shared-memory rows are paired_rows.h's, everything else is unchanged (the
 // same bytes per stage). The second pair may then be absent (K2 = 0: no LoRA term).
 //
-// kGatherA (the MoE rows GEMMs reading x or dy by token: PYKERNELS_SM90_MOE_GATHER, moe/moe.h): A1's row of slot s
-// is gather_a[gather_rows[s]] and A2's is gather_a2[s]; no TMA can gather on Hopper, so the whole
+// kGatherA (the MoE rows GEMMs reading x or dy by token: PYKERNELS_SM90_MOE_GATHER, moe/moe.h): A1's
+// row of slot s is gather_a[gather_rows[s]] and A2's is gather_a2[s]; no TMA can gather on Hopper, so the whole
 // producer warp copies A's k tiles with 16-byte cp.async into the swizzled stage (4 rows a lane at a
 // 128-row tile, 8 chunks a row), zero-filling rows past the group's and columns past K, while its
 // leader lane loads B by TMA as before. The stage's full barrier then counts both: each lane's
@@ -46,6 +46,12 @@
 
 namespace pykernels::gemm {
 
+// The group (expert) a producer's tiles belong to, for the gathered A: its first slot and rows.
+struct GatherGroup {
+  int64_t first_slot = 0;
+  int32_t rows = 0;
+};
+
 // Base: MainloopSm90ArrayTmaGmmaWarpSpecialized's CollectiveMma. Every group has its own A, B, A2,
 // B2 pointers and strides. That mainloop keeps the TMA descriptors of A and B per SM in global
 // memory and rewrites them in shared memory when a CTA moves to another group (address, dims,
@@ -54,12 +60,6 @@ namespace pykernels::gemm {
 // shared memory carved out of its stages. K1 and K2 are the pairs' extents (the same for all
 // groups); the problem shapes' K is ceil(K1 / BLK_K) BLK_K + ceil(K2 / BLK_K) BLK_K, TMA
 // zero-filling both pairs' last k tile.
-// The group (expert) a producer's tiles belong to, for the gathered A: its first slot and rows.
-struct GatherGroup {
-  int64_t first_slot = 0;
-  int32_t rows = 0;
-};
-
 template <class Base, bool kPairedB = false, bool kGatherA = false>
 struct ExtendedKArrayMainloop : Base {
   using typename Base::ElementA;
@@ -212,8 +212,8 @@ struct ExtendedKArrayMainloop : Base {
           args.gather_lda2 % 8 != 0 || args.k1 % 8 != 0 || args.k2 % 8 != 0)
         return false;
     }
-    return args.k1 >= 1 && args.k2 >= (kPairedB || kGatherA ? 0 : 1) && args.ptr_A2 != nullptr && args.ptr_B2 != nullptr && args.dA2 != nullptr &&
-           args.dB2 != nullptr &&
+    return args.k1 >= 1 && args.k2 >= (kPairedB || kGatherA ? 0 : 1) && args.ptr_A2 != nullptr &&
+           args.ptr_B2 != nullptr && args.dA2 != nullptr && args.dB2 != nullptr &&
            Base::can_implement(problem_shapes, typename Base::Arguments{args.ptr_A, args.dA, args.ptr_B, args.dB});
   }
 
@@ -248,6 +248,40 @@ struct ExtendedKArrayMainloop : Base {
     return updated;
   }
 
+  // This CTA's (x, y) in its cluster, and the CTAs B's multicast reaches (those sharing its y).
+  CUTLASS_DEVICE static uint2 cluster_block_id(uint32_t block_rank_in_cluster) {
+    constexpr uint32_t cluster_shape_x = cute::get<0>(typename DispatchPolicy::ClusterShape());
+    return {block_rank_in_cluster % cluster_shape_x, block_rank_in_cluster / cluster_shape_x};
+  }
+  CUTLASS_DEVICE static uint16_t mcast_mask_b_of(uint2 cluster_local_block_id) {
+    uint16_t mask = 0;
+    if constexpr (cute::is_same_v<GmemTiledCopyB, cute::SM90_TMA_LOAD_MULTICAST>) {
+      auto block_layout = cute::Layout<typename DispatchPolicy::ClusterShape>{};
+      for (int m = 0; m < cute::size<0>(block_layout); ++m)
+        mask |= (uint16_t(1) << block_layout(m, cluster_local_block_id.y, cute::Int<0>{}));
+    }
+    return mask;
+  }
+
+  // k tile k_tile's B (paired or not) or, past the first pair's tiles, B2, by TMA into the stage.
+  template <class TensorB, class TensorB2, class TensorSB, class TensorMaps>
+  CUTLASS_DEVICE static void load_b_tile(Params const& params, TensorMaps const& input_tensormaps,
+                                         uint64_t* tma_barrier, uint16_t mcast_mask_b, TensorB const& tBgB,
+                                         TensorB2 const& tBgB2, TensorSB& tBsB, TensorStorage& shared_tensors,
+                                         int stage, int n_coord, int part, int k_tile, int k1_tiles) {
+    using cute::_;
+    if (k_tile >= k1_tiles) {
+      copy(params.tma_load_b2.with(cute::get<3>(input_tensormaps), *tma_barrier, mcast_mask_b),
+           tBgB2(_, _, _, k_tile - k1_tiles), tBsB(_, _, _, stage));
+    } else if constexpr (kPairedB) {
+      load_paired_b(cute::get<1>(input_tensormaps), tma_barrier, mcast_mask_b, shared_tensors, stage, n_coord, part,
+                    k_tile);
+    } else {
+      copy(params.tma_load_b.with(cute::get<1>(input_tensormaps), *tma_barrier, mcast_mask_b), tBgB(_, _, _, k_tile),
+           tBsB(_, _, _, stage));
+    }
+  }
+
   // Base::load's loop, each k tile from the pair it lies in, through the group's descriptors.
   template <class TensorA, class TensorB, class TensorA2, class TensorB2, class TensorMapA, class TensorMapB,
             class TensorMapA2, class TensorMapB2, class KTileIterator, class BlockCoord>
@@ -265,9 +299,7 @@ struct ExtendedKArrayMainloop : Base {
     if (!elect_one_sync()) return;
     Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
     Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
-    constexpr uint32_t cluster_shape_x = get<0>(typename DispatchPolicy::ClusterShape());
-    const uint2 cluster_local_block_id = {block_rank_in_cluster % cluster_shape_x,
-                                          block_rank_in_cluster / cluster_shape_x};
+    const uint2 cluster_local_block_id = cluster_block_id(block_rank_in_cluster);
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
     auto block_tma_a = params.tma_load_a.get_slice(cluster_local_block_id.y);
     auto block_tma_b = params.tma_load_b.get_slice(cluster_local_block_id.x);
@@ -280,17 +312,13 @@ struct ExtendedKArrayMainloop : Base {
     Tensor tAsA = block_tma_a.partition_D(sA);
     Tensor tBsB = block_tma_b.partition_D(sB);
 
-    uint16_t mcast_mask_a = 0, mcast_mask_b = 0;
+    uint16_t mcast_mask_a = 0;
     if constexpr (is_same_v<GmemTiledCopyA, SM90_TMA_LOAD_MULTICAST>) {
       auto block_layout = Layout<typename DispatchPolicy::ClusterShape>{};
       for (int n = 0; n < size<1>(block_layout); ++n)
         mcast_mask_a |= (uint16_t(1) << block_layout(cluster_local_block_id.x, n, Int<0>{}));
     }
-    if constexpr (is_same_v<GmemTiledCopyB, SM90_TMA_LOAD_MULTICAST>) {
-      auto block_layout = Layout<typename DispatchPolicy::ClusterShape>{};
-      for (int m = 0; m < size<0>(block_layout); ++m)
-        mcast_mask_b |= (uint16_t(1) << block_layout(m, cluster_local_block_id.y, Int<0>{}));
-    }
+    const uint16_t mcast_mask_b = mcast_mask_b_of(cluster_local_block_id);
 
     const int k1_tiles = k1_tiles_of(params.k1);
     CUTLASS_PRAGMA_NO_UNROLL
@@ -302,20 +330,12 @@ struct ExtendedKArrayMainloop : Base {
       if (k_tile < k1_tiles) {
         copy(params.tma_load_a.with(get<0>(input_tensormaps), *tma_barrier, mcast_mask_a), tAgA(_, _, _, k_tile),
              tAsA(_, _, _, stage));
-        if constexpr (kPairedB) {
-          load_paired_b(get<1>(input_tensormaps), tma_barrier, mcast_mask_b, shared_tensors, stage, n_coord,
-                        cluster_local_block_id.x, k_tile);
-        } else {
-          copy(params.tma_load_b.with(get<1>(input_tensormaps), *tma_barrier, mcast_mask_b), tBgB(_, _, _, k_tile),
-               tBsB(_, _, _, stage));
-        }
       } else {
-        const int k2_tile = k_tile - k1_tiles;
         copy(params.tma_load_a2.with(get<2>(input_tensormaps), *tma_barrier, mcast_mask_a),
-             tAgA2(_, _, _, k2_tile), tAsA(_, _, _, stage));
-        copy(params.tma_load_b2.with(get<3>(input_tensormaps), *tma_barrier, mcast_mask_b),
-             tBgB2(_, _, _, k2_tile), tBsB(_, _, _, stage));
+             tAgA2(_, _, _, k_tile - k1_tiles), tAsA(_, _, _, stage));
       }
+      load_b_tile(params, input_tensormaps, tma_barrier, mcast_mask_b, tBgB, tBgB2, tBsB, shared_tensors, stage,
+                  n_coord, cluster_local_block_id.x, k_tile, k1_tiles);
       ++k_tile_iter;
       ++smem_pipe_write;
     }
@@ -339,21 +359,14 @@ struct ExtendedKArrayMainloop : Base {
     const int lane = thread_idx % kWarpThreads;
     Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
     Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
-    constexpr uint32_t cluster_shape_x = get<0>(typename DispatchPolicy::ClusterShape());
-    const uint2 cluster_local_block_id = {block_rank_in_cluster % cluster_shape_x,
-                                          block_rank_in_cluster / cluster_shape_x};
+    const uint2 cluster_local_block_id = cluster_block_id(block_rank_in_cluster);
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
     auto block_tma_b = params.tma_load_b.get_slice(cluster_local_block_id.x);
     auto block_tma_b2 = params.tma_load_b2.get_slice(cluster_local_block_id.x);
     Tensor tBgB = block_tma_b.partition_S(get<1>(load_inputs)(_, _, n_coord, _, l_coord));
     Tensor tBgB2 = block_tma_b2.partition_S(get<3>(load_inputs)(_, _, n_coord, _, l_coord));
     Tensor tBsB = block_tma_b.partition_D(sB);
-    uint16_t mcast_mask_b = 0;
-    if constexpr (is_same_v<GmemTiledCopyB, SM90_TMA_LOAD_MULTICAST>) {
-      auto block_layout = Layout<typename DispatchPolicy::ClusterShape>{};
-      for (int m = 0; m < size<0>(block_layout); ++m)
-        mcast_mask_b |= (uint16_t(1) << block_layout(m, cluster_local_block_id.y, Int<0>{}));
-    }
+    const uint16_t mcast_mask_b = mcast_mask_b_of(cluster_local_block_id);
 
     // This lane's rows of the tile (lane + 32 i): the slot each holds and A1's row for it, -1 past the
     // group's rows (32-bit: slots < 2^31, and the producer warp runs on 40 registers).
@@ -393,17 +406,8 @@ struct ExtendedKArrayMainloop : Base {
       __syncwarp();
       pipeline.producer_acquire(smem_pipe_write, token);  // the leader: arrive, expecting B's bytes
       if (lane == 0) {
-        auto* tma_barrier = pipeline.producer_get_barrier(smem_pipe_write);
-        if (!first_pair) {
-          copy(params.tma_load_b2.with(get<3>(input_tensormaps), *tma_barrier, mcast_mask_b),
-               tBgB2(_, _, _, k_tile - k1_tiles), tBsB(_, _, _, stage));
-        } else if constexpr (kPairedB) {
-          load_paired_b(get<1>(input_tensormaps), tma_barrier, mcast_mask_b, shared_tensors, stage, n_coord,
-                        cluster_local_block_id.x, k_tile);
-        } else {
-          copy(params.tma_load_b.with(get<1>(input_tensormaps), *tma_barrier, mcast_mask_b), tBgB(_, _, _, k_tile),
-               tBsB(_, _, _, stage));
-        }
+        load_b_tile(params, input_tensormaps, pipeline.producer_get_barrier(smem_pipe_write), mcast_mask_b, tBgB,
+                    tBgB2, tBsB, shared_tensors, stage, n_coord, cluster_local_block_id.x, k_tile, k1_tiles);
       }
       ++k_tile_iter;
       ++smem_pipe_write;

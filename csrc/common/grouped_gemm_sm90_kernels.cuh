@@ -90,7 +90,8 @@ using EpilogueGated = cutlass::epilogue::collective::CollectiveBuilder<
 template <class LayoutA, class LayoutB, class EpilogueT, bool kExtended = false, bool kGatedB = false,
           bool kGatherA = false>
 struct GroupedGemm {
-  static_assert((!kGatedB && !kGatherA) || kExtended, "the gated GEMM and a gathered A run on the extra-K mainloop");
+  static_assert((!kGatedB && !kGatherA) || kExtended,
+                "the gated GEMM and a gathered A run on the extra-K mainloop");
   using Element = ElementAB;
   using Epilogue = EpilogueT;
   using ElementD = typename Epilogue::ElementD;
@@ -104,7 +105,8 @@ struct GroupedGemm {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, 8, Element, LayoutB*, 8, float,
       TileShape, ClusterShape, cutlass::gemm::collective::StageCountAutoCarveout<kCarveout>,
       PYKERNELS_SM90_KERNEL_SCHEDULE>::CollectiveOp;
-  using Mainloop = cute::conditional_t<kExtended, ExtendedKArrayMainloop<BaseMainloop, kGatedB, kGatherA>, BaseMainloop>;
+  using Mainloop =
+      cute::conditional_t<kExtended, ExtendedKArrayMainloop<BaseMainloop, kGatedB, kGatherA>, BaseMainloop>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;

@@ -16,6 +16,7 @@
 #pragma once
 
 #include "common/online_softmax.h"
+#include "common/sm90_store_node.cuh"
 #include "cute/tensor.hpp"
 #include "logprobs/vocab_chunks.h"
 #include "cutlass/cutlass.h"
@@ -33,11 +34,9 @@ CUTE_HOST_DEVICE constexpr auto partials_plane_layout(CtaTileMN tile_mn, ShapeMN
 }
 
 template <class CtaTileShapeMNK>
-struct Sm90SoftmaxPartials {
+struct Sm90SoftmaxPartials : gemm::Sm90StoreNode {
   // Gives the collective an element type for its (unused) D staging when D is void.
   using ElementAux = float;
-
-  struct SharedStorage {};
 
   struct Arguments {
     float* max_z = nullptr;  // each compact m-major (round_up(M, CTA_M), ceil_div(N, CTA_N))
@@ -56,28 +55,10 @@ struct Sm90SoftmaxPartials {
   static bool can_implement(ProblemShape const&, Arguments const& args) {
     return args.max_z != nullptr && args.sum_exp != nullptr && args.sum_exp_z != nullptr;
   }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
-                                              cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
-
-  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
-  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
-
   CUTLASS_HOST_DEVICE Sm90SoftmaxPartials() {}
   CUTLASS_HOST_DEVICE Sm90SoftmaxPartials(Params const& params, SharedStorage const&) : params(params) {}
 
   Params params;
-
-  template <class... Args>
-  CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::ProducerLoadArgs<Args...> const&) {
-    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
-  }
 
   template <class ArgsTuple>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {

@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "common/gemm_groups.h"
+#include "common/sm90_store_node.cuh"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/fusion/sm90_visitor_tma_warpspecialized.hpp"
@@ -25,9 +26,7 @@
 namespace pykernels::moe::sm90 {
 
 template <class ElementOut>
-struct Sm90GatedActStore {
-  struct SharedStorage {};
-
+struct Sm90GatedActStore : gemm::Sm90StoreNode {
   struct Arguments {
     void* act_out = nullptr;                 // [slots, inner] ElementOut
     const int64_t* expert_offsets = nullptr;  // the GEMM's groups (null: one group of every slot)
@@ -44,28 +43,10 @@ struct Sm90GatedActStore {
   static bool can_implement(ProblemShape const&, Arguments const& args) {
     return args.act_out != nullptr && args.inner >= 1;
   }
-  template <class ProblemShape>
-  static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
-    return 0;
-  }
-  template <class ProblemShape>
-  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
-                                              cutlass::CudaHostAdapter* = nullptr) {
-    return cutlass::Status::kSuccess;
-  }
-
-  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
-  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
-
   CUTLASS_HOST_DEVICE Sm90GatedActStore() {}
   CUTLASS_HOST_DEVICE Sm90GatedActStore(Params const& params, SharedStorage const&) : params(params) {}
 
   Params params;
-
-  template <class... Args>
-  CUTLASS_DEVICE auto get_producer_load_callbacks(cutlass::epilogue::fusion::ProducerLoadArgs<Args...> const&) {
-    return cutlass::epilogue::fusion::EmptyProducerLoadCallbacks{};
-  }
 
   template <class CoordTensor, class Residue>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
