@@ -158,7 +158,7 @@ py::object gemm_sm90_gated_error(const std::string& kind, int64_t n, int64_t k, 
 std::vector<std::pair<int64_t, int64_t>> gemm_paired_rows_tile(int64_t inner, int64_t k, int64_t ldb,
                                                                int64_t block_n, int64_t cluster_m, int64_t n_tile) {
   std::vector<std::pair<int64_t, int64_t>> rows;
-  const gemm::PairedRowsBox box = gemm::paired_rows_box(inner, k, ldb, 2, block_n, 64, cluster_m);
+  const gemm::PairedRowsBox box = gemm::paired_rows_box(inner, k, ldb, 2, block_n, gemm::kSm90TileK, cluster_m);
   for (int64_t part = 0; part < cluster_m; ++part) {
     const int64_t j0 = gemm::paired_rows_j0(n_tile, part, block_n, cluster_m);
     const int64_t first = gemm::paired_rows_first_tile_row(part, block_n, cluster_m);
@@ -718,7 +718,7 @@ void define_host_logic(py::module_& m) {
   m.def(
       "gemm_paired_rows_error",
       [](int64_t n, int64_t k, int64_t ldb, int64_t block_n, int64_t cluster_m) -> py::object {
-        const char* error = gemm::paired_rows_error(n, k, ldb, 2, block_n, 64, cluster_m);
+        const char* error = gemm::paired_rows_error(n, k, ldb, 2, block_n, gemm::kSm90TileK, cluster_m);
         return error ? py::object(py::str(error)) : py::object(py::none());
       },
       py::arg("n"), py::arg("k"), py::arg("ldb"), py::arg("block_n"), py::arg("cluster_m"));

@@ -1,5 +1,6 @@
 // What a CUTLASS sm90 epilogue visitor node that only consumes the accumulators needs besides its own
-// visit: no shared memory, no workspace, nothing loaded by the producer warp, no C. The logprobs
+// visit: no shared memory, no workspace, nothing loaded by the producer warp, no C, and its Params
+// the same as its Arguments. The logprobs
 // statistics node (logprobs/softmax_partials_visitor_sm90.cuh) and the gated activation's
 // (moe/gated_act_visitor_sm90.cuh) derive from it.
 #pragma once
@@ -14,6 +15,10 @@ namespace pykernels::gemm {
 struct Sm90StoreNode {
   struct SharedStorage {};
 
+  template <class ProblemShape, class Arguments>
+  static constexpr Arguments to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
+    return args;
+  }
   template <class ProblemShape, class Arguments>
   static size_t get_workspace_size(ProblemShape const&, Arguments const&) {
     return 0;

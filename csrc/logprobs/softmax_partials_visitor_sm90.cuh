@@ -48,10 +48,6 @@ struct Sm90SoftmaxPartials : gemm::Sm90StoreNode {
   using Params = Arguments;
 
   template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
-    return args;
-  }
-  template <class ProblemShape>
   static bool can_implement(ProblemShape const&, Arguments const& args) {
     return args.max_z != nullptr && args.sum_exp != nullptr && args.sum_exp_z != nullptr;
   }

@@ -4,7 +4,7 @@
 
 #include <torch/library.h>
 
-#include "common/autograd_ops.h"
+#include "moe/moe_op_handles.h"
 
 namespace pykernels::moe {
 
@@ -22,21 +22,13 @@ std::tuple<at::Tensor, at::Tensor> gate_up_act_composed(const at::Tensor& x, con
                                                         bool grouped_in, const std::optional<at::Tensor>& lora_a,
                                                         const std::optional<at::Tensor>& lora_b, double lora_scaling,
                                                         int64_t act, double alpha, double limit) {
-  using autograd::find_op;
-  using autograd::OptionalTensor;
   check_gate_up_weight(weight);
-  static const auto grouped_linear =
-      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                         const at::Tensor&, int64_t, bool, bool, const OptionalTensor&, const OptionalTensor&,
-                         const OptionalTensor&, double)>("pykernels::moe_grouped_linear");
-  static const auto gated_act =
-      find_op<at::Tensor(const at::Tensor&, int64_t, bool, double, double)>("pykernels::moe_gated_act");
-  const at::Tensor rows = grouped_linear.call(x, weight, sorted_expert_idx, sorted_token_idx, expert_offsets, top_k,
-                                              grouped_in, /*grouped_out=*/true, std::nullopt, lora_a, lora_b,
-                                              lora_scaling);
+  const at::Tensor rows = grouped_linear_op().call(x, weight, sorted_expert_idx, sorted_token_idx, expert_offsets,
+                                                   top_k, grouped_in, /*grouped_out=*/true, std::nullopt, lora_a,
+                                                   lora_b, lora_scaling);
   const int64_t slots = rows.size(0), inner = rows.size(1) / 2;
   const at::Tensor paired = rows.view({slots, 2, inner}).transpose(1, 2).reshape({slots, 2 * inner});
-  return {gated_act.call(paired, act, /*interleaved=*/true, alpha, limit), paired};
+  return {gated_act_op().call(paired, act, /*interleaved=*/true, alpha, limit), paired};
 }
 
 TORCH_LIBRARY_IMPL(pykernels, CPU, m) { m.impl("moe_gate_up_act", &gate_up_act_composed); }

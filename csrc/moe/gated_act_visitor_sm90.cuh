@@ -36,10 +36,6 @@ struct Sm90GatedActStore : gemm::Sm90StoreNode {
   using Params = Arguments;
 
   template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) {
-    return args;
-  }
-  template <class ProblemShape>
   static bool can_implement(ProblemShape const&, Arguments const& args) {
     return args.act_out != nullptr && args.inner >= 1;
   }

@@ -14,50 +14,12 @@
 #include <tuple>
 
 #include "common/autograd_ops.h"
+#include "moe/moe_op_handles.h"
 
 namespace pykernels::moe {
 namespace {
 
 using namespace pykernels::autograd;  // find_op, OptionalEdges, needs_grad, present, the context
-
-const auto& grouped_linear_op() {
-  static const auto op =
-      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                         const at::Tensor&, int64_t, bool, bool, const OptionalTensor&, const OptionalTensor&,
-                         const OptionalTensor&, double)>("pykernels::moe_grouped_linear");
-  return op;
-}
-
-using GroupedLinearGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-
-const auto& grouped_linear_backward_op() {
-  static const auto op =
-      find_op<GroupedLinearGrads(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                 const at::Tensor&, const at::Tensor&, int64_t, bool, bool, const OptionalTensor&,
-                                 const OptionalTensor&, const OptionalTensor&, double, bool, bool, bool, bool)>(
-          "pykernels::moe_grouped_linear_backward");
-  return op;
-}
-
-const auto& gated_act_op() {
-  static const auto op =
-      find_op<at::Tensor(const at::Tensor&, int64_t, bool, double, double)>("pykernels::moe_gated_act");
-  return op;
-}
-
-const auto& gated_act_backward_op() {
-  static const auto op =
-      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, bool, double, double, std::optional<bool>)>(
-          "pykernels::moe_gated_act_backward");
-  return op;
-}
-
-const auto& gate_up_act_op() {
-  static const auto op = find_op<std::tuple<at::Tensor, at::Tensor>(
-      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool,
-      const OptionalTensor&, const OptionalTensor&, double, int64_t, double, double)>("pykernels::moe_gate_up_act");
-  return op;
-}
 
 struct GroupedLinear : public torch::autograd::Function<GroupedLinear> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
