@@ -3,7 +3,8 @@
 #   make test   set-up, build, the unit and integration tests, lint, and the CUDA compile check when
 #               nvcc is present (a few minutes)
 # Other targets: test-e2e (the end-to-end tier: real vLLM engines, 8.5 min on Zen 4, ~20 on CI's Xeon), lint,
-# install, build, bench, cuda-check, gpu-wheels (here) and gpu-install, gpu (on the GPU machine), clean.
+# install, build, bench, cuda-check, gpu-wheels and gpu-kernels (here) and gpu-install, gpu (on the GPU machine),
+# clean.
 
 PYTHON_BOOTSTRAP ?= python3
 VENV ?= .venv
@@ -30,7 +31,7 @@ INSTALLED := $(VENV)/.installed
 BUILT := $(VENV)/.built
 
 .PHONY: demo test test-fast no-nvcc test-e2e lint install build bench cuda-check clean \
-	gpu-wheels gpu-install gpu-packages gpu-build gpu-test gpu-sanitize gpu-bench gpu gpu-sweep nemo-gym
+	gpu-wheels gpu-kernels gpu-install gpu-packages gpu-build gpu-test gpu-sanitize gpu-bench gpu gpu-sweep nemo-gym
 
 DEMO_CONFIG := examples/tiny-grpo.yaml
 DEMO_ARGS ?=  # overrides, e.g. make demo DEMO_ARGS="--model.dtype=bfloat16 --train.steps=80"
@@ -164,6 +165,12 @@ GPU_STAGE = $(GPU_PYTHON) .ci/gpu/$(1).py $(if $(filter-out 0,$(DRY_RUN)),--dry-
 
 gpu-wheels:
 	$(if $(wildcard $(PY)),$(PY),$(PYTHON_BOOTSTRAP)) .ci/gpu/wheels.py $(GPU_WHEELS_ARGS)
+
+# Also here, after gpu-wheels: the CUDA kernels compiled for the lent GPUs (sm_90a) into wheelhouse/kernels/,
+# which gpu-build links instead of compiling them when they match the node's sources, archs and nvcc
+# (.ci/gpu/kernels.py; the first run ~10 minutes on 2 cores, later ones compile what changed).
+gpu-kernels: $(TOOLS)
+	$(PY) .ci/gpu/kernels.py $(GPU_KERNELS_ARGS)
 
 gpu-install: gpu-packages gpu-build
 

@@ -7,6 +7,7 @@ Environment knobs:
   PYKERNELS_BUILD_TYPE   CMake build type (default Release)
   MAX_JOBS               parallel compile jobs (default: CPU count)
   CUTLASS_DIR            CUTLASS include dir (default: the nvidia-cutlass wheel's headers)
+  PYKERNELS_PREBUILT_KERNELS  a directory of prebuilt kernel objects to link (.ci/gpu/kernels.py)
 The wheel also carries pykernels-startup.pth (see pykernels/startup_hook.py).
 """
 
@@ -81,6 +82,8 @@ class CMakeBuild(build_ext):
         ]
         if "PYKERNELS_CUDA_ARCHS" in os.environ:
             configure.append(f"-DPYKERNELS_CUDA_ARCHS={os.environ['PYKERNELS_CUDA_ARCHS']}")
+        # Always passed: an empty value clears a cached one (a GPU node's fallback build, .ci/gpu/build.py).
+        configure.append(f"-DPYKERNELS_PREBUILT_KERNELS={os.environ.get('PYKERNELS_PREBUILT_KERNELS', '')}")
         if "CUTLASS_DIR" in os.environ:
             configure.append(f"-DCUTLASS_DIR={os.environ['CUTLASS_DIR']}")
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))

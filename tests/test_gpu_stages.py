@@ -16,7 +16,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_DIR = ROOT / ".ci" / "gpu"
-STAGES = ["wheels", "install", "build", "test", "sanitize", "bench"]
+STAGES = ["wheels", "kernels", "install", "build", "test", "sanitize", "bench"]
 
 
 def load(name: str):
@@ -45,7 +45,10 @@ def test_dry_run_prints_the_commands(name):
     expected = {
         "wheels": ["pip install --dry-run", "pip download --no-deps", "--python-version 3.12"],
         "install": ["pip install --no-index --find-links", "--no-deps nvidia-cutlass==4.2.0.0"],
-        "build": ["PYKERNELS_CUDA_ARCHS=", "MAX_JOBS=", "pip install --no-build-isolation", "build_info:"],
+        "kernels": ["-DPYKERNELS_KERNEL_OBJECTS_ONLY=ON", "-DPYKERNELS_CUDA_ARCHS=90a", "--build",
+                             "would pack the objects into"],
+        "build": ["PYKERNELS_CUDA_ARCHS=", "MAX_JOBS=", "pip install --no-build-isolation", "build_info:",
+                  "kernels: "],
         "test": ["-m 'cuda and not slow' -q", "CUDA tests selected:"],
         "sanitize": ["--tool memcheck", "--tool racecheck", "sanitize_ops.py --device cuda", "moe: ran on cpu"],
         "bench": ["pytest --benchmark --benchmark-json=", "benchmarks.report", "--markdown", "benchmarks/results/"],
@@ -306,3 +309,85 @@ def test_lease_scripts_profile_stage_shows_why_ncu_made_no_table(tmp_path):
     assert result.returncode == 1 and "profile: exit 1" in result.stdout, result.stdout + result.stderr
     log = (out / "profile.log").read_text()
     assert "no ncu CSV in the input" in log and "ERR_NVGPUCTRPERM" in log
+
+
+def kernel_bundle(tmp_path: Path, key: dict) -> tuple[Path, list[Path]]:
+    """A wheelhouse with a bundle of two stand-in objects packed under key, and those objects."""
+    kernels = load("kernels")
+    build_dir = tmp_path / "build"
+    objects = [build_dir / "CMakeFiles" / "k.dir" / name for name in ("a.cu.o", "tile_sm90.cu.o")]
+    for index, obj in enumerate(objects):
+        obj.parent.mkdir(parents=True, exist_ok=True)
+        obj.write_bytes(bytes([index]) * 1000)
+    wheelhouse = tmp_path / "wheelhouse"
+    kernels.pack(objects, build_dir, key, kernels.bundle_path(wheelhouse, key["archs"]))
+    return wheelhouse, objects
+
+
+def test_prebuilt_kernels_are_unpacked_for_a_build_of_the_same_sources(tmp_path):
+    """make gpu-kernels' bundle, read back as gpu-build reads it: every object under the path
+    kernel_objects.txt gives it (what CMakeLists.txt's PYKERNELS_PREBUILT_KERNELS links), byte for byte."""
+    kernels = load("kernels")
+    key = kernels.build_key("90a")
+    assert "csrc/common/grouped_gemm_tile_128x256_sm90.cu" in key["files"] and "CMakeLists.txt" in key["files"]
+    assert "cmake/sm90_sources.cmake" in key["files"]
+    wheelhouse, objects = kernel_bundle(tmp_path, key)
+    unpacked, how = kernels.prepare(wheelhouse, "90a", tmp_path / "unpacked")
+    assert unpacked is not None, how
+    assert "linking the 2 prebuilt objects" in how
+    listed = (unpacked / kernels.OBJECT_LIST).read_text().split()
+    assert listed == ["CMakeFiles/k.dir/a.cu.o", "CMakeFiles/k.dir/tile_sm90.cu.o"]
+    assert [(unpacked / name).read_bytes() for name in listed] == [obj.read_bytes() for obj in objects]
+    dry, how = kernels.prepare(wheelhouse, "90a", tmp_path / "dry", dry_run=True)
+    assert dry == tmp_path / "dry" and "would link" in how and not dry.exists()
+
+
+@pytest.mark.parametrize(("field", "value", "reason"), [
+    ("archs", "80", "built for archs 80, this build has 90a"),
+    ("nvcc_release", "12.8", "built for nvcc release 12.8"),
+    ("cutlass", "3.9.2", "built for CUTLASS version 3.9.2"),
+    ("files", {"csrc/moe/moe.h": "0" * 64}, "built from other sources: csrc/moe/moe.h"),
+])
+def test_prebuilt_kernels_of_other_sources_or_tools_are_compiled_again(tmp_path, field, value, reason):
+    """A bundle from other sources (one header edited since `make gpu-kernels`), archs, nvcc release or
+    CUTLASS headers would link kernels that are not these: gpu-build compiles them, saying why."""
+    kernels = load("kernels")
+    key = kernels.build_key("90a")
+    stale = {**key, field: {**key["files"], **value} if field == "files" else value}
+    wheelhouse, _ = kernel_bundle(tmp_path, stale)
+    archs = stale["archs"] if field == "archs" else "90a"
+    if field == "archs":  # the bundle for another GPU is another file: asked for 90a, there is none
+        unpacked, how = kernels.prepare(wheelhouse, "90a", tmp_path / "unpacked")
+        assert unpacked is None and "no " in how and "kernels-90a.tar.xz" in how
+        (kernels.bundle_path(wheelhouse, archs)).rename(kernels.bundle_path(wheelhouse, "90a"))
+    unpacked, how = kernels.prepare(wheelhouse, "90a", tmp_path / "unpacked")
+    assert unpacked is None and reason in how, how
+    assert not (tmp_path / "unpacked").exists()
+
+
+def test_a_corrupt_kernel_bundle_is_compiled_around(tmp_path):
+    kernels = load("kernels")
+    bundle = kernels.bundle_path(tmp_path, "90a")
+    bundle.parent.mkdir(parents=True)
+    bundle.write_bytes(b"not xz")
+    unpacked, how = kernels.prepare(tmp_path, "90a", tmp_path / "unpacked")
+    assert unpacked is None and "unreadable" in how
+
+
+@pytest.mark.skipif(load("kernels").find_nvcc() is None, reason="needs nvcc (CMake's CUDA language)")
+def test_kernel_objects_build_lists_every_cuda_source(tmp_path):
+    """CMakeLists.txt's PYKERNELS_KERNEL_OBJECTS_ONLY configures (no compile here: ~10 minutes) the
+    objects of every .cu file, for the archs asked, with the flags of a CUDA build."""
+    kernels = load("kernels")
+    python = Path(sys.executable)
+    cmake = python.parent / "cmake"
+    result = subprocess.run([str(cmake if cmake.exists() else "cmake"), "-S", str(ROOT), "-B", str(tmp_path), "-G",
+                             "Ninja", "-DPYKERNELS_KERNEL_OBJECTS_ONLY=ON", "-DPYKERNELS_CUDA_ARCHS=90a",
+                             f"-DPython_EXECUTABLE={python}", f"-DCMAKE_MAKE_PROGRAM={python.parent / 'ninja'}"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    listed = sorted(Path(line).name for line in (tmp_path / kernels.OBJECT_LIST).read_text().split())
+    assert listed == sorted(f"{path.name}.o" for path in (ROOT / "csrc").glob("*/*.cu"))
+    ninja = (tmp_path / "build.ninja").read_text()
+    assert "-lineinfo" in ninja and "-DPYKERNELS_SM90A_GEMM" in ninja
+    assert "torch" not in ninja.lower()  # the objects do not depend on the node's torch

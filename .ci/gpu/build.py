@@ -3,7 +3,11 @@ without build isolation, for the architectures of the GPUs present and with ever
 pykernels.build_info() and fails when CUDA is off, a kernel family has no CUDA kernel registered, or
 the extension carries its own static libstdc++ (linkage.py).
 
-    python .ci/gpu/build.py [--dry-run]
+The CUDA kernels' objects come from wheelhouse/kernels/ when `make gpu-kernels` compiled them from
+these sources for this GPU's archs and this nvcc release (kernels.py): only the torch-facing
+files compile here then. Otherwise, or when that build or its checks fail, the kernels compile here.
+
+    python .ci/gpu/build.py [--dry-run] [--wheelhouse wheelhouse]
 """
 
 from __future__ import annotations
@@ -11,8 +15,10 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import linkage
+import kernels
 import stage
 
 FAMILY_OPS = {  # op name prefixes of each family in the pykernels:: namespace (csrc/torch_bindings.cpp)
@@ -71,9 +77,25 @@ def body(args, started: float) -> int:
     print(stage.check_cuda_torch(args.dry_run))
     if "PYKERNELS_CUDA_ARCHS" in os.environ:
         archs = os.environ["PYKERNELS_CUDA_ARCHS"]
+    elif args.dry_run:  # the bundle's archs stand in for the GPU's: the dry run checks the bundle's sources
+        archs = kernels.DEFAULT_ARCHS
+        print(f"note: archs {archs} stand in for torch.cuda.get_device_capability's")
     else:
-        archs = "<from torch.cuda.get_device_capability>" if args.dry_run else gpu_archs()
+        archs = gpu_archs()
     env = {"PYKERNELS_CUDA_ARCHS": archs, "MAX_JOBS": str(os.cpu_count() or 1)}
+    objects, how = kernels.prepare(args.wheelhouse, archs, stage.BUILD_DIR / "prebuilt-kernels",
+                                            args.dry_run)
+    print(how)
+    if objects is not None:
+        try:
+            return build_and_check(args, started, {**env, "PYKERNELS_PREBUILT_KERNELS": str(objects)})
+        except stage.StageError as error:  # another image's libraries, say: the kernels' sources still build
+            print(f"gpu-build: with the prebuilt kernels: {error}; compiling the kernels here instead", flush=True)
+    return build_and_check(args, started, env)
+
+
+def build_and_check(args, started: float, env: dict[str, str]) -> int:
+    """The editable build under env, then the extension's import, ops and linkage checks."""
     build = [sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "--no-index", "-e", "."]
     result = stage.run(build, dry_run=args.dry_run, timeout_s=stage.remaining(started), env=env)
     if result is not None and result.returncode != 0:
@@ -100,6 +122,11 @@ def body(args, started: float) -> int:
     return 0
 
 
+def options(parser) -> None:
+    parser.add_argument("--wheelhouse", type=Path, default=stage.ROOT / "wheelhouse",
+                        help="where `make gpu-kernels` put the prebuilt kernels (kernels/)")
+
+
 if __name__ == "__main__":
-    args = stage.parse_args(__doc__)
+    args = stage.parse_args(__doc__, extra=options)
     sys.exit(stage.main("gpu-build", body, args))

@@ -8,7 +8,7 @@
 # 7 files there (the tool returns 8) they are packed into $OUT/lease.tgz. A summary with each log's
 # tail is printed last.
 #
-#   bash .ci/gpu/lease.sh                      # needs wheelhouse/ from `make gpu-wheels`
+#   bash .ci/gpu/lease.sh                      # needs wheelhouse/ from `make gpu-wheels gpu-kernels`
 #   BENCH_FILES="moe" STAGES="build test" bash .ci/gpu/lease.sh
 #   STAGES="build sanitize test breakdown" TEST_ARGS="tests/kernels/moe/test_moe_cuda.py" bash .ci/gpu/lease.sh
 #   STAGES="build sweep" bash .ci/gpu/lease.sh     # time every tile and knob of the Hopper kernels

@@ -1,0 +1,248 @@
+"""make gpu-kernels: the CUDA kernels' object files, compiled here for a GPU node's archs (default 90a:
+H100 and H200) exactly as its build would compile them, packed with what they were built from into
+wheelhouse/kernels/kernels-<archs>.tar.xz (carried with the wheels). gpu-build links them instead of
+compiling the kernels (they include no torch header, so the node's torch does not matter) when the
+bundle matches the node: these sources (each file of csrc/ and cmake/, and CMakeLists.txt), its archs
+and its nvcc release; otherwise, or when that build fails, it compiles them there as before.
+
+Why: the kernels are most of a node's build, whose critical path is one file (the 128x256 Hopper GEMM
+tile: 189 s on one core here; the 2026-11-27 lease's whole build took 184 s), out of a 15-minute lease.
+
+    python .ci/gpu/kernels.py [--dry-run] [--archs 90a] [--dest wheelhouse]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import stage
+
+SOURCES = ("csrc", "cmake", "CMakeLists.txt")  # everything the kernels' objects are compiled from, but CUTLASS
+BUNDLE_DIR = "kernels"  # under the wheelhouse: pip's --find-links does not look into subdirectories
+MANIFEST = "manifest.json"
+OBJECT_LIST = "kernel_objects.txt"  # the list CMakeLists.txt's PYKERNELS_PREBUILT_KERNELS reads
+BUILD_TIMEOUT_S = 3600  # ~10 minutes of compiling on 2 cores
+DEFAULT_ARCHS = "90a"  # H100 and H200: the GPUs we are lent
+
+
+def source_files(root: Path = stage.ROOT) -> dict[str, str]:
+    """sha256 of every file the kernels are compiled from, by path relative to root."""
+    paths = []
+    for name in SOURCES:
+        path = root / name
+        paths += sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in paths}
+
+
+def find_nvcc() -> str | None:
+    """The nvcc CMake would find: $CUDACXX, then PATH, then /usr/local/cuda."""
+    for candidate in (os.environ.get("CUDACXX"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if candidate and Path(candidate).is_file():
+            return candidate
+    return None
+
+
+def nvcc_release(nvcc: str | None = None) -> str | None:
+    """'13.0' from `nvcc --version` ("Cuda compilation tools, release 13.0, V13.0.88"), None without nvcc."""
+    nvcc = nvcc or find_nvcc()
+    if nvcc is None:
+        return None
+    output = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    match = re.search(r"release (\d+\.\d+)", output)
+    return match.group(1) if match else None
+
+
+def cutlass_version() -> str | None:
+    """The CUTLASS headers' version, found as cmake/dependencies.cmake finds them (CUTLASS_DIR, else the
+    nvidia-cutlass wheel), None without them."""
+    include = os.environ.get("CUTLASS_DIR")
+    if not include:
+        try:
+            import cutlass_library
+        except ImportError:
+            return None
+        include = str(Path(cutlass_library.__file__).parent / "source" / "include")
+    header = Path(include) / "cutlass" / "version.h"
+    if not header.is_file():
+        return None
+    text = header.read_text()
+    parts = [re.search(rf"#define CUTLASS_{part} (\d+)", text) for part in ("MAJOR", "MINOR", "PATCH")]
+    return ".".join(match.group(1) for match in parts) if all(parts) else None
+
+
+def build_key(archs: str, root: Path = stage.ROOT) -> dict:
+    """What the objects depend on: the sources, the archs, nvcc's release and CUTLASS's version."""
+    return {"archs": archs, "nvcc_release": nvcc_release(), "cutlass": cutlass_version(),
+            "files": source_files(root)}
+
+
+def bundle_path(wheelhouse: Path, archs: str) -> Path:
+    return wheelhouse / BUNDLE_DIR / f"kernels-{archs.replace(';', '-')}.tar.xz"
+
+
+def mismatch(manifest: dict, key: dict) -> str | None:
+    """Why a bundle built under manifest cannot stand for this node's build (key), None when it can."""
+    for field, what in (("archs", "archs"), ("nvcc_release", "nvcc release"), ("cutlass", "CUTLASS version")):
+        if manifest.get(field) != key[field]:
+            return f"built for {what} {manifest.get(field)}, this build has {key[field]}"
+    theirs, ours = manifest.get("files", {}), key["files"]
+    changed = sorted(path for path in theirs.keys() | ours.keys() if theirs.get(path) != ours.get(path))
+    if changed:
+        shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+        return f"built from other sources: {shown} differ"
+    return None
+
+
+def read_manifest(bundle: Path) -> dict:
+    with tarfile.open(bundle, "r:xz") as tar:
+        member = tar.extractfile(MANIFEST)
+        if member is None:
+            raise stage.StageError(f"{bundle}: no {MANIFEST}")
+        return json.loads(member.read())
+
+
+def prepare(wheelhouse: Path, archs: str, unpack_to: Path, dry_run: bool = False) -> tuple[Path | None, str]:
+    """(the directory of a usable bundle's objects, unpacked there, or in a dry run where they would be;
+    None to compile them) and a line saying which and why."""
+    bundle = bundle_path(wheelhouse, archs)
+    if not bundle.is_file():
+        return None, f"kernels: compiling them (no {bundle}: `make gpu-kernels` writes it)"
+    try:
+        manifest = read_manifest(bundle)
+    except (tarfile.TarError, OSError, ValueError, stage.StageError) as error:
+        return None, f"kernels: compiling them ({bundle} unreadable: {error})"
+    why = mismatch(manifest, build_key(archs))
+    if why is not None:
+        return None, f"kernels: compiling them ({bundle.name} {why})"
+    if dry_run:  # where they would be, not unpacked
+        return unpack_to, f"kernels: would link the {len(manifest['objects'])} prebuilt objects of {bundle.name}"
+    shutil.rmtree(unpack_to, ignore_errors=True)
+    unpack_to.mkdir(parents=True)
+    with tarfile.open(bundle, "r:xz") as tar:
+        tar.extractall(unpack_to, filter="data")
+    return unpack_to, f"kernels: linking the {len(manifest['objects'])} prebuilt objects of {bundle.name}"
+
+
+def compile_objects(archs: str, build_dir: Path, dry_run: bool) -> list[Path]:
+    """The objects of CMakeLists.txt's PYKERNELS_KERNEL_OBJECTS_ONLY build (incremental in build_dir)."""
+    python = stage.ROOT / ".venv" / "bin" / "python"
+    python = python if python.exists() else Path(sys.executable)
+    tools = python.parent
+    cmake = str(tools / "cmake") if (tools / "cmake").exists() else "cmake"
+    configure = [cmake, "-S", str(stage.ROOT), "-B", str(build_dir), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+                 "-DPYKERNELS_KERNEL_OBJECTS_ONLY=ON", f"-DPYKERNELS_CUDA_ARCHS={archs}",
+                 f"-DPython_EXECUTABLE={python}"]
+    if (tools / "ninja").exists():
+        configure.append(f"-DCMAKE_MAKE_PROGRAM={tools / 'ninja'}")
+    build = [cmake, "--build", str(build_dir), "--parallel", str(os.cpu_count() or 1)]
+    for command in (configure, build):
+        result = stage.run(command, dry_run=dry_run, timeout_s=BUILD_TIMEOUT_S)
+        if result is not None and result.returncode != 0:
+            raise stage.StageError("compiling the kernels failed (output above)")
+    if dry_run:
+        return []
+    return [Path(line) for line in (build_dir / OBJECT_LIST).read_text().split()]
+
+
+def check_links(objects: list[Path], scratch: Path) -> str:
+    """Links the objects alone into a throwaway shared library against cudart with no undefined symbol
+    left (they must need nothing of the bindings or torch), and says the newest C/C++ runtime symbol
+    versions they need (a node's libstdc++ older than those could not load them)."""
+    nvcc = find_nvcc()
+    roots = [Path(nvcc).resolve().parent.parent] if nvcc else []  # /usr/local/bin/nvcc may be a wrapper
+    roots += [Path(root) for root in (os.environ.get("CUDA_HOME"), "/usr/local/cuda") if root]
+    libs = [root / sub for root in roots for sub in ("lib64", "targets/x86_64-linux/lib")]
+    lib_dir = next((lib for lib in libs if (lib / "libcudart.so").exists()), None)
+    if lib_dir is None:
+        return "not link-checked (no libcudart.so beside nvcc)"
+    library = scratch / "kernels_link_check.so"
+    link = ["c++", "-shared", "-o", str(library), *map(str, objects), f"-L{lib_dir}", "-lcudart", "-Wl,--no-undefined"]
+    result = subprocess.run(link, capture_output=True, text=True, timeout=300)
+    if result.returncode != 0:
+        raise stage.StageError(f"the kernel objects do not link on their own:\n{result.stderr[-3000:]}")
+    symbols = subprocess.run(["nm", "-D", "--undefined-only", str(library)], capture_output=True, text=True).stdout
+    library.unlink()
+    newest = {}
+    for name, version in re.findall(r"@(GLIBCXX|CXXABI|GLIBC)_([0-9.]+)", symbols):
+        newest[name] = max(newest.get(name, "0"), version, key=lambda v: tuple(map(int, v.split("."))))
+    return "link alone against cudart; need " + ", ".join(f"{k}_{v}" for k, v in sorted(newest.items()))
+
+
+def pack(objects: list[Path], build_dir: Path, key: dict, out: Path) -> int:
+    """out: the objects under their paths relative to build_dir, their list and the manifest. Its size."""
+    names = [obj.resolve().relative_to(build_dir.resolve()).as_posix() for obj in objects]
+    manifest = {**key, "objects": names, "nvcc_version": nvcc_version_line()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_suffix(".partial")
+    with tarfile.open(partial, "w:xz", preset=9) as tar:
+        for name, text in ((MANIFEST, json.dumps(manifest, indent=1) + "\n"), (OBJECT_LIST, "\n".join(names) + "\n")):
+            info = tarfile.TarInfo(name)
+            info.size = len(text.encode())
+            tar.addfile(info, io.BytesIO(text.encode()))
+        for obj, name in zip(objects, names):
+            tar.add(obj, arcname=name)
+    partial.replace(out)
+    return out.stat().st_size
+
+
+def nvcc_version_line() -> str | None:
+    nvcc = find_nvcc()
+    if nvcc is None:
+        return None
+    lines = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout.splitlines()
+    return lines[-1] if lines else None
+
+
+def wheels_bytes(wheelhouse: Path) -> int:
+    manifest = wheelhouse / "MANIFEST.json"
+    return json.loads(manifest.read_text())["total_bytes"] if manifest.is_file() else 0
+
+
+def body(args, started: float) -> int:
+    import wheels  # the bundle shares the wheels' carry budget
+
+    if find_nvcc() is None:
+        message = "no nvcc here: the kernels cannot be compiled (gpu-build compiles them on the node)"
+        if not args.dry_run:
+            raise stage.StageError(message)
+        print(f"note: {message}; the real run stops here")
+    key = build_key(args.archs)
+    print(f"kernels for sm_{args.archs}: {len(key['files'])} source files, nvcc {key['nvcc_release']}, "
+          f"CUTLASS {key['cutlass']}")
+    objects = compile_objects(args.archs, args.build_dir, args.dry_run)
+    out = bundle_path(args.dest, args.archs)
+    if args.dry_run:
+        print(f"would pack the objects into {out}")
+        return 0
+    print("objects: " + check_links(objects, args.build_dir))
+    size = pack(objects, args.build_dir, key, out)
+    total = size + wheels_bytes(args.dest)
+    if total > wheels.BUDGET_BYTES:
+        out.unlink()
+        raise stage.StageError(f"the wheels and the kernels ({size / 2**20:.1f} MiB) take {total / 2**20:.1f} MiB, "
+                               f"over the {wheels.BUDGET_BYTES / 2**20:.0f} MiB budget: no bundle written "
+                               "(gpu-build compiles the kernels on the node)")
+    print(f"{out}: {len(objects)} objects, {size / 2**20:.1f} MiB; with the wheels {total / 2**20:.1f} MiB "
+          f"(budget {wheels.BUDGET_BYTES / 2**20:.0f} MiB)")
+    return 0
+
+
+def options(parser) -> None:
+    parser.add_argument("--archs", default=DEFAULT_ARCHS, help="PYKERNELS_CUDA_ARCHS of the GPU node (H100, H200: 90a)")
+    parser.add_argument("--dest", type=Path, default=stage.ROOT / "wheelhouse", help="the wheelhouse")
+    parser.add_argument("--build-dir", type=Path, default=stage.BUILD_DIR / "gpu-kernels",
+                        help="CMake build directory, kept: a second run compiles what changed")
+
+
+if __name__ == "__main__":
+    args = stage.parse_args(__doc__, extra=options)
+    sys.exit(stage.main("gpu-kernels", body, args, budget_s=None))
