@@ -31,7 +31,7 @@ INSTALLED := $(VENV)/.installed
 BUILT := $(VENV)/.built
 
 .PHONY: demo test test-fast no-nvcc test-e2e lint install build bench cuda-check clean \
-	gpu-wheels gpu-kernels gpu-install gpu-packages gpu-build gpu-test gpu-sanitize gpu-bench gpu gpu-sweep nemo-gym
+	gpu-wheels gpu-kernels gpu-link-check gpu-install gpu-packages gpu-build gpu-test gpu-sanitize gpu-bench gpu gpu-sweep nemo-gym
 
 DEMO_CONFIG := examples/tiny-grpo.yaml
 DEMO_ARGS ?=  # overrides, e.g. make demo DEMO_ARGS="--model.dtype=bfloat16 --train.steps=80"
@@ -171,6 +171,11 @@ gpu-wheels:
 # (.ci/gpu/kernels.py; the first run ~10 minutes on 2 cores, later ones compile what changed).
 gpu-kernels: $(TOOLS)
 	$(PY) .ci/gpu/kernels.py $(GPU_KERNELS_ARGS)
+
+# Then, before a lease: the extension a node builds (the image's CUDA torch, in build/cuda-torch-venv, and
+# those kernels), built and loaded here without a GPU (.ci/gpu/link_check.py; ~4 minutes, ~3 once set up).
+gpu-link-check: gpu-kernels
+	$(PY) .ci/gpu/link_check.py $(GPU_KERNELS_ARGS)
 
 gpu-install: gpu-packages gpu-build
 

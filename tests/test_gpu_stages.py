@@ -16,7 +16,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_DIR = ROOT / ".ci" / "gpu"
-STAGES = ["wheels", "kernels", "install", "build", "test", "sanitize", "bench"]
+STAGES = ["wheels", "kernels", "link_check", "install", "build", "test", "sanitize", "bench"]
 
 
 def load(name: str):
@@ -34,7 +34,7 @@ def dry_run(name: str) -> str:
                             capture_output=True, text=True, timeout=120)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
-    assert f"gpu-{name}: dry run ok, wall time" in output, output
+    assert f"gpu-{name.replace('_', '-')}: dry run ok, wall time" in output, output
     assert "Traceback" not in output, output
     return output
 
@@ -47,6 +47,8 @@ def test_dry_run_prints_the_commands(name):
         "install": ["pip install --no-index --find-links", "--no-deps nvidia-cutlass==4.2.0.0"],
         "kernels": ["-DPYKERNELS_KERNEL_OBJECTS_ONLY=ON", "-DPYKERNELS_CUDA_ARCHS=90a", "--build",
                              "would pack the objects into"],
+        "link_check": ["cuda-torch-venv", "torch==2.11.0", "-DPYKERNELS_PREBUILT_KERNELS=", "--target _C",
+                       "would import pykernels from"],
         "build": ["PYKERNELS_CUDA_ARCHS=", "MAX_JOBS=", "pip install --no-build-isolation", "build_info:",
                   "kernels: "],
         "test": ["-m 'cuda and not slow' -q", "CUDA tests selected:"],

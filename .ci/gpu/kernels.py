@@ -51,6 +51,17 @@ def find_nvcc() -> str | None:
     return None
 
 
+def cuda_toolkit() -> Path | None:
+    """The CUDA toolkit's root (bin/nvcc, include/, lib64/): $CUDA_HOME, /usr/local/cuda, or where the nvcc
+    found lives (/usr/local/bin/nvcc may be a wrapper script, whose directory is no toolkit)."""
+    nvcc = find_nvcc()
+    roots = [os.environ.get("CUDA_HOME"), "/usr/local/cuda", Path(nvcc).resolve().parent.parent if nvcc else None]
+    for root in (Path(root) for root in roots if root):
+        if (root / "bin" / "nvcc").is_file() and (root / "include" / "cuda_runtime.h").is_file():
+            return root
+    return None
+
+
 def nvcc_release(nvcc: str | None = None) -> str | None:
     """'13.0' from `nvcc --version` ("Cuda compilation tools, release 13.0, V13.0.88"), None without nvcc."""
     nvcc = nvcc or find_nvcc()
@@ -157,13 +168,11 @@ def check_links(objects: list[Path], scratch: Path) -> str:
     """Links the objects alone into a throwaway shared library against cudart with no undefined symbol
     left (they must need nothing of the bindings or torch), and says the newest C/C++ runtime symbol
     versions they need (a node's libstdc++ older than those could not load them)."""
-    nvcc = find_nvcc()
-    roots = [Path(nvcc).resolve().parent.parent] if nvcc else []  # /usr/local/bin/nvcc may be a wrapper
-    roots += [Path(root) for root in (os.environ.get("CUDA_HOME"), "/usr/local/cuda") if root]
-    libs = [root / sub for root in roots for sub in ("lib64", "targets/x86_64-linux/lib")]
+    toolkit = cuda_toolkit()
+    libs = [toolkit / sub for sub in ("lib64", "targets/x86_64-linux/lib")] if toolkit else []
     lib_dir = next((lib for lib in libs if (lib / "libcudart.so").exists()), None)
     if lib_dir is None:
-        return "not link-checked (no libcudart.so beside nvcc)"
+        return "not link-checked (no CUDA toolkit with libcudart.so found)"
     library = scratch / "kernels_link_check.so"
     link = ["c++", "-shared", "-o", str(library), *map(str, objects), f"-L{lib_dir}", "-lcudart", "-Wl,--no-undefined"]
     result = subprocess.run(link, capture_output=True, text=True, timeout=300)
