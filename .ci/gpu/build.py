@@ -17,8 +17,8 @@ import os
 import sys
 from pathlib import Path
 
-import linkage
 import kernels
+import linkage
 import stage
 
 FAMILY_OPS = {  # op name prefixes of each family in the pykernels:: namespace (csrc/torch_bindings.cpp)
@@ -83,8 +83,7 @@ def body(args, started: float) -> int:
     else:
         archs = gpu_archs()
     env = {"PYKERNELS_CUDA_ARCHS": archs, "MAX_JOBS": str(os.cpu_count() or 1)}
-    objects, how = kernels.prepare(args.wheelhouse, archs, stage.BUILD_DIR / "prebuilt-kernels",
-                                            args.dry_run)
+    objects, how = kernels.prepare(args.wheelhouse, archs, stage.BUILD_DIR / "prebuilt-kernels", args.dry_run)
     print(how)
     if objects is not None:
         try:
