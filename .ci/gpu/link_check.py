@@ -96,6 +96,8 @@ def body(args, started: float) -> int:
         return 0
     # The package's python files beside the new _C (the source tree's own _C is this machine's CPU build).
     package = out_dir / "pykernels"
+    for stale in package.rglob("*.py"):  # a module deleted since the last check must not import
+        stale.unlink()
     for source in (stage.ROOT / "pykernels").rglob("*.py"):
         target = package / source.relative_to(stage.ROOT / "pykernels")
         target.parent.mkdir(parents=True, exist_ok=True)
