@@ -102,7 +102,8 @@ echo
 echo "device: $device"
 for log in "$OUT"/*.log; do
     echo "---- $(basename "$log") (last lines)"
-    grep -E "FAILED|ERROR|Error|error:|passed|failed|wall time|========= (ERROR|RACECHECK|LEAK)" "$log" | tail -25
+    grep -E "FAILED|ERROR|Error|error:|passed|failed|wall time|^kernels:|========= (ERROR|RACECHECK|LEAK)" "$log" |
+        tail -25
 done
 [ -f "$OUT/breakdown.log" ] && { echo "---- breakdown.log"; grep -v "^==" "$OUT/breakdown.log" | tail -60; }
 [ -f "$OUT/sweep.log" ] && { echo "---- sweep.log"; grep -v "^==" "$OUT/sweep.log" | tail -150; }
