@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
 
 import build as build_stage
@@ -26,7 +27,14 @@ import stage
 
 # The lent images' torch (/work/.library/device/KINDS.md: 2.11.0+cu130); PyPI's wheel is that build.
 IMAGE_TORCH = "torch==2.11.0"
-BUILD_REQUIREMENTS = ["setuptools>=77", "wheel", "cmake>=3.26", "ninja", "pybind11>=2.12", "nvidia-cutlass==4.2.0.0"]
+
+
+def build_requirements() -> list[str]:
+    """pyproject's build requirements (CMake, Ninja, pybind11, CUTLASS's headers, ...) but its torch."""
+    requires = tomllib.loads((stage.ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
+    return [req for req in requires if not req.startswith("torch")]
+
+
 VENV = stage.BUILD_DIR / "cuda-torch-venv"
 BUILD = stage.BUILD_DIR / "cuda-link-check"
 SETUP_TIMEOUT_S = 1800
@@ -40,7 +48,7 @@ def venv_python(dry_run: bool) -> Path:
         print(f"{VENV}: {IMAGE_TORCH} and the build tools, set up")
         return python
     for command in ([sys.executable, "-m", "venv", "--clear", str(VENV)],
-                    [str(python), "-m", "pip", "install", "--quiet", IMAGE_TORCH, *BUILD_REQUIREMENTS]):
+                    [str(python), "-m", "pip", "install", "--quiet", IMAGE_TORCH, *build_requirements()]):
         result = stage.run(command, dry_run=dry_run, timeout_s=SETUP_TIMEOUT_S)
         if result is not None and result.returncode != 0:
             raise stage.StageError(f"could not set up {VENV} (output above)")
