@@ -330,9 +330,10 @@ def test_prebuilt_kernels_are_unpacked_for_a_build_of_the_same_sources(tmp_path)
     """make gpu-kernels' bundle, read back as gpu-build reads it: every object under the path
     kernel_objects.txt gives it (what CMakeLists.txt's PYKERNELS_PREBUILT_KERNELS links), byte for byte."""
     kernels = load("kernels")
-    key = kernels.build_key("90a")
-    assert "csrc/common/grouped_gemm_tile_128x256_sm90.cu" in key["files"] and "CMakeLists.txt" in key["files"]
-    assert "cmake/sm90_sources.cmake" in key["files"]
+    key = kernels.build_key("90a", ["csrc/moe/moe.h", "csrc/common/grouped_gemm_tile_128x256_sm90.cu",
+                                    *kernels.build_files()])
+    assert "cmake/sm90_sources.cmake" in key["files"] and None not in key["files"].values()
+    assert "csrc/moe/moe_gemm.cu" in key["kernel_sources"]
     wheelhouse, objects = kernel_bundle(tmp_path, key)
     unpacked, how = kernels.prepare(wheelhouse, "90a", tmp_path / "unpacked")
     assert unpacked is not None, how
@@ -348,23 +349,39 @@ def test_prebuilt_kernels_are_unpacked_for_a_build_of_the_same_sources(tmp_path)
     ("archs", "80", "built for archs 80, this build has 90a"),
     ("nvcc_release", "12.8", "built for nvcc release 12.8"),
     ("cutlass", "3.9.2", "built for CUTLASS version 3.9.2"),
-    ("files", {"csrc/moe/moe.h": "0" * 64}, "built from other sources: csrc/moe/moe.h"),
+    ("files", {"csrc/moe/moe.h": "0" * 64}, "built from other sources: csrc/moe/moe.h differ"),
+    ("files", {"csrc/moe/gone.cuh": "0" * 64}, "built from other sources: csrc/moe/gone.cuh differ"),
+    ("kernel_sources", ["csrc/moe/moe_gemm.cu"], "built from other kernel files: csrc/common/gemm_sm80.cu"),
 ])
 def test_prebuilt_kernels_of_other_sources_or_tools_are_compiled_again(tmp_path, field, value, reason):
-    """A bundle from other sources (one header edited since `make gpu-kernels`), archs, nvcc release or
-    CUTLASS headers would link kernels that are not these: gpu-build compiles them, saying why."""
+    """A bundle compiled from another version of a file its objects include (a header edited, or gone,
+    since `make gpu-kernels`), from another set of .cu files, or for other archs, nvcc release or CUTLASS
+    headers would link kernels that are not these: gpu-build compiles them, saying why."""
     kernels = load("kernels")
-    key = kernels.build_key("90a")
+    key = kernels.build_key("90a", ["csrc/moe/moe.h", *kernels.build_files()])
     stale = {**key, field: {**key["files"], **value} if field == "files" else value}
     wheelhouse, _ = kernel_bundle(tmp_path, stale)
-    archs = stale["archs"] if field == "archs" else "90a"
     if field == "archs":  # the bundle for another GPU is another file: asked for 90a, there is none
         unpacked, how = kernels.prepare(wheelhouse, "90a", tmp_path / "unpacked")
         assert unpacked is None and "no " in how and "kernels-90a.tar.xz" in how
-        (kernels.bundle_path(wheelhouse, archs)).rename(kernels.bundle_path(wheelhouse, "90a"))
+        kernels.bundle_path(wheelhouse, "80").rename(kernels.bundle_path(wheelhouse, "90a"))
     unpacked, how = kernels.prepare(wheelhouse, "90a", tmp_path / "unpacked")
     assert unpacked is None and reason in how, how
     assert not (tmp_path / "unpacked").exists()
+
+
+def test_the_objects_sources_are_the_files_ninja_saw_them_include():
+    """`ninja -t deps` lists each object's source and every header the compiler read: the bundle tracks
+    those under csrc/ (not CUTLASS's, torch's or the system's: the versions cover those), so editing a
+    binding or a CPU kernel leaves it usable."""
+    kernels = load("kernels")
+    deps = "\n".join([
+        "CMakeFiles/k.dir/csrc/moe/moe_gemm.cu.o: #deps 4, deps mtime 1 (VALID)",
+        f"    {ROOT}/csrc/moe/moe_gemm.cu", f"    {ROOT}/csrc/moe/../common/dtype.h", "    /usr/include/stdio.h",
+        f"    {ROOT}/.venv/lib/python3.11/site-packages/cutlass_library/source/include/cutlass/cutlass.h", "",
+        "CMakeFiles/k.dir/csrc/nf4/nf4.cu.o: #deps 2, deps mtime 1 (VALID)",
+        f"    {ROOT}/csrc/nf4/nf4.cu", f"    {ROOT}/csrc/common/dtype.h"])
+    assert kernels.dependencies(deps) == ["csrc/common/dtype.h", "csrc/moe/moe_gemm.cu", "csrc/nf4/nf4.cu"]
 
 
 def test_a_corrupt_kernel_bundle_is_compiled_around(tmp_path):

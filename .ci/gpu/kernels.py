@@ -2,8 +2,10 @@
 H100 and H200) exactly as its build would compile them, packed with what they were built from into
 wheelhouse/kernels/kernels-<archs>.tar.xz (carried with the wheels). gpu-build links them instead of
 compiling the kernels (they include no torch header, so the node's torch does not matter) when the
-bundle matches the node: these sources (each file of csrc/ and cmake/, and CMakeLists.txt), its archs
-and its nvcc release; otherwise, or when that build fails, it compiles them there as before.
+bundle matches the node: the files its objects were compiled from (each .cu file and header that
+`ninja -t deps` names, cmake/ and CMakeLists.txt; a binding or CPU file may change), the set of .cu
+files, the archs, nvcc's release and CUTLASS's version; otherwise, or when that build fails, it compiles
+them there as before.
 
 Why: the kernels are most of a node's build, whose critical path is one file (the 128x256 Hopper GEMM
 tile: 189 s on one core here; the 2026-11-27 lease's whole build took 184 s), out of a 15-minute lease.
@@ -34,13 +36,35 @@ BUILD_TIMEOUT_S = 3600  # ~10 minutes of compiling on 2 cores
 DEFAULT_ARCHS = "90a"  # H100 and H200: the GPUs we are lent
 
 
-def source_files(root: Path = stage.ROOT) -> dict[str, str]:
-    """sha256 of every file the kernels are compiled from, by path relative to root."""
-    paths = []
-    for name in SOURCES:
-        path = root / name
-        paths += sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in paths}
+def kernel_sources(root: Path = stage.ROOT) -> list[str]:
+    """The kernels' .cu files (CMakeLists.txt globs csrc/*/*.cu), relative to root."""
+    return sorted(path.relative_to(root).as_posix() for path in root.glob("csrc/*/*.cu"))
+
+
+def build_files(root: Path = stage.ROOT) -> list[str]:
+    """What decides the objects' flags: CMakeLists.txt and cmake/."""
+    cmake = sorted(path.relative_to(root).as_posix() for path in (root / "cmake").rglob("*") if path.is_file())
+    return ["CMakeLists.txt", *cmake]
+
+
+def file_hashes(paths: list[str], root: Path = stage.ROOT) -> dict[str, str | None]:
+    """sha256 of each file (None where it is missing), by path relative to root."""
+    return {path: hashlib.sha256((root / path).read_bytes()).hexdigest() if (root / path).is_file() else None
+            for path in paths}
+
+
+def dependencies(ninja_deps: str, root: Path = stage.ROOT) -> list[str]:
+    """The files under root's csrc/ that any object was compiled from, from `ninja -t deps` (each source
+    and every header it includes, as the compiler's depfiles recorded them): a bundle is stale when one
+    of those changed, not when a binding or a CPU kernel did."""
+    csrc = (root / "csrc").resolve()
+    found = set()
+    for line in ninja_deps.splitlines():
+        if line.startswith((" ", "\t")) and line.strip():
+            path = Path(line.strip()).resolve()
+            if path.is_relative_to(csrc):
+                found.add(path.relative_to(root.resolve()).as_posix())
+    return sorted(found)
 
 
 def find_nvcc() -> str | None:
@@ -90,23 +114,30 @@ def cutlass_version() -> str | None:
     return ".".join(match.group(1) for match in parts) if all(parts) else None
 
 
-def build_key(archs: str, root: Path = stage.ROOT) -> dict:
-    """What the objects depend on: the sources, the archs, nvcc's release and CUTLASS's version."""
+def build_key(archs: str, files: list[str], root: Path = stage.ROOT) -> dict:
+    """What the objects depend on: files (their sources and headers, and the build's files), the kernel
+    sources there are, the archs, nvcc's release and CUTLASS's version."""
     return {"archs": archs, "nvcc_release": nvcc_release(), "cutlass": cutlass_version(),
-            "files": source_files(root)}
+            "kernel_sources": kernel_sources(root), "files": file_hashes(files, root)}
 
 
 def bundle_path(wheelhouse: Path, archs: str) -> Path:
     return wheelhouse / BUNDLE_DIR / f"kernels-{archs.replace(';', '-')}.tar.xz"
 
 
-def mismatch(manifest: dict, key: dict) -> str | None:
-    """Why a bundle built under manifest cannot stand for this node's build (key), None when it can."""
-    for field, what in (("archs", "archs"), ("nvcc_release", "nvcc release"), ("cutlass", "CUTLASS version")):
-        if manifest.get(field) != key[field]:
-            return f"built for {what} {manifest.get(field)}, this build has {key[field]}"
-    theirs, ours = manifest.get("files", {}), key["files"]
-    changed = sorted(path for path in theirs.keys() | ours.keys() if theirs.get(path) != ours.get(path))
+def mismatch(manifest: dict, archs: str, root: Path = stage.ROOT) -> str | None:
+    """Why a bundle built under manifest cannot stand for a build of root's sources for archs here, None
+    when it can."""
+    for field, what, ours in (("archs", "archs", archs), ("nvcc_release", "nvcc release", nvcc_release()),
+                              ("cutlass", "CUTLASS version", cutlass_version())):
+        if manifest.get(field) != ours:
+            return f"built for {what} {manifest.get(field)}, this build has {ours}"
+    theirs_sources, ours_sources = set(manifest.get("kernel_sources", [])), set(kernel_sources(root))
+    if theirs_sources != ours_sources:
+        return f"built from other kernel files: {', '.join(sorted(theirs_sources ^ ours_sources))}"
+    theirs = manifest.get("files", {})
+    ours = file_hashes(list(theirs), root)
+    changed = sorted(path for path in theirs if theirs[path] != ours[path])
     if changed:
         shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
         return f"built from other sources: {shown} differ"
@@ -131,7 +162,7 @@ def prepare(wheelhouse: Path, archs: str, unpack_to: Path, dry_run: bool = False
         manifest = read_manifest(bundle)
     except (tarfile.TarError, OSError, ValueError, stage.StageError) as error:
         return None, f"kernels: compiling them ({bundle} unreadable: {error})"
-    why = mismatch(manifest, build_key(archs))
+    why = mismatch(manifest, archs)
     if why is not None:
         return None, f"kernels: compiling them ({bundle.name} {why})"
     if dry_run:  # where they would be, not unpacked
@@ -143,17 +174,23 @@ def prepare(wheelhouse: Path, archs: str, unpack_to: Path, dry_run: bool = False
     return unpack_to, f"kernels: linking the {len(manifest['objects'])} prebuilt objects of {bundle.name}"
 
 
-def compile_objects(archs: str, build_dir: Path, dry_run: bool) -> list[Path]:
-    """The objects of CMakeLists.txt's PYKERNELS_KERNEL_OBJECTS_ONLY build (incremental in build_dir)."""
+def build_tools() -> tuple[Path, str, str]:
+    """(python, cmake, ninja): the development venv's (make's $(TOOLS)), else this interpreter's and PATH's."""
     python = stage.ROOT / ".venv" / "bin" / "python"
     python = python if python.exists() else Path(sys.executable)
-    tools = python.parent
-    cmake = str(tools / "cmake") if (tools / "cmake").exists() else "cmake"
+    beside = python.parent
+    cmake, ninja = (str(beside / tool) if (beside / tool).exists() else tool for tool in ("cmake", "ninja"))
+    return python, cmake, ninja
+
+
+def compile_objects(archs: str, build_dir: Path, dry_run: bool) -> list[Path]:
+    """The objects of CMakeLists.txt's PYKERNELS_KERNEL_OBJECTS_ONLY build (incremental in build_dir)."""
+    python, cmake, ninja = build_tools()
     configure = [cmake, "-S", str(stage.ROOT), "-B", str(build_dir), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
                  "-DPYKERNELS_KERNEL_OBJECTS_ONLY=ON", f"-DPYKERNELS_CUDA_ARCHS={archs}",
                  f"-DPython_EXECUTABLE={python}"]
-    if (tools / "ninja").exists():
-        configure.append(f"-DCMAKE_MAKE_PROGRAM={tools / 'ninja'}")
+    if Path(ninja).is_absolute():
+        configure.append(f"-DCMAKE_MAKE_PROGRAM={ninja}")
     build = [cmake, "--build", str(build_dir), "--parallel", str(os.cpu_count() or 1)]
     for command in (configure, build):
         result = stage.run(command, dry_run=dry_run, timeout_s=BUILD_TIMEOUT_S)
@@ -224,14 +261,17 @@ def body(args, started: float) -> int:
         if not args.dry_run:
             raise stage.StageError(message)
         print(f"note: {message}; the real run stops here")
-    key = build_key(args.archs)
-    print(f"kernels for sm_{args.archs}: {len(key['files'])} source files, nvcc {key['nvcc_release']}, "
-          f"CUTLASS {key['cutlass']}")
+    print(f"kernels for sm_{args.archs}: nvcc {nvcc_release()}, CUTLASS {cutlass_version()}")
     objects = compile_objects(args.archs, args.build_dir, args.dry_run)
     out = bundle_path(args.dest, args.archs)
     if args.dry_run:
-        print(f"would pack the objects into {out}")
+        print(f"would pack the objects into {out} with the hashes of the files `ninja -t deps` names")
         return 0
+    ninja_deps = subprocess.run([build_tools()[2], "-C", str(args.build_dir), "-t", "deps"],
+                                capture_output=True, text=True, check=True, timeout=120).stdout
+    files = sorted({*dependencies(ninja_deps), *kernel_sources(), *build_files()})
+    key = build_key(args.archs, files)
+    print(f"the objects' sources: {len(files)} files (their .cu files and headers, the build's files)")
     print("objects: " + check_links(objects, args.build_dir))
     size = pack(objects, args.build_dir, key, out)
     total = size + wheels_bytes(args.dest)
