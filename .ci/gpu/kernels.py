@@ -28,7 +28,6 @@ from pathlib import Path
 
 import stage
 
-SOURCES = ("csrc", "cmake", "CMakeLists.txt")  # everything the kernels' objects are compiled from, but CUTLASS
 BUNDLE_DIR = "kernels"  # under the wheelhouse: pip's --find-links does not look into subdirectories
 MANIFEST = "manifest.json"
 OBJECT_LIST = "kernel_objects.txt"  # the list CMakeLists.txt's PYKERNELS_PREBUILT_KERNELS reads
