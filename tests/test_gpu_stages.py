@@ -46,7 +46,7 @@ def test_dry_run_prints_the_commands(name):
         "wheels": ["pip install --dry-run", "pip download --no-deps", "--python-version 3.12"],
         "install": ["pip install --no-index --find-links", "--no-deps nvidia-cutlass==4.2.0.0"],
         "kernels": ["-DPYKERNELS_KERNEL_OBJECTS_ONLY=ON", "-DPYKERNELS_CUDA_ARCHS=90a", "--build",
-                             "would pack the objects into"],
+                    "would pack the objects into"],
         "link_check": ["cuda-torch-venv", "torch==2.11.0", "-DPYKERNELS_PREBUILT_KERNELS=", "--target _C",
                        "would import pykernels from"],
         "build": ["PYKERNELS_CUDA_ARCHS=", "MAX_JOBS=", "pip install --no-build-isolation", "build_info:",
