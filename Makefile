@@ -3,8 +3,8 @@
 #   make test   set-up, build, the unit and integration tests, lint, and the CUDA compile check when
 #               nvcc is present (a few minutes)
 # Other targets: test-e2e (the end-to-end tier: real vLLM engines, 8.5 min on Zen 4, ~20 on CI's Xeon), lint,
-# install, build, bench, cuda-check, gpu-wheels and gpu-kernels (here) and gpu-install, gpu (on the GPU machine),
-# clean.
+# install, build, bench, cuda-check, gpu-wheels, gpu-kernels and gpu-link-check (here) and gpu-install, gpu (on
+# the GPU machine), clean.
 
 PYTHON_BOOTSTRAP ?= python3
 VENV ?= .venv
@@ -31,7 +31,8 @@ INSTALLED := $(VENV)/.installed
 BUILT := $(VENV)/.built
 
 .PHONY: demo test test-fast no-nvcc test-e2e lint install build bench cuda-check clean \
-	gpu-wheels gpu-kernels gpu-link-check gpu-install gpu-packages gpu-build gpu-test gpu-sanitize gpu-bench gpu gpu-sweep nemo-gym
+	gpu-wheels gpu-kernels gpu-link-check gpu-install gpu-packages gpu-build gpu-test gpu-sanitize gpu-bench gpu \
+	gpu-sweep nemo-gym
 
 DEMO_CONFIG := examples/tiny-grpo.yaml
 DEMO_ARGS ?=  # overrides, e.g. make demo DEMO_ARGS="--model.dtype=bfloat16 --train.steps=80"
