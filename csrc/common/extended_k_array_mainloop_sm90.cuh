@@ -263,6 +263,19 @@ struct ExtendedKArrayMainloop : Base {
     return mask;
   }
 
+  // (tBgB, tBgB2, tBsB) for load_b_tile: this CTA's slices of B's and B2's n tile, and the stages they fill.
+  template <class LoadInputs, class NCoord, class LCoord>
+  CUTLASS_DEVICE static auto partition_b(Params const& params, LoadInputs const& load_inputs, NCoord n_coord,
+                                         LCoord l_coord, uint32_t cluster_x, TensorStorage& shared_tensors) {
+    using namespace cute;
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
+    auto block_tma_b = params.tma_load_b.get_slice(cluster_x);
+    auto block_tma_b2 = params.tma_load_b2.get_slice(cluster_x);
+    return cute::make_tuple(block_tma_b.partition_S(get<1>(load_inputs)(_, _, n_coord, _, l_coord)),
+                            block_tma_b2.partition_S(get<3>(load_inputs)(_, _, n_coord, _, l_coord)),
+                            block_tma_b.partition_D(sB));
+  }
+
   // k tile k_tile's B (paired or not) or, past the first pair's tiles, B2, by TMA into the stage.
   template <class TensorB, class TensorB2, class TensorSB, class TensorMaps>
   CUTLASS_DEVICE static void load_b_tile(Params const& params, TensorMaps const& input_tensormaps,
@@ -298,19 +311,15 @@ struct ExtendedKArrayMainloop : Base {
     }
     if (!elect_one_sync()) return;
     Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
-    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
     const uint2 cluster_local_block_id = cluster_block_id(block_rank_in_cluster);
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
     auto block_tma_a = params.tma_load_a.get_slice(cluster_local_block_id.y);
-    auto block_tma_b = params.tma_load_b.get_slice(cluster_local_block_id.x);
     auto block_tma_a2 = params.tma_load_a2.get_slice(cluster_local_block_id.y);
-    auto block_tma_b2 = params.tma_load_b2.get_slice(cluster_local_block_id.x);
     Tensor tAgA = block_tma_a.partition_S(get<0>(load_inputs)(_, _, m_coord, _, l_coord));
-    Tensor tBgB = block_tma_b.partition_S(get<1>(load_inputs)(_, _, n_coord, _, l_coord));
     Tensor tAgA2 = block_tma_a2.partition_S(get<2>(load_inputs)(_, _, m_coord, _, l_coord));
-    Tensor tBgB2 = block_tma_b2.partition_S(get<3>(load_inputs)(_, _, n_coord, _, l_coord));
     Tensor tAsA = block_tma_a.partition_D(sA);
-    Tensor tBsB = block_tma_b.partition_D(sB);
+    auto [tBgB, tBgB2, tBsB] =
+        partition_b(params, load_inputs, n_coord, l_coord, cluster_local_block_id.x, shared_tensors);
 
     uint16_t mcast_mask_a = 0;
     if constexpr (is_same_v<GmemTiledCopyA, SM90_TMA_LOAD_MULTICAST>) {
@@ -358,14 +367,10 @@ struct ExtendedKArrayMainloop : Base {
     static_assert(kBlockM % kWarpThreads == 0 && kBlockK % kChunk == 0);
     const int lane = thread_idx % kWarpThreads;
     Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});
-    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
     const uint2 cluster_local_block_id = cluster_block_id(block_rank_in_cluster);
     auto [m_coord, n_coord, k_coord, l_coord] = blk_coord;
-    auto block_tma_b = params.tma_load_b.get_slice(cluster_local_block_id.x);
-    auto block_tma_b2 = params.tma_load_b2.get_slice(cluster_local_block_id.x);
-    Tensor tBgB = block_tma_b.partition_S(get<1>(load_inputs)(_, _, n_coord, _, l_coord));
-    Tensor tBgB2 = block_tma_b2.partition_S(get<3>(load_inputs)(_, _, n_coord, _, l_coord));
-    Tensor tBsB = block_tma_b.partition_D(sB);
+    auto [tBgB, tBgB2, tBsB] =
+        partition_b(params, load_inputs, n_coord, l_coord, cluster_local_block_id.x, shared_tensors);
     const uint16_t mcast_mask_b = mcast_mask_b_of(cluster_local_block_id);
 
     // This lane's rows of the tile (lane + 32 i): the slot each holds and A1's row for it, -1 past the
