@@ -398,11 +398,7 @@ def test_kernel_objects_build_lists_every_cuda_source(tmp_path):
     """CMakeLists.txt's PYKERNELS_KERNEL_OBJECTS_ONLY configures (no compile here: ~10 minutes) the
     objects of every .cu file, for the archs asked, with the flags of a CUDA build."""
     kernels = load("kernels")
-    python = Path(sys.executable)
-    cmake = python.parent / "cmake"
-    result = subprocess.run([str(cmake if cmake.exists() else "cmake"), "-S", str(ROOT), "-B", str(tmp_path), "-G",
-                             "Ninja", "-DPYKERNELS_KERNEL_OBJECTS_ONLY=ON", "-DPYKERNELS_CUDA_ARCHS=90a",
-                             f"-DPython_EXECUTABLE={python}", f"-DCMAKE_MAKE_PROGRAM={python.parent / 'ninja'}"],
+    result = subprocess.run(kernels.configure_command("90a", tmp_path, Path(sys.executable)),
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     listed = sorted(Path(line).name for line in (tmp_path / kernels.OBJECT_LIST).read_text().split())

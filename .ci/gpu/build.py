@@ -73,6 +73,15 @@ def check_families(info: dict) -> list[str]:
     return problems
 
 
+def extension_problems(info: dict, package: Path) -> list[str]:
+    """check_families' problems, and each _C of package that carries its own static libstdc++."""
+    problems = check_families(info)
+    for extension in sorted(package.glob("_C*.so")):
+        if (problem := linkage.static_libstdcxx_problem(extension)) is not None:
+            problems.append(problem)
+    return problems
+
+
 def body(args, started: float) -> int:
     print(stage.check_cuda_torch(args.dry_run))
     if "PYKERNELS_CUDA_ARCHS" in os.environ:
@@ -110,10 +119,7 @@ def build_and_check(args, started: float, env: dict[str, str]) -> int:
     missing = sorted(name for name, has in info["cuda_ops"].items() if not has)
     if missing:
         print("ops without a CUDA kernel: " + ", ".join(missing))
-    problems = check_families(info)
-    for extension in sorted((stage.ROOT / "pykernels").glob("_C*.so")):
-        if (problem := linkage.static_libstdcxx_problem(extension)) is not None:
-            problems.append(problem)
+    problems = extension_problems(info, stage.ROOT / "pykernels")
     if problems and not args.dry_run:
         raise stage.StageError("; ".join(problems))
     for problem in problems:

@@ -15,6 +15,7 @@ tile: 189 s on one core here; the 2026-11-27 lease's whole build took 184 s), ou
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -85,13 +86,16 @@ def cuda_toolkit() -> Path | None:
     return None
 
 
-def nvcc_release(nvcc: str | None = None) -> str | None:
-    """'13.0' from `nvcc --version` ("Cuda compilation tools, release 13.0, V13.0.88"), None without nvcc."""
-    nvcc = nvcc or find_nvcc()
-    if nvcc is None:
-        return None
-    output = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    match = re.search(r"release (\d+\.\d+)", output)
+@functools.cache
+def nvcc_version() -> str:
+    """`nvcc --version`'s output ("" without nvcc), asked once a process."""
+    nvcc = find_nvcc()
+    return subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout if nvcc else ""
+
+
+def nvcc_release() -> str | None:
+    """'13.0' from "Cuda compilation tools, release 13.0, V13.0.88", None without nvcc."""
+    match = re.search(r"release (\d+\.\d+)", nvcc_version())
     return match.group(1) if match else None
 
 
@@ -173,25 +177,31 @@ def prepare(wheelhouse: Path, archs: str, unpack_to: Path, dry_run: bool = False
     return unpack_to, f"kernels: linking the {len(manifest['objects'])} prebuilt objects of {bundle.name}"
 
 
-def build_tools() -> tuple[Path, str, str]:
-    """(python, cmake, ninja): the development venv's (make's $(TOOLS)), else this interpreter's and PATH's."""
+def tools_beside(python: Path) -> tuple[str, str]:
+    """(cmake, ninja) installed beside python (pip puts them there), else PATH's."""
+    return tuple(str(python.parent / tool) if (python.parent / tool).exists() else tool for tool in ("cmake", "ninja"))
+
+
+def dev_python() -> Path:
+    """The development venv's python (make's $(TOOLS): torch, CMake, Ninja, CUTLASS), else this one."""
     python = stage.ROOT / ".venv" / "bin" / "python"
-    python = python if python.exists() else Path(sys.executable)
-    beside = python.parent
-    cmake, ninja = (str(beside / tool) if (beside / tool).exists() else tool for tool in ("cmake", "ninja"))
-    return python, cmake, ninja
+    return python if python.exists() else Path(sys.executable)
 
 
-def compile_objects(archs: str, build_dir: Path, dry_run: bool) -> list[Path]:
-    """The objects of CMakeLists.txt's PYKERNELS_KERNEL_OBJECTS_ONLY build (incremental in build_dir)."""
-    python, cmake, ninja = build_tools()
+def configure_command(archs: str, build_dir: Path, python: Path) -> list[str]:
+    """CMake's configure of CMakeLists.txt's PYKERNELS_KERNEL_OBJECTS_ONLY build."""
+    cmake, ninja = tools_beside(python)
     configure = [cmake, "-S", str(stage.ROOT), "-B", str(build_dir), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
                  "-DPYKERNELS_KERNEL_OBJECTS_ONLY=ON", f"-DPYKERNELS_CUDA_ARCHS={archs}",
                  f"-DPython_EXECUTABLE={python}"]
-    if Path(ninja).is_absolute():
-        configure.append(f"-DCMAKE_MAKE_PROGRAM={ninja}")
-    build = [cmake, "--build", str(build_dir), "--parallel", str(os.cpu_count() or 1)]
-    for command in (configure, build):
+    return configure + ([f"-DCMAKE_MAKE_PROGRAM={ninja}"] if Path(ninja).is_absolute() else [])
+
+
+def compile_objects(archs: str, build_dir: Path, dry_run: bool) -> list[Path]:
+    """The objects of the PYKERNELS_KERNEL_OBJECTS_ONLY build (incremental in build_dir)."""
+    python = dev_python()
+    build = [tools_beside(python)[0], "--build", str(build_dir), "--parallel", str(os.cpu_count() or 1)]
+    for command in (configure_command(archs, build_dir, python), build):
         result = stage.run(command, dry_run=dry_run, timeout_s=BUILD_TIMEOUT_S)
         if result is not None and result.returncode != 0:
             raise stage.StageError("compiling the kernels failed (output above)")
@@ -225,7 +235,7 @@ def check_links(objects: list[Path], scratch: Path) -> str:
 def pack(objects: list[Path], build_dir: Path, key: dict, out: Path) -> int:
     """out: the objects under their paths relative to build_dir, their list and the manifest. Its size."""
     names = [obj.resolve().relative_to(build_dir.resolve()).as_posix() for obj in objects]
-    manifest = {**key, "objects": names, "nvcc_version": nvcc_version_line()}
+    manifest = {**key, "objects": names, "nvcc_version": (nvcc_version().splitlines() or [None])[-1]}
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_suffix(".partial")
     with tarfile.open(partial, "w:xz", preset=9) as tar:
@@ -237,14 +247,6 @@ def pack(objects: list[Path], build_dir: Path, key: dict, out: Path) -> int:
             tar.add(obj, arcname=name)
     partial.replace(out)
     return out.stat().st_size
-
-
-def nvcc_version_line() -> str | None:
-    nvcc = find_nvcc()
-    if nvcc is None:
-        return None
-    lines = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout.splitlines()
-    return lines[-1] if lines else None
 
 
 def wheels_bytes(wheelhouse: Path) -> int:
@@ -266,7 +268,7 @@ def body(args, started: float) -> int:
     if args.dry_run:
         print(f"would pack the objects into {out} with the hashes of the files `ninja -t deps` names")
         return 0
-    ninja_deps = subprocess.run([build_tools()[2], "-C", str(args.build_dir), "-t", "deps"],
+    ninja_deps = subprocess.run([tools_beside(dev_python())[1], "-C", str(args.build_dir), "-t", "deps"],
                                 capture_output=True, text=True, check=True, timeout=120).stdout
     files = sorted({*dependencies(ninja_deps), *kernel_sources(), *build_files()})
     key = build_key(args.archs, files)

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import build as build_stage
 import kernels
-import linkage
 import stage
 
 # The lent images' torch (/work/.library/device/KINDS.md: 2.11.0+cu130); PyPI's wheel is that build.
@@ -88,10 +87,9 @@ def body(args, started: float) -> int:
     else:
         env, extra = cuda_environment(python)
     build_dir, out_dir = BUILD / "cmake", BUILD / "package"
-    tools = python.parent
-    cmake = str(tools / "cmake")
+    cmake, ninja = kernels.tools_beside(python)
     configure = [cmake, "-S", str(stage.ROOT), "-B", str(build_dir), "-G", "Ninja",
-                 f"-DCMAKE_MAKE_PROGRAM={tools / 'ninja'}", "-DCMAKE_BUILD_TYPE=Release",
+                 f"-DCMAKE_MAKE_PROGRAM={ninja}", "-DCMAKE_BUILD_TYPE=Release",
                  f"-DPython_EXECUTABLE={python}", f"-DPYKERNELS_OUTPUT_DIR={out_dir / 'pykernels'}",
                  f"-DPYKERNELS_CUDA_ARCHS={args.archs}", f"-DPYKERNELS_PREBUILT_KERNELS={objects}", *extra]
     compile_ = [cmake, "--build", str(build_dir), "--target", "_C", "--parallel", str(os.cpu_count() or 1)]
@@ -117,10 +115,7 @@ def body(args, started: float) -> int:
         raise stage.StageError(f"the CUDA extension does not load:\n{result.stderr[-3000:]}")
     info = json.loads(result.stdout.strip().splitlines()[-1])
     print("build_info:", info["build_info"])
-    problems = build_stage.check_families(info)
-    for extension in sorted(package.glob("_C*.so")):
-        if (problem := linkage.static_libstdcxx_problem(extension)) is not None:
-            problems.append(problem)
+    problems = build_stage.extension_problems(info, package)
     if problems:
         raise stage.StageError("; ".join(problems))
     print(f"{sum(info['cuda_ops'].values())} of {len(info['cuda_ops'])} ops have a CUDA kernel")
