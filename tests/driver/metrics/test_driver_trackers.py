@@ -12,6 +12,7 @@ from driver.cli import load_config
 from driver.metrics.logger import TOKENS_IN_STEP, MetricsLogger
 from driver.metrics.trackers import TRACKER_IDS, open_trackers
 from tests.wandb_records import history as wandb_history
+from tests.wandb_records import records as wandb_records
 
 ROWS = [{"prompt": "Write digits:", "completion": " 12", "reward": 1.0, "advantage": 0.7, "rewards/digits": 1.0},
         {"prompt": "Write digits:", "completion": " ab", "reward": 0.0, "advantage": -0.7, "rewards/digits": None}]
@@ -42,6 +43,24 @@ def mlflow_history(output_dir, key):
     return client, run_id, [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
 
 
+def finished_wandb_history(output_dir, run_id):
+    """(steps, what else the file holds) of the offline wandb run run_id, read after wandb.teardown(): run.finish()
+    only tells wandb-core to close the run, and teardown waits for the core to exit, every run it holds closed (the
+    driver's process gets the same from wandb's atexit hook). Once on a loaded CI machine the file read right after
+    finish() held no history records (not reproduced since, under load or alone); the record types and the core's
+    warnings and errors (an ignored step is one) go into the assertion message should it happen again."""
+    import wandb
+
+    wandb.teardown()
+    [run_file] = list(output_dir.glob(f"wandb/offline-run-*/run-{run_id}.wandb"))
+    internal_log = run_file.parent / "logs" / "debug-internal.log"
+    context = {"records": [record.WhichOneof("record_type") for record in wandb_records(run_file)],
+               "bytes": run_file.stat().st_size,
+               "core warnings": [line for line in internal_log.read_text().splitlines() if '"level":"INFO"' not in line]
+               if internal_log.exists() else None}
+    return wandb_history(run_file), context
+
+
 def test_metrics_and_completions_reach_every_tracker_and_resume_continues_them(offline):
     output_dir = offline
     output_dir.mkdir()
@@ -60,10 +79,9 @@ def test_metrics_and_completions_reach_every_tracker_and_resume_continues_them(o
     artifacts = [a.path for a in client.list_artifacts(run_id, "completions")]
     assert artifacts == ["completions/step_000002.json"]
     wandb_id = json.loads((output_dir / TRACKER_IDS).read_text())["wandb"]
-    [run_file] = list(output_dir.glob(f"wandb/offline-run-*/run-{wandb_id}.wandb"))
-    steps = wandb_history(run_file)
+    steps, context = finished_wandb_history(output_dir, wandb_id)
     assert [(row["_step"], row.get("reward"), row.get("num_tokens")) for row in steps if "reward" in row] == \
-        [(1, 0.25, 100), (2, 0.5, 220)]
+        [(1, 0.25, 100), (2, 0.5, 220)], context
     assert "kl" not in steps[0]  # NaN is not a point
     assert steps[1]["completions/_type"] == "table-file" and steps[1]["completions/nrows"] == 2  # nested keys
     assert steps[1]["completions/ncols"] == 6  # step, prompt, completion, reward, advantage, rewards/digits
