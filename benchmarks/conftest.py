@@ -77,12 +77,12 @@ def bench_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-AVX512_CPU_CLASSES = ("cpu", "cpu-zen4", "cpu-avx512")  # they time the same cases; each has its own floors
-# The CI machines' classes (Zen 4, and Intel Xeons without AVX-512 BF16): there the runs no rule of
-# benchmarks/thresholds.toml reads are left out (the MoE forward without LoRA, grouped_mm's MoE
-# forward+backward without LoRA, chunked torch's logprobs forward: ~25 s of CI on Zen 4). Every other
-# class times them: their rows fill the results pages.
-RULES_ONLY_CLASSES = ("cpu-zen4", "cpu-avx512")
+AVX512_CPU_CLASSES = ("cpu", "cpu-zen4", "cpu-avx512", "cpu-amx")  # the same cases; each has its own floors
+# The CI machines' classes (Zen 4, Intel Xeons without AVX-512 BF16, and those with AMX): there the runs
+# no rule of benchmarks/thresholds.toml reads are left out (the MoE forward without LoRA, grouped_mm's
+# MoE forward+backward without LoRA, chunked torch's logprobs forward: ~25 s of CI on Zen 4). Every
+# other class times them: their rows fill the results pages.
+RULES_ONLY_CLASSES = ("cpu-zen4", "cpu-avx512", "cpu-amx")
 
 
 @functools.cache
@@ -143,14 +143,19 @@ def device_class(device: torch.device) -> str:
     rest: full 512-bit units, where oneDNN ran at 55-85% of what ours reaches). "cpu-avx512" is AVX-512
     without its BF16 instructions (Intel Xeons before Sapphire Rapids: a CI machine since 2026-11-27),
     where neither side has a bf16 dot product: ours widens to fp32 FMAs, torch's bf16 GEMMs slow down
-    more. Same cases (without the N=4096 logprobs case, a CI-time cost), own floors.
+    more. "cpu-amx" has AMX tiles (Intel Sapphire Rapids and later: a CI machine since 2026-11-28), on
+    which torch's oneDNN bf16 GEMMs run and our kernels do not: GEMM-bound ops of ours lose there.
+    Same cases (without the N=4096 logprobs case, a CI-time cost), own floors.
     """
     if device.type == "cpu":
         if pykernels.build_info()["cpu_isa_detected"] != "avx512":
             return "cpu-scalar"
         if cpu_family() == ("AuthenticAMD", 0x19):
             return "cpu-zen4"
-        return "cpu" if "avx512_bf16" in cpu_flags() else "cpu-avx512"
+        flags = cpu_flags()
+        if "amx_bf16" in flags:
+            return "cpu-amx"
+        return "cpu" if "avx512_bf16" in flags else "cpu-avx512"
     name = torch.cuda.get_device_name(device)
     for known in ("H200", "H100"):
         if known in name:

@@ -35,7 +35,8 @@ IMPLS = ["ours", "bitsandbytes", "torch_reference"]
 
 
 def shapes(device_class: str) -> dict[str, tuple[int, ...]]:
-    cpu = {"cpu": CPU_SHAPES, "cpu-zen4": CPU_SHAPES, "cpu-avx512": CPU_SHAPES, "cpu-scalar": CPU_SCALAR_SHAPES}
+    cpu = {"cpu": CPU_SHAPES, "cpu-zen4": CPU_SHAPES, "cpu-avx512": CPU_SHAPES, "cpu-amx": CPU_SHAPES,
+           "cpu-scalar": CPU_SCALAR_SHAPES}
     return cpu.get(device_class, SHAPES)
 
 

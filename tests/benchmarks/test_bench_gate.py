@@ -96,7 +96,7 @@ def test_missing_results_file_is_reported(tmp_path, thresholds, capsys):
 
 
 def test_repository_thresholds_parse_for_every_device_class():
-    for device_class in ("cpu", "cpu-zen4", "cpu-avx512", "cpu-scalar", "h100", "h200"):
+    for device_class in ("cpu", "cpu-zen4", "cpu-avx512", "cpu-amx", "cpu-scalar", "h100", "h200"):
         floors = gate.load_floors(gate.DEFAULT_THRESHOLDS, device_class)
         assert floors
         for rule, floor in ((rule, floor) for rule, rule_floors in floors.items() for floor in rule_floors):
@@ -223,14 +223,15 @@ def test_scope_judges_complete_families_strictly_and_subsets_on_what_ran(tmp_pat
     assert [c.rule for c in not_evaluated] == ["lora.forward_bf16.peft", "nf4.dequantize.torch_reference"]
 
 
-@pytest.mark.parametrize(("isa", "cpu", "bf16", "expected"), [
-    ("avx512", ("AuthenticAMD", 0x1A), True, "cpu"),  # Zen 5
-    ("avx512", ("GenuineIntel", 6), True, "cpu"),  # Sapphire Rapids and later
-    ("avx512", ("GenuineIntel", 6), False, "cpu-avx512"),  # Skylake-SP to Ice Lake
-    ("avx512", ("AuthenticAMD", 0x19), True, "cpu-zen4"),
-    ("scalar", ("AuthenticAMD", 0x19), False, "cpu-scalar"),  # Zen 3 is family 0x19 too, without AVX-512
+@pytest.mark.parametrize(("isa", "cpu", "flags", "expected"), [
+    ("avx512", ("AuthenticAMD", 0x1A), {"avx512_bf16"}, "cpu"),  # Zen 5
+    ("avx512", ("GenuineIntel", 6), {"avx512_bf16", "amx_bf16", "amx_tile"}, "cpu-amx"),  # Sapphire Rapids on
+    ("avx512", ("GenuineIntel", 6), {"avx512_bf16"}, "cpu"),  # Cooper Lake: BF16 without AMX
+    ("avx512", ("GenuineIntel", 6), set(), "cpu-avx512"),  # Skylake-SP to Ice Lake
+    ("avx512", ("AuthenticAMD", 0x19), {"avx512_bf16"}, "cpu-zen4"),
+    ("scalar", ("AuthenticAMD", 0x19), set(), "cpu-scalar"),  # Zen 3 is family 0x19 too, without AVX-512
 ])
-def test_cpu_device_class_follows_the_kernels_cpu_path_and_the_vector_units(monkeypatch, isa, cpu, bf16, expected):
+def test_cpu_device_class_follows_the_kernels_cpu_path_and_the_vector_units(monkeypatch, isa, cpu, flags, expected):
     import torch
 
     import pykernels
@@ -239,7 +240,7 @@ def test_cpu_device_class_follows_the_kernels_cpu_path_and_the_vector_units(monk
     info = pykernels.build_info()
     monkeypatch.setattr(pykernels, "build_info", lambda: {**info, "cpu_isa_detected": isa})
     monkeypatch.setattr(conftest, "cpu_family", lambda: cpu)
-    monkeypatch.setattr(conftest, "cpu_flags", lambda: {"avx512f", "avx512bw"} | ({"avx512_bf16"} if bf16 else set()))
+    monkeypatch.setattr(conftest, "cpu_flags", lambda: {"avx512f", "avx512bw"} | flags)
     assert conftest.device_class(torch.device("cpu")) == expected
 
 
