@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import pykernels.nf4 as nf4
-from benchmarks.conftest import run_device_class
+from benchmarks.conftest import AVX512_CPU_CLASSES, run_device_class
 from pykernels.reference import nf4 as reference
 
 try:
@@ -35,9 +35,9 @@ IMPLS = ["ours", "bitsandbytes", "torch_reference"]
 
 
 def shapes(device_class: str) -> dict[str, tuple[int, ...]]:
-    cpu = {"cpu": CPU_SHAPES, "cpu-zen4": CPU_SHAPES, "cpu-avx512": CPU_SHAPES, "cpu-amx": CPU_SHAPES,
-           "cpu-scalar": CPU_SCALAR_SHAPES}
-    return cpu.get(device_class, SHAPES)
+    if device_class in AVX512_CPU_CLASSES:
+        return CPU_SHAPES
+    return CPU_SCALAR_SHAPES if device_class == "cpu-scalar" else SHAPES
 
 
 def quantize_fn(impl: str, x: torch.Tensor):
