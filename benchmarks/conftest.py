@@ -143,19 +143,20 @@ def device_class(device: torch.device) -> str:
     rest: full 512-bit units, where oneDNN ran at 55-85% of what ours reaches). "cpu-avx512" is AVX-512
     without its BF16 instructions (Intel Xeons before Sapphire Rapids: a CI machine since 2026-11-27),
     where neither side has a bf16 dot product: ours widens to fp32 FMAs, torch's bf16 GEMMs slow down
-    more. "cpu-amx" has AMX tiles (Intel Sapphire Rapids and later: a CI machine since 2026-11-28), on
-    which torch's oneDNN bf16 GEMMs run and our kernels do not: GEMM-bound ops of ours lose there.
-    Same cases (without the N=4096 logprobs case, a CI-time cost), own floors.
+    more. "cpu-amx" is where our kernels' bf16 GEMMs run on AMX tiles (cpu isa "amx": Intel Sapphire
+    Rapids and later, a CI machine since 2026-11-28), as torch's oneDNN GEMMs do. Same cases (without
+    the N=4096 logprobs case, a CI-time cost), own floors. (A CPU with AMX whose tiles Linux refuses
+    runs neither side on them: "cpu".)
     """
     if device.type == "cpu":
-        if pykernels.build_info()["cpu_isa_detected"] != "avx512":
+        isa = pykernels.build_info()["cpu_isa_detected"]
+        if isa == "scalar":
             return "cpu-scalar"
+        if isa == "amx":
+            return "cpu-amx"
         if cpu_family() == ("AuthenticAMD", 0x19):
             return "cpu-zen4"
-        flags = cpu_flags()
-        if "amx_bf16" in flags:
-            return "cpu-amx"
-        return "cpu" if "avx512_bf16" in flags else "cpu-avx512"
+        return "cpu" if "avx512_bf16" in cpu_flags() else "cpu-avx512"
     name = torch.cuda.get_device_name(device)
     for known in ("H200", "H100"):
         if known in name:

@@ -29,20 +29,38 @@ def _pin_xdist_worker_to_one_core() -> None:
 _pin_xdist_worker_to_one_core()
 
 
-def cpu_isas() -> list[str]:
-    """Every CPU SIMD path this machine can run: tests cover each, not just the default."""
+def cpu_isas(gemm: bool = False) -> list[str]:
+    """Every CPU SIMD path this machine can run: tests cover each, not just the default. "amx" is
+    "avx512" with the bf16 GEMMs on AMX tiles (csrc/common/cpu_gemm_amx.h): the kernels of the ops
+    that run no such GEMM (NF4, LoRA, the gated activation) take the same code under both, so only
+    `gemm` tests (logprobs, MoE) run "avx512" too on an AMX machine."""
     import pykernels
 
-    return ["scalar", "avx512"] if pykernels.build_info()["cpu_isa_detected"] == "avx512" else ["scalar"]
+    detected = pykernels.build_info()["cpu_isa_detected"]
+    if detected == "amx":
+        return ["scalar", "avx512", "amx"] if gemm else ["scalar", "amx"]
+    return ["scalar", detected] if detected != "scalar" else ["scalar"]
+
+
+def _forced_cpu_isa(name: str):
+    from pykernels import _C
+
+    _C.set_cpu_isa(name)
+    try:
+        yield name
+    finally:
+        _C.set_cpu_isa("auto")
 
 
 @pytest.fixture(params=cpu_isas())
 def cpu_isa(request):
-    from pykernels import _C
+    yield from _forced_cpu_isa(request.param)
 
-    _C.set_cpu_isa(request.param)
-    yield request.param
-    _C.set_cpu_isa("auto")
+
+@pytest.fixture(params=cpu_isas(gemm=True))
+def gemm_cpu_isa(request):
+    """cpu_isa for the ops whose CPU kernels run the bf16 GEMM: AVX-512's and AMX's both."""
+    yield from _forced_cpu_isa(request.param)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 // bf16 GEMM for the CPU kernels: an AVX-512 BF16 micro-kernel (vdpbf16ps: exact bf16 products,
-// fp32 sums) over a packed B operand, and the packings it reads. Torch-free. Used by the fused
+// fp32 sums) over a packed B operand, and the packings it reads; on CPUs with AMX (cpu isa "amx")
+// the tiles take the bulk of each product (cpu_gemm_amx.h). Torch-free. Used by the fused
 // lm_head + log-softmax (logprobs/) and the grouped MoE GEMM (moe/).
 #pragma once
 

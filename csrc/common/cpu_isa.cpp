@@ -3,6 +3,8 @@
 #include <atomic>
 #include <stdexcept>
 
+#include "common/cpu_gemm_amx.h"
+
 namespace pykernels {
 namespace {
 
@@ -21,7 +23,9 @@ std::atomic<int> forced_isa{-1};  // -1: auto
 }  // namespace
 
 CpuIsa detected_cpu_isa() {
-  static const CpuIsa detected = cpu_has_avx512() ? CpuIsa::kAvx512 : CpuIsa::kScalar;
+  static const CpuIsa detected = !cpu_has_avx512()   ? CpuIsa::kScalar
+                                 : gemm::amx_usable() ? CpuIsa::kAmx
+                                                      : CpuIsa::kAvx512;
   return detected;
 }
 
@@ -36,17 +40,24 @@ void force_cpu_isa(const std::string& name) {
   } else if (name == "scalar") {
     forced_isa.store(static_cast<int>(CpuIsa::kScalar));
   } else if (name == "avx512") {
-    if (detected_cpu_isa() != CpuIsa::kAvx512) {
+    if (!uses_avx512(detected_cpu_isa())) {
       throw std::invalid_argument("cpu isa 'avx512' requested but this CPU lacks AVX-512 F/BW/VL/DQ");
     }
     forced_isa.store(static_cast<int>(CpuIsa::kAvx512));
+  } else if (name == "amx") {
+    if (detected_cpu_isa() != CpuIsa::kAmx) {
+      throw std::invalid_argument(
+          "cpu isa 'amx' requested but this CPU lacks AMX-TILE / AMX-BF16 / AVX-512 BF16, or Linux refused "
+          "this process the tile state");
+    }
+    forced_isa.store(static_cast<int>(CpuIsa::kAmx));
   } else {
-    throw std::invalid_argument("cpu isa must be 'auto', 'scalar' or 'avx512', got '" + name + "'");
+    throw std::invalid_argument("cpu isa must be 'auto', 'scalar', 'avx512' or 'amx', got '" + name + "'");
   }
 }
 
 std::string cpu_isa_name(CpuIsa isa) {
-  return isa == CpuIsa::kAvx512 ? "avx512" : "scalar";
+  return isa == CpuIsa::kAmx ? "amx" : isa == CpuIsa::kAvx512 ? "avx512" : "scalar";
 }
 
 }  // namespace pykernels

@@ -7,7 +7,12 @@
 
 namespace pykernels {
 
-enum class CpuIsa { kScalar, kAvx512 };
+// Each path includes the one before it: kAmx is kAvx512 whose bf16 GEMMs (cpu_gemm_bf16.h) run on
+// the AMX tiles.
+enum class CpuIsa { kScalar, kAvx512, kAmx };
+
+// Whether a kernel takes its AVX-512 code under `isa` (also the AMX path's: only its GEMMs differ).
+inline bool uses_avx512(CpuIsa isa) { return isa != CpuIsa::kScalar; }
 
 // The path in use: the best the CPU supports, unless force_cpu_isa() chose another.
 CpuIsa active_cpu_isa();
@@ -15,7 +20,7 @@ CpuIsa active_cpu_isa();
 // Best path this CPU supports.
 CpuIsa detected_cpu_isa();
 
-// Force a path by name ("scalar", "avx512") or "auto". Throws std::invalid_argument for an
+// Force a path by name ("scalar", "avx512", "amx") or "auto". Throws std::invalid_argument for an
 // unknown name or a path the CPU cannot run.
 void force_cpu_isa(const std::string& name);
 

@@ -209,7 +209,7 @@ Forward forward(const at::Tensor& hidden, const at::Tensor& weight, const at::Te
   Gemms gemms(hidden, weight, false);
   const int64_t* tgt = targets.data_ptr<int64_t>();
   float* picked = target_logit.data_ptr<float>();
-  const bool avx512 = active_cpu_isa() == CpuIsa::kAvx512;
+  const bool avx512 = uses_avx512(active_cpu_isa());
   const int64_t blocks = (s.v + kVocabBlock - 1) / kVocabBlock;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     const BelowAutograd below_autograd;
@@ -301,7 +301,7 @@ void backward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tens
   const int64_t* tgt = targets.data_ptr<int64_t>();
   const float* g_lp = grad_logprob.data_ptr<float>();
   const cpu::GradInputs in{lse.data_ptr<float>(), entropy.data_ptr<float>(), g_lp, grad_entropy.data_ptr<float>()};
-  const bool avx512 = active_cpu_isa() == CpuIsa::kAvx512;
+  const bool avx512 = uses_avx512(active_cpu_isa());
   const int64_t blocks = (s.v + kVocabBlock - 1) / kVocabBlock;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     const BelowAutograd below_autograd;
@@ -335,7 +335,7 @@ void backward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tens
 }
 
 bool use_bf16_gemm(const at::Tensor& hidden) {
-  return hidden.scalar_type() == at::kBFloat16 && active_cpu_isa() == CpuIsa::kAvx512 && gemm::has_bf16_gemm();
+  return hidden.scalar_type() == at::kBFloat16 && uses_avx512(active_cpu_isa()) && gemm::has_bf16_gemm();
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_logprobs_cpu(

@@ -112,7 +112,7 @@ void write_low_rank(at::Tensor& target, const at::Tensor& left, const at::Tensor
 // therefore multiplies fp32 copies, a chunk of columns of the right operand at a time. Products of
 // 16-bit values are exact in fp32 and both GEMMs sum in fp32, so only the summation order differs.
 bool multiply_in_fp32(at::ScalarType dtype) {
-  return (dtype == at::kBFloat16 || dtype == at::kHalf) && active_cpu_isa() != CpuIsa::kAvx512;
+  return (dtype == at::kBFloat16 || dtype == at::kHalf) && !uses_avx512(active_cpu_isa());
 }
 
 // Every base product below either overwrites its output or, with `accumulate`, is added onto it

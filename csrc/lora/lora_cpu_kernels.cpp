@@ -334,7 +334,7 @@ PK_AVX512 void a_grad_avx512(const float* x, int64_t rows, int64_t k, const floa
 }
 #endif  // __x86_64__
 
-bool use_avx512() { return active_cpu_isa() == CpuIsa::kAvx512; }
+bool use_avx512() { return uses_avx512(active_cpu_isa()); }
 
 #if defined(__x86_64__)
 PK_AVX512 void bf16_to_fp32_avx512(const uint16_t* src, int64_t count, float* dst) {

@@ -27,7 +27,7 @@ int64_t grain_rows(int64_t inner) { return std::max<int64_t>(1, kGrainElements /
 
 bool avx512_silu(const at::Tensor& gate_up, int64_t act, bool interleaved) {
   return act == static_cast<int64_t>(GatedAct::kSilu) && !interleaved && gate_up.scalar_type() == at::kBFloat16 &&
-         active_cpu_isa() == CpuIsa::kAvx512;
+         uses_avx512(active_cpu_isa());
 }
 
 const uint16_t* bf16_bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }

@@ -42,7 +42,7 @@ at::Tensor from_slot_order(const at::Tensor& by_slot, const Problem& p, bool gro
 }
 
 bool use_bf16_kernels(const Problem& p) {
-  return p.x.scalar_type() == at::kBFloat16 && active_cpu_isa() == CpuIsa::kAvx512 && gemm::has_bf16_gemm();
+  return p.x.scalar_type() == at::kBFloat16 && uses_avx512(active_cpu_isa()) && gemm::has_bf16_gemm();
 }
 
 // PEFT's expert-minor LoRA B [out, r * E] (B_e = columns e, e + E, ...) <-> [E, out, r] with B_e

@@ -215,7 +215,7 @@ PK_AVX512 void dequantize_block_avx512(const uint8_t* packed, float scale, int64
 template <typename T>
 void quantize_typed(const QuantizeParams& p, int64_t block_begin, int64_t block_end) {
   const T* x = static_cast<const T*>(p.x);
-  const bool avx512 = active_cpu_isa() == CpuIsa::kAvx512;
+  const bool avx512 = uses_avx512(active_cpu_isa());
   for (int64_t b = block_begin; b < block_end; ++b) {
     const int64_t begin = b * p.blocksize;
     const int64_t count = std::min(p.blocksize, p.numel - begin);
@@ -233,7 +233,7 @@ void quantize_typed(const QuantizeParams& p, int64_t block_begin, int64_t block_
 template <typename T>
 void dequantize_typed(const DequantizeParams& p, int64_t block_begin, int64_t block_end) {
   T* out = static_cast<T*>(p.out);
-  const bool avx512 = active_cpu_isa() == CpuIsa::kAvx512;
+  const bool avx512 = uses_avx512(active_cpu_isa());
 #if defined(__x86_64__)
   // Streaming stores pay off once the output is far larger than the caches (and its consumer
   // will not find it there anyway); below that, keep it cache-resident for the next op.
@@ -265,7 +265,7 @@ void dequantize_typed(const DequantizeParams& p, int64_t block_begin, int64_t bl
 // blocks at either end the scalar one. For chunked use (a few weight rows at a time).
 template <typename T>
 void dequantize_range_typed(const DequantizeParams& p, int64_t begin, int64_t end, T* dst) {
-  const bool avx512 = active_cpu_isa() == CpuIsa::kAvx512;
+  const bool avx512 = uses_avx512(active_cpu_isa());
   for (int64_t b = begin / p.blocksize; b * p.blocksize < end; ++b) {
     const int64_t block_begin = b * p.blocksize;
     const int64_t first = std::max(begin, block_begin);

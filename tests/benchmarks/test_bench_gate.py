@@ -225,7 +225,8 @@ def test_scope_judges_complete_families_strictly_and_subsets_on_what_ran(tmp_pat
 
 @pytest.mark.parametrize(("isa", "cpu", "flags", "expected"), [
     ("avx512", ("AuthenticAMD", 0x1A), {"avx512_bf16"}, "cpu"),  # Zen 5
-    ("avx512", ("GenuineIntel", 6), {"avx512_bf16", "amx_bf16", "amx_tile"}, "cpu-amx"),  # Sapphire Rapids on
+    ("amx", ("GenuineIntel", 6), {"avx512_bf16", "amx_bf16", "amx_tile"}, "cpu-amx"),  # Sapphire Rapids on
+    ("avx512", ("GenuineIntel", 6), {"avx512_bf16", "amx_bf16", "amx_tile"}, "cpu"),  # tiles Linux refused
     ("avx512", ("GenuineIntel", 6), {"avx512_bf16"}, "cpu"),  # Cooper Lake: BF16 without AMX
     ("avx512", ("GenuineIntel", 6), set(), "cpu-avx512"),  # Skylake-SP to Ice Lake
     ("avx512", ("AuthenticAMD", 0x19), {"avx512_bf16"}, "cpu-zen4"),

@@ -41,9 +41,34 @@ def test_family_ops_are_registered(family):
 
 
 def test_cpu_isa_switch_rejects_unknown_names():
-    with pytest.raises(ValueError, match="cpu isa must be 'auto', 'scalar' or 'avx512', got 'sse9'"):
+    with pytest.raises(ValueError, match="cpu isa must be 'auto', 'scalar', 'avx512' or 'amx', got 'sse9'"):
         _C.set_cpu_isa("sse9")
     _C.set_cpu_isa("scalar")
     assert pykernels.build_info()["cpu_isa"] == "scalar"
     _C.set_cpu_isa("auto")
     assert pykernels.build_info()["cpu_isa"] == pykernels.build_info()["cpu_isa_detected"]
+
+
+def test_cpu_isa_switch_refuses_a_path_this_cpu_cannot_run():
+    detected = pykernels.build_info()["cpu_isa_detected"]
+    for name, lacks in (("avx512", "AVX-512"), ("amx", "AMX")):
+        if detected == name or (name == "avx512" and detected == "amx"):
+            continue
+        with pytest.raises(ValueError, match=f"cpu isa '{name}' requested but this CPU lacks {lacks}"):
+            _C.set_cpu_isa(name)
+        assert pykernels.build_info()["cpu_isa"] == detected
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.mark.skipif(not _cpu_flags() >= {"amx_tile", "amx_bf16", "avx512_bf16"}, reason="this CPU has no AMX")
+def test_a_cpu_with_amx_runs_the_amx_path():
+    """Linux lists amx_* only when it supports the tile state, so the extension's own check (CPUID and
+    the arch_prctl request, csrc/common/cpu_gemm_amx.cpp) must find it usable too."""
+    assert pykernels.build_info()["cpu_isa_detected"] == "amx"

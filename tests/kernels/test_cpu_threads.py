@@ -18,7 +18,7 @@ import torch
 import pykernels.nf4 as nf4
 from pykernels import logprobs, lora, moe
 
-pytestmark = pytest.mark.usefixtures("cpu_isa")
+pytestmark = pytest.mark.usefixtures("gemm_cpu_isa")
 
 
 @contextmanager

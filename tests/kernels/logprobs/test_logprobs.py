@@ -61,7 +61,7 @@ CASES = [  # (n, h, v): N = 1, 7, 4099; vocabularies that are not multiples of a
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
 @pytest.mark.parametrize("n,h,v", CASES)
-def test_against_fp64(n, h, v, dtype, temperature, frozen, cpu_isa):
+def test_against_fp64(n, h, v, dtype, temperature, frozen, gemm_cpu_isa):
     """frozen_weight takes the forward that also computes d(logprob, entropy)/d hidden."""
     hidden, weight, targets = make(n, h, v, dtype, seed=n + v)
     generator = torch.Generator().manual_seed(1)

@@ -183,7 +183,7 @@ FLAGS = list(itertools.product([False, True], [False, True], [False, True], [Fal
 @pytest.mark.parametrize(("grouped_in", "grouped_out", "with_gates", "with_lora"), FLAGS,
                          ids=[f"in{int(a)}-out{int(b)}-gates{int(c)}-lora{int(d)}" for a, b, c, d in FLAGS])
 @pytest.mark.parametrize("trainable_weight", [False, True], ids=["frozen", "trainable"])
-def test_grouped_linear_on_transposed_weights_on_every_cpu_path(cpu_isa, grouped_in, grouped_out, with_gates,
+def test_grouped_linear_on_transposed_weights_on_every_cpu_path(gemm_cpu_isa, grouped_in, grouped_out, with_gates,
                                                                 with_lora, trainable_weight):
     """weight [E, out, in] as a transposed view of [E, in, out] (GPT-OSS' storage): bf16 forward and
     gradients against fp64 on the same bf16 inputs. > 256 slots for some experts, out 300: three

@@ -221,10 +221,10 @@ def test_bad_inputs_name_the_argument():
 @pytest.mark.parametrize(("tokens", "top_k", "num_experts", "in_f", "out_f", "rank"),
                          [(37, 3, 5, 33, 70, 1), (600, 2, 3, 64, 600, 16)],  # odd in; > 256 slots and > 512 rows
                          ids=["small-odd", "chunked"])
-def test_bf16_forward_on_every_cpu_path(cpu_isa, grouped_in, grouped_out, with_gates, with_lora, tokens, top_k,
+def test_bf16_forward_on_every_cpu_path(gemm_cpu_isa, grouped_in, grouped_out, with_gates, with_lora, tokens, top_k,
                                         num_experts, in_f, out_f, rank):
     """bf16 in, bf16 out: within bf16 rounding of the fp64 result of the same bf16 inputs, on the
-    AVX-512 BF16 kernels and on the portable path."""
+    AVX-512 BF16 kernels (their GEMMs on AVX-512 and on AMX tiles) and on the portable path."""
     g = torch.Generator().manual_seed(3)
     idx = make_routing(tokens, top_k, num_experts, seed=3, dropped=1)
     routing = moe.sort_tokens(idx, num_experts)
@@ -248,10 +248,11 @@ def test_bf16_forward_on_every_cpu_path(cpu_isa, grouped_in, grouped_out, with_g
 @pytest.mark.parametrize(("grouped_in", "grouped_out", "with_gates", "with_lora"), FLAGS,
                          ids=[f"in{int(a)}-out{int(b)}-gates{int(c)}-lora{int(d)}" for a, b, c, d in FLAGS])
 @pytest.mark.parametrize("trainable_weight", [False, True], ids=["frozen", "trainable"])
-def test_bf16_gradients_on_every_cpu_path(cpu_isa, grouped_in, grouped_out, with_gates, with_lora,
+def test_bf16_gradients_on_every_cpu_path(gemm_cpu_isa, grouped_in, grouped_out, with_gates, with_lora,
                                           trainable_weight):
     """bf16 gradients of x, gates, LoRA (and the weight when it is trainable) against fp64 on the
-    same bf16 inputs, on the AVX-512 BF16 kernels (frozen weight) and the portable path."""
+    same bf16 inputs, on the AVX-512 BF16 kernels (frozen weight; their GEMMs on AVX-512 and on AMX
+    tiles) and the portable path."""
     # > 256 slots for some experts; in 151: two column blocks of the backward, the second odd and partial
     tokens, top_k, num_experts, in_f, out_f, rank = 300, 3, 4, 151, 72, 5
     g = torch.Generator().manual_seed(5)
