@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import pykernels
+from benchmarks.conftest import cpu_flags
 from pykernels import _C
 
 OPS_BY_FAMILY = {
@@ -59,15 +60,7 @@ def test_cpu_isa_switch_refuses_a_path_this_cpu_cannot_run():
         assert pykernels.build_info()["cpu_isa"] == detected
 
 
-def _cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as cpuinfo:
-        for line in cpuinfo:
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    return set()
-
-
-@pytest.mark.skipif(not _cpu_flags() >= {"amx_tile", "amx_bf16", "avx512_bf16"}, reason="this CPU has no AMX")
+@pytest.mark.skipif(not cpu_flags() >= {"amx_tile", "amx_bf16", "avx512_bf16"}, reason="this CPU has no AMX")
 def test_a_cpu_with_amx_runs_the_amx_path():
     """Linux lists amx_* only when it supports the tile state, so the extension's own check (CPUID and
     the arch_prctl request, csrc/common/cpu_gemm_amx.cpp) must find it usable too."""
