@@ -167,20 +167,26 @@ bool os_grants_tiles() {
 #endif
 }
 
-// block<R> on C's rows [0, rows) and columns [0, width) alone, through a 32 x 32 copy: the last row
-// tile of A (zero rows past `rows`) and a partial last panel (B's zero columns past `width`) compute
-// what C has no room for.
+// block<R> with the row tile count R (1 or 2) chosen at run time.
+PK_AMX void row_tiles_block(int R, int64_t pairs, const uint16_t* a, const uint32_t* b, float* c, int64_t ldc,
+                            bool accumulate) {
+  if (R == 2) {
+    block<2>(pairs, a, b, c, ldc, accumulate);
+  } else {
+    block<1>(pairs, a, b, c, ldc, accumulate);
+  }
+}
+
+// row_tiles_block on C's rows [0, rows) and columns [0, width) alone, through a 32 x 32 copy: the last
+// row tile of A (zero rows past `rows`) and a partial last panel (B's zero columns past `width`)
+// compute what C has no room for.
 PK_AMX void edge_block(int R, int64_t rows, int64_t width, int64_t pairs, const uint16_t* a, const uint32_t* b,
                        float* c, int64_t ldc, bool accumulate) {
   alignas(64) float copy[2 * kTileRows * kPanel];
   if (accumulate) {
     for (int64_t r = 0; r < rows; ++r) std::memcpy(copy + r * kPanel, c + r * ldc, width * sizeof(float));
   }
-  if (R == 2) {
-    block<2>(pairs, a, b, copy, kPanel, accumulate);
-  } else {
-    block<1>(pairs, a, b, copy, kPanel, accumulate);
-  }
+  row_tiles_block(R, pairs, a, b, copy, kPanel, accumulate);
   for (int64_t r = 0; r < rows; ++r) std::memcpy(c + r * ldc, copy + r * kPanel, width * sizeof(float));
 }
 
@@ -213,10 +219,8 @@ void gemm_bf16_amx(int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t l
           const int64_t rows = std::min<int64_t>(R * kTileRows, block_rows - i);
           if (rows < R * kTileRows || width < kPanel) {
             edge_block(R, rows, width, pairs, ai, bp, ci, ldc, acc);
-          } else if (R == 2) {
-            block<2>(pairs, ai, bp, ci, ldc, acc);
           } else {
-            block<1>(pairs, ai, bp, ci, ldc, acc);
+            row_tiles_block(R, pairs, ai, bp, ci, ldc, acc);
           }
         }
       }
