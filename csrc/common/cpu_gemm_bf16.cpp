@@ -222,21 +222,35 @@ void gemm_avx512(int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda
   }
 }
 
+// The tiles run where the cpu isa is "amx" and K has a whole step of 32 for them.
+bool tiles_run(int64_t k) { return active_cpu_isa() == CpuIsa::kAmx && amx_pairs(k) > 0; }
+
 }  // namespace
 
-void gemm_bf16(int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda, const uint32_t* b,
-               int64_t b_panel_stride, float* c, int64_t ldc, bool accumulate) {
-  const int64_t pairs = amx_pairs(k);
-  if (active_cpu_isa() != CpuIsa::kAmx || pairs == 0 || m == 0 || n == 0) {
+int64_t prepacked_a_size(int64_t m, int64_t k) { return tiles_run(k) ? amx_packed_a_size(m, k) : 0; }
+
+void prepack_a(const uint16_t* a, int64_t lda, int64_t m, int64_t k, uint16_t* dst) {
+  if (tiles_run(k)) amx_pack_a(a, lda, m, k, dst);
+}
+
+void gemm_bf16(int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda, const uint16_t* a_prepacked,
+               const uint32_t* b, int64_t b_panel_stride, float* c, int64_t ldc, bool accumulate) {
+  if (!tiles_run(k) || m == 0 || n == 0) {  // a_prepacked unused (the isa may have changed since)
     gemm_avx512(m, n, k, a, lda, b, b_panel_stride, c, ldc, accumulate);
     return;
   }
   // The tiles take K in steps of 32 over all of C (partial tiles through copies: on AVX-512 a partial
   // last panel of a few columns cost as much as eight whole ones on the tiles), AVX-512 the rest of K.
-  gemm_bf16_amx(m, n, k, a, lda, b, b_panel_stride, c, ldc, accumulate);
+  const int64_t pairs = amx_pairs(k);
+  gemm_bf16_amx(m, n, k, a, lda, a_prepacked, b, b_panel_stride, c, ldc, accumulate);
   if (2 * pairs < k) {
     gemm_avx512(m, n, k - 2 * pairs, a + 2 * pairs, lda, b + pairs * kPanel, b_panel_stride, c, ldc, true);
   }
+}
+
+void gemm_bf16(int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda, const uint32_t* b,
+               int64_t b_panel_stride, float* c, int64_t ldc, bool accumulate) {
+  gemm_bf16(m, n, k, a, lda, nullptr, b, b_panel_stride, c, ldc, accumulate);
 }
 
 }  // namespace pykernels::gemm

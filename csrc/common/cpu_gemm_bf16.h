@@ -48,4 +48,16 @@ void pack_rows(const uint16_t* src, int64_t k, int64_t k_padded, int64_t cols, i
 void gemm_bf16(int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda, const uint32_t* b,
                int64_t b_panel_stride, float* c, int64_t ldc, bool accumulate);
 
+// A packed ahead for several gemm_bf16 calls that read the same rows (an expert's rows against each
+// column block of its weight): on the AMX path every call otherwise copies A into the tiles' order,
+// as much memory traffic as packing the weight block it multiplies. prepacked_a_size: uint16
+// elements, 0 where gemm_bf16 packs nothing (cpu isa not "amx", K < 32): then pass null.
+int64_t prepacked_a_size(int64_t m, int64_t k);
+void prepack_a(const uint16_t* a, int64_t lda, int64_t m, int64_t k, uint16_t* dst);
+
+// gemm_bf16 with A also given as prepack_a(a, lda, m, k) wrote it (or null); a is still read for
+// what the tiles leave to AVX-512.
+void gemm_bf16(int64_t m, int64_t n, int64_t k, const uint16_t* a, int64_t lda, const uint16_t* a_prepacked,
+               const uint32_t* b, int64_t b_panel_stride, float* c, int64_t ldc, bool accumulate);
+
 }  // namespace pykernels::gemm

@@ -89,7 +89,8 @@ void lora_backward_expert(const LoraBackward& l, int64_t e, int64_t s0, int64_t 
 // kColBlock columns of dx), each packing its [out, kColBlock] slice of W_e into a buffer that stays
 // in cache while every slot chunk of the expert runs against it. W is read from memory once, never
 // written back packed, and small-E models (Mixtral: 8 experts) still split evenly over the threads.
-// dy's rows in slot order (the GEMM's A operand) are gathered once for all items. The rank-r LoRA
+// dy's rows in slot order (the GEMM's A operand) are gathered once for all items, and on AMX packed
+// once for the tiles (PrepackedChunks). The rank-r LoRA
 // terms run on the micro-kernel too (lora_backward_expert); a gate's gradient is summed from
 // per-column-block partial dots in a fixed order.
 Grads backward_bf16(const Problem& p, const at::Tensor& g, const at::Tensor& grad_row_of_slot, bool compute_grad_x,
@@ -169,6 +170,8 @@ Grads backward_bf16(const Problem& p, const at::Tensor& g, const at::Tensor& gra
   for (int64_t c = 0; c < kColBlock; ++c) stored_rows[c] = c * z.out;
   const uint16_t* a_bf16 = lora_a_bf16.defined() ? bf16_data(lora_a_bf16) : nullptr;
   if (compute_grad_x || compute_grad_gates) {
+    thread_local AlignedVector<uint16_t> dy_packed_workspace;
+    const PrepackedChunks dy_packed(p, dy_sorted, k_pad, z.out, dy_packed_workspace);
     for_each_item(static_cast<int64_t>(items.size()), [&](int64_t i) {
       const BelowAutograd below_autograd;
       thread_local AlignedVector<uint32_t> packed_w, packed_a;
@@ -190,8 +193,8 @@ Grads backward_bf16(const Problem& p, const at::Tensor& g, const at::Tensor& gra
       for (int64_t s0 = p.offsets[e]; s0 < p.offsets[e + 1]; s0 += kSlotChunk) {
         const int64_t m = std::min(kSlotChunk, p.offsets[e + 1] - s0);
         c.resize(m * ldc);
-        gemm::gemm_bf16(m, cols, z.out, dy_sorted + s0 * k_pad, k_pad, packed_w.data(), gemm::panel_stride(k_pad),
-                        c.data(), ldc, false);  // dy W_e[:, c0:c0+cols]
+        gemm::gemm_bf16(m, cols, z.out, dy_sorted + s0 * k_pad, k_pad, dy_packed.at(s0), packed_w.data(),
+                        gemm::panel_stride(k_pad), c.data(), ldc, false);  // dy W_e[:, c0:c0+cols]
         if (a_bf16 != nullptr) {  // + s (dy B_e) A_e[:, c0:c0+cols]
           gemm::gemm_bf16(m, cols, z.rank, v_scaled + s0 * r_pad, r_pad, packed_a.data(), gemm::panel_stride(r_pad),
                           c.data(), ldc, true);

@@ -123,9 +123,9 @@ void lora_rows_bf16(const Problem& p, const uint16_t* x_sorted, uint16_t* u_out,
 }
 
 // The forward for weights stored [E, in, out] (a transposed view): y = x W_e^T with the slots' rows
-// of x (gathered once, in slot order) as the A operand and W_e^T, the stored [in, out] matrix, packed
-// kColBlock columns at a time; work items (expert, column block) as in backward_bf16, so W is read
-// once. LoRA's rank-r rows u = s x A_e^T (bf16, like the K-major forward's) are computed once per
+// of x (gathered once, in slot order, and on AMX packed once for the tiles: PrepackedChunks) as the
+// A operand and W_e^T, the stored [in, out] matrix, packed kColBlock columns at a time; work items
+// (expert, column block) as in backward_bf16, so W is read once. LoRA's rank-r rows u = s x A_e^T (bf16, like the K-major forward's) are computed once per
 // slot and add u B_e^T as r more K steps.
 void forward_n_major(const Problem& p, const ForwardRows& out) {
   const Sizes& z = p.size;
@@ -160,6 +160,8 @@ void forward_n_major(const Problem& p, const ForwardRows& out) {
   std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {  // most slots first
     return p.offsets[a.e + 1] - p.offsets[a.e] > p.offsets[b.e + 1] - p.offsets[b.e];
   });
+  thread_local AlignedVector<uint16_t> x_packed_workspace;
+  const PrepackedChunks x_packed(p, x_sorted, z.in, z.in, x_packed_workspace);
   for_each_item(static_cast<int64_t>(items.size()), [&](int64_t i) {
     thread_local AlignedVector<uint32_t> packed_w, packed_b;
     thread_local AlignedVector<float> c;
@@ -174,8 +176,8 @@ void forward_n_major(const Problem& p, const ForwardRows& out) {
     for (int64_t s0 = p.offsets[e]; s0 < p.offsets[e + 1]; s0 += kSlotChunk) {
       const int64_t m = std::min(kSlotChunk, p.offsets[e + 1] - s0);
       c.resize(m * ldc);
-      gemm::gemm_bf16(m, cols, z.in, x_sorted + s0 * z.in, z.in, packed_w.data(), gemm::panel_stride(k_pad),
-                      c.data(), ldc, false);
+      gemm::gemm_bf16(m, cols, z.in, x_sorted + s0 * z.in, z.in, x_packed.at(s0), packed_w.data(),
+                      gemm::panel_stride(k_pad), c.data(), ldc, false);
       if (p.lora_a) {
         gemm::gemm_bf16(m, cols, z.rank, u_sorted + s0 * r_pad, r_pad, packed_b.data(),
                         gemm::panel_stride(z.rank), c.data(), ldc, true);

@@ -21,6 +21,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/cpu_memory.h"
 #include "moe/moe_torch_checks.h"
 
 namespace pykernels::moe::cpu_op {
@@ -107,6 +108,23 @@ at::Tensor lora_b_grad_from_experts(const at::Tensor& db_t, const Sizes& z);
 // out [T, cols] bf16 = each token's k slot rows (bf16 [slots, cols] in slot order) summed in
 // fp32, in j order; dropped assignments add nothing.
 void sum_per_token(const Problem& p, const uint16_t* slot_rows, int64_t cols, at::Tensor& out);
+
+// The slot chunks' rows (rows [valid, k] with row stride ld, in slot order; each expert's slots in
+// chunks of kSlotChunk) copied once into the order the GEMM's AMX tiles read them (gemm::prepack_a):
+// the work items (expert, column block) each multiply one chunk by their block of the weight, and
+// gemm_bf16 would copy the chunk again for every block (on Mixtral's shapes as many bytes as the
+// weight blocks themselves). Nothing is packed where the tiles do not run. workspace: the calling
+// thread's, kept across calls.
+class PrepackedChunks {
+ public:
+  PrepackedChunks(const Problem& p, const uint16_t* rows, int64_t ld, int64_t k, AlignedVector<uint16_t>& workspace);
+  // The chunk that starts at slot s0, or null: gemm_bf16 packs it itself.
+  const uint16_t* at(int64_t s0) const { return offset_[s0] < 0 ? nullptr : data_ + offset_[s0]; }
+
+ private:
+  std::vector<int64_t> offset_;  // per slot: element offset of the chunk starting there, else -1
+  const uint16_t* data_ = nullptr;
+};
 
 // The ops (schemas in csrc/torch_bindings.cpp).
 at::Tensor grouped_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& sorted_expert_idx,
