@@ -53,13 +53,13 @@ constexpr int64_t kTileElements = kTileRows * kStepPairs * 2;   // bf16 of one A
 constexpr int64_t kKPairs = 512;
 constexpr int64_t kRowBlock = 256;
 
+constexpr int64_t kPrefetchRows = 4;  // pack_a asks for the row this many rows on
+
 // A[rows, 2 * pairs] (row stride lda) -> tiles: tile t of rows 16t.., K step s at (t * steps + s) *
 // kTileElements, 16 rows of 64 bytes; the last tile's rows past `rows` zero. Read in place, A's rows
 // are lda apart, and at K = 2048 or 4096 that is a multiple of 4 KiB: a tile's 16 rows share one L1
 // set (12 ways) and evict each other; packed, each tile is 1 KiB of consecutive lines. pairs is a
 // multiple of 16.
-constexpr int64_t kPrefetchRows = 4;
-
 void pack_a(const uint16_t* a, int64_t lda, int64_t rows, int64_t pairs, uint16_t* out) {
   const int64_t steps = pairs / kStepPairs, padded = (rows + kTileRows - 1) / kTileRows * kTileRows;
   for (int64_t i = 0; i < padded; ++i) {
@@ -219,7 +219,8 @@ void amx_pack_a(const uint16_t* a, int64_t lda, int64_t m, int64_t k, uint16_t* 
   for (int64_t q0 = 0; q0 < all_pairs; q0 += kKPairs) {
     const int64_t pairs = std::min(kKPairs, all_pairs - q0);
     for (int64_t i0 = 0; i0 < m; i0 += kRowBlock) {
-      pack_a(a + i0 * lda + 2 * q0, lda, std::min(m - i0, kRowBlock), pairs, dst + packed_block_offset(m, q0, pairs, i0));
+      pack_a(a + i0 * lda + 2 * q0, lda, std::min(m - i0, kRowBlock), pairs,
+             dst + packed_block_offset(m, q0, pairs, i0));
     }
   }
 }

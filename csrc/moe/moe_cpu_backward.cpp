@@ -90,9 +90,9 @@ void lora_backward_expert(const LoraBackward& l, int64_t e, int64_t s0, int64_t 
 // in cache while every slot chunk of the expert runs against it. W is read from memory once, never
 // written back packed, and small-E models (Mixtral: 8 experts) still split evenly over the threads.
 // dy's rows in slot order (the GEMM's A operand) are gathered once for all items, and on AMX packed
-// once for the tiles (PrepackedChunks). The rank-r LoRA
-// terms run on the micro-kernel too (lora_backward_expert); a gate's gradient is summed from
-// per-column-block partial dots in a fixed order.
+// once for the tiles (PrepackedChunks). The rank-r LoRA terms run on the micro-kernel too
+// (lora_backward_expert); a gate's gradient is summed from per-column-block partial dots in a fixed
+// order.
 Grads backward_bf16(const Problem& p, const at::Tensor& g, const at::Tensor& grad_row_of_slot, bool compute_grad_x,
                     bool compute_grad_gates, bool compute_grad_lora) {
   const Sizes& z = p.size;

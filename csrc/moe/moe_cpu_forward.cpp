@@ -125,8 +125,8 @@ void lora_rows_bf16(const Problem& p, const uint16_t* x_sorted, uint16_t* u_out,
 // The forward for weights stored [E, in, out] (a transposed view): y = x W_e^T with the slots' rows
 // of x (gathered once, in slot order, and on AMX packed once for the tiles: PrepackedChunks) as the
 // A operand and W_e^T, the stored [in, out] matrix, packed kColBlock columns at a time; work items
-// (expert, column block) as in backward_bf16, so W is read once. LoRA's rank-r rows u = s x A_e^T (bf16, like the K-major forward's) are computed once per
-// slot and add u B_e^T as r more K steps.
+// (expert, column block) as in backward_bf16, so W is read once. LoRA's rank-r rows u = s x A_e^T
+// (bf16, like the K-major forward's) are computed once per slot and add u B_e^T as r more K steps.
 void forward_n_major(const Problem& p, const ForwardRows& out) {
   const Sizes& z = p.size;
   const int64_t valid = p.offsets[z.experts], k_pad = round_up(z.in, 2), r_pad = round_up(z.rank, 2);
