@@ -55,6 +55,13 @@ class Bf16Gemms {
   static int64_t acc_ld(int64_t h) { return gemm::padded_ld(h); }
 
   void begin_block(int64_t v0, int64_t rows, bool grad_hidden) {
+    // The block's rows of W, the logits GEMM's A, packed for the AMX tiles once for all token chunks
+    // (gemm_bf16 would copy them again for each); nothing to share with a single chunk.
+    thread_local AlignedVector<uint16_t> a;
+    const int64_t a_size = n_ > kTokenChunk ? gemm::prepacked_a_size(rows, h_) : 0;
+    a.resize(a_size);
+    if (a_size > 0) gemm::prepack_a(weight_ + v0 * h_, h_, rows, h_, a.data());
+    block_a_ = a_size > 0 ? a.data() : nullptr;
     if (!grad_hidden) return;
     thread_local AlignedVector<uint32_t> w;  // this block of W packed for dh = dz W
     w.resize(gemm::panels(h_) * gemm::panel_stride(round_up(rows, 2)));
@@ -63,8 +70,9 @@ class Bf16Gemms {
   }
 
   void logits(int64_t v0, int64_t rows, int64_t t0, int64_t tokens, float* tile, int64_t ld) const {
-    gemm::gemm_bf16(rows, tokens, h_, weight_ + v0 * h_, h_, hidden_t_.data() + t0 / gemm::kPanel * gemm::panel_stride(h_),
-                   gemm::panel_stride(h_), tile, ld, false);
+    gemm::gemm_bf16(rows, tokens, h_, weight_ + v0 * h_, h_, block_a_,
+                    hidden_t_.data() + t0 / gemm::kPanel * gemm::panel_stride(h_), gemm::panel_stride(h_), tile, ld,
+                    false);
   }
 
   // dw_block [rows, H] (+)= dz^T h and dh[t0:] += dz W_block, from an fp32 tile dz [rows][ld] (scale * dz
@@ -93,8 +101,10 @@ class Bf16Gemms {
   const uint16_t* weight_;
   AlignedVector<uint32_t> hidden_t_, hidden_rows_;
   static thread_local const uint32_t* block_rows_;
+  static thread_local const uint16_t* block_a_;
 };
 thread_local const uint32_t* Bf16Gemms::block_rows_ = nullptr;
+thread_local const uint16_t* Bf16Gemms::block_a_ = nullptr;
 
 // torch's fp32 BLAS on fp32 copies: any dtype, any CPU.
 class Fp32Gemms {
