@@ -104,26 +104,27 @@ void sum_per_token(const Problem& p, const uint16_t* slot_rows, int64_t cols, at
 PrepackedChunks::PrepackedChunks(const Problem& p, const uint16_t* rows, int64_t ld, int64_t k,
                                  AlignedVector<uint16_t>& workspace)
     : offset_(p.offsets[p.size.experts], -1) {
-  std::vector<int64_t> starts;
+  struct Chunk {
+    int64_t s0, m;
+  };
+  std::vector<Chunk> chunks;
   int64_t total = 0;
   for (int64_t e = 0; e < p.size.experts; ++e) {
     for (int64_t s0 = p.offsets[e]; s0 < p.offsets[e + 1]; s0 += kSlotChunk) {
-      const int64_t size = gemm::prepacked_a_size(std::min(kSlotChunk, p.offsets[e + 1] - s0), k);
+      const int64_t m = std::min(kSlotChunk, p.offsets[e + 1] - s0), size = gemm::prepacked_a_size(m, k);
       if (size == 0) continue;
       offset_[s0] = total;
       total += size;
-      starts.push_back(s0);
+      chunks.push_back({s0, m});
     }
   }
-  if (starts.empty()) return;
+  if (chunks.empty()) return;
   workspace.resize(total);
   uint16_t* data = workspace.data();
   data_ = data;
-  at::parallel_for(0, static_cast<int64_t>(starts.size()), 1, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t s0 = starts[i];
-      const int64_t e = std::upper_bound(p.offsets.begin(), p.offsets.end(), s0) - p.offsets.begin() - 1;
-      gemm::prepack_a(rows + s0 * ld, ld, std::min(kSlotChunk, p.offsets[e + 1] - s0), k, data + offset_[s0]);
+      gemm::prepack_a(rows + chunks[i].s0 * ld, ld, chunks[i].m, k, data + offset_[chunks[i].s0]);
     }
   });
 }
