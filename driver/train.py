@@ -12,6 +12,7 @@ in the trainer instead of vLLM (driver/algorithms.py gives that mode's batch sou
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -31,12 +32,14 @@ from driver.distributed import world as distributed
 from driver.distributed.fsdp import shard_policy
 from driver.engine import RolloutError, make_generator
 from driver.engine import adapter_sync as sync
+from driver.engine.launch import LOG_NAME as SERVER_LOG
 from driver.environments.factory import prompt_tools
 from driver.interrupt import GracefulInterrupt
 from driver.metrics import memory
 from driver.metrics.console import LOG_FILE, Terminal, library_output_to_file
 from driver.metrics.logger import MetricsLogger
 from driver.metrics.plots import plot_metrics
+from driver.metrics.startup import StartupPhases, describe
 from driver.metrics.summary import run_summary
 from driver.metrics.trackers import open_trackers
 from driver.policy.model import kernel_modes, load_policy
@@ -73,37 +76,48 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
     torch.manual_seed(config.train.seed)
     pykernels.backend.set_kernels(**kernel_modes(config))
     algo = algorithm(config)
+    console = Console(file=terminal.out)
+    startup = StartupPhases(console if world.is_main else None,
+                            spinner=config.logging.progress and terminal.log_path is not None)
+    if terminal.log_path is not None:  # first: where to look while the model loads and vLLM starts
+        startup.print(f"vLLM's and the libraries' output: {terminal.log_path}")
 
-    policy = load_policy(config)
-    if world.distributed:
-        shard_policy(policy)  # before the optimizer: FSDP replaces the parameters
-    prompts = (PromptSource(config.data, policy.tokenizer, config.train.seed,
-                            tools=prompt_tools(config, policy.tokenizer)) if world.is_main else None)
-    if prompts is not None:
-        algo.check_prompts(config, prompts)
+    with startup.phase(f"loading {config.model.path}", lambda: f"loaded {config.model.path} ({describe(policy)})"):
+        policy = load_policy(config)
+        if world.distributed:
+            shard_policy(policy)  # before the optimizer: FSDP replaces the parameters
+    startup.print(f"pykernels: {policy.kernels}" + (f"; {world.size} ranks (FSDP2)" if world.distributed else ""))
+    prompts = None
+    if world.is_main:
+        with startup.phase(f"reading the prompts ({config.data.source})",
+                           lambda: f"read {len(prompts.prompts)} prompts ({config.data.source})"):
+            prompts = PromptSource(config.data, policy.tokenizer, config.train.seed,
+                                   tools=prompt_tools(config, policy.tokenizer))
+            algo.check_prompts(config, prompts)
     optimizer = build_optimizer(policy.trainable_parameters(), config.train)
     scheduler = build_scheduler(optimizer, config.train, config.optimizer_updates)
     step, rollout_state = 0, None
     first_step = 0
     if config.checkpoint.resume:
-        step, rollout_state = load_checkpoint(find_checkpoint(output_dir, config.checkpoint.resume), policy,
-                                              optimizer, scheduler, prompts)
+        checkpoint = find_checkpoint(output_dir, config.checkpoint.resume)
+        with startup.phase(f"resuming from {checkpoint}", lambda: f"resumed at step {step} from {checkpoint}"):
+            step, rollout_state = load_checkpoint(checkpoint, policy, optimizer, scheduler, prompts)
         first_step = step
 
     sampling = algo.trainer_sampling(config)  # the trainer samples: no inference engine
-    generator = None if sampling else on_rank0(lambda: make_generator(config, policy), "start vLLM")
+    generator = None
+    if not sampling:
+        with engine_phase(startup, config):
+            generator = on_rank0(lambda: make_generator(config, policy), "start vLLM")
     verifier = None if sampling else sync.make_verifier(config, policy)
     update = sampling.update if sampling else partial(optimize, term=algo.ground_truth_loss(config))
     logger = (MetricsLogger(output_dir, total_steps=config.train.steps, start_step=step,
                             tensorboard=config.logging.tensorboard, progress=config.logging.progress,
-                            console=Console(file=terminal.out),
+                            console=console,
                             trackers=open_trackers(config.logging.report_to, output_dir, config.logging.project,
                                                    config.logging.run_name, config.model_dump(mode="json"),
                                                    resume=step > 0))
               if world.is_main else SilentLogger())
-    logger.print(f"pykernels: {policy.kernels}" + (f"; {world.size} ranks (FSDP2)" if world.distributed else ""))
-    if terminal.log_path is not None:
-        logger.print(f"vLLM's and the libraries' output: {terminal.log_path}")
     rollouts: BatchSource | None = None
     try:
         if sampling:
@@ -165,6 +179,20 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
     return not interrupted
 
 
+def engine_phase(startup: StartupPhases, config: Config) -> contextlib.AbstractContextManager:
+    """The startup phase that starts the generation engine; none for transformers' generate (nothing starts)."""
+    rollout = config.rollout
+    if rollout.backend == "transformers":
+        return contextlib.nullcontext()
+    if rollout.backend == "colocate":
+        return startup.phase("starting vLLM in this process", "started vLLM")
+    if rollout.server_url:
+        urls = ", ".join(rollout.server_url if isinstance(rollout.server_url, list) else [rollout.server_url])
+        return startup.phase(f"connecting to vLLM at {urls}", f"connected to vLLM at {urls}")
+    startup.print(f"the vLLM server's output: {config.output_dir / SERVER_LOG}")
+    return startup.phase("launching a vLLM server", "launched a vLLM server")
+
+
 def check_world(config: Config, world: distributed.World) -> None:
     """What a torchrun launch cannot do yet, said before anything starts."""
     if not world.distributed:
@@ -216,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
         details = f" (details: {config.output_dir / LOG_FILE})" if config.logging.quiet else ""
         print(f"error: {error}{details}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C before the first step (while loading or starting vLLM), or a second one
+        print("\ninterrupted: stopped without saving a checkpoint", file=sys.stderr)
+        # Not the os._exit below: the interpreter's exit runs vLLM's handlers that stop a half-started engine.
+        raise SystemExit(INTERRUPTED_EXIT_CODE) from None
 
 
 if __name__ == "__main__":

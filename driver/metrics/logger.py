@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -132,9 +133,13 @@ class MetricsLogger:
                              purge_step=start_step + 1 if start_step > 0 else None, flush_secs=30)
 
     def _start_progress(self, total_steps: int, start_step: int):
+        # rich moves what Python code writes to sys.stdout / sys.stderr above the bar, which is right
+        # where those print on this terminal (logging.quiet off). With logging.quiet they are run.log:
+        # kept there (a reward function's prints, Python's warnings), not brought back to the terminal.
+        printing_here = sys.stdout is self.console.file
         progress = Progress(TextColumn("[bold]step"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                             TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[summary]}"),
-                            console=self.console)
+                            console=self.console, redirect_stdout=printing_here, redirect_stderr=printing_here)
         task = progress.add_task("train", total=total_steps, completed=start_step, summary="")
         progress.start()
         return progress, task

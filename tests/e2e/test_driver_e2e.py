@@ -101,6 +101,13 @@ class TestTheDemoRun:
         # default merged weight sync, from the engine running in this process (MainProcess).
         run_log = (output_dir / "run.log").read_text()
         assert re.search(r"\((EngineCore\S*|MainProcess) pid=\d+\) (INFO|WARNING) ", run_log)
+        # Before the first step, a line per phase, in the order they ran (the log's path first: where
+        # to look while they run).
+        startup = result.stdout[:result.stdout.index("finished step 40 of 40")]
+        at = [startup.index(line) for line in ("vLLM's and the libraries' output:", "loaded tiny://qwen2 (",
+                                               "trainable parameters) in ", "read 256 prompts (toy:digits) in ",
+                                               "started vLLM in ")]
+        assert at == sorted(at)
         summary = result.stdout[result.stdout.index("finished step 40 of 40"):]
         minutes, seconds = re.search(r"in (\d+)m(\d\d)s", summary.splitlines()[0]).groups()
         assert 60 * int(minutes) + int(seconds) >= sum(row["time/step"] for row in metrics(output_dir)) - 1
@@ -266,7 +273,9 @@ def test_the_transformers_backend_learns_without_vllm_with_exact_sampling_logpro
     sampling logprobs equal the trainer's to float32 rounding (the first update of each batch sees the
     weights that sampled it)."""
     output_dir = tmp_path / "run"
-    assert_ok(train(output_dir, *QUIET, "--rollout.backend=transformers", "--train.steps=24"))
+    result = train(output_dir, *QUIET, "--rollout.backend=transformers", "--train.steps=24")
+    assert_ok(result)
+    assert "read 256 prompts" in result.stdout and "started vLLM" not in result.stdout  # no engine starts
     rows = metrics(output_dir)
     first, last = sum(r["reward"] for r in rows[:5]) / 5, sum(r["reward"] for r in rows[-5:]) / 5
     assert last > first + 0.3, f"reward did not rise: first 5 steps {first:.3f}, last 5 {last:.3f}"
@@ -332,7 +341,9 @@ class TestBf16:
         import psutil
 
         output_dir = tmp_path / "run"
-        assert_ok(train(output_dir, *BF16, "--model.qlora=true", "--rollout.backend=server", "--train.steps=6", *QUIET))
+        result = train(output_dir, *BF16, "--model.qlora=true", "--rollout.backend=server", "--train.steps=6", *QUIET)
+        assert_ok(result)
+        assert "launched a vLLM server in " in result.stdout
         rows = metrics(output_dir)
         assert len(rows) == 6 and verified_versions(rows) >= 2
         assert max(row["sampling/sampling_logp_difference/mean"] for row in rows) < 0.05  # dense bf16: ~0.013
