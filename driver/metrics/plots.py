@@ -10,9 +10,10 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 MAIN_CURVES = ("reward", "reward_std", "kl", "entropy", "completions/mean_length", "clip_ratio/region_mean",
                "sampling/importance_sampling_ratio/mean", "loss",
@@ -96,6 +97,8 @@ def draw_curve(axes, key: str, steps: list[float], values: list[float], *, title
 
 
 def save(figure: Figure, path: Path) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
     FigureCanvasAgg(figure)  # attaches the Agg canvas: PNG output without any GUI backend
     figure.savefig(path, dpi=100)
     return path
@@ -112,6 +115,10 @@ def plot_metrics(metrics_path: Path, output_dir: Path, keys: Sequence[str] = MAI
               if any(not math.isnan(value) for value in values)}
     if not curves:
         return []
+    # Imported here: matplotlib takes ~0.4 s to import, paid by every run and CLI call that imports the
+    # driver, while only the end of a run with logging.plots draws.
+    from matplotlib.figure import Figure
+
     plots_dir = Path(output_dir) / PLOTS_DIR
     plots_dir.mkdir(parents=True, exist_ok=True)
 
