@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from driver.axolotl import AXOLOTL_MARKERS, UntranslatableConfig, is_axolotl_config, translate, translation_yaml
-from driver.config import Config
+from driver.config import Config, is_hub_id
 
 USAGE = "usage: python -m driver.train [config.yaml] [--from axolotl] [--section.key=value ...] [--help]"
 SOURCE_FORMATS = ("axolotl",)  # --from: configs of other trainers that are translated into ours
@@ -137,8 +137,7 @@ def check_references(config: Config) -> None:
     for index, function in enumerate(config.rewards.functions):
         if function.path is not None:
             reward_function(function.path, function.kwargs, f"rewards.functions[{index}].path")
-        elif not Path(function.model).is_dir() and not (function.model.count("/") == 1 and
-                                                         not Path(function.model).suffix):
+        elif not Path(function.model).is_dir() and not is_hub_id(function.model):
             raise ConfigError(f"rewards.functions[{index}].model: {function.model} is neither a local model directory "
                               "nor a Hub model id (org/name)")
     if config.data.transform:
@@ -148,9 +147,13 @@ def check_references(config: Config) -> None:
     except ValueError as error:
         raise ConfigError(f"data.source: {error}") from None
     model_path = config.model.path
-    if not model_path.startswith("tiny://") and not Path(model_path).is_dir():
-        raise ConfigError(f"model.path: {model_path} is not a local model directory (no downloads at run "
-                          "time: use a local directory or tiny://qwen2)")
+    hub = is_hub_id(model_path)
+    if not model_path.startswith("tiny://") and not Path(model_path).is_dir() and not hub:
+        raise ConfigError(f"model.path: {model_path} is neither a local model directory nor a Hugging Face Hub model "
+                          "id (org/name), nor tiny://qwen2")
+    if config.model.revision is not None and not hub:
+        raise ConfigError(f"model.revision: {config.model.revision} applies to a Hub model id; model.path "
+                          f"{model_path} is not one")
 
 
 def load_config(path: Path | None, overrides: dict[str, str], source_format: str | None = None) -> Config:

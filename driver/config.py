@@ -25,7 +25,12 @@ CISPO_DEFAULT_EPSILON_MAX = 5.0  # ScaleRL's recommended cap for cispo (arXiv 25
 
 
 DATA_FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}  # -> `datasets` builder
-HUB_DATASET_ID = re.compile(r"^[\w.-]+/[\w.-]+$")  # org/name, as the Hub spells a dataset repository
+HUB_ID = re.compile(r"^\w[\w.-]*/\w[\w.-]*$")  # org/name, as the Hub spells a repository (model or dataset)
+
+
+def is_hub_id(path: str) -> bool:
+    """`org/name` that is not a local path: a Hugging Face Hub repository id."""
+    return bool(HUB_ID.match(path)) and not Path(path).exists()
 # SamplingParams the engine sets per request or relies on: generation_kwargs may not override them.
 DRIVER_OWNED_SAMPLING_KEYS = {"n", "seed", "logprobs", "prompt_logprobs", "max_tokens", "temperature", "detokenize",
                               "output_kind", "structured_outputs"}
@@ -41,9 +46,12 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
-    path: str = Field("tiny://qwen2", description="Hugging Face model directory, or tiny://qwen2 | tiny://qwen2-wide | "
-                      "tiny://llama | tiny://qwen3-moe | tiny://qwen3-moe-wide for a tiny random model built "
-                      "locally (no download)")
+    path: str = Field("tiny://qwen2", description="a Hugging Face Hub model id (org/name: fetched into the Hub's "
+                      "cache on first use, HF_HUB_OFFLINE=1 uses the cache), a local model directory, or "
+                      "tiny://qwen2 | tiny://qwen2-wide | tiny://llama | tiny://qwen3-moe | tiny://qwen3-moe-wide "
+                      "for a tiny random model built locally (no download)")
+    revision: str | None = Field(None, description="a Hub model's branch, tag or commit (TRL's model_revision, "
+                                 "axolotl's revision_of_model); default: main")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="dtype of the trainer's weights and of vLLM's")
     adapter: Literal["lora", "none"] = Field(
@@ -124,7 +132,7 @@ class DataConfig(Section):
             return "directory"
         if path.suffix in DATA_FILE_FORMATS:
             raise ValueError(f"dataset file {source} does not exist")
-        if HUB_DATASET_ID.match(source):
+        if HUB_ID.match(source):
             return "hub"
         raise ValueError(f"{source} is not a toy set, an existing dataset file or directory, or a Hub dataset id "
                          "(org/name)")

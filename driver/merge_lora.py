@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from driver.cli import ConfigError
-from driver.data.tiny_model import resolve_model_path
+from driver.data.model_source import model_directory
 from driver.policy.nf4_base import meta_model, quantized_tensors, rewrite_checkpoint, roundtrip
 
 ADAPTER_KEY = re.compile(r"^base_model\.model\.(?P<module>.+?)(?P<nested>(\.base_layer)*)\.lora_(?P<ab>[AB])\.weight$")
@@ -75,14 +75,14 @@ def merge(source: Path, out: Path, *, base: str | None = None, simulate_nf4: boo
     adapter_dir, run_config = _locate(Path(source))
     adapter_config = json.loads((adapter_dir / "adapter_config.json").read_text())
     _check_supported(adapter_config, adapter_dir)
-    qlora = bool(run_config.get("model", {}).get("qlora", False))
-    base_dir = Path(resolve_model_path(base or run_config.get("model", {}).get("path")
-                                       or adapter_config["base_model_name_or_path"]))
+    model = run_config.get("model", {})
+    qlora = bool(model.get("qlora", False))
+    base_dir = Path(model_directory(base or model.get("path") or adapter_config["base_model_name_or_path"],
+                                    None if base else model.get("revision", adapter_config.get("revision"))))
     if simulate_nf4 is None:
         simulate_nf4 = qlora and not simulate_nf4_experts
     from driver.policy.model import DTYPES
 
-    model = run_config.get("model", {})
     simulation = NF4Simulation(linears=simulate_nf4, experts=simulate_nf4 or simulate_nf4_experts,
                                blocksize=blocksize or model.get("qlora_blocksize", 64),
                                dtype=DTYPES[model["dtype"]] if "dtype" in model else None)

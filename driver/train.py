@@ -26,7 +26,8 @@ import pykernels.backend
 from driver.algorithms import algorithm
 from driver.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from driver.cli import ConfigError, config_from_argv, exit_on_config_error
-from driver.config import Config
+from driver.config import Config, is_hub_id
+from driver.data.model_source import model_directory
 from driver.data.prompts import PromptSource
 from driver.distributed import world as distributed
 from driver.distributed.fsdp import shard_policy
@@ -82,6 +83,10 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
     if terminal.log_path is not None:  # first: where to look while the model loads and vLLM starts
         startup.print(f"vLLM's and the libraries' output: {terminal.log_path}")
 
+    if is_hub_id(config.model.path):  # its own phase: the first run downloads the weights
+        with startup.phase(f"fetching {config.model.path} from the Hugging Face Hub",
+                           lambda: f"fetched {config.model.path} ({snapshot})"):
+            snapshot = model_directory(config.model.path, config.model.revision)  # load_policy's, cached
     with startup.phase(f"loading {config.model.path}", lambda: f"loaded {config.model.path} ({describe(policy)})"):
         policy = load_policy(config)
         if world.distributed:

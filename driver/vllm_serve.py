@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 from driver.cli import ConfigError, exit_on_config_error, load_config, parse_args
 from driver.config import Config
-from driver.data.tiny_model import resolve_model_path
+from driver.data.model_source import model_directory
 from driver.engine import served_base_dir
 from driver.engine.launch import ServerError, ServerProcess, server_command, server_env
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         config = load_config(path, overrides, source_format)
         host, port = listen_address(config, host, port)
-        model_dir = served_base_dir(config, resolve_model_path(config.model.path), launched=True)
+        model_dir = served_base_dir(config, model_directory(config.model.path, config.model.revision), launched=True)
         # Full fine-tuning and merged weights (as a training run connecting to a server resolves auto) reload the
         # weights through /collective_rpc, a development endpoint, and need no LoRA slots.
         full = served_merged(config, model_dir)

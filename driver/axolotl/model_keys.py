@@ -17,6 +17,9 @@ class ModelKeys(PendingKeys):
             self.refuse("base_model", "missing")
         else:
             self.put("model.path", str(base_model))
+        revision = self.take("revision_of_model")
+        if revision is not None:
+            self.put("model.revision", str(revision))
         dtype = self.dtype()
         self.put("model.dtype", dtype)
         torch_dtype = self.take("torch_dtype")

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from driver.config import Config
-from driver.data.tiny_model import resolve_model_path
+from driver.config import Config, is_hub_id
+from driver.data.model_source import model_directory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Layers never quantized for QLoRA: the output head and MoE routers stay in full precision, as in
@@ -76,14 +76,20 @@ class Policy:
             self.model.save_pretrained(directory, safe_serialization=True)
             self.tokenizer.save_pretrained(directory)  # a directory vllm serve and transformers load as it is
             return directory
+        # PEFT's save_embedding_layers="auto" asks the Hub for the base's config.json at every save when the
+        # adapter names its base by Hub id (to see whether the vocabulary grew: it never does here), a request
+        # per sync that hangs where the Hub is unreachable; embeddings LoRA targets are saved as "auto" would.
+        targets = self.model.peft_config["default"].target_modules or ()
+        embeddings = any(name in targets for name in ("embed_tokens", "lm_head"))
         if not world().distributed:
-            self.model.save_pretrained(directory, safe_serialization=True)
+            self.model.save_pretrained(directory, safe_serialization=True, save_embedding_layers=embeddings)
             return directory
         from driver.distributed.fsdp import full_adapter_state
 
         state = full_adapter_state(self.model)
         if world().is_main:
-            self.model.save_pretrained(directory, safe_serialization=True, state_dict=state)
+            self.model.save_pretrained(directory, safe_serialization=True, state_dict=state,
+                                       save_embedding_layers=embeddings)
         return directory
 
     def load_trained(self, directory: Path) -> None:
@@ -122,7 +128,7 @@ def load_policy(config: Config) -> Policy:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_dir = resolve_model_path(config.model.path)
+    model_dir = model_directory(config.model.path, config.model.revision)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -141,6 +147,9 @@ def load_policy(config: Config) -> Policy:
             target_parameters=list(config.lora.expert_targets) or None,
             use_rslora=config.lora.rslora, bias="none", task_type="CAUSAL_LM")
         model = get_peft_model(model, lora)
+        if is_hub_id(config.model.path):  # the adapter names its base as the Hub does, not by this machine's cache
+            model.peft_config["default"].base_model_name_or_path = config.model.path
+            model.peft_config["default"].revision = config.model.revision
         if config.model.qlora:
             from pykernels.integrations.transformers import quantize_moe_experts
 

@@ -236,6 +236,8 @@ def test_one_message_names_every_key_it_cannot_honour():
       "checkpoint.every": 25, "checkpoint.keep": 3}),
     ({"attn_implementation": "sdpa"}, {"model.attention": "sdpa"}),
     ({"device_map": {"": 1}}, {"model.device": "cuda:1"}),
+    ({"base_model": "Qwen/Qwen2.5-0.5B-Instruct", "revision_of_model": "v2"},  # a Hub id, fetched when it runs
+     {"model.path": "Qwen/Qwen2.5-0.5B-Instruct", "model.revision": "v2"}),
 ])
 def test_keys_map_as_axolotl_runs_them(changes, expected):
     config = translated(quickstart(**changes))

@@ -75,7 +75,10 @@ def test_dotted_overrides_are_parsed_as_yaml(tmp_path):
     ({"rewards.functions": "[{path: driver.data.toy_tasks.nope}]"}, "module 'driver.data.toy_tasks' has no 'nope'"),
     ({"data.source": "/nonexistent/prompts.jsonl"},
      "data.source: dataset file /nonexistent/prompts.jsonl does not exist"),
-    ({"model.path": "/nonexistent/model"}, "model.path: /nonexistent/model is not a local model directory"),
+    ({"model.path": "/nonexistent/model"}, "model.path: /nonexistent/model is neither a local model directory nor a "
+                                           "Hugging Face Hub model id"),
+    ({"model.path": "models/a/b"}, "model.path: models/a/b is neither a local model directory"),
+    ({"model.revision": "v2"}, "model.revision: v2 applies to a Hub model id; model.path tiny://qwen2 is not one"),
     ({"algo.epsilon": "0.3", "algo.epsilon_high": "0.1"}, "algo.epsilon_high must be >= algo.epsilon"),
 ])
 def test_config_mistakes_name_the_key(overrides, message):

@@ -25,6 +25,7 @@ import requests
 import torch
 
 from driver.data.tiny_model import resolve_model_path
+from tests.hub_cache import cache_with
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -281,6 +282,22 @@ def test_the_transformers_backend_learns_without_vllm_with_exact_sampling_logpro
     assert last > first + 0.3, f"reward did not rise: first 5 steps {first:.3f}, last 5 {last:.3f}"
     assert max(row["sampling/sampling_logp_difference/max"] for row in rows) < 1e-4
     assert not (output_dir / "adapters").exists()
+
+
+def test_a_hub_model_id_trains_from_the_hugging_face_cache(tmp_path):
+    """model.path as TRL and axolotl users write it, a Hub id, found here in an offline cache laid out as
+    huggingface_hub writes one (HF_HUB_OFFLINE=1): the trainer and vLLM load its snapshot, the syncs are
+    verified, and the adapter names the Hub id as its base, not this machine's cache."""
+    snapshot = cache_with(tmp_path / "hub", "acme/tiny-qwen2", {"main": "c" * 40})["c" * 40]
+    output_dir = tmp_path / "run"
+    result = train(output_dir, *QUIET, "--model.path=acme/tiny-qwen2", "--train.steps=2",
+                   env={"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")})
+    assert_ok(result)
+    assert f"fetched acme/tiny-qwen2 ({snapshot})" in result.stdout.replace("\n", "")
+    rows = metrics(output_dir)
+    assert len(rows) == 2 and max(row["sync/probe_max_abs_diff"] for row in rows) < 1e-3
+    adapter = json.loads((output_dir / "adapter" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == "acme/tiny-qwen2"
 
 
 def test_full_finetuning_pushes_every_weight_and_the_probe_follows(tmp_path):
