@@ -61,9 +61,12 @@ def run(config: Config) -> bool:
     world = distributed.init_world()
     check_world(config, world)
     output_dir = config.output_dir
-    output_dir.mkdir(parents=True, exist_ok=True)
-    if world.is_main:
-        (output_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        if world.is_main:
+            (output_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    except OSError as error:  # before anything loads: a mistyped or read-only path is a config mistake
+        raise ConfigError(f"logging.output_dir: cannot write {output_dir} ({error.strerror or error})") from None
     with library_output_to_file(output_dir / log_name(world), config.logging.quiet) as terminal:
         return train(config, world, terminal, run_started)
 

@@ -145,6 +145,13 @@ def run_main(capsys, *args) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+def test_an_output_dir_that_cannot_be_written_is_named_before_anything_loads(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    code, _, err = run_main(capsys, "examples/tiny-grpo.yaml", f"--logging.output_dir={tmp_path / 'a-file' / 'run'}")
+    assert code == 2
+    assert err == f"error: logging.output_dir: cannot write {tmp_path / 'a-file' / 'run'} (Not a directory)\n"
+
+
 @pytest.mark.parametrize("args,message", [
     (["missing.yaml"], "config file missing.yaml does not exist"),
     (["--train.steps"], "must look like --section.key=value"),
