@@ -106,9 +106,9 @@ def load_checkpoint(path: Path, policy, optimizer, scheduler, prompts) -> tuple[
     the rollout state (None in checkpoints written before it existed)."""
     if not (path / policy.trained_name).is_dir():
         other = "adapter" if policy.trained_name == "model" else "model"
-        raise ValueError(f"{path} holds no {policy.trained_name}/" + (
-            f" but a {other}/: it was written with model.adapter = {'lora' if other == 'adapter' else 'none'}"
-            if (path / other).is_dir() else ""))
+        written = (f" but {'an adapter' if other == 'adapter' else 'a model'}/: it was written with model.adapter = "
+                   f"{'lora' if other == 'adapter' else 'none'}" if (path / other).is_dir() else "")
+        raise ValueError(f"{path} holds no {policy.trained_name}/{written}")
     policy.load_trained(path / policy.trained_name)
     state = load_state(path / STATE_FILE)
     if "optimizer" in state:

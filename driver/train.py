@@ -107,9 +107,12 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
     step, rollout_state = 0, None
     first_step = 0
     if config.checkpoint.resume:
-        checkpoint = find_checkpoint(output_dir, config.checkpoint.resume)
-        with startup.phase(f"resuming from {checkpoint}", lambda: f"resumed at step {step} from {checkpoint}"):
-            step, rollout_state = load_checkpoint(checkpoint, policy, optimizer, scheduler, prompts)
+        try:  # a missing checkpoint, or one another config wrote: the user's to fix, said in one line
+            checkpoint = find_checkpoint(output_dir, config.checkpoint.resume)
+            with startup.phase(f"resuming from {checkpoint}", lambda: f"resumed at step {step} from {checkpoint}"):
+                step, rollout_state = load_checkpoint(checkpoint, policy, optimizer, scheduler, prompts)
+        except (FileNotFoundError, ValueError) as error:
+            raise ConfigError(str(error)) from None
         first_step = step
 
     sampling = algo.trainer_sampling(config)  # the trainer samples: no inference engine

@@ -27,7 +27,15 @@ def load_source_rows(config: DataConfig) -> list[dict]:
 
     if kind == "file":
         path = Path(config.source)
-        return list(datasets.load_dataset(DATA_FILE_FORMATS[path.suffix], data_files=str(path), split="train"))
+        if path.stat().st_size == 0:  # datasets' own error for this is a bare StopIteration
+            raise ConfigError(f"data.source: {path} is empty")
+        try:
+            return list(datasets.load_dataset(DATA_FILE_FORMATS[path.suffix], data_files=str(path), split="train"))
+        except (datasets.exceptions.DatasetsError, ValueError, OSError) as error:
+            # DatasetGenerationError says only "an error occurred": the parser's message is its cause
+            cause = error.__cause__ or error
+            raise ConfigError(f"data.source: {path} could not be read as {DATA_FILE_FORMATS[path.suffix]}: "
+                              f"{type(cause).__name__}: {cause}") from None
     where = f"data.source {config.source}" + (f" (name {config.name})" if config.name else "")
     try:
         dataset = datasets.load_dataset(config.source, name=config.name, split=config.split,

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from driver.config import Config, is_hub_id
+from driver.config import Config, LoraSettings, is_hub_id
 from driver.data.model_source import model_directory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -99,6 +100,7 @@ class Policy:
         if self.has_adapter:
             from peft import set_peft_model_state_dict
 
+            check_same_adapter_settings(directory, self.model.peft_config["default"])
             result = set_peft_model_state_dict(self.model, load_file(directory / "adapter_model.safetensors"))
             unexpected = getattr(result, "unexpected_keys", [])
             if unexpected:
@@ -114,6 +116,46 @@ class Policy:
         if unexpected or untied:
             raise ValueError(f"{directory}: the saved model does not match this one (unexpected: {unexpected[:3]}, "
                              f"missing: {untied[:3]})")
+
+
+def check_lora_targets(model: nn.Module, model_path: str, targets: list[str], expert_targets: list[str]) -> None:
+    """ConfigError naming each LoRA target the model has nothing for: PEFT fails only when no target module
+    matches (with a traceback), and ignores an expert parameter or a misspelt module beside matching ones."""
+    from driver.cli import ConfigError
+
+    def matches(name: str, target: str) -> bool:  # PEFT's rule: the whole name, or its last dotted parts
+        return name == target or name.endswith("." + target)
+
+    modules = [name for name, _ in model.named_modules()]
+    parameters = [name for name, _ in model.named_parameters()]
+    for key, wanted, names in (("lora.targets", targets, modules), ("lora.expert_targets", expert_targets, parameters)):
+        missing = [target for target in wanted if not any(matches(name, target) for name in names)]
+        if missing:
+            linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                             if isinstance(module, nn.Linear)})
+            experts = sorted({name.split(".layers.", 1)[-1].split(".", 1)[-1] for name in parameters
+                              if ".experts." in name})
+            has = (f"its linear modules: {', '.join(linear)}" if key == "lora.targets" else
+                   f"its expert parameters: {', '.join(experts)}" if experts else "it has no MoE experts")
+            raise ConfigError(f"{key}: {', '.join(missing)} {'matches' if len(missing) == 1 else 'match'} nothing in "
+                              f"{model_path} ({has})")
+
+
+# What shapes or scales the adapter: a checkpoint resumed under other values would not load (r), or would
+# load and silently train another update (alpha and rslora change the scaling).
+ADAPTER_SETTINGS = {"r": "lora.r", "lora_alpha": "lora.alpha", "use_rslora": "lora.rslora"}
+
+
+def check_same_adapter_settings(directory: Path, ours) -> None:
+    """ValueError naming the key when the adapter saved in `directory` was trained with other LoRA settings."""
+    config_file = directory / "adapter_config.json"
+    if not config_file.is_file():
+        return
+    saved = json.loads(config_file.read_text())
+    for field, key in ADAPTER_SETTINGS.items():
+        if field in saved and saved[field] != getattr(ours, field):
+            raise ValueError(f"{directory} was trained with {key} = {saved[field]}, this run has "
+                             f"{key} = {getattr(ours, field)}: resume with the settings it was trained with")
 
 
 def kernel_modes(config: Config) -> dict[str, str]:
@@ -141,6 +183,10 @@ def load_policy(config: Config) -> Policy:
             return full_policy(config, model, tokenizer, model_dir)
         if config.model.qlora:
             quantize_linears(model, config.model.qlora_blocksize)
+        # The default targets (axolotl's lora_target_linear too) mean "the usual projections, those the model
+        # has": an MoE model's fused experts have no gate_proj. A list of one's own must match, name by name.
+        named = config.lora.targets if config.lora.targets != LoraSettings.model_fields["targets"].default else []
+        check_lora_targets(model, config.model.path, named, config.lora.expert_targets)
         lora = LoraConfig(
             r=config.lora.r, lora_alpha=config.lora.alpha, lora_dropout=config.lora.dropout,
             target_modules=list(config.lora.targets) or None,

@@ -152,6 +152,17 @@ def test_an_output_dir_that_cannot_be_written_is_named_before_anything_loads(tmp
     assert err == f"error: logging.output_dir: cannot write {tmp_path / 'a-file' / 'run'} (Not a directory)\n"
 
 
+@pytest.mark.parametrize("resume, message", [
+    ("/no/such/checkpoint", "checkpoint.resume: /no/such/checkpoint is not a checkpoint (no trainer_state.pt)"),
+    ("latest", "checkpoint.resume: latest requested but {output_dir}/checkpoints has none"),
+])
+def test_a_checkpoint_that_is_not_there_is_named_in_one_line(tmp_path, capsys, resume, message):
+    code, _, err = run_main(capsys, "examples/tiny-grpo.yaml", f"--logging.output_dir={tmp_path}",
+                            f"--checkpoint.resume={resume}", "--rollout.backend=transformers", "--logging.quiet=false")
+    assert code == 2 and err.endswith(f"\nerror: {message.format(output_dir=tmp_path)}\n")  # after transformers'
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize("args,message", [
     (["missing.yaml"], "config file missing.yaml does not exist"),
     (["--train.steps"], "must look like --section.key=value"),

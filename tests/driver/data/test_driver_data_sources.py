@@ -86,6 +86,18 @@ def test_sources_that_are_nothing_are_config_errors(source, message):
         load_config(None, {"data.source": source})
 
 
+@pytest.mark.parametrize("name, text, message", [
+    ("empty.jsonl", "", r"data.source: .*empty.jsonl is empty"),
+    ("blank.jsonl", "\n\n", r"blank.jsonl could not be read as json: ValueError: .*no data"),
+    ("torn.jsonl", '{"prompt": "a"}\n{"prompt": \n', r"torn.jsonl could not be read as json: ArrowInvalid: JSON parse"),
+    ("bad.parquet", "not parquet", r"bad.parquet could not be read as parquet: "),
+])
+def test_a_data_file_that_cannot_be_read_is_a_config_error_with_the_parsers_words(tmp_path, name, text, message):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_rows(DataConfig(source=str(tmp_path / name)))
+
+
 def test_the_axolotl_gsm8k_recipe_runs_unchanged(dataset_repo):
     """axolotl's transform signature (cfg -> (map_fn, remove_columns)) and its message-list rewards."""
     from transformers import AutoTokenizer
