@@ -31,6 +31,8 @@ HUB_ID = re.compile(r"^\w[\w.-]*/\w[\w.-]*$")  # org/name, as the Hub spells a r
 def is_hub_id(path: str) -> bool:
     """`org/name` that is not a local path: a Hugging Face Hub repository id."""
     return bool(HUB_ID.match(path)) and not Path(path).exists()
+
+
 # SamplingParams the engine sets per request or relies on: generation_kwargs may not override them.
 DRIVER_OWNED_SAMPLING_KEYS = {"n", "seed", "logprobs", "prompt_logprobs", "max_tokens", "temperature", "detokenize",
                               "output_kind", "structured_outputs"}

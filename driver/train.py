@@ -111,8 +111,8 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
             checkpoint = find_checkpoint(output_dir, config.checkpoint.resume)
             with startup.phase(f"resuming from {checkpoint}", lambda: f"resumed at step {step} from {checkpoint}"):
                 step, rollout_state = load_checkpoint(checkpoint, policy, optimizer, scheduler, prompts)
-        except (FileNotFoundError, ValueError) as error:
-            raise ConfigError(str(error)) from None
+        except (FileNotFoundError, ValueError) as error:  # chained: run.log keeps where it came from
+            raise ConfigError(str(error)) from error
         first_step = step
 
     sampling = algo.trainer_sampling(config)  # the trainer samples: no inference engine

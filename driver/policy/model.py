@@ -181,12 +181,12 @@ def load_policy(config: Config) -> Policy:
         model.config.use_cache = False
         if config.model.adapter == "none":
             return full_policy(config, model, tokenizer, model_dir)
-        if config.model.qlora:
-            quantize_linears(model, config.model.qlora_blocksize)
         # The default targets (axolotl's lora_target_linear too) mean "the usual projections, those the model
         # has": an MoE model's fused experts have no gate_proj. A list of one's own must match, name by name.
         named = config.lora.targets if config.lora.targets != LoraSettings.model_fields["targets"].default else []
         check_lora_targets(model, config.model.path, named, config.lora.expert_targets)
+        if config.model.qlora:
+            quantize_linears(model, config.model.qlora_blocksize)
         lora = LoraConfig(
             r=config.lora.r, lora_alpha=config.lora.alpha, lora_dropout=config.lora.dropout,
             target_modules=list(config.lora.targets) or None,
