@@ -41,9 +41,11 @@ driver.environments.rewards.environment_reward
 driver.engine.server_worker.ReloadExtension
 driver.engine.server_worker.ReloadExtension.reload_weights_rearmed
 
-# Attributes set on library objects, which read them (tokenizers' Tokenizer, transformers' config).
+# Attributes set on library objects, which read them (tokenizers' Tokenizer, transformers' config, PEFT's
+# LoraConfig: written into adapter_config.json).
 _.pre_tokenizer  # noqa: F821
 _.use_cache  # noqa: F821
+_.base_model_name_or_path  # noqa: F821
 
 # Public API (README, docs/): users call these; tests do too.
 pykernels.dispatch_cache.forget
