@@ -154,8 +154,14 @@ class PromptSource:
         return batch
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
+        return {"epoch": self.epoch, "position": self.position, "prompts": len(self.prompts)}
 
     def load_state_dict(self, state: dict) -> None:
+        """ValueError when the checkpoint's order cannot continue over these prompts: it was taken over
+        another number of them (checkpoints from before the count say it only by a position past the end)."""
+        count = int(state.get("prompts", len(self.prompts)))
+        if count != len(self.prompts) or int(state["position"]) > len(self.prompts):
+            raise ValueError(f"data.source: the checkpoint was taken over {state.get('prompts', 'other')} prompts, "
+                             f"{self.config.source} gives {len(self.prompts)}: resume with the data it trained on")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._order = self._epoch_order()

@@ -77,6 +77,21 @@ def test_order_is_seeded_epoch_shuffled_and_resumable(tokenizer):
     assert [p.index for p in PromptSource(DataConfig(), tokenizer, seed=4).next_batch(10)] != first[:10]
 
 
+def test_an_order_taken_over_other_data_is_refused_by_key(tokenizer, tmp_path):
+    """Resumed over another data.source the saved position would index past the end (an IndexError steps
+    later) or continue another dataset's order: named at load instead."""
+    source = PromptSource(DataConfig(), tokenizer, seed=3)
+    source.next_batch(10)
+    three = tmp_path / "three.jsonl"
+    three.write_text("".join(f'{{"prompt": "p{i}"}}\n' for i in range(3)))
+    other = PromptSource(DataConfig(source=str(three)), tokenizer, seed=3)
+    with pytest.raises(ValueError, match=f"data.source: the checkpoint was taken over 256 prompts, {three} gives 3"):
+        other.load_state_dict(source.state_dict())
+    with pytest.raises(ValueError, match="taken over other prompts"):  # a checkpoint from before the count
+        other.load_state_dict({"epoch": 0, "position": 10})
+    other.load_state_dict({"epoch": 1, "position": 2})  # before the count, and within these prompts: loads
+
+
 def test_prompts_are_cut_from_the_left(tokenizer):
     source = PromptSource(DataConfig(max_prompt_length=3), tokenizer, seed=0)
     prompt = source.prompts[0]
