@@ -14,7 +14,7 @@ from pathlib import Path
 
 from driver.cli import ConfigError
 from driver.config import is_hub_id
-from driver.data.tiny_model import is_tiny, resolve_model_path
+from driver.data.tiny_model import resolve_model_path
 
 HUB_FILES = ("*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja")
 
@@ -22,11 +22,7 @@ HUB_FILES = ("*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "
 @functools.cache  # one fetch per process: the policy, the engine and the NF4 base all ask
 def model_directory(path: str, revision: str | None = None) -> str:
     """The local directory of model.path (see the top of this file)."""
-    if is_tiny(path):
-        return resolve_model_path(path)
-    if not is_hub_id(path):
-        return path
-    return hub_snapshot(path, revision)
+    return hub_snapshot(path, revision) if is_hub_id(path) else resolve_model_path(path)  # tiny://, or as given
 
 
 def hub_snapshot(repo_id: str, revision: str | None) -> str:

@@ -29,12 +29,13 @@ def load_source_rows(config: DataConfig) -> list[dict]:
         path = Path(config.source)
         if path.stat().st_size == 0:  # datasets' own error for this is a bare StopIteration
             raise ConfigError(f"data.source: {path} is empty")
+        builder = DATA_FILE_FORMATS[path.suffix]
         try:
-            return list(datasets.load_dataset(DATA_FILE_FORMATS[path.suffix], data_files=str(path), split="train"))
+            return list(datasets.load_dataset(builder, data_files=str(path), split="train"))
         except (datasets.exceptions.DatasetsError, ValueError, OSError) as error:
             # DatasetGenerationError says only "an error occurred": the parser's message is its cause
             cause = error.__cause__ or error
-            raise ConfigError(f"data.source: {path} could not be read as {DATA_FILE_FORMATS[path.suffix]}: "
+            raise ConfigError(f"data.source: {path} could not be read as {builder}: "
                               f"{type(cause).__name__}: {cause}") from None
     where = f"data.source {config.source}" + (f" (name {config.name})" if config.name else "")
     try:
