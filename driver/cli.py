@@ -146,6 +146,11 @@ def check_references(config: Config) -> None:
         config.data.source_kind()  # a toy set, a file, a directory or a Hub id
     except ValueError as error:
         raise ConfigError(f"data.source: {error}") from None
+    if config.eval.source is not None:
+        try:
+            config.eval.data(config.data).source_kind()
+        except ValueError as error:
+            raise ConfigError(f"eval.source: {error}") from None
     model_path = config.model.path
     hub = is_hub_id(model_path)
     if not model_path.startswith("tiny://") and not Path(model_path).is_dir() and not hub:

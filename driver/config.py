@@ -749,6 +749,46 @@ class CheckpointConfig(Section):
     keep: int = Field(2, ge=1, description="checkpoints kept on disk")
 
 
+class EvalConfig(Section):
+    """Evaluation on prompts the run does not train on: the step's adapter samples each, the reward functions score
+    them, and eval/<TRL's metric names> go to metrics.jsonl and the trackers (eval/reward, eval/rewards/<name>/mean,
+    eval/completions/mean_length, ...), every completion to eval_completions.jsonl. The same prompts and sampling
+    seeds every time, so evaluations differ by the adapter alone."""
+
+    steps: int = Field(0, ge=0, description="evaluate every this many optimizer steps (TRL's eval_steps with "
+                       "eval_strategy: steps; axolotl's eval_steps); 0: only on_start")
+    on_start: bool = Field(False, description="evaluate once before the first step (TRL's eval_on_start): the "
+                           "baseline later evaluations compare with")
+    source: str | None = Field(None, description="the prompts evaluated (TRL's eval_dataset): a dataset in any form "
+                               "data.source takes, read with data's prompt_field, transform and chat template, in file "
+                               "order; null: val_set_size prompts held out of data.source")
+    name: str | None = Field(None, description="source's configuration (subset), e.g. main for openai/gsm8k")
+    split: str = Field("test", description="the split of a dataset directory or Hub dataset given as source")
+    revision: str | None = Field(None, description="source on the Hub: a branch, tag or commit")
+    val_set_size: float = Field(0, ge=0, description="without source: prompts of data.source held out of training "
+                                "for evaluation (axolotl's val_set_size), a fraction below 1 or a count; which ones "
+                                "is fixed by train.seed")
+    max_prompts: int | None = Field(None, ge=1, description="evaluate the first this many eval prompts (null: all)")
+    num_generations: int | None = Field(None, ge=1, description="completions per eval prompt, sampled as in training "
+                                        "(TRL's num_generations_eval; null: algo.num_generations): eval/reward is "
+                                        "their mean, pass@1 averaged over them")
+
+    @property
+    def enabled(self) -> bool:
+        return self.steps > 0 or self.on_start
+
+    def data(self, data: DataConfig) -> DataConfig:
+        """The data section reading source instead (same columns, transform, chat template), unshuffled."""
+        return data.model_copy(update={"source": self.source, "name": self.name, "split": self.split,
+                                       "revision": self.revision, "shuffle": False})
+
+    def held_out(self, rows: int) -> int:
+        """How many of data.source's `rows` prompts val_set_size holds out (0 with a source of its own)."""
+        if self.source is not None or not self.val_set_size:
+            return 0
+        return round(self.val_set_size * rows) if self.val_set_size < 1 else int(self.val_set_size)
+
+
 class NemoGymAgentConfig(Section):
     """environment.name = nemo_gym_agent: each episode is one POST /run to a NeMo Gym agent server (its model server
     calling this run's vLLM server), reached at agent_url, found through a running ng_run's head server, or started
@@ -814,6 +854,7 @@ class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig, description="optimization")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="outputs")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="checkpoints")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="evaluation on held-out prompts")
 
     @model_validator(mode="after")
     def _check_consistency(self) -> Config:
@@ -857,6 +898,7 @@ class Config(Section):
             self._check_environment()
         self.algo.check_dynamic_sampling(self.rollout)
         self._check_steps_per_generation()
+        self._check_eval()
         if self.model.adapter == "none":
             self._check_full_finetuning()
         elif self.model.qlora and self.rollout.weight_sync == "merged":
@@ -907,6 +949,28 @@ class Config(Section):
         if rollout.partial_rollout_tokens is not None:
             raise ValueError("environment.name = nemo_gym_agent with rollout.partial_rollout_tokens: a /run plays a "
                              "whole episode, it cannot be paused and continued")
+
+    def _check_eval(self) -> None:
+        evaluation = self.eval
+        if not evaluation.enabled:
+            # Against the defaults, not "was it given": a run's own config.yaml lists every key.
+            given = [key for key, value in EvalConfig().model_dump().items() if getattr(evaluation, key) != value]
+            if given:  # a config that names eval prompts but never evaluates them has a mistake in it
+                raise ValueError(f"eval.{given[0]} is set but eval.steps = 0 and eval.on_start = false: nothing "
+                                 "would be evaluated; set eval.steps (or remove the eval section)")
+            return
+        if (evaluation.source is None) == (not evaluation.val_set_size):
+            raise ValueError("eval needs its prompts from exactly one of eval.source (a dataset, e.g. its test split) "
+                             "and eval.val_set_size (prompts held out of data.source)")
+        if evaluation.val_set_size >= 1 and evaluation.val_set_size != int(evaluation.val_set_size):
+            raise ValueError(f"eval.val_set_size = {evaluation.val_set_size}: a fraction below 1 or a whole count")
+        if self.algo.name != "grpo":
+            raise ValueError(f"eval with algo.name = {self.algo.name}: evaluation scores with the reward functions "
+                             "(algo.name: grpo); EBFT's feature-matching reward has none")
+        interval = self.rollout.vllm_sync_interval
+        if evaluation.steps % interval:
+            raise ValueError(f"eval.steps = {evaluation.steps} must be a multiple of rollout.vllm_sync_interval = "
+                             f"{interval}: the engine serves the adapter of those steps only")
 
     def _check_full_finetuning(self) -> None:
         conflicts = [key for key, on in (("model.qlora", self.model.qlora),

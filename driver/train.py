@@ -28,7 +28,7 @@ from driver.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from driver.cli import ConfigError, config_from_argv, exit_on_config_error
 from driver.config import Config, is_hub_id
 from driver.data.model_source import model_directory
-from driver.data.prompts import PromptSource
+from driver.data.eval_prompts import training_and_eval_prompts
 from driver.distributed import world as distributed
 from driver.distributed.fsdp import shard_policy
 from driver.engine import RolloutError, make_generator
@@ -95,12 +95,13 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
         if world.distributed:
             shard_policy(policy)  # before the optimizer: FSDP replaces the parameters
     startup.print(f"pykernels: {policy.kernels}" + (f"; {world.size} ranks (FSDP2)" if world.distributed else ""))
-    prompts = None
+    prompts = eval_prompts = None
     if world.is_main:
         with startup.phase(f"reading the prompts ({config.data.source})",
-                           lambda: f"read {len(prompts.prompts)} prompts ({config.data.source})"):
-            prompts = PromptSource(config.data, policy.tokenizer, config.train.seed,
-                                   tools=prompt_tools(config, policy.tokenizer))
+                           lambda: f"read {len(prompts.prompts)} prompts ({config.data.source})"
+                           + (evaluated_from(config, len(eval_prompts.prompts)) if eval_prompts is not None else "")):
+            prompts, eval_prompts = training_and_eval_prompts(config, policy.tokenizer,
+                                                              tools=prompt_tools(config, policy.tokenizer))
             algo.check_prompts(config, prompts)
     optimizer = build_optimizer(policy.trainable_parameters(), config.train)
     scheduler = build_scheduler(optimizer, config.train, config.optimizer_updates)
@@ -135,13 +136,15 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
             rollouts = sampling.make_source(config, policy, prompts, rollout_state)
         elif not world.distributed:
             rollouts = Rollouts(config, policy, generator, prompts, verifier, step, rollout_state,
-                                make_scorer=algo.make_scorer)
+                                make_scorer=algo.make_scorer, eval_prompts=eval_prompts)
         elif world.is_main:
             rollouts = LeaderFeed(lambda ready: Rollouts(config, policy, generator, prompts, verifier, step,
                                                          rollout_state, before_first_push=ready,
-                                                         make_scorer=algo.make_scorer))
+                                                         make_scorer=algo.make_scorer, eval_prompts=eval_prompts))
         else:
             rollouts = FollowerFeed(config, policy)
+        if config.eval.on_start:
+            log_evaluation(logger, step, rollouts.evaluate(step))
         with GracefulInterrupt(out=terminal.out) as interrupt:
             # Under torchrun rank 0 alone decides to stop (its next_batch tells the others).
             while step < config.train.steps and (world.distributed or not interrupt.requested):
@@ -168,6 +171,8 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
                 if step % config.logging.log_completions_every == 0:
                     show_samples(logger, batch, config.logging.log_completions)
                     logger.log_completions(step, batch.table)
+                if config.eval.steps and step % config.eval.steps == 0:
+                    log_evaluation(logger, step, rollouts.evaluate(step))
                 if config.checkpoint.every and step % config.checkpoint.every == 0:
                     save_checkpoint(output_dir, step, policy, optimizer, scheduler, prompts, config.checkpoint.keep,
                                     rollouts.state_dict())
@@ -217,6 +222,29 @@ def check_world(config: Config, world: distributed.World) -> None:
                           "GPU, or server)")
 
 
+def evaluated_from(config: Config, count: int) -> str:
+    """The start-up line's end: which prompts the evaluations take."""
+    evaluation = config.eval
+    if evaluation.source is None:
+        return f" and held out {count} for evaluation"
+    split = f", {evaluation.split}" if evaluation.data(config.data).source_kind() in ("hub", "directory") else ""
+    return f" and {count} to evaluate ({evaluation.source}{split})"
+
+
+def log_evaluation(logger, step: int, evaluation) -> None:
+    """An Evaluation (driver/rollouts/evaluation.py) into the logs, and a line above the progress bar."""
+    if evaluation is None:  # not this rank's
+        return
+    logger.log_eval(step, evaluation.metrics, evaluation.table)
+    metrics = evaluation.metrics
+    reward = metrics.get("eval/reward")
+    line = (f"eval after step {step}: reward {'n/a' if reward is None else f'{reward:.3f}'} over "
+            f"{int(metrics['eval/prompts'])} prompts in {metrics['eval/time']:.1f} s")
+    if evaluation.failure is not None:
+        line += f"; {int(metrics['eval/failed_groups'])} could not be scored (first: {evaluation.failure})"
+    logger.print(line)
+
+
 class SilentLogger:
     """Ranks other than 0 log nothing (rank 0 logs the step's metrics, reduced over the ranks)."""
 
@@ -227,6 +255,9 @@ class SilentLogger:
         pass
 
     def log_completions(self, step: int, rows: list[dict]) -> None:
+        pass
+
+    def log_eval(self, step: int, metrics: dict, rows: list[dict]) -> None:
         pass
 
     def close(self) -> None:

@@ -150,3 +150,10 @@ async def async_constant(completions, **columns):
 
 async def async_raises(completions, **columns):
     raise ValueError("judge unavailable")
+
+
+def raise_on_river(prompts, completions, **columns):
+    """Fails for prompts that mention a river: a reward that cannot score part of an evaluation set."""
+    if any("river" in prompt for prompt in prompts):
+        raise ValueError("raise_on_river refuses this prompt")
+    return [1.0 for _ in completions]

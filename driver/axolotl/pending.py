@@ -44,6 +44,7 @@ class PendingKeys:
     backend: str  # our rollout.backend
     num_iterations: int  # trl.num_iterations
     max_steps: int | None  # axolotl's max_steps (optimizer steps)
+    updates_per_step: int  # optimizer steps one train step here makes (num_iterations x steps per generation)
 
     def __init__(self, data: dict) -> None:
         self.pending = flatten(data)

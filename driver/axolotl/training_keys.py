@@ -125,7 +125,7 @@ class TrainingKeys(PendingKeys):
                               "and makes the optimizer step(s) axolotl makes of them, so "
                               "train.gradient_accumulation_steps stays 1")
         updates = self.num_iterations * steps_per_generation
-        self.max_steps = max_steps
+        self.max_steps, self.updates_per_step = max_steps, updates
         if max_steps is None:
             self.refuse("max_steps", "missing" + (f" (num_epochs {epochs}: how many steps an epoch makes depends "
                                                   "on the dataset's size, which translating does not read)"
@@ -135,6 +135,33 @@ class TrainingKeys(PendingKeys):
                         f"{updates} (trl.num_iterations x steps per generated batch)")
         else:
             self.put("train.steps", max_steps // updates)
+
+    def evaluation(self) -> None:
+        """val_set_size (prompts held out of the data) evaluated every eval_steps optimizer steps (a fraction of
+        max_steps below 1, as transformers reads it); after batches(), whose train step may hold several."""
+        size, every, per_epoch = self.take("val_set_size", 0), self.take("eval_steps"), self.take("evals_per_epoch")
+        if not size:
+            if every is not None or per_epoch is not None:
+                self.notes.append("eval_steps / evals_per_epoch: ignored without val_set_size (axolotl then has "
+                                  "nothing to evaluate either)")
+            return
+        if self.method == "ebft":
+            self.refuse("val_set_size", "evaluation here scores with reward functions (rl: grpo); ebft has none")
+        elif per_epoch is not None:
+            self.refuse("evals_per_epoch", "an epoch's length depends on the dataset's size, which translating does "
+                        "not read; give eval_steps (optimizer steps between evaluations)")
+        elif every is None:
+            self.refuse("val_set_size", "without eval_steps axolotl evaluates every epoch, whose length translating "
+                        "does not know; add eval_steps (optimizer steps between evaluations)")
+        elif self.max_steps is not None:
+            steps = round(every * self.max_steps) if 0 < every < 1 else every
+            if steps < 1 or steps % self.updates_per_step:
+                self.refuse("eval_steps", f"{every}: not a whole number of train steps here, each "
+                            f"{self.updates_per_step} optimizer step(s) (trl.num_iterations x steps per generated "
+                            "batch)")
+            else:
+                self.put("eval.steps", steps // self.updates_per_step)
+                self.put("eval.val_set_size", size)
 
     def optimizer(self) -> None:
         lr = self.take("learning_rate")
@@ -204,8 +231,6 @@ class TrainingKeys(PendingKeys):
     def without_effect(self) -> None:
         for key in WITHOUT_EFFECT:
             self.take(key)
-        if self.take("val_set_size", 0):
-            self.refuse("val_set_size", "no evaluation split here")
         if self.take("tf32", "auto") not in (False, "auto"):
             self.refuse("tf32", "TF32 matmuls are not switched on here")
         if self.take("ddp", False):

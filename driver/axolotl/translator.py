@@ -61,6 +61,7 @@ class Translator(ModelKeys, RolloutKeys, TrainingKeys):
         elif self.drop_section("ebft"):
             self.refuse("ebft", f"only with rl: ebft (rl is {self.method})")
         self.batches(num_generations)
+        self.evaluation()
         self.optimizer()
         self.outputs()
         self.without_effect()

@@ -106,12 +106,15 @@ def chat_token_ids(tokenizer, messages: list[dict], **template_kwargs) -> list[i
 class PromptSource:
     """Endless, epoch-shuffled prompts. state_dict()/load_state_dict() make the order resumable."""
 
-    def __init__(self, config: DataConfig, tokenizer, seed: int, tools: list[dict] | None = None) -> None:
-        """tools: JSON schemas the chat template renders into every prompt (an environment's tools)."""
+    def __init__(self, config: DataConfig, tokenizer, seed: int, tools: list[dict] | None = None,
+                 rows: list[tuple[int, dict]] | None = None) -> None:
+        """tools: JSON schemas the chat template renders into every prompt (an environment's tools). rows: (row
+        index, row) to serve instead of all of config.source's (driver/data/eval_prompts.py holds some out)."""
         self.config, self.seed = config, seed
         self.tools = tools
         self.has_chat_template = getattr(tokenizer, "chat_template", None) is not None
-        self.prompts = [self._tokenize(i, row, tokenizer) for i, row in enumerate(load_rows(config))]
+        rows = rows if rows is not None else list(enumerate(load_rows(config)))
+        self.prompts = [self._tokenize(i, row, tokenizer) for i, row in rows]
         self.epoch, self.position = 0, 0
         self._order = self._epoch_order()
 

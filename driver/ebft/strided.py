@@ -239,6 +239,9 @@ class StridedSource:
     def push(self, step: int) -> dict[str, float]:
         return {}  # the trainer samples with its own weights: nothing to sync
 
+    def evaluate(self, step: int) -> None:
+        return None  # eval scores with reward functions, which ebft has none of (the config says so)
+
     def state_dict(self) -> dict:
         return {}
 

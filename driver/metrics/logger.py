@@ -1,5 +1,6 @@
 """Per-step metrics: one JSON line per step, TensorBoard scalars, the trackers (wandb, MLflow), the
-completions tables (completions.jsonl) and a rich progress bar.
+completions tables (completions.jsonl) and a rich progress bar. An evaluation (the eval section) adds a
+line of its own at its step (readers merge a step's lines) and its completions to eval_completions.jsonl.
 
 `metrics.jsonl` is the record of the run: every line is flushed as soon as it is written, so a
 crash loses nothing, and every line is valid JSON (NaN and inf become null, tensors and numpy
@@ -23,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 METRICS_FILE = "metrics.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"  # the completions tables: one line per completion, with its step
+EVAL_COMPLETIONS_FILE = "eval_completions.jsonl"  # the same for the evaluations' completions
 TOKENS_IN_STEP = "num_input_tokens"  # a batch's prompt + completion tokens; logged cumulated as num_tokens (TRL's)
 TENSORBOARD_DIR = "tensorboard"
 # Fields the logger writes itself; a metric with one of these names would silently overwrite them.
@@ -96,14 +98,16 @@ class MetricsLogger:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.output_dir / METRICS_FILE
         self.completions_path = self.output_dir / COMPLETIONS_FILE
+        self.eval_completions_path = self.output_dir / EVAL_COMPLETIONS_FILE
         self.console = console if console is not None else Console()
         self.trackers = list(trackers or [])  # driver/metrics/trackers.py: wandb, mlflow
         self._metrics_file = self._open_metrics_file(start_step)
         self._tokens_seen = self._last_logged("num_tokens") if start_step > 0 else 0.0
-        if start_step > 0 and self.completions_path.exists():
-            keep_steps_up_to(self.completions_path, start_step)
-        elif self.completions_path.exists():
-            self.completions_path.unlink()
+        for path in (self.completions_path, self.eval_completions_path):
+            if start_step > 0 and path.exists():
+                keep_steps_up_to(path, start_step)
+            elif path.exists():
+                path.unlink()
         self._writer = self._open_tensorboard(start_step) if tensorboard else None
         self._progress, self._task = self._start_progress(total_steps, start_step) if progress else (None, None)
         self._last_log_time = time.monotonic()
@@ -154,32 +158,42 @@ class MetricsLogger:
         if TOKENS_IN_STEP in values:  # TRL's num_tokens: every prompt and completion token generated so far
             self._tokens_seen += values.pop(TOKENS_IN_STEP) or 0.0
             values["num_tokens"] = self._tokens_seen
+        self._write(step, {**values, "step_time": step_time})
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, summary=step_summary(values, step_time))
 
-        row = {"step": step, **{key: json_safe(value) for key, value in values.items()},
-               "time": time.time(), "step_time": step_time}
+    def log_eval(self, step: int, metrics: Mapping[str, Any], rows: list[dict]) -> None:
+        """An evaluation after `step` steps: a line of its own in metrics.jsonl, the trackers and TensorBoard,
+        its completions in eval_completions.jsonl. Its time is not the next step's step_time."""
+        self._write(step, {key: to_float(key, value) for key, value in metrics.items()})
+        self._append_rows(self.eval_completions_path, step, rows)
+        self._last_log_time = time.monotonic()
+
+    def _write(self, step: int, values: dict[str, float | None]) -> None:
+        row = {"step": step, **{key: json_safe(value) for key, value in values.items()}, "time": time.time()}
         self._metrics_file.write(json.dumps(row, allow_nan=False) + "\n")
         self._metrics_file.flush()
-
         if self._writer is not None:
             for tag, value in values.items():
                 if value is not None:  # NaN and inf are kept: TensorBoard shows them, and they matter
                     self._writer.add_scalar(tag, value, step)
-            self._writer.add_scalar("step_time", step_time, step)
         for tracker in self.trackers:
-            tracker.log(step, {**values, "step_time": step_time})
-        if self._progress is not None:
-            self._progress.update(self._task, completed=step, summary=step_summary(values, step_time))
+            tracker.log(step, values)
 
     def log_completions(self, step: int, rows: list[dict]) -> None:
         """One step's completions table (prompt, completion, reward, advantage, per-function rewards):
         a line per completion in completions.jsonl, and a table in each tracker."""
         if not rows:
             return
-        with self.completions_path.open("a") as lines:
-            for row in rows:
-                lines.write(json.dumps({"step": step, **row}, allow_nan=False, default=_json_default) + "\n")
+        self._append_rows(self.completions_path, step, rows)
         for tracker in self.trackers:
             tracker.log_table(step, rows)
+
+    @staticmethod
+    def _append_rows(path: Path, step: int, rows: list[dict]) -> None:
+        with path.open("a") as lines:
+            for row in rows:
+                lines.write(json.dumps({"step": step, **row}, allow_nan=False, default=_json_default) + "\n")
 
     def print(self, *objects) -> None:
         self.console.print(*objects)

@@ -15,20 +15,22 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-MAIN_CURVES = ("reward", "reward_std", "kl", "entropy", "completions/mean_length", "clip_ratio/region_mean",
-               "sampling/importance_sampling_ratio/mean", "loss",
+MAIN_CURVES = ("reward", "eval/reward", "reward_std", "kl", "entropy", "completions/mean_length",
+               "clip_ratio/region_mean", "sampling/importance_sampling_ratio/mean", "loss",
                "ebft/cfm_loss", "ebft/alignment", "ebft/diversity", "ebft/reward")  # EBFT runs log no "reward"
 PLOTS_DIR = "plots"
 # Weight of the previous average in the exponential moving average drawn over the raw values; 0.9
 # averages over roughly the last ten steps, TensorBoard's default look for noisy RL curves.
 EMA_SMOOTHING = 0.9
 # Keys whose "best" value has a clear direction; other curves report their range instead.
-HIGHER_IS_BETTER = ("reward", "rewards/", "ebft/alignment", "ebft/reward")
+HIGHER_IS_BETTER = ("reward", "rewards/", "eval/reward", "ebft/alignment", "ebft/reward")
 LOWER_IS_BETTER = ("loss", "ebft/cfm_loss")
+EVALUATED = "eval/"  # the eval section's metrics (driver/rollouts/evaluation.py)
 
 
 def read_metrics(metrics_path: Path) -> list[dict]:
-    """The rows of metrics.jsonl by step; a step logged twice keeps its last row, a torn line is skipped."""
+    """The rows of metrics.jsonl by step; a step's lines merged (an evaluation writes its own; a key logged twice
+    keeps its last value), a torn line skipped."""
     metrics_path = Path(metrics_path)
     if not metrics_path.exists():
         raise FileNotFoundError(f"metrics file not found: {metrics_path}")
@@ -39,7 +41,7 @@ def read_metrics(metrics_path: Path) -> list[dict]:
         except json.JSONDecodeError:  # empty, or cut short by a crash mid-write
             continue
         if isinstance(row, dict) and isinstance(row.get("step"), (int, float)):
-            rows_by_step[row["step"]] = row
+            rows_by_step.setdefault(row["step"], {}).update(row)
     return [rows_by_step[step] for step in sorted(rows_by_step)]
 
 
@@ -85,12 +87,16 @@ def draw_curve(axes, key: str, steps: list[float], values: list[float], *, title
     # Lines join the finite points across gaps: a metric logged every other step would otherwise
     # be broken into isolated points that draw nothing.
     finite = [index for index, value in enumerate(values) if not math.isnan(value)]
-    smoothed = exponential_moving_average(values)
     finite_steps = [steps[index] for index in finite]
-    axes.plot(finite_steps, [values[index] for index in finite], linewidth=0.8, alpha=0.35, color="tab:blue",
-              label="raw")
-    axes.plot(finite_steps, [smoothed[index] for index in finite], linewidth=1.8, color="tab:blue",
-              label=f"EMA ({EMA_SMOOTHING})")
+    if key.startswith(EVALUATED):  # a few points, each over the same prompts: shown as they are, not averaged
+        axes.plot(finite_steps, [values[index] for index in finite], linewidth=1.8, marker="o", color="tab:green",
+                  label="evaluation")
+    else:
+        smoothed = exponential_moving_average(values)
+        axes.plot(finite_steps, [values[index] for index in finite], linewidth=0.8, alpha=0.35, color="tab:blue",
+                  label="raw")
+        axes.plot(finite_steps, [smoothed[index] for index in finite], linewidth=1.8, color="tab:blue",
+                  label=f"EMA ({EMA_SMOOTHING})")
     axes.set_title(title(key, values), fontsize=title_size)
     axes.set_xlabel("step")
     axes.grid(alpha=0.3)

@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 
 from driver.metrics.console import LOG_FILE
-from driver.metrics.logger import METRICS_FILE, TENSORBOARD_DIR
+from driver.metrics.logger import EVAL_COMPLETIONS_FILE, METRICS_FILE, TENSORBOARD_DIR
 
 REWARD_KEYS = ("reward", "ebft/reward")  # GRPO's, then EBFT's
+EVAL_REWARD = "eval/reward"
 WINDOW = 10  # steps averaged at each end of the run
 
 
@@ -37,6 +38,18 @@ def reward_trend(rows: list[dict]) -> str | None:
     return f"{key}: first {window} steps {first:.3f} -> last {window} steps {last:.3f}"
 
 
+def eval_trend(rows: list[dict]) -> str | None:
+    """The first and the last evaluation's reward (the same prompts and seeds: comparable as they are)."""
+    evaluations = [row for row in rows if row.get(EVAL_REWARD) is not None]
+    if not evaluations:
+        return None
+    first, last = evaluations[0], evaluations[-1]
+    trend = f"{first[EVAL_REWARD]:.3f} at step {first['step']}"
+    if len(evaluations) > 1:
+        trend += f" -> {last[EVAL_REWARD]:.3f} at step {last['step']}"
+    return f"{EVAL_REWARD}: {trend} ({int(last.get('eval/prompts') or 0)} prompts)"
+
+
 def interpreter() -> str:
     """How the user runs Python here: `.venv/bin/python` inside the project, else `python`."""
     relative = os.path.relpath(sys.executable)
@@ -49,12 +62,15 @@ def run_summary(output_dir: Path, *, steps_done: int, steps_planned: int, wall_s
     minutes, seconds = divmod(int(round(wall_seconds)), 60)
     lines = [f"{'finished' if steps_done >= steps_planned else 'stopped at'} step {steps_done} of {steps_planned} "
              f"in {minutes}m{seconds:02d}s"]
-    if (trend := reward_trend(rows)) is not None:
-        lines.append(f"  {trend}")
+    for trend in (reward_trend(rows), eval_trend(rows)):
+        if trend is not None:
+            lines.append(f"  {trend}")
     outputs = [("adapter", output_dir / "adapter", "PEFT format: PeftModel.from_pretrained, vLLM LoRARequest")
                if not (output_dir / "model").is_dir() else
                ("model", output_dir / "model", "full fine-tuning: AutoModelForCausalLM.from_pretrained, vllm serve"),
                ("metrics", output_dir / METRICS_FILE, "one JSON line per step")]
+    if (output_dir / EVAL_COMPLETIONS_FILE).exists():
+        outputs.append(("evaluated", output_dir / EVAL_COMPLETIONS_FILE, "each evaluated completion, its rewards"))
     if plots:
         outputs.append(("plots", output_dir / "plots", "PNG curves"))
     if tensorboard:

@@ -124,6 +124,16 @@ class LeaderFeed:
         distributed.broadcast(None)
         return metrics
 
+    def evaluate(self, step: int):
+        """Rank 0 evaluates alone; the other ranks go on to the next step's batch and wait there."""
+        try:
+            return self.rollouts.evaluate(step)
+        except Exception as error:
+            if step < self.rollouts.config.train.steps:  # the others wait for a batch: they fail with this
+                distributed.scatter([("error", f"rank 0 failed to evaluate after step {step}: {error}")]
+                                    * distributed.world().size)
+            raise
+
     def state_dict(self) -> dict:
         return self.rollouts.state_dict()
 
@@ -164,6 +174,9 @@ class FollowerFeed:
         self.policy.save_trained(None)
         if self.probe is not None:
             sync.trainer_probe(self.policy, self.probe.probe_ids)
+
+    def evaluate(self, step: int) -> None:
+        return None  # rank 0's
 
     def state_dict(self) -> None:
         return None

@@ -31,6 +31,7 @@ from driver.policy.model import Policy
 from driver.rewards.group_scorer import reward_function_scorer
 from driver.rollouts.assemble import assemble
 from driver.rollouts.batch import RolloutBatch
+from driver.rollouts.evaluation import Evaluation, Evaluator
 from driver.rollouts.kl_penalty import set_kl_penalties
 from driver.rollouts.prefetch import Prefetcher
 from driver.environments.factory import episode_runner
@@ -44,11 +45,12 @@ from driver.rollouts.schedule import job_version, sync_due, versions_kept
 class Rollouts:
     def __init__(self, config: Config, policy: Policy, generator: Generator, prompts: PromptSource,
                  verifier, start_step: int, state: dict | None = None, before_first_push=None,
-                 make_scorer=None) -> None:
+                 make_scorer=None, eval_prompts: PromptSource | None = None) -> None:
         """make_scorer(config, policy) -> (Scorer, GenerationHooks or None): the algorithm's
         (driver/algorithms.py; default: the reward functions). before_first_push(): called just
         before the start version is pushed (under torchrun the push is a collective;
-        driver/rollouts/distributed_feed.py tells the other ranks it is coming)."""
+        driver/rollouts/distributed_feed.py tells the other ranks it is coming). eval_prompts: the
+        eval section's prompts (driver/rollouts/evaluation.py), None without evaluation."""
         self.config, self.policy, self.generator, self.verifier = config, policy, generator, verifier
         self.depth, self.interval = config.prefetch_depth, config.rollout.vllm_sync_interval
         if not getattr(generator, "serves_one_version", False):
@@ -76,6 +78,8 @@ class Rollouts:
                                  on_finished=self.scorer.submit_group if self.stream_rewards else None,
                                  max_tokens=hooks.max_tokens, extend_finished=hooks.extend_finished,
                                  episodes=episode_runner(config, policy.tokenizer), agent=self.agent)
+        self.evaluator = (Evaluator(config, generator, eval_prompts, policy.tokenizer, self.scorer, self.agent)
+                          if eval_prompts is not None else None)
         # Checkpoints under prefetch: the producer's state before each job not assembled yet, and the
         # re-rolled prompts each took from the queue (both under _state_lock).
         self._state_lock = threading.Lock()
@@ -142,6 +146,13 @@ class Rollouts:
             for old in [j for j in self._snapshots if j <= step]:
                 del self._snapshots[old], self._taken[old]
         return batch
+
+    def evaluate(self, step: int) -> Evaluation | None:
+        """The eval section's evaluation of the adapter the engine serves after `step` steps (the step's own:
+        eval.steps is a multiple of the sync interval); None without one."""
+        if self.evaluator is None:
+            return None
+        return self.evaluator.evaluate(self.served, self.engine_lock)
 
     def push(self, step: int, force: bool = False) -> dict[str, float]:
         """After `step` optimizer steps: save the adapter and make the engine serve it, when due."""

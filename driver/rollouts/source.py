@@ -21,6 +21,10 @@ class BatchSource(Protocol):
     def push(self, step: int) -> dict[str, float]:
         """After `step` updates: the sampler gets the new adapter. Returns metrics of the push."""
 
+    def evaluate(self, step: int) -> Any | None:
+        """After `step` updates and their push: the eval section's driver.rollouts.evaluation.Evaluation of the
+        adapter, or None (no evaluation configured, or not this rank's to run)."""
+
     def state_dict(self) -> dict | None:
         """What a checkpoint keeps to resume the same stream of batches (None: nothing, a follower rank)."""
 

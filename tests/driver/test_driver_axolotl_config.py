@@ -274,7 +274,10 @@ def test_keys_map_as_axolotl_runs_them(changes, expected):
     ({"attn_implementation": "flex_attention"}, "attn_implementation", "model.attention takes"),
     ({"special_tokens": {"pad_token": "<pad>", "eos_token": "<|im_end|>"}}, "special_tokens.eos_token",
      "pad_token only"),
-    ({"val_set_size": 0.05}, "val_set_size", "no evaluation"),
+    ({"val_set_size": 0.05}, "val_set_size", "add eval_steps"),
+    ({"val_set_size": 0.05, "evals_per_epoch": 4}, "evals_per_epoch", "give eval_steps"),
+    ({"val_set_size": 0.05, "eval_steps": 30, "trl": {"num_iterations": 4}, "max_steps": 200}, "eval_steps",
+     "not a whole number of train steps here, each 4 optimizer step(s)"),
     ({"vllm": {"max_model_len": 512}}, "vllm.max_model_len", "leaves no room for a prompt"),
     ({"trl": {"vllm_mode": "colocate"}, "vllm": {"data_parallel_size": 2}}, "vllm.data_parallel_size",
      "one in-process engine"),
@@ -287,6 +290,21 @@ def test_keys_map_as_axolotl_runs_them(changes, expected):
 def test_what_cannot_be_honoured_is_refused_with_its_reason(changes, key, reason):
     reasons = refused(quickstart(**changes))
     assert reason in reasons[key], reasons
+
+
+@pytest.mark.parametrize("eval_steps", [20, 0.1])  # optimizer steps, or transformers' fraction of max_steps
+def test_a_validation_split_is_held_out_and_evaluated_every_eval_steps(eval_steps):
+    config = translated(quickstart(val_set_size=0.05, eval_steps=eval_steps))
+    assert config.eval.val_set_size == 0.05 and config.eval.source is None
+    assert config.eval.steps == 20 and config.train.steps == 200  # one optimizer step per train step here
+    four_updates = translated(quickstart(val_set_size=32, eval_steps=40, max_steps=200, trl={"num_iterations": 4}))
+    assert four_updates.eval.steps == 10 and four_updates.eval.val_set_size == 32
+
+
+def test_eval_steps_without_a_validation_split_is_noted_and_ignored():
+    translation = translate(quickstart(eval_steps=20))
+    assert not Config.model_validate(translation.config).eval.enabled
+    assert any("ignored without val_set_size" in note for note in translation.notes)
 
 
 def test_keys_that_change_nothing_here_are_accepted():

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -217,10 +218,17 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path, overrides, tiny_v
 
 
 def test_async_run_learns_with_every_sample_efficiency_mechanism_firing(tmp_path):
+    """Also evaluated on 16 prompts held out of the data, before the first step and every 20 steps, while the
+    prefetch thread generates (the evaluation holds the engine between its jobs)."""
     # Colocated: partial rollouts make many small requests, which take twice as long over HTTP.
     output_dir = tmp_path / "run"
-    assert_ok(train(output_dir, *QUIET, example=ASYNC_EXAMPLE))
-    rows = metrics(output_dir)
+    result = train(output_dir, *QUIET, "--eval.val_set_size=16", "--eval.steps=20", "--eval.on_start=true",
+                   example=ASYNC_EXAMPLE)
+    assert_ok(result)
+    lines = metrics(output_dir)
+    rows = [row for row in lines if "eval/version" not in row]
+    evaluations = [row for row in lines if "eval/version" in row]
+    check_evaluations(output_dir, evaluations, result.stdout)
     rewards = [row["reward"] for row in rows]
     assert len(rows) == 40
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
@@ -241,6 +249,27 @@ def test_async_run_learns_with_every_sample_efficiency_mechanism_firing(tmp_path
     # Empty batches (every group filtered, none replayed) run no forward pass: no per-token metric.
     empty = [row for row in rows if row["filter/kept_sequences"] == 0 and not row.get("replay/replayed_groups")]
     assert empty and not any(row.get("entropy") is not None for row in empty)
+
+
+def check_evaluations(output_dir: Path, evaluations: list[dict], stdout: str) -> None:
+    """The async run's evaluations: each by the adapter of its step, on prompts never trained on, their reward
+    the reward function's over the completions they logged, and rising as the policy learns."""
+    from driver.data.toy_tasks import digit_fraction_steps, toy_dataset
+
+    assert [(row["step"], row["eval/version"], row["eval/prompts"]) for row in evaluations] == [
+        (0, 0.0, 16.0), (20, 20.0, 16.0), (40, 40.0, 16.0)]
+    assert "eval after step 20: reward " in stdout and "eval/reward: " in stdout
+    logged = [json.loads(line) for line in (output_dir / "eval_completions.jsonl").read_text().splitlines()]
+    for row in evaluations:
+        completions = [line for line in logged if line["step"] == row["step"]]
+        assert len(completions) == 16 * 8
+        oracle = digit_fraction_steps([c["prompt"] for c in completions], [c["completion"] for c in completions])
+        assert row["eval/reward"] == pytest.approx(sum(oracle) / len(oracle), abs=1e-6)
+    held_out = {line["prompt"] for line in logged}
+    trained = {json.loads(line)["prompt"] for line in (output_dir / "completions.jsonl").read_text().splitlines()}
+    texts = Counter(row["prompt"] for row in toy_dataset("digits"))  # a few texts are two rows
+    assert len(held_out) == 16 and trained and held_out & trained <= {text for text, n in texts.items() if n > 1}
+    assert evaluations[-1]["eval/reward"] > evaluations[0]["eval/reward"] + 0.3
 
 
 def test_chat_data_with_trls_loss_and_sampling_knobs_learns(tmp_path, tiny_vllm_server):

@@ -279,3 +279,39 @@ def test_reduce_metrics_without_torchrun_returns_the_values():
     from driver.metrics.combine import Metrics
 
     assert reduce_metrics(Metrics({"loss": 1.0, "entropy": 2.0}, {"entropy": 5.0})) == {"loss": 1.0, "entropy": 2.0}
+
+
+def test_an_evaluation_has_its_own_line_merged_into_its_step_and_its_completions_file(tmp_path):
+    from driver.metrics.plots import read_metrics
+
+    with quiet_logger(tmp_path) as logger:
+        logger.log(1, {"reward": 0.25})
+        logger.log(2, {"reward": 0.5})
+        time.sleep(0.05)  # the evaluation's time
+        logger.log_eval(2, {"eval/reward": 0.75, "eval/time": 0.05}, [{"prompt": "p", "completion": "c"}])
+        logger.log(3, {"reward": 0.6})
+    rows = read_rows(tmp_path)
+    evaluation = rows[2]
+    assert evaluation["step"] == 2 and evaluation["eval/reward"] == 0.75 and "step_time" not in evaluation
+    assert rows[3]["step_time"] < 0.05  # the evaluation is not the next step's time
+    merged = read_metrics(tmp_path / "metrics.jsonl")
+    assert [row["step"] for row in merged] == [1, 2, 3]
+    assert merged[1]["reward"] == 0.5 and merged[1]["eval/reward"] == 0.75
+    completions = [json.loads(line) for line in (tmp_path / "eval_completions.jsonl").read_text().splitlines()]
+    assert completions == [{"step": 2, "prompt": "p", "completion": "c"}]
+    assert not (tmp_path / "completions.jsonl").exists()
+
+
+def test_resume_drops_evaluations_after_the_checkpoint(tmp_path):
+    with quiet_logger(tmp_path) as logger:
+        for step in (1, 2, 3):
+            logger.log(step, {"reward": 0.0})
+            logger.log_eval(step, {"eval/reward": float(step)}, [{"completion": str(step)}])
+    with quiet_logger(tmp_path, start_step=2) as logger:
+        pass
+    completions = [json.loads(line)["step"] for line in (tmp_path / "eval_completions.jsonl").read_text().splitlines()]
+    assert completions == [1, 2]
+    assert [row.get("eval/reward") for row in read_rows(tmp_path)] == [None, 1.0, None, 2.0]
+    with quiet_logger(tmp_path):  # a fresh run starts afresh
+        pass
+    assert not (tmp_path / "eval_completions.jsonl").exists()

@@ -6,7 +6,7 @@ import math
 import pytest
 from PIL import Image
 
-from driver.metrics.plots import MAIN_CURVES, exponential_moving_average, plot_metrics
+from driver.metrics.plots import MAIN_CURVES, curve, exponential_moving_average, plot_metrics, read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 STEPS = 7  # odd, so the overview grid and the EMA see a non-round count
@@ -44,6 +44,19 @@ def test_all_main_curves_have_distinct_file_names(tmp_path):
     assert len(set(written)) == len(MAIN_CURVES) + 1
     assert tmp_path / "plots" / "sampling_importance_sampling_ratio_mean.png" in written
     assert tmp_path / "plots" / "clip_ratio_region_mean.png" in written
+
+
+def test_evaluation_lines_join_their_steps_and_draw_their_own_curve(tmp_path):
+    rows = [{"step": step, "reward": step / STEPS} for step in range(1, STEPS + 1)]
+    rows += [{"step": step, "eval/reward": 0.1 * step} for step in (0, 3, 6)]  # written after the steps' lines
+    write_rows(tmp_path / "metrics.jsonl", rows)
+    merged = read_metrics(tmp_path / "metrics.jsonl")
+    assert curve(merged, "reward") == (list(range(1, STEPS + 1)), [step / STEPS for step in range(1, STEPS + 1)])
+    assert curve(merged, "eval/reward") == ([0, 3, 6], [0.0, 0.1 * 3, 0.1 * 6])
+    written = plot_metrics(tmp_path / "metrics.jsonl", tmp_path)
+    assert [path.name for path in written] == ["reward.png", "eval_reward.png", "overview.png"]
+    for path in written:
+        assert_png(path)
 
 
 def test_custom_keys(tmp_path):

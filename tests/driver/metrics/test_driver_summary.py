@@ -39,3 +39,17 @@ def test_a_run_without_metrics_still_says_where_things_are(tmp_path):
     text = run_summary(tmp_path, steps_done=1, steps_planned=1, wall_seconds=1, quiet=True, plots=False,
                        tensorboard=False)
     assert "reward" not in text and str(tmp_path / "adapter") in text
+
+
+def test_evaluations_are_summarized_first_to_last(tmp_path):
+    out = tmp_path / "run"
+    write_rows(out / "metrics.jsonl", [0.1, 0.2, 0.3, 0.4])
+    with (out / "metrics.jsonl").open("a") as lines:  # evaluations: lines of their own at their steps
+        for step, reward in ((0, 0.125), (2, 0.5), (4, 0.875)):
+            lines.write(json.dumps({"step": step, "eval/reward": reward, "eval/prompts": 32.0}) + "\n")
+    (out / "eval_completions.jsonl").write_text("")
+    text = run_summary(out, steps_done=4, steps_planned=4, wall_seconds=3, quiet=False, plots=False,
+                       tensorboard=False)
+    assert "reward: first 2 steps 0.150 -> last 2 steps 0.350" in text  # the evaluations are not in it
+    assert "eval/reward: 0.125 at step 0 -> 0.875 at step 4 (32 prompts)" in text
+    assert str(out / "eval_completions.jsonl") in text

@@ -1,0 +1,95 @@
+"""Evaluation (the eval section): every eval prompt sampled by one adapter version, scored by the run's reward
+functions, summarized under eval/ with TRL's metric names (eval/reward, eval/rewards/<name>/mean,
+eval/completions/mean_length, ...).
+
+It runs in the trainer's thread right after a sync, while the engine serves that step's adapter, and holds
+the engine for the generation only: a prefetch thread's next job waits for it, but which version samples
+which job does not change, so a run with evaluations trains exactly as one without. Generation goes through
+a Producer of its own (multi-turn episodes, NeMo Gym agents and partial rollouts as in training), whose
+groups take ids no training group reaches and the same sampling seeds every time: two evaluations differ by
+the adapter alone, not by the luck of the draw.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from driver.config import Config
+from driver.data.prompts import PromptSource
+from driver.data.records import Group
+from driver.engine.base import Generator
+from driver.environments.episodes import episode_stats
+from driver.environments.factory import episode_runner
+from driver.metrics.logger import TOKENS_IN_STEP
+from driver.rewards.advantages import combine_rewards
+from driver.rewards.group_scorer import GroupScorer
+from driver.rollouts.agent_runs import AgentRuns
+from driver.rollouts.assemble import completion_stats, completions_table, score_groups
+from driver.rollouts.producer import Producer
+
+# Eval groups' ids (their reward calls' keys and sampling seeds) start here; training's count up from 0.
+FIRST_EVAL_GROUP_ID = 1 << 48
+PREFIX = "eval/"
+
+
+@dataclass
+class Evaluation:
+    metrics: dict[str, float]  # eval/...
+    table: list[dict]  # a row per completion: prompt, completion, reward, each reward function's value
+    failure: str | None  # the first group whose scoring failed: which reward, how, on what input
+
+
+class Evaluator:
+    def __init__(self, config: Config, generator: Generator, prompts: PromptSource, tokenizer, scorer: GroupScorer,
+                 agent: AgentRuns | None = None) -> None:
+        """scorer: the run's reward functions (their worker processes are shared with training: eval groups
+        are submitted and collected under ids of their own)."""
+        count = config.eval.num_generations or config.algo.num_generations
+        # The producer and the reward statistics read the group size from the algo section.
+        self.config = config.model_copy(update={"algo": config.algo.model_copy(update={"num_generations": count})})
+        self.generator, self.prompts, self.tokenizer, self.scorer = generator, prompts, tokenizer, scorer
+        self.agent = agent
+        self.episodes = episode_runner(self.config, tokenizer)
+
+    def evaluate(self, version: int, engine_lock: threading.Lock) -> Evaluation:
+        """Adapter `version`'s evaluation; the engine serves it. A group whose scoring failed is counted
+        (eval/failed_groups) and left out of the rewards: an evaluation does not stop the run."""
+        started = time.perf_counter()
+        groups = self._generate(version, engine_lock)
+        score_groups(self.scorer, groups, submit=True)
+        failed = [group for group in groups if group.failure is not None]
+        scored = [group for group in groups if group.failure is None]
+        metrics = {"version": float(version), "prompts": float(len(groups)), "failed_groups": float(len(failed))}
+        metrics.update(self._reward_stats(scored))
+        metrics.update({key: value for key, value in completion_stats(groups).items() if key != TOKENS_IN_STEP})
+        metrics.update(episode_stats(groups))
+        metrics["time"] = time.perf_counter() - started
+        table = [{key: value for key, value in row.items() if key != "advantage"}  # nothing is trained on
+                 for row in completions_table(scored, list(self.scorer.names))]
+        return Evaluation({PREFIX + key: value for key, value in metrics.items()}, table,
+                          failed[0].failure if failed else None)
+
+    def _generate(self, version: int, engine_lock: threading.Lock) -> list[Group]:
+        self.prompts.load_state_dict({"epoch": 0, "position": 0, "prompts": len(self.prompts.prompts)})
+        producer = Producer(self.config, self.generator, self.prompts, self.tokenizer, episodes=self.episodes,
+                            agent=self.agent)
+        producer.next_group_id = FIRST_EVAL_GROUP_ID
+        producer.quota = len(self.prompts.prompts)  # every prompt in the first round: one batch for the engine
+        with engine_lock:
+            return producer.produce(version, version).groups
+
+    def _reward_stats(self, groups: list[Group]) -> dict[str, float]:
+        """TRL's reward metrics over the scored groups; each group's total reward kept for the table."""
+        if not groups:
+            return {}
+        size = self.config.algo.num_generations
+        total, _, stats = combine_rewards(torch.cat([group.rewards for group in groups]), self.scorer.weights, size,
+                                          self.config.rewards.aggregation, self.config.algo.scale_rewards,
+                                          names=list(self.scorer.names))
+        for index, group in enumerate(groups):
+            group.total = total[index * size:(index + 1) * size]
+        return stats

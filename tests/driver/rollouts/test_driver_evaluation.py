@@ -1,0 +1,105 @@
+"""The eval section's evaluation (driver/rollouts/evaluation.py) with a real generator (rollout.backend:
+transformers on the tiny model) and the run's real reward scorer: its metrics against the reward function
+recomputed on the completions it logged, the same completions for the same adapter every time, training's
+reward calls left alone, and a reward that fails on part of the set counted instead of stopping the run."""
+
+import math
+import threading
+
+import pytest
+import torch
+
+from driver.config import Config
+from driver.data.eval_prompts import training_and_eval_prompts
+from driver.data.toy_tasks import digit_fraction
+from driver.engine.transformers_backend import TransformersGenerator
+from driver.policy.model import load_policy
+from driver.rewards.group_scorer import GroupScorer
+from driver.rollouts.evaluation import Evaluator
+from driver.rollouts.producer import Producer
+
+HELD_OUT = 12
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return load_policy(Config.model_validate({"lora": {"r": 4}}))
+
+
+def run_config(**sections) -> Config:
+    evaluation = {"steps": 2, "val_set_size": HELD_OUT, "num_generations": 3, **sections.pop("eval", {})}
+    return Config.model_validate({"lora": {"r": 4}, "rollout": {"backend": "transformers",
+                                                                "sampling": {"max_tokens": 10}},
+                                  "eval": evaluation, **sections})
+
+
+def evaluator(config: Config, policy) -> tuple[Evaluator, GroupScorer]:
+    training, evaluated = training_and_eval_prompts(config, policy.tokenizer)
+    scorer = GroupScorer(config)
+    return Evaluator(config, TransformersGenerator(config, policy), evaluated, policy.tokenizer, scorer), scorer
+
+
+def test_eval_metrics_are_the_reward_functions_over_the_logged_completions(policy):
+    config = run_config()
+    evaluation_run, scorer = evaluator(config, policy)
+    result = evaluation_run.evaluate(version=0, engine_lock=threading.Lock())
+    scorer.close()
+    metrics, table = result.metrics, result.table
+    assert result.failure is None and metrics["eval/failed_groups"] == 0
+    assert metrics["eval/prompts"] == HELD_OUT and len(table) == HELD_OUT * 3
+    held = [prompt.text for prompt in evaluation_run.prompts.prompts]
+    assert [row["prompt"] for row in table] == [text for text in held for _ in range(3)]  # every prompt, in order
+    oracle = digit_fraction([row["prompt"] for row in table], [row["completion"] for row in table])
+    assert metrics["eval/reward"] == pytest.approx(math.fsum(oracle) / len(oracle), abs=1e-6)
+    assert metrics["eval/rewards/digit_fraction/mean"] == pytest.approx(metrics["eval/reward"], abs=1e-6)
+    assert [row["reward"] for row in table] == pytest.approx(oracle, abs=1e-6)
+    groups = torch.tensor(oracle, dtype=torch.float64).view(HELD_OUT, 3)
+    assert metrics["eval/reward_std"] == pytest.approx(groups.std(dim=1).mean().item(), abs=1e-6)  # TRL's group std
+    assert 0 < metrics["eval/completions/mean_length"] <= 10 and "eval/num_input_tokens" not in metrics
+    assert all(key.startswith("eval/") for key in metrics) and "advantage" not in table[0]
+
+
+def test_the_same_adapter_gives_the_same_completions_and_leaves_trainings_reward_calls_alone(policy):
+    config = run_config()
+    evaluation_run, scorer = evaluator(config, policy)
+    # A training group (id 0) submitted before the evaluation and collected after it, as under prefetch.
+    training_prompts = training_and_eval_prompts(config, policy.tokenizer)[0]
+    producer = Producer(config, TransformersGenerator(config, policy), training_prompts, policy.tokenizer)
+    producer.quota = 1
+    training_group = producer.produce(0, 0).groups[0]
+    scorer.submit_group(training_group)
+    first = evaluation_run.evaluate(version=0, engine_lock=threading.Lock())
+    second = evaluation_run.evaluate(version=0, engine_lock=threading.Lock())
+    assert [row["completion"] for row in first.table] == [row["completion"] for row in second.table]
+    assert first.metrics["eval/reward"] == second.metrics["eval/reward"]
+    result = scorer.wait([training_group.group_id])[training_group.group_id]
+    expected = digit_fraction([training_group.prompt.text] * len(training_group.texts), training_group.texts)
+    assert result.table[:, 0].tolist() == pytest.approx(expected)
+    scorer.close()
+
+
+def test_one_completion_per_prompt_and_gdpos_aggregation(policy):
+    config = run_config(eval={"num_generations": 1}, rewards={"aggregation": "normalize_then_sum"})
+    evaluation_run, scorer = evaluator(config, policy)
+    result = evaluation_run.evaluate(version=0, engine_lock=threading.Lock())
+    scorer.close()
+    assert len(result.table) == HELD_OUT
+    oracle = digit_fraction([row["prompt"] for row in result.table], [row["completion"] for row in result.table])
+    assert result.metrics["eval/reward"] == pytest.approx(sum(oracle) / HELD_OUT, abs=1e-6)
+    assert math.isnan(result.metrics["eval/reward_std"])  # no std of one value, as TRL's nanstd
+
+
+def test_groups_a_reward_cannot_score_are_counted_and_left_out(policy):
+    config = run_config(rewards={"functions": [{"path": "driver.data.toy_tasks.digit_fraction"},
+                                               {"path": "tests.reward_fixtures.raise_on_river"}]})
+    evaluation_run, scorer = evaluator(config, policy)
+    result = evaluation_run.evaluate(version=0, engine_lock=threading.Lock())
+    scorer.close()
+    rivers = sum("river" in prompt.text for prompt in evaluation_run.prompts.prompts)
+    assert 0 < rivers < HELD_OUT  # the held-out set has both kinds
+    assert result.metrics["eval/failed_groups"] == rivers and "raise_on_river refuses" in result.failure
+    assert len(result.table) == (HELD_OUT - rivers) * 3 and not any("river" in row["prompt"] for row in result.table)
+    oracle = digit_fraction([row["prompt"] for row in result.table], [row["completion"] for row in result.table])
+    assert result.metrics["eval/rewards/digit_fraction/mean"] == pytest.approx(sum(oracle) / len(oracle), abs=1e-6)
+    assert result.metrics["eval/reward"] == pytest.approx(sum(oracle) / len(oracle) + 1.0, abs=1e-6)
+
