@@ -222,10 +222,12 @@ class SamplingConfig(Section):
                              f"{', '.join(constraints) or 'none'}")
         return value
 
-    def engine_sampling(self) -> dict:
+    def engine_sampling(self, temperature: float | None = None) -> dict:
         """What vLLM's SamplingParams (and the server's completion request) take from this section, beyond
-        n / seed / max_tokens / logprobs, which the engine sets per request."""
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+        n / seed / max_tokens / logprobs, which the engine sets per request; `temperature` replaces the
+        section's (an evaluation's)."""
+        temperature = self.temperature if temperature is None else temperature
+        return {"temperature": temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
                 "repetition_penalty": self.repetition_penalty, "stop": list(self.stop) or None,
                 **self.generation_kwargs}
 
@@ -769,13 +771,22 @@ class EvalConfig(Section):
                                 "for evaluation (axolotl's val_set_size), a fraction below 1 or a count; which ones "
                                 "is fixed by train.seed")
     max_prompts: int | None = Field(None, ge=1, description="evaluate the first this many eval prompts (null: all)")
-    num_generations: int | None = Field(None, ge=1, description="completions per eval prompt, sampled as in training "
-                                        "(TRL's num_generations_eval; null: algo.num_generations): eval/reward is "
-                                        "their mean, pass@1 averaged over them")
+    num_generations: int | None = Field(None, ge=1, description="completions per eval prompt (TRL's "
+                                        "num_generations_eval; null: algo.num_generations, 1 with temperature 0): "
+                                        "eval/reward is their mean, pass@1 averaged over them")
+    temperature: float | None = Field(None, ge=0, description="the evaluations' sampling temperature (null: "
+                                      "rollout.sampling.temperature, with its other settings; 0: greedy decoding, "
+                                      "one completion per prompt)")
 
     @property
     def enabled(self) -> bool:
         return self.steps > 0 or self.on_start
+
+    def generations(self, training: int) -> int:
+        """Completions per eval prompt, given algo.num_generations."""
+        if self.num_generations is not None:
+            return self.num_generations
+        return 1 if self.temperature == 0 else training
 
     def data(self, data: DataConfig) -> DataConfig:
         """The data section reading source instead (same columns, transform, chat template), unshuffled."""
@@ -964,6 +975,10 @@ class Config(Section):
                              "and eval.val_set_size (prompts held out of data.source)")
         if evaluation.val_set_size >= 1 and evaluation.val_set_size != int(evaluation.val_set_size):
             raise ValueError(f"eval.val_set_size = {evaluation.val_set_size}: a fraction below 1 or a whole count")
+        if evaluation.temperature == 0 and evaluation.generations(self.algo.num_generations) > 1:
+            raise ValueError(f"eval.temperature = 0 decodes greedily: eval.num_generations = "
+                             f"{evaluation.num_generations} completions of a prompt would all be the same; set it "
+                             "to 1 (or leave it out)")
         if self.algo.name != "grpo":
             raise ValueError(f"eval with algo.name = {self.algo.name}: evaluation scores with the reward functions "
                              "(algo.name: grpo); EBFT's feature-matching reward has none")

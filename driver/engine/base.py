@@ -23,6 +23,7 @@ class Request:
     n: int
     seed: int  # vLLM seeds sample j with seed + j
     max_tokens: int
+    temperature: float | None = None  # None: rollout.sampling.temperature; an evaluation's own (0: greedy, n = 1)
 
 
 def request_seed(seed: int, prompt_index: int, n: int) -> int:

@@ -75,13 +75,14 @@ def set_cpu_defaults() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
-def sampling_params(sampling: SamplingConfig, n: int, seed: int, max_tokens: int | None = None):
-    """vLLM's SamplingParams of one request; a ConfigError naming the key when vLLM refuses the section's
-    values (generation_kwargs are passed through unchecked until here)."""
+def sampling_params(sampling: SamplingConfig, n: int, seed: int, max_tokens: int | None = None,
+                    temperature: float | None = None):
+    """vLLM's SamplingParams of one request (temperature: the section's unless given); a ConfigError naming the
+    key when vLLM refuses the section's values (generation_kwargs are passed through unchecked until here)."""
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
-    options = sampling.engine_sampling()
+    options = sampling.engine_sampling(temperature)
     try:
         structured = (StructuredOutputsParams(**sampling.structured_outputs)
                       if sampling.structured_outputs is not None else None)
@@ -113,8 +114,9 @@ class ColocatedGenerator:
         sampling_params(config.rollout.sampling, 1, 0)  # a bad generation_kwargs fails before the engine starts
         self.llm = LLM(**engine_kwargs(config, model_dir))
 
-    def _sampling_params(self, n: int, seed: int, max_tokens: int | None = None):
-        return sampling_params(self.config.rollout.sampling, n, seed, max_tokens)
+    def _sampling_params(self, request: Request):
+        return sampling_params(self.config.rollout.sampling, request.n, request.seed, request.max_tokens,
+                               request.temperature)
 
     def generate(self, prompts: list[list[int]], n: int, seed: int) -> list[list[Completion]]:
         return generate_by_stream(self, prompts, n, seed, self.config.rollout.sampling.max_tokens)
@@ -125,7 +127,7 @@ class ColocatedGenerator:
         from vllm.inputs import TokensPrompt
 
         lora = self._lora_of(version)
-        params = [self._sampling_params(r.n, r.seed, r.max_tokens) for r in requests]
+        params = [self._sampling_params(r) for r in requests]
         self._wake_up()
         try:
             ids = self.llm.enqueue([TokensPrompt(prompt_token_ids=r.token_ids) for r in requests], params,

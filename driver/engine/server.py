@@ -258,9 +258,10 @@ class ServerGenerator:
 
         def complete(request: Request) -> list[Completion]:
             url = self._client.next_url()  # the whole request (its n samples) on one server
+            temperature = {} if request.temperature is None else {"temperature": request.temperature}
             body = self._json(url, "POST", "/v1/completions", {
-                **common, "model": self.model_name(url, version),
-                "prompt": request.token_ids, "n": request.n, "seed": request.seed, "max_tokens": request.max_tokens})
+                **common, "model": self.model_name(url, version), "prompt": request.token_ids, "n": request.n,
+                "seed": request.seed, "max_tokens": request.max_tokens, **temperature})
             return _completions(body, request.n)
 
         workers = min(len(requests), MAX_CONNECTIONS * len(self.urls))

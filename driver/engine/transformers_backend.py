@@ -78,18 +78,23 @@ class TransformersGenerator:
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.eos_ids = set(eos) if isinstance(eos, list) else {eos}
 
-    def generation_kwargs(self, max_tokens: int, recorder: SampledLogprobs, prompt_starts: torch.Tensor) -> dict:
+    def generation_kwargs(self, max_tokens: int, recorder: SampledLogprobs, prompt_starts: torch.Tensor,
+                          temperature: float | None = None) -> dict:
         """generate's arguments: our own processor list, the recorder last, and every warper generate would
-        add itself switched off, so the recorder sees the distribution actually sampled from."""
+        add itself switched off, so the recorder sees the distribution actually sampled from. temperature:
+        the section's unless given; 0 decodes greedily (as vLLM: the most likely token, the others masked)."""
         from transformers import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
                                   TopPLogitsWarper)
 
         sampling = self.config.rollout.sampling
+        temperature = sampling.temperature if temperature is None else temperature
         processors = LogitsProcessorList()
         if sampling.repetition_penalty != 1:
             processors.append(RepetitionPenalty(sampling.repetition_penalty, prompt_starts))
-        if sampling.temperature != 1:
-            processors.append(TemperatureLogitsWarper(sampling.temperature))
+        if temperature == 0:
+            processors.append(TopKLogitsWarper(1))
+        elif temperature != 1:
+            processors.append(TemperatureLogitsWarper(temperature))
         if sampling.top_k > 0:
             processors.append(TopKLogitsWarper(sampling.top_k))
         if sampling.top_p < 1:
@@ -108,15 +113,15 @@ class TransformersGenerator:
         return generate_by_stream(self, prompts, n, seed, self.config.rollout.sampling.max_tokens)
 
     def stream(self, requests: list[Request], version: int) -> Iterator[tuple[int, list[Completion]]]:
-        by_length: dict[int, list[int]] = {}
+        batches: dict[tuple[int, float | None], list[int]] = {}  # one generate call per (max_tokens, temperature)
         for index, request in enumerate(requests):
-            by_length.setdefault(request.max_tokens, []).append(index)
-        for max_tokens, indices in by_length.items():
-            completions = self._sample([requests[i] for i in indices], max_tokens)
+            batches.setdefault((request.max_tokens, request.temperature), []).append(index)
+        for (max_tokens, temperature), indices in batches.items():
+            completions = self._sample([requests[i] for i in indices], max_tokens, temperature)
             yield from zip(indices, completions)
 
     @torch.no_grad()
-    def _sample(self, requests: list[Request], max_tokens: int) -> list[list[Completion]]:
+    def _sample(self, requests: list[Request], max_tokens: int, temperature: float | None) -> list[list[Completion]]:
         rows = [request.token_ids for request in requests for _ in range(request.n)]
         width = max(len(row) for row in rows)
         device = self.policy.device
@@ -131,7 +136,8 @@ class TransformersGenerator:
             output = self.policy.causal_lm.generate(input_ids=input_ids.to(device),
                                                     attention_mask=attention_mask.to(device),
                                                     **self.generation_kwargs(max_tokens, recorder,
-                                                                             width - attention_mask.sum(dim=1)))
+                                                                             width - attention_mask.sum(dim=1),
+                                                                             temperature))
         tokens = output.sequences[:, width:].cpu()
         logprobs = recorder.finish(output.sequences).cpu()
         completions, row = [], 0

@@ -1,6 +1,6 @@
-"""Evaluation (the eval section): every eval prompt sampled by one adapter version, scored by the run's reward
-functions, summarized under eval/ with TRL's metric names (eval/reward, eval/rewards/<name>/mean,
-eval/completions/mean_length, ...).
+"""Evaluation (the eval section): every eval prompt sampled by one adapter version (with rollout.sampling, or at
+eval.temperature: 0 is greedy), scored by the run's reward functions, summarized under eval/ with TRL's metric
+names (eval/reward, eval/rewards/<name>/mean, eval/completions/mean_length, ...).
 
 It runs in the trainer's thread right after a sync, while the engine serves that step's adapter, and holds
 the engine for the generation only: a prefetch thread's next job waits for it, but which version samples
@@ -48,7 +48,7 @@ class Evaluator:
                  agent: AgentRuns | None = None) -> None:
         """scorer: the run's reward functions (their worker processes are shared with training: eval groups
         are submitted and collected under ids of their own)."""
-        count = config.eval.num_generations or config.algo.num_generations
+        count = config.eval.generations(config.algo.num_generations)
         # The producer and the reward statistics read the group size from the algo section.
         self.config = config.model_copy(update={"algo": config.algo.model_copy(update={"num_generations": count})})
         self.generator, self.prompts, self.tokenizer, self.scorer = generator, prompts, tokenizer, scorer
@@ -79,6 +79,7 @@ class Evaluator:
                             agent=self.agent)
         producer.next_group_id = FIRST_EVAL_GROUP_ID
         producer.quota = len(self.prompts.prompts)  # every prompt in the first round: one batch for the engine
+        producer.temperature = self.config.eval.temperature
         with engine_lock:
             return producer.produce(version, version).groups
 

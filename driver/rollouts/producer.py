@@ -94,6 +94,7 @@ class Producer:
         self.max_tokens = max_tokens or (lambda prompt: config.rollout.sampling.max_tokens)
         self.quota = config.train.prompts_per_step * config.train.gradient_accumulation_steps
         self.budget = config.rollout.partial_rollout_tokens or config.rollout.sampling.max_tokens
+        self.temperature: float | None = None  # rollout.sampling's; an evaluation sets its own
         self.next_group_id = 0
         self.in_flight: list[Group] = []  # unfinished groups (partial rollouts)
         self.ready: list[Group] = []  # finished groups beyond an earlier job's quota
@@ -167,7 +168,7 @@ class Producer:
             max_tokens = self.max_tokens(group.prompt)
             if not group.samples:
                 requests.append(Request(group.prompt.token_ids, group_size, group_seed(seed, group.group_id),
-                                        min(self.budget, max_tokens)))
+                                        min(self.budget, max_tokens), self.temperature))
                 targets.append((group, None))
                 continue
             for index, sample in enumerate(group.samples):
@@ -178,7 +179,7 @@ class Producer:
                     turns += next_turn
                     requests.append(Request(group.prompt.token_ids + sample.token_ids, 1,
                                             continuation_seed(seed, group.group_id, index, length),
-                                            min(self.budget, max_tokens - length)))
+                                            min(self.budget, max_tokens - length), self.temperature))
                     targets.append((group, index))
         continued = sum(index is not None for _, index in targets) - turns
         truncated = sampled = 0

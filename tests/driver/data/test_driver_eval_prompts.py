@@ -88,6 +88,8 @@ def test_eval_source_mistakes_are_named_by_eval_source(tokenizer, tmp_path):
     ({"split": "validation"}, "eval.split is set but eval.steps = 0 and eval.on_start = false"),
     ({"steps": 5, "val_set_size": 2.5}, "eval.val_set_size = 2.5: a fraction below 1 or a whole count"),
     ({"steps": 3, "val_set_size": 8}, "eval.steps = 3 must be a multiple of rollout.vllm_sync_interval = 2"),
+    ({"steps": 2, "val_set_size": 8, "temperature": 0, "num_generations": 4},
+     "eval.temperature = 0 decodes greedily: eval.num_generations = 4 completions of a prompt would all be the same"),
 ])
 def test_eval_section_mistakes_are_named_by_key(tmp_path, section, message):
     config = tmp_path / "cfg.yaml"

@@ -31,6 +31,20 @@ def test_every_knob_reaches_sampling_params():
 
 
 @needs_vllm
+def test_an_evaluations_temperature_replaces_the_sections_alone():
+    from vllm.sampling_params import SamplingType
+
+    from driver.engine.colocate import sampling_params
+
+    greedy = sampling_params(SamplingConfig(**KNOBS), n=1, seed=7, max_tokens=12, temperature=0.0)
+    assert greedy.temperature == 0.0 and greedy.sampling_type == SamplingType.GREEDY
+    # (vLLM itself sets top_p, top_k and min_p neutral for greedy requests: they cannot change an argmax)
+    assert greedy.stop == ["\n\n", "###"] and greedy.presence_penalty == 0.3 and greedy.repetition_penalty == 1.1
+    assert sampling_params(SamplingConfig(**KNOBS), n=2, seed=7, temperature=None).temperature == 0.7
+    assert SamplingConfig(**KNOBS).engine_sampling(0.0)["temperature"] == 0.0
+
+
+@needs_vllm
 def test_vllm_refusing_generation_kwargs_is_a_config_error():
     from driver.engine.colocate import sampling_params
 

@@ -160,6 +160,25 @@ def test_generate_matches_trainer_logprobs(server, policy, tmp_path):
     assert [[c.token_ids for c in group] for group in again] == [[c.token_ids for c in group] for group in groups]
 
 
+def test_a_request_at_temperature_zero_decodes_greedily(server, policy, tmp_path):
+    """An evaluation's greedy request (eval.temperature: 0): every token one the trainer, with the served adapter,
+    finds most likely given the prefix (to fp32 rounding), while the section's temperature stays for the rest."""
+    version = server.adapter_version + 1
+    server.sync(save_random_adapter(policy, seed=5, directory=tmp_path / "adapter"), version=version)
+    prompts = [policy.tokenizer(text, add_special_tokens=False).input_ids for text in PROMPTS]
+    requests = [Request(prompt, 1, 100 + i, MAX_TOKENS, temperature=0.0) for i, prompt in enumerate(prompts)]
+    completions = [completion for _, (completion,) in sorted(server.stream(requests, version))]
+    model = policy.model.eval()
+    with torch.no_grad():
+        for prompt, completion in zip(prompts, completions):
+            sequence = torch.tensor([prompt + completion.token_ids])
+            logprobs = model(input_ids=sequence).logits[0, len(prompt) - 1:-1].float().log_softmax(-1)
+            chosen = logprobs.gather(1, torch.tensor(completion.token_ids).unsqueeze(1)).squeeze(1)
+            assert torch.all(chosen >= logprobs.max(dim=1).values - 1e-4), (completion.token_ids, chosen)
+    sampled = dict(server.stream([Request(prompts[0], 4, 0, MAX_TOKENS)], version))[0]
+    assert len({tuple(c.token_ids) for c in sampled}) > 1  # the section's temperature (0.7) samples
+
+
 def test_sync_serves_each_new_adapter_and_unloads_those_no_longer_kept(server, policy, probe_ids, tmp_path):
     server.sync(save_random_adapter(policy, seed=2, directory=tmp_path / "a"), version=2)
     first_name, first_trainer = served(server), trainer_probe(policy, probe_ids)

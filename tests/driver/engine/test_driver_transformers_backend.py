@@ -82,6 +82,22 @@ def test_completions_end_as_vllms_and_seeds_reproduce(policy):
                 assert completion.token_ids[-1] == eos and eos not in completion.token_ids[:-1]
 
 
+@torch.no_grad()
+def test_temperature_zero_decodes_greedily_as_transformers_does(policy):
+    """An evaluation's greedy request against transformers' own greedy search (do_sample=False), one prompt at
+    a time; requests at the section's temperature in the same call still sample."""
+    backend = generator(policy, temperature=0.7)
+    greedy = [Request(prompt, 1, 5, 12, temperature=0.0) for prompt in PROMPTS]
+    results = dict(backend.stream(greedy + [Request(PROMPTS[0], 4, 9, 12)], version=0))
+    model = policy.causal_lm.eval()
+    for index, prompt in enumerate(PROMPTS):
+        expected = model.generate(input_ids=torch.tensor([prompt]), do_sample=False, max_new_tokens=12,
+                                  eos_token_id=sorted(backend.eos_ids), pad_token_id=backend.pad_id)[0, len(prompt):]
+        ended = next((i + 1 for i, token in enumerate(expected.tolist()) if token in backend.eos_ids), len(expected))
+        assert results[index][0].token_ids == expected.tolist()[:ended]
+    assert len({tuple(c.token_ids) for c in results[len(PROMPTS)]}) > 1
+
+
 def test_stop_strings_end_the_completion_after_the_token_that_completes_them(policy):
     backend = generator(policy, stop=[" "], max_tokens=16)
     tokenizer = policy.tokenizer

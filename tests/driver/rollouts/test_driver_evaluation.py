@@ -103,3 +103,18 @@ def test_groups_a_reward_cannot_score_are_counted_and_left_out(policy):
     assert result.metrics["eval/rewards/digit_fraction/mean"] == pytest.approx(sum(oracle) / len(oracle), abs=1e-6)
     assert result.metrics["eval/reward"] == pytest.approx(sum(oracle) / len(oracle) + 1.0, abs=1e-6)
 
+
+
+@torch.no_grad()
+def test_temperature_zero_evaluates_one_greedy_completion_per_prompt(policy):
+    config = run_config(eval={"temperature": 0.0, "num_generations": None})
+    evaluation_run, scorer = evaluator(config, policy)
+    result = evaluation_run.evaluate(version=0, engine_lock=threading.Lock())
+    scorer.close()
+    assert len(result.table) == HELD_OUT and result.metrics["eval/prompts"] == HELD_OUT
+    model = policy.causal_lm.eval()
+    eos = policy.tokenizer.eos_token_id
+    for prompt, row in zip(evaluation_run.prompts.prompts, result.table):  # transformers' greedy search, alone
+        output = model.generate(input_ids=torch.tensor([prompt.token_ids]), do_sample=False, max_new_tokens=10,
+                                eos_token_id=eos, pad_token_id=eos)[0, len(prompt.token_ids):]
+        assert row["completion"] == policy.tokenizer.decode(output, skip_special_tokens=True)
