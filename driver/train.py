@@ -240,8 +240,10 @@ def log_evaluation(logger, step: int, evaluation) -> None:
     reward = metrics.get("eval/reward")
     line = (f"eval after step {step}: reward {'n/a' if reward is None else f'{reward:.3f}'} over "
             f"{int(metrics['eval/prompts'])} prompts in {metrics['eval/time']:.1f} s")
-    if evaluation.failure is not None:
-        line += f"; {int(metrics['eval/failed_groups'])} could not be scored (first: {evaluation.failure})"
+    if evaluation.failure is not None:  # its first line (which reward, how) and last (on what input): no traceback
+        lines = evaluation.failure.splitlines()
+        what = lines[0] + (f" ... {lines[-1]}" if len(lines) > 1 else "")
+        line += f"; {int(metrics['eval/failed_groups'])} group(s) could not be scored (first: {what})"
     logger.print(line)
 
 

@@ -3,20 +3,24 @@ transformers on the tiny model) and the run's real reward scorer: its metrics ag
 recomputed on the completions it logged, the same completions for the same adapter every time, training's
 reward calls left alone, and a reward that fails on part of the set counted instead of stopping the run."""
 
+import io
 import math
 import threading
 
 import pytest
 import torch
+from rich.console import Console
 
 from driver.config import Config
 from driver.data.eval_prompts import training_and_eval_prompts
 from driver.data.toy_tasks import digit_fraction
 from driver.engine.transformers_backend import TransformersGenerator
+from driver.metrics.logger import MetricsLogger
 from driver.policy.model import load_policy
 from driver.rewards.group_scorer import GroupScorer
 from driver.rollouts.evaluation import Evaluator
 from driver.rollouts.producer import Producer
+from driver.train import log_evaluation
 
 HELD_OUT = 12
 
@@ -89,7 +93,7 @@ def test_one_completion_per_prompt_and_gdpos_aggregation(policy):
     assert math.isnan(result.metrics["eval/reward_std"])  # no std of one value, as TRL's nanstd
 
 
-def test_groups_a_reward_cannot_score_are_counted_and_left_out(policy):
+def test_groups_a_reward_cannot_score_are_counted_and_left_out(policy, tmp_path):
     config = run_config(rewards={"functions": [{"path": "driver.data.toy_tasks.digit_fraction"},
                                                {"path": "tests.reward_fixtures.raise_on_river"}]})
     evaluation_run, scorer = evaluator(config, policy)
@@ -102,6 +106,16 @@ def test_groups_a_reward_cannot_score_are_counted_and_left_out(policy):
     oracle = digit_fraction([row["prompt"] for row in result.table], [row["completion"] for row in result.table])
     assert result.metrics["eval/rewards/digit_fraction/mean"] == pytest.approx(sum(oracle) / len(oracle), abs=1e-6)
     assert result.metrics["eval/reward"] == pytest.approx(sum(oracle) / len(oracle) + 1.0, abs=1e-6)
+    # The terminal's line names the reward and the input, without the traceback run.log would have.
+    terminal = io.StringIO()
+    logger = MetricsLogger(tmp_path, total_steps=4, tensorboard=False, progress=False,
+                           console=Console(file=terminal, width=10_000))
+    log_evaluation(logger, 2, result)
+    logger.close()
+    line = terminal.getvalue()
+    assert line.startswith(f"eval after step 2: reward {result.metrics['eval/reward']:.3f} over {HELD_OUT} prompts")
+    assert f"{rivers} group(s) could not be scored (first: reward 'raise_on_river' raised an exception ... input: " \
+        "prompt " in line and "Traceback" not in line and line.count("\n") == 1
 
 
 
