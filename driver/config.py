@@ -457,6 +457,10 @@ class AlgoConfig(Section):
     kl_estimator: Literal["k1", "k2", "k3"] = Field(
         "k3", description="per-token KL(policy || base) estimator (Schulman 2020): k1 = log(p/ref), k2 = "
         "log(p/ref)^2 / 2, k3 = ref/p - log(ref/p) - 1 (TRL's)")
+    use_bias_correction_kl: bool = Field(False, description="multiply each token's KL term by its policy ratio "
+                                         "pi / pi_old (the token's, or GSPO's sequence ratio), unclipped and with its "
+                                         "gradient: the importance-corrected KL estimate of DeepSeek-V3.2 (TRL's "
+                                         "use_bias_correction_kl)")
     kl_in_reward: bool = Field(False, description="apply beta as a KL penalty in the reward instead of a loss term "
                                "(verl's use_kl_in_reward): each completion's reward minus beta x the sum over its "
                                "tokens of kl_estimator(policy || base), before advantages")
@@ -538,6 +542,10 @@ class AlgoConfig(Section):
             raise ValueError("kl_in_reward moves beta from the loss to the reward: set beta > 0")
         if self.kl_in_reward and self.name != "grpo":
             raise ValueError("kl_in_reward applies to grpo (ebft's reward is feature matching)")
+        if self.use_bias_correction_kl and self.loss_beta <= 0:
+            raise ValueError("use_bias_correction_kl corrects the loss's KL term, which "
+                             + ("kl_in_reward moves into the reward" if self.kl_in_reward else "beta = 0 leaves out")
+                             + ": set beta > 0 (without kl_in_reward), or remove it")
         if self.advantage_estimator != "grpo" and "scale_rewards" in self.model_fields_set:
             raise ValueError(f"scale_rewards applies to advantage_estimator grpo only ({self.advantage_estimator} "
                              "has its own scaling); remove it")

@@ -30,10 +30,10 @@ class TrainingKeys(PendingKeys):
                             "(rloo, group_norm, reinforce)")
             else:
                 self.put("algo.scale_rewards", scale)
-        for key, what in (("sync_ref_model", "a reference model synced to the policy"),
-                          ("use_bias_correction_kl", "the importance-corrected KL")):
-            if self.take(f"trl.{key}", False):
-                self.refuse(f"trl.{key}", f"{what} is not here yet")
+        if self.take("trl.sync_ref_model", False):
+            self.refuse("trl.sync_ref_model", "a reference model synced to the policy is not here yet")
+        if self.take("trl.use_bias_correction_kl", False):
+            self.put("algo.use_bias_correction_kl", True)
         asynchronous = self.asynchronous()
         self.importance_sampling(asynchronous)
         # With beta = 0, filtering (ours), skipping or keeping zero-advantage rows is the same update; with

@@ -37,6 +37,7 @@ class LossOptions:
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
     kl_estimator: str = "k3"
+    bias_correction_kl: bool = False  # the KL term times the policy ratio (TRL's use_bias_correction_kl)
     entropy_coef: float = 0.0  # entropy bonus: loss -= coef * (step's mean token entropy)
 
     def __post_init__(self) -> None:
@@ -60,7 +61,8 @@ def loss_options(algo: AlgoConfig) -> LossOptions:
                        sapo_temperature_pos=algo.sapo_temperature_pos, sapo_temperature_neg=algo.sapo_temperature_neg,
                        vespo_k_pos=algo.vespo_k_pos, vespo_lambda_pos=algo.vespo_lambda_pos,
                        vespo_k_neg=algo.vespo_k_neg, vespo_lambda_neg=algo.vespo_lambda_neg,
-                       kl_estimator=algo.kl_estimator, entropy_coef=algo.entropy_coef)
+                       kl_estimator=algo.kl_estimator, bias_correction_kl=algo.use_bias_correction_kl,
+                       entropy_coef=algo.entropy_coef)
 
 
 def policy_log_ratio(log_ratio: torch.Tensor,  # [n, T] logp - old, 0 on padding

@@ -122,6 +122,8 @@ def policy_loss(
     kl = None
     if ref_logps is not None:
         kl = kl_estimate(logps, ref_logps.to(dtype), real, options.kl_estimator)
+        if options.bias_correction_kl:  # samples come from pi_old: pi / pi_old unbiases the estimate (and its gradient)
+            kl = kl * ratio
         if beta > 0:
             per_token = per_token + beta * kl
     per_token = torch.where(real, per_token, 0.0)

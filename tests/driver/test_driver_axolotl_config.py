@@ -301,6 +301,13 @@ def test_a_validation_split_is_held_out_and_evaluated_every_eval_steps(eval_step
     assert four_updates.eval.steps == 10 and four_updates.eval.val_set_size == 32
 
 
+def test_the_importance_corrected_kl_carries_over():
+    from driver.update.loss_terms import loss_options
+
+    config = translated(quickstart(trl={"beta": 0.04, "use_bias_correction_kl": True}))
+    assert config.algo.beta == 0.04 and loss_options(config.algo).bias_correction_kl  # what the loss reads
+
+
 def test_eval_steps_without_a_validation_split_is_noted_and_ignored():
     translation = translate(quickstart(eval_steps=20))
     assert not Config.model_validate(translation.config).eval.enabled

@@ -80,6 +80,10 @@ def test_dotted_overrides_are_parsed_as_yaml(tmp_path):
     ({"model.path": "models/a/b"}, "model.path: models/a/b is neither a local model directory"),
     ({"model.revision": "v2"}, "model.revision: v2 applies to a Hub model id; model.path tiny://qwen2 is not one"),
     ({"algo.epsilon": "0.3", "algo.epsilon_high": "0.1"}, "algo.epsilon_high must be >= algo.epsilon"),
+    ({"algo.use_bias_correction_kl": "true"}, "use_bias_correction_kl corrects the loss's KL term, which beta = 0 "
+     "leaves out"),
+    ({"algo.use_bias_correction_kl": "true", "algo.beta": "0.1", "algo.kl_in_reward": "true"},
+     "which kl_in_reward moves into the reward"),
 ])
 def test_config_mistakes_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as error:

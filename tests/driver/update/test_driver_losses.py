@@ -459,3 +459,54 @@ def test_step_normalizers_reject_bad_counts(field):
     counts = dict(num_sequences=8, num_tokens=28, num_micro_batches=3, max_completion_length=T)
     with pytest.raises(ValueError, match=field):
         StepNormalizers(**(counts | {field: -1}))
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_the_bias_corrected_kl_is_trls(loss_type, level):
+    """TRL's use_bias_correction_kl (GRPOTrainer._compute_loss): per_token_kl * coef_1, coef_1 the unclipped
+    policy ratio (the token's, or GSPO's sequence ratio) with its gradient, added after the importance weight
+    scaled the policy term; TRL's formula written out here in float64, over one whole step (TRL's batch)."""
+    from driver.update.loss_terms import LossOptions
+
+    batch = make_batch()
+    beta, epsilon_low, epsilon_high = 0.04, 0.2, 0.28
+    real = batch["mask"] > 0
+    num_sequences, num_tokens = len(LENGTHS), int(real.sum())
+    normalizers = StepNormalizers(num_sequences=num_sequences, num_tokens=num_tokens, num_micro_batches=1,
+                                  max_completion_length=MAX_COMPLETION_LENGTH)
+    logps = batch["logps"].clone().requires_grad_(True)
+    loss, metrics = policy_loss(logps, batch["old_logps"], batch["advantages"], batch["mask"], loss_type=loss_type,
+                                epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta, normalizers=normalizers,
+                                ref_logps=batch["ref_logps"], is_weights=batch["is_weights"],
+                                options=LossOptions(importance_sampling_level=level, bias_correction_kl=True))
+
+    trl_logps = batch["logps"].clone().requires_grad_(True)
+    mask = batch["mask"]
+    old, ref = batch["old_logps"].where(real, 0.0), batch["ref_logps"].where(real, 0.0)  # TRL's padding is benign
+    is_weights = batch["is_weights"].where(real, 0.0)
+    log_ratio = trl_logps - old
+    if level == "token":
+        log_importance_weights = log_ratio
+    else:
+        log_importance_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_importance_weights)
+    per_token_kl = torch.exp(ref - trl_logps) - (ref - trl_logps) - 1
+    per_token_kl = per_token_kl * coef_1
+    coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+    advantages = batch["advantages"].unsqueeze(1)
+    per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages) * is_weights + beta * per_token_kl
+    if loss_type == "dapo":
+        expected = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+    else:
+        expected = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    torch.testing.assert_close(loss, expected, atol=1e-12, rtol=1e-12)
+    corrected = gradient(loss, logps)
+    torch.testing.assert_close(corrected, gradient(expected, trl_logps).where(real, 0.0), atol=1e-12, rtol=1e-12)
+    assert metrics.values["kl"] == pytest.approx(float((per_token_kl * mask).sum().detach() / mask.sum()), abs=1e-12)
+    plain, _ = policy_loss(logps, batch["old_logps"], batch["advantages"], batch["mask"], loss_type=loss_type,
+                           epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta, normalizers=normalizers,
+                           ref_logps=batch["ref_logps"], is_weights=batch["is_weights"],
+                           options=LossOptions(importance_sampling_level=level))
+    # The correction's gradient adds KL x grad log pi to every token: the test would see it missing.
+    assert (gradient(plain, logps) - corrected).abs().max() > 1e-4  # 1e8 x the tolerance above
