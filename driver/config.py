@@ -91,6 +91,11 @@ class LoraSettings(Section):
         [], description="MoE expert parameters to adapt (PEFT target_parameters), e.g. "
         "['mlp.experts.gate_up_proj', 'mlp.experts.down_proj']")
     rslora: bool = Field(False, description="rank-stabilized scaling alpha / sqrt(r) (Kalajdzievski 2023)")
+    init_from: str | None = Field(None, description="start from a trained PEFT LoRA adapter, e.g. an SFT run's (a "
+                                  "local directory with adapter_config.json, or a Hub id; axolotl's lora_model_dir): "
+                                  "its weights, and its r, alpha, rslora, targets and expert_targets, which this "
+                                  "section need not repeat (a value given must agree). The KL reference stays the "
+                                  "base without any adapter, as in TRL")
 
 
 class DataConfig(Section):
@@ -997,14 +1002,15 @@ class Config(Section):
 
     def _check_full_finetuning(self) -> None:
         conflicts = [key for key, on in (("model.qlora", self.model.qlora),
+                                          ("lora.init_from", self.lora.init_from is not None),
                                           ("algo.name = ebft", self.algo.name == "ebft"),
                                           (f"rollout.{self.rollout.weight_sync_key()}",
                                            self.rollout.weight_sync == "adapter")) if on]
         if conflicts:
             raise ValueError(f"model.adapter = none (full fine-tuning) cannot go with {', '.join(conflicts)}: QLoRA "
-                             "trains an adapter on a frozen NF4 base, EBFT's features come from the base with the "
-                             "adapter disabled, and the engine must receive whole weights (rollout.weight_sync: "
-                             "auto or merged)")
+                             "trains an adapter on a frozen NF4 base, an adapter to start from needs an adapter to "
+                             "train, EBFT's features come from the base with the adapter disabled, and the engine "
+                             "must receive whole weights (rollout.weight_sync: auto or merged)")
 
     def _check_steps_per_generation(self) -> None:
         steps, train = self.algo.steps_per_generation, self.train

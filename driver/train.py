@@ -28,6 +28,7 @@ from driver.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from driver.cli import ConfigError, config_from_argv, exit_on_config_error
 from driver.config import Config, is_hub_id
 from driver.data.model_source import model_directory
+from driver.data.adapter_settings import adopt_adapter_settings
 from driver.data.eval_prompts import training_and_eval_prompts
 from driver.distributed import world as distributed
 from driver.distributed.fsdp import shard_policy
@@ -60,6 +61,7 @@ def run(config: Config) -> bool:
     run_started = time.perf_counter()
     world = distributed.init_world()
     check_world(config, world)
+    adopt_adapter_settings(config)  # lora.init_from's r, alpha, targets: in config.yaml and all that follows
     output_dir = config.output_dir
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -90,7 +92,9 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
         with startup.phase(f"fetching {config.model.path} from the Hugging Face Hub",
                            lambda: f"fetched {config.model.path} ({snapshot})"):
             snapshot = model_directory(config.model.path, config.model.revision)  # load_policy's, cached
-    with startup.phase(f"loading {config.model.path}", lambda: f"loaded {config.model.path} ({describe(policy)})"):
+    started_from = f" with the adapter {config.lora.init_from}" if config.lora.init_from else ""
+    with startup.phase(f"loading {config.model.path}{started_from}",
+                       lambda: f"loaded {config.model.path}{started_from} ({describe(policy)})"):
         policy = load_policy(config)
         if world.distributed:
             shard_policy(policy)  # before the optimizer: FSDP replaces the parameters

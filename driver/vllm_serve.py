@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 from driver.cli import ConfigError, exit_on_config_error, load_config, parse_args
 from driver.config import Config
+from driver.data.adapter_settings import adopt_adapter_settings
 from driver.data.model_source import model_directory
 from driver.engine import served_base_dir
 from driver.engine.launch import ServerError, ServerProcess, server_command, server_env
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             print(__doc__ + "\n" + USAGE + "\nThe config's keys: python -m driver.train --help")
             return 0
         config = load_config(path, overrides, source_format)
+        adopt_adapter_settings(config)  # lora.init_from's rank sizes the server's LoRA slots
         host, port = listen_address(config, host, port)
         model_dir = served_base_dir(config, model_directory(config.model.path, config.model.revision), launched=True)
         # Full fine-tuning and merged weights (as a training run connecting to a server resolves auto) reload the

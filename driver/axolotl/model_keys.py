@@ -92,6 +92,14 @@ class ModelKeys(PendingKeys):
             self.refuse("adapter", f"{adapter}: lora, qlora, or none (full fine-tuning)")
         if adapter == "qlora" or (adapter == "lora" and four_bit):
             self.put("model.qlora", True)
+        if self.take("peft_use_dora"):
+            self.refuse("peft_use_dora", "DoRA is not here")
+        init_from = self.take("lora_model_dir")
+        if init_from is not None and adapter is None:
+            self.refuse("lora_model_dir", "an adapter to start from needs adapter: lora or qlora")
+        elif init_from is not None:
+            self.start_from_adapter(str(init_from))
+            return
         for key, ours in (("lora_r", "r"), ("lora_alpha", "alpha"), ("lora_dropout", "dropout"),
                           ("peft_use_rslora", "rslora")):
             value = self.take(key)
@@ -99,9 +107,20 @@ class ModelKeys(PendingKeys):
                 self.put(f"lora.{ours}", value)
         if adapter is not None and "alpha" not in self.out.get("lora", {}):
             self.put("lora.alpha", AXOLOTL_DEFAULTS["lora_alpha"])  # PEFT's default, which axolotl keeps
-        if self.take("peft_use_dora"):
-            self.refuse("peft_use_dora", "DoRA is not here")
         self.lora_targets(adapter is not None)
+
+    def start_from_adapter(self, path: str) -> None:
+        """lora_model_dir: axolotl loads it with PeftModel.from_pretrained, whose saved settings replace lora_r,
+        lora_alpha and the targets; here lora.init_from takes the same from it. The dropout, a training knob and
+        not part of what the adapter computes, stays lora_dropout (axolotl: the adapter's saved one)."""
+        self.put("lora.init_from", path)
+        dropout = self.take("lora_dropout")
+        if dropout is not None:
+            self.put("lora.dropout", dropout)
+        ignored = [key for key in ("lora_r", "lora_alpha", "peft_use_rslora", "lora_target_modules",
+                                   "lora_target_linear", "lora_target_parameters") if self.take(key) is not None]
+        if ignored:
+            self.notes.append(f"{', '.join(ignored)}: the adapter's own settings apply (lora_model_dir), as in axolotl")
 
     def lora_targets(self, has_adapter: bool) -> None:
         modules, linear = self.take("lora_target_modules"), self.take("lora_target_linear", False)

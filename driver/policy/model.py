@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from driver.config import Config, LoraSettings, is_hub_id
-from driver.data.model_source import model_directory
+from driver.data.model_source import adapter_directory, model_directory
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Layers never quantized for QLoRA: the output head and MoE routers stay in full precision, as in
@@ -98,13 +98,8 @@ class Policy:
         from safetensors.torch import load_file
 
         if self.has_adapter:
-            from peft import set_peft_model_state_dict
-
             check_same_adapter_settings(directory, self.model.peft_config["default"])
-            result = set_peft_model_state_dict(self.model, load_file(directory / "adapter_model.safetensors"))
-            unexpected = getattr(result, "unexpected_keys", [])
-            if unexpected:
-                raise ValueError(f"{directory}: adapter has weights this model lacks: {unexpected[:3]}")
+            load_adapter_weights(self.model, directory, str(directory))
             return
         state = {}
         for shard in sorted(directory.glob("*.safetensors")):
@@ -116,6 +111,25 @@ class Policy:
         if unexpected or untied:
             raise ValueError(f"{directory}: the saved model does not match this one (unexpected: {unexpected[:3]}, "
                              f"missing: {untied[:3]})")
+
+
+def load_adapter_weights(model: nn.Module, directory: Path, source: str) -> None:
+    """Every LoRA weight of the saved adapter into the PEFT model; a ValueError naming what does not fit (a weight
+    this model lacks, a shape of another model, or an adapted module the file has no weights for)."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    state = load_file(directory / "adapter_model.safetensors")
+    try:
+        result = set_peft_model_state_dict(model, state)
+    except RuntimeError as error:  # load_state_dict's size mismatch: an adapter of another model
+        raise ValueError(f"{source}: its weights do not fit this model: {str(error).splitlines()[-1].strip()}") \
+            from error
+    unexpected = list(getattr(result, "unexpected_keys", []))
+    missing = [key for key in getattr(result, "missing_keys", []) if ".lora_" in key]
+    if unexpected or missing:
+        raise ValueError(f"{source}: the adapter does not match this model's LoRA layers "
+                         f"(weights it has that the model lacks: {unexpected[:3]}; without weights: {missing[:3]})")
 
 
 def check_lora_targets(model: nn.Module, model_path: str, targets: list[str], expert_targets: list[str]) -> None:
@@ -168,6 +182,8 @@ def kernel_modes(config: Config) -> dict[str, str]:
 
 def load_policy(config: Config) -> Policy:
     from peft import LoraConfig, get_peft_model
+
+    from driver.cli import ConfigError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = model_directory(config.model.path, config.model.revision)
@@ -193,6 +209,11 @@ def load_policy(config: Config) -> Policy:
             target_parameters=list(config.lora.expert_targets) or None,
             use_rslora=config.lora.rslora, bias="none", task_type="CAUSAL_LM")
         model = get_peft_model(model, lora)
+        if config.lora.init_from is not None:  # its settings are the section's (driver/data/adapter_settings.py)
+            try:
+                load_adapter_weights(model, Path(adapter_directory(config.lora.init_from)), config.lora.init_from)
+            except ValueError as error:
+                raise ConfigError(f"lora.init_from: {error}") from None
         if is_hub_id(config.model.path):  # the adapter names its base as the Hub does, not by this machine's cache
             model.peft_config["default"].base_model_name_or_path = config.model.path
             model.peft_config["default"].revision = config.model.revision

@@ -301,6 +301,16 @@ def test_a_validation_split_is_held_out_and_evaluated_every_eval_steps(eval_step
     assert four_updates.eval.steps == 10 and four_updates.eval.val_set_size == 32
 
 
+def test_lora_model_dir_starts_from_that_adapter_with_its_own_settings():
+    translation = translate(quickstart(lora_model_dir="./outputs/sft/adapter", lora_dropout=0.05))
+    config = Config.model_validate(translation.config)
+    assert config.lora.init_from == "./outputs/sft/adapter" and config.lora.dropout == 0.05
+    assert "r" not in translation.config["lora"] and "targets" not in translation.config["lora"]
+    assert any(note.startswith("lora_r, lora_alpha, lora_target_linear: the adapter's own settings apply")
+               for note in translation.notes)
+    assert "needs adapter: lora or qlora" in refused(quickstart(lora_model_dir="x", adapter=None))["lora_model_dir"]
+
+
 def test_the_importance_corrected_kl_carries_over():
     from driver.update.loss_terms import loss_options
 

@@ -183,6 +183,24 @@ class TestTheDemoRun:
         vllm_logprobs = torch.tensor([entry[str(token)]["logprob"] for entry, token in zip(entries, ids[1:])])
         torch.testing.assert_close(vllm_logprobs, peft_logprobs, atol=1e-4, rtol=0)
 
+    def test_a_run_started_from_the_demos_adapter_starts_where_it_left_off(self, demo, tiny_vllm_server, tmp_path):
+        """lora.init_from (TRL's PeftModel.from_pretrained, axolotl's lora_model_dir) the demo's adapter: the server
+        samples the first step with it (a fresh adapter would score as the demo's first steps did), and the
+        trainer's logprobs of those samples are the engine's, so both hold the same adapter."""
+        adapter = demo[0] / "adapter"
+        output_dir = tmp_path / "run"
+        result = train(output_dir, *QUIET, *on_server(tiny_vllm_server), f"--lora.init_from={adapter}",
+                       "--train.steps=2")
+        assert_ok(result)
+        assert f"loaded tiny://qwen2 with the adapter {adapter}" in result.stdout.replace("\n", "")
+        rows, demo_rows = metrics(output_dir), metrics(demo[0])
+        first, last = (sum(row["reward"] for row in part) / len(part) for part in (demo_rows[:10], demo_rows[-10:]))
+        assert rows[0]["reward"] > (first + last) / 2
+        # (a step whose groups all scored alike trains on nothing and has no logprob to compare)
+        gaps = [row["sampling/sampling_logp_difference/max"] for row in rows
+                if row.get("sampling/sampling_logp_difference/max") is not None]
+        assert all(gap < 1e-3 for gap in gaps)
+
     def test_resuming_a_checkpoint_is_exact(self, demo, tmp_path):
         """3 steps, then resume to 6, gives the bytes of 6 steps straight (the demo's step-6 checkpoint)."""
         demo_dir = demo[0]
