@@ -44,8 +44,11 @@ def load_state(path: Path) -> dict:
     return torch.load(path, weights_only=False, pickle_module=_PICKLE)
 
 
+CHECKPOINTS = "checkpoints"  # under logging.output_dir
+
+
 def checkpoint_dir(output_dir: Path, step: int) -> Path:
-    return output_dir / "checkpoints" / f"step-{step:06d}"
+    return output_dir / CHECKPOINTS / f"step-{step:06d}"
 
 
 def rng_state() -> dict:
@@ -94,7 +97,7 @@ def find_checkpoint(output_dir: Path, resume: str) -> Path:
         if not (path / STATE_FILE).is_file():
             raise FileNotFoundError(f"checkpoint.resume: {path} is not a checkpoint (no {STATE_FILE})")
         return path
-    candidates = sorted((output_dir / "checkpoints").glob("step-*[0-9]"))
+    candidates = sorted((output_dir / CHECKPOINTS).glob("step-*[0-9]"))
     candidates = [c for c in candidates if (c / STATE_FILE).is_file()]
     if not candidates:
         raise FileNotFoundError(f"checkpoint.resume: latest requested but {output_dir / 'checkpoints'} has none")

@@ -774,6 +774,8 @@ class EvalConfig(Section):
                        "eval_strategy: steps; axolotl's eval_steps); 0: only on_start")
     on_start: bool = Field(False, description="evaluate once before the first step (TRL's eval_on_start): the "
                            "baseline later evaluations compare with")
+    only: bool = Field(False, description="evaluate once and stop, training nothing (TRL's trainer.evaluate()): "
+                       "the adapter of lora.init_from or of checkpoint.resume, else the base model")
     source: str | None = Field(None, description="the prompts evaluated (TRL's eval_dataset): a dataset in any form "
                                "data.source takes, read with data's prompt_field, transform and chat template, in file "
                                "order; null: val_set_size prompts held out of data.source")
@@ -793,7 +795,7 @@ class EvalConfig(Section):
 
     @property
     def enabled(self) -> bool:
-        return self.steps > 0 or self.on_start
+        return self.steps > 0 or self.on_start or self.only
 
     def generations(self, training: int) -> int:
         """Completions per eval prompt, given algo.num_generations."""
@@ -980,8 +982,8 @@ class Config(Section):
             # Against the defaults, not "was it given": a run's own config.yaml lists every key.
             given = [key for key, value in EvalConfig().model_dump().items() if getattr(evaluation, key) != value]
             if given:  # a config that names eval prompts but never evaluates them has a mistake in it
-                raise ValueError(f"eval.{given[0]} is set but eval.steps = 0 and eval.on_start = false: nothing "
-                                 "would be evaluated; set eval.steps (or remove the eval section)")
+                raise ValueError(f"eval.{given[0]} is set but eval.steps = 0 and eval.on_start and eval.only are "
+                                 "false: nothing would be evaluated; set eval.steps (or remove the eval section)")
             return
         if (evaluation.source is None) == (not evaluation.val_set_size):
             raise ValueError("eval needs its prompts from exactly one of eval.source (a dataset, e.g. its test split) "

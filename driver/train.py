@@ -24,7 +24,7 @@ from rich.console import Console
 
 import pykernels.backend
 from driver.algorithms import algorithm
-from driver.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from driver.checkpoint import CHECKPOINTS, find_checkpoint, load_checkpoint, save_checkpoint
 from driver.cli import ConfigError, config_from_argv, exit_on_config_error
 from driver.config import Config, is_hub_id
 from driver.data.model_source import model_directory
@@ -42,7 +42,7 @@ from driver.metrics.console import LOG_FILE, Terminal, library_output_to_file
 from driver.metrics.logger import MetricsLogger
 from driver.metrics.plots import plot_metrics
 from driver.metrics.startup import StartupPhases, describe
-from driver.metrics.summary import run_summary
+from driver.metrics.summary import evaluation_summary, run_summary
 from driver.metrics.trackers import open_trackers
 from driver.policy.model import kernel_modes, load_policy
 from driver.rewards.functions import RewardError
@@ -63,6 +63,11 @@ def run(config: Config) -> bool:
     check_world(config, world)
     adopt_adapter_settings(config)  # lora.init_from's r, alpha, targets: in config.yaml and all that follows
     output_dir = config.output_dir
+    if config.eval.only:
+        if (output_dir / CHECKPOINTS).is_dir():  # its config.yaml and metrics would be replaced by the evaluation's
+            raise ConfigError(f"eval.only: logging.output_dir {output_dir} holds a training run; evaluate into "
+                              "another directory (its checkpoints load from there: checkpoint.resume=<path>)")
+        config.rollout.async_prefetch = False  # nothing trains: no batch generated ahead for a step that never comes
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
         if world.is_main:
@@ -127,8 +132,9 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
             generator = on_rank0(lambda: make_generator(config, policy), "start vLLM")
     verifier = None if sampling else sync.make_verifier(config, policy)
     update = sampling.update if sampling else partial(optimize, term=algo.ground_truth_loss(config))
+    steps = 0 if config.eval.only else config.train.steps
     logger = (MetricsLogger(output_dir, total_steps=config.train.steps, start_step=step,
-                            tensorboard=config.logging.tensorboard, progress=config.logging.progress,
+                            tensorboard=config.logging.tensorboard, progress=config.logging.progress and steps > 0,
                             console=console,
                             trackers=open_trackers(config.logging.report_to, output_dir, config.logging.project,
                                                    config.logging.run_name, config.model_dump(mode="json"),
@@ -147,11 +153,11 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
                                                          make_scorer=algo.make_scorer, eval_prompts=eval_prompts))
         else:
             rollouts = FollowerFeed(config, policy)
-        if config.eval.on_start:
+        if config.eval.on_start or config.eval.only:
             log_evaluation(logger, step, rollouts.evaluate(step))
         with GracefulInterrupt(out=terminal.out) as interrupt:
             # Under torchrun rank 0 alone decides to stop (its next_batch tells the others).
-            while step < config.train.steps and (world.distributed or not interrupt.requested):
+            while step < steps and (world.distributed or not interrupt.requested):
                 started = time.perf_counter()
                 try:
                     batch = rollouts.next_batch(step, abandon=lambda: interrupt.requested)
@@ -180,19 +186,23 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
                 if config.checkpoint.every and step % config.checkpoint.every == 0:
                     save_checkpoint(output_dir, step, policy, optimizer, scheduler, prompts, config.checkpoint.keep,
                                     rollouts.state_dict())
-        save_checkpoint(output_dir, step, policy, optimizer, scheduler, prompts, config.checkpoint.keep,
-                        rollouts.state_dict())
-        policy.save_trained(output_dir / policy.trained_name)
-        interrupted = step < config.train.steps
+        if steps:
+            save_checkpoint(output_dir, step, policy, optimizer, scheduler, prompts, config.checkpoint.keep,
+                            rollouts.state_dict())
+            policy.save_trained(output_dir / policy.trained_name)
+        interrupted = step < steps
     finally:
         if rollouts is not None:
             rollouts.close()  # first: its thread must not hold the engine when the engine shuts down
         logger.close()
         if generator is not None:
             generator.close()
-    if config.logging.plots and world.is_main:
+    if config.logging.plots and world.is_main and steps:
         plot_metrics(output_dir / "metrics.jsonl", output_dir)
-    if world.is_main and step > first_step:
+    if world.is_main and not steps:
+        print(evaluation_summary(output_dir, wall_seconds=time.perf_counter() - run_started,
+                                 quiet=terminal.log_path is not None), file=terminal.out)
+    elif world.is_main and step > first_step:
         print(run_summary(output_dir, steps_done=step, steps_planned=config.train.steps,
                           wall_seconds=time.perf_counter() - run_started, quiet=terminal.log_path is not None,
                           plots=config.logging.plots, tensorboard=config.logging.tensorboard), file=terminal.out)

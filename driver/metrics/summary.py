@@ -50,6 +50,24 @@ def eval_trend(rows: list[dict]) -> str | None:
     return f"{EVAL_REWARD}: {trend} ({int(last.get('eval/prompts') or 0)} prompts)"
 
 
+def evaluation_summary(output_dir: Path, *, wall_seconds: float, quiet: bool) -> str:
+    """What an evaluation-only run (eval.only) prints last: its result and where the completions are."""
+    rows = [row for row in read_rows(output_dir / METRICS_FILE) if row.get("eval/prompts") is not None]
+    minutes, seconds = divmod(int(round(wall_seconds)), 60)
+    lines = [f"evaluated in {minutes}m{seconds:02d}s (eval.only: nothing trained)"]
+    if rows:
+        result = rows[-1]
+        rewards = [f"{key} {value:.3f}" for key, value in result.items()
+                   if key.startswith("eval/rewards/") and key.endswith("/mean") and value is not None]
+        lines.append(f"  {eval_trend(rows) or 'eval/reward: n/a (no group could be scored)'}"
+                     + (f"; {', '.join(rewards)}" if len(rewards) > 1 else ""))
+    outputs = [("metrics", output_dir / METRICS_FILE, "the eval/ metrics"),
+               ("evaluated", output_dir / EVAL_COMPLETIONS_FILE, "each evaluated completion, its rewards")]
+    if quiet:
+        outputs.append(("log", output_dir / LOG_FILE, "vLLM's and the libraries' output"))
+    return "\n".join(lines + [f"  {name:<11} {path}  ({what})" for name, path, what in outputs])
+
+
 def interpreter() -> str:
     """How the user runs Python here: `.venv/bin/python` inside the project, else `python`."""
     relative = os.path.relpath(sys.executable)

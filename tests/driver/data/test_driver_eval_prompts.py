@@ -85,7 +85,7 @@ def test_eval_source_mistakes_are_named_by_eval_source(tokenizer, tmp_path):
 @pytest.mark.parametrize("section, message", [
     ({"steps": 5}, "exactly one of eval.source (a dataset, e.g. its test split) and eval.val_set_size"),
     ({"on_start": True, "source": "toy:digits", "val_set_size": 8}, "exactly one of eval.source"),
-    ({"split": "validation"}, "eval.split is set but eval.steps = 0 and eval.on_start = false"),
+    ({"split": "validation"}, "eval.split is set but eval.steps = 0 and eval.on_start and eval.only are false"),
     ({"steps": 5, "val_set_size": 2.5}, "eval.val_set_size = 2.5: a fraction below 1 or a whole count"),
     ({"steps": 3, "val_set_size": 8}, "eval.steps = 3 must be a multiple of rollout.vllm_sync_interval = 2"),
     ({"steps": 2, "val_set_size": 8, "temperature": 0, "num_generations": 4},

@@ -4,6 +4,7 @@ recomputed on the completions it logged, the same completions for the same adapt
 reward calls left alone, and a reward that fails on part of the set counted instead of stopping the run."""
 
 import io
+import json
 import math
 import threading
 
@@ -132,3 +133,46 @@ def test_temperature_zero_evaluates_one_greedy_completion_per_prompt(policy):
         output = model.generate(input_ids=torch.tensor([prompt.token_ids]), do_sample=False, max_new_tokens=10,
                                 eos_token_id=eos, pad_token_id=eos)[0, len(prompt.token_ids):]
         assert row["completion"] == policy.tokenizer.decode(output, skip_special_tokens=True)
+
+
+@torch.no_grad()
+def test_eval_only_evaluates_the_adapter_it_is_given_and_trains_nothing(tmp_path, capsys):
+    """eval.only with lora.init_from (the run as `python -m driver.train` makes it, in this process): one
+    evaluation of that adapter, greedy, whose completions are PEFT's own greedy decoding with it; no adapter,
+    checkpoint or training metrics written; and a training run's directory is refused, not overwritten."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    import driver.train
+    from driver.data.tiny_model import resolve_model_path
+
+    policy = load_policy(Config.model_validate({"lora": {"r": 4}}))  # its own: the module's stays untrained
+    generator = torch.Generator().manual_seed(7)
+    for name, parameter in policy.model.named_parameters():
+        if ".lora_" in name:
+            parameter.copy_(0.3 * torch.randn(parameter.shape, generator=generator))
+    adapter = policy.save_trained(tmp_path / "sft")
+    output_dir = tmp_path / "eval"
+    argv = ["--rollout.backend=transformers", "--lora.r=4", f"--lora.init_from={adapter}", "--eval.only=true",
+            "--eval.val_set_size=6", "--eval.temperature=0", "--rollout.sampling.max_tokens=8",
+            f"--logging.output_dir={output_dir}", "--logging.quiet=false", "--logging.report_to=[]"]
+    assert driver.train.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "evaluated in " in printed and "(eval.only: nothing trained)" in printed
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["step"] == 0 and rows[0]["eval/prompts"] == 6
+    assert not (output_dir / "adapter").exists() and not (output_dir / "checkpoints").exists()
+    completions = [json.loads(line) for line in (output_dir / "eval_completions.jsonl").read_text().splitlines()]
+    base = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny://qwen2"), dtype=torch.float32)
+    peft = PeftModel.from_pretrained(base, str(adapter)).eval()
+    tokenizer = policy.tokenizer
+    for row in completions[:2]:
+        ids = tokenizer(row["prompt"], add_special_tokens=False).input_ids
+        output = peft.generate(input_ids=torch.tensor([ids]), do_sample=False, max_new_tokens=8,
+                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+        assert row["completion"] == tokenizer.decode(output[0, len(ids):], skip_special_tokens=True)
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(SystemExit) as exit_code:
+        driver.train.main([*argv[:-3], f"--logging.output_dir={tmp_path / 'run'}"])
+    assert exit_code.value.code == 2 and "holds a training run; evaluate into another directory" in \
+        capsys.readouterr().err
