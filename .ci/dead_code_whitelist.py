@@ -52,6 +52,8 @@ pykernels.dispatch_cache.forget
 pykernels.integrations.peft.unpatch
 pykernels.nn.nf4_linear.NF4Linear.from_bnb
 driver.rewards.pool.RewardPool.pids
+# Read by users' reward functions (docs/rewards.md), not by the driver: TRL's trainer_state.global_step.
+driver.data.trainer_state.TrainerState.global_step
 
 # Parameters of the ops' fakes (pykernels/ops/*.py) that a fake does not read: they carry the op schema's
 # argument names, by which torch passes keyword arguments to a fake.

@@ -157,3 +157,9 @@ def raise_on_river(prompts, completions, **columns):
     if any("river" in prompt for prompt in prompts):
         raise ValueError("raise_on_river refuses this prompt")
     return [1.0 for _ in completions]
+
+
+def training_progress(completions, trainer_state, **columns):
+    """TRL's trainer_state as a reward reads it: global_step + max_steps / 1000, one number."""
+    value = trainer_state.global_step + trainer_state.max_steps / 1000
+    return [value for _ in completions]

@@ -156,6 +156,10 @@ class PromptSource:
             self.position += 1
         return batch
 
+    def epochs_drawn(self) -> float:
+        """Passes over the prompts drawn so far (fractional): TRL's epoch, as reward functions see it."""
+        return self.epoch + self.position / max(len(self.prompts), 1)
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "prompts": len(self.prompts)}
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from driver.data.prompts import Prompt
+from driver.data.trainer_state import TrainerState
 
 FINISHED = ("stop", "length")  # "partial": stopped by the round's token budget, to be continued
 
@@ -80,6 +81,7 @@ class Group:
     kl_penalty: torch.Tensor | None = None  # [G] algo.kl_in_reward: -beta x summed KL, set at assembly
     replayed: bool = False  # taken from the replay buffer rather than generated for this step
     texts: list[str] | None = None  # the decoded completions (rewards and logs read them)
+    trainer_state: TrainerState = TrainerState()  # progress when it finished: the rewards' trainer_state
 
     @property
     def version(self) -> int:

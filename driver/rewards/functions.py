@@ -61,6 +61,7 @@ def group_call(group: Group, texts: list[str]) -> dict:
     completions = list(texts) if messages is None else [as_assistant_message(text) for text in texts]
     kwargs = reward_kwargs(prompts, completions, [group.prompt.columns] * size,
                            [list(sample.token_ids) for sample in group.samples])
+    kwargs["trainer_state"] = group.trainer_state  # TRL's: training progress, for rewards that follow it
     if any(sample.episode is not None for sample in group.samples):
         # Multi-turn episodes (driver/environments): the completion is the episode's messages after the
         # prompt (model turns with their tool calls, tool results, user turns), as TRL passes them, and the

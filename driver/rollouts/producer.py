@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from driver.config import Config
 from driver.data.prompts import Prompt, PromptSource
 from driver.data.records import Group, Sample, Span
+from driver.data.trainer_state import TrainerState
 from driver.engine.base import Completion, Generator, Request
 from driver.environments.episodes import EpisodeRunner
 from driver.rollouts.agent_runs import AgentRuns
@@ -95,6 +96,7 @@ class Producer:
         self.quota = config.train.prompts_per_step * config.train.gradient_accumulation_steps
         self.budget = config.rollout.partial_rollout_tokens or config.rollout.sampling.max_tokens
         self.temperature: float | None = None  # rollout.sampling's; an evaluation sets its own
+        self._job = 0  # the job being produced: the finished groups' trainer_state
         self.next_group_id = 0
         self.in_flight: list[Group] = []  # unfinished groups (partial rollouts)
         self.ready: list[Group] = []  # finished groups beyond an earlier job's quota
@@ -105,6 +107,7 @@ class Producer:
         a step's quota of them, or `quota` more for the same step (algo.dynamic_sampling's extra rounds,
         driver/rollouts/dynamic_sampling.py)."""
         quota = self.quota if quota is None else quota
+        self._job = job
         started = time.perf_counter()
         metrics = {"rollout/version": float(version), "rollout/dropped_stale": 0.0,
                    "rollout/regenerated_stale": 0.0}
@@ -200,6 +203,7 @@ class Producer:
             if group.finished and group.group_id not in finished_ids:
                 finished_ids.add(group.group_id)
                 group.texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in group.samples]
+                group.trainer_state = self._trainer_state()
                 done.append(group)
                 if self.on_finished is not None and self.extend_finished is None:
                     self.on_finished(group)
@@ -221,10 +225,18 @@ class Producer:
             group.prompt = dataclasses.replace(
                 group.prompt, text=self.tokenizer.decode(group.prompt.token_ids, skip_special_tokens=False))
             group.texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in group.samples]
+            group.trainer_state = self._trainer_state()
             if self.on_finished is not None:
                 self.on_finished(group)
         self.in_flight = []
         return groups, 0, 0, sum(len(group.samples) for group in groups)
+
+    def _trainer_state(self) -> TrainerState:
+        """TRL's trainer_state for a group finishing now, in the job being produced: the optimizer updates the
+        trainer will have made before training on it, and how far through the prompts generation is."""
+        algo = self.config.algo
+        return TrainerState(global_step=self._job * algo.num_iterations * algo.steps_per_generation,
+                            max_steps=self.config.optimizer_updates, epoch=self.prompts.epochs_drawn())
 
     @staticmethod
     def _ends_with_environment(sample: Sample) -> bool:

@@ -38,6 +38,7 @@ import torch
 
 from driver.data.prompts import Prompt
 from driver.data.records import Episode, Group, Sample, Span
+from driver.data.trainer_state import TrainerState
 from driver.rewards.advantages import _nanstd  # the same unbiased, NaN-ignoring std as the advantages
 from driver.rollouts.schedule import staleness
 
@@ -175,7 +176,9 @@ def group_from_dict(fields: dict) -> Group:
     samples = [Sample(**{**sample, "spans": [Span(**span) for span in sample["spans"]],
                          "episode": _episode(sample.get("episode"))})
                for sample in fields["samples"]]
-    return Group(**{**fields, "prompt": Prompt(**fields["prompt"]), "samples": samples})
+    # (a buffer saved before groups carried their trainer_state has none: the default then)
+    progress = {"trainer_state": TrainerState(**fields["trainer_state"])} if "trainer_state" in fields else {}
+    return Group(**{**fields, "prompt": Prompt(**fields["prompt"]), "samples": samples, **progress})
 
 
 def _episode(fields: dict | None) -> Episode | None:

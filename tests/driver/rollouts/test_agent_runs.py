@@ -164,6 +164,9 @@ class Rows:
         self.given += count
         return [Prompt(self.given, "sf?", [99], columns=dict(ROW)) for _ in range(count)]
 
+    def epochs_drawn(self) -> float:
+        return 0.0
+
 
 class Decoder:
     def decode(self, ids, skip_special_tokens=True) -> str:
