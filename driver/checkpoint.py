@@ -8,10 +8,15 @@ output_dir/checkpoints/step-000012/
     optimizer/             under torchrun: the sharded optimizer state (torch.distributed.checkpoint,
                            one file per rank; loads at any world size), instead of trainer_state.pt's
 Written to a temporary directory and renamed, so a crash never leaves half a checkpoint.
+
+With eval.save_best, output_dir/best/ holds the adapter (or model) of the best evaluation so far, and
+best.json its step and metric: a directory PeftModel.from_pretrained and lora.init_from load as it is.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import pickle
 import random
 import shutil
@@ -89,6 +94,45 @@ def save_checkpoint(output_dir: Path, step: int, policy, optimizer, scheduler, p
         for old in sorted(target.parent.glob("step-*[0-9]"))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return target
+
+
+BEST = "best"  # under logging.output_dir
+BEST_FILE = "best.json"
+
+
+class BestAdapter:
+    """eval.save_best (TRL's load_best_model_at_end + metric_for_best_model): after each evaluation, the trained
+    weights go to output_dir/best/ when its metric beats the best so far (a resumed run's too, read from
+    best.json). Every rank calls consider() with the same metrics (rank 0's, broadcast to the others by
+    driver/rollouts/distributed_feed.py): under torchrun the save is collective."""
+
+    def __init__(self, output_dir: Path, metric: str, greater_is_better: bool) -> None:
+        self.directory, self.metric, self.greater = output_dir / BEST, metric, greater_is_better
+        saved = self.directory / BEST_FILE
+        self.best = json.loads(saved.read_text()) if saved.is_file() else None
+
+    def consider(self, step: int, metrics: dict[str, float], policy) -> bool:
+        """Save the policy's weights if `metrics` (an evaluation's, eval/...) beat the best; True if they did. An
+        evaluation without the metric (no group could be scored) or with a NaN never does."""
+        key = "eval/" + self.metric
+        value = metrics.get(key)
+        if value is None or not math.isfinite(value):
+            return False
+        if self.best is not None and not (value > self.best[key] if self.greater else value < self.best[key]):
+            return False
+        world = distributed.world()
+        staging = self.directory.with_name(BEST + ".tmp")
+        if world.is_main:
+            shutil.rmtree(staging, ignore_errors=True)
+        distributed.barrier()
+        policy.save_trained(staging)
+        self.best = {"step": step, key: value}
+        if world.is_main:
+            (staging / BEST_FILE).write_text(json.dumps(self.best) + "\n")
+            shutil.rmtree(self.directory, ignore_errors=True)
+            staging.rename(self.directory)
+        distributed.barrier()
+        return True
 
 
 def find_checkpoint(output_dir: Path, resume: str) -> Path:

@@ -789,6 +789,12 @@ class EvalConfig(Section):
     num_generations: int | None = Field(None, ge=1, description="completions per eval prompt (TRL's "
                                         "num_generations_eval; null: algo.num_generations, 1 with temperature 0): "
                                         "eval/reward is their mean, pass@1 averaged over them")
+    save_best: bool = Field(False, description="keep the adapter of the best evaluation so far in output_dir/best "
+                            "(a PEFT adapter directory, with best.json: its step and metric), TRL's "
+                            "load_best_model_at_end")
+    best_metric: str = Field("reward", description="with save_best: the eval/ metric that decides (TRL's "
+                             "metric_for_best_model), e.g. reward or rewards/<function>/mean")
+    greater_is_better: bool = Field(True, description="with save_best: whether a larger best_metric is better")
     temperature: float | None = Field(None, ge=0, description="the evaluations' sampling temperature (null: "
                                       "rollout.sampling.temperature, with its other settings; 0: greedy decoding, "
                                       "one completion per prompt)")
@@ -990,6 +996,8 @@ class Config(Section):
                              "and eval.val_set_size (prompts held out of data.source)")
         if evaluation.val_set_size >= 1 and evaluation.val_set_size != int(evaluation.val_set_size):
             raise ValueError(f"eval.val_set_size = {evaluation.val_set_size}: a fraction below 1 or a whole count")
+        if evaluation.save_best and evaluation.only:
+            raise ValueError("eval.save_best with eval.only: nothing is trained, so there is no better adapter to keep")
         if evaluation.temperature == 0 and evaluation.generations(self.algo.num_generations) > 1:
             raise ValueError(f"eval.temperature = 0 decodes greedily: eval.num_generations = "
                              f"{evaluation.num_generations} completions of a prompt would all be the same; set it "

@@ -24,7 +24,7 @@ from rich.console import Console
 
 import pykernels.backend
 from driver.algorithms import algorithm
-from driver.checkpoint import CHECKPOINTS, find_checkpoint, load_checkpoint, save_checkpoint
+from driver.checkpoint import CHECKPOINTS, BestAdapter, find_checkpoint, load_checkpoint, save_checkpoint
 from driver.cli import ConfigError, config_from_argv, exit_on_config_error
 from driver.config import Config, is_hub_id
 from driver.data.model_source import model_directory
@@ -141,6 +141,7 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
                                                    resume=step > 0))
               if world.is_main else SilentLogger())
     rollouts: BatchSource | None = None
+    best: BestAdapter | None = None
     try:
         if sampling:
             rollouts = sampling.make_source(config, policy, prompts, rollout_state)
@@ -153,8 +154,10 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
                                                          make_scorer=algo.make_scorer, eval_prompts=eval_prompts))
         else:
             rollouts = FollowerFeed(config, policy)
+        best = (BestAdapter(output_dir, config.eval.best_metric, config.eval.greater_is_better)
+                if config.eval.save_best else None)
         if config.eval.on_start or config.eval.only:
-            log_evaluation(logger, step, rollouts.evaluate(step))
+            log_evaluation(logger, step, rollouts.evaluate(step), best, policy)
         with GracefulInterrupt(out=terminal.out) as interrupt:
             # Under torchrun rank 0 alone decides to stop (its next_batch tells the others).
             while step < steps and (world.distributed or not interrupt.requested):
@@ -182,7 +185,7 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
                     show_samples(logger, batch, config.logging.log_completions)
                     logger.log_completions(step, batch.table)
                 if config.eval.steps and step % config.eval.steps == 0:
-                    log_evaluation(logger, step, rollouts.evaluate(step))
+                    log_evaluation(logger, step, rollouts.evaluate(step), best, policy)
                 if config.checkpoint.every and step % config.checkpoint.every == 0:
                     save_checkpoint(output_dir, step, policy, optimizer, scheduler, prompts, config.checkpoint.keep,
                                     rollouts.state_dict())
@@ -205,7 +208,9 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
     elif world.is_main and step > first_step:
         print(run_summary(output_dir, steps_done=step, steps_planned=config.train.steps,
                           wall_seconds=time.perf_counter() - run_started, quiet=terminal.log_path is not None,
-                          plots=config.logging.plots, tensorboard=config.logging.tensorboard), file=terminal.out)
+                          plots=config.logging.plots, tensorboard=config.logging.tensorboard,
+                          best=(best.directory, best.best) if best is not None and best.best else None),
+              file=terminal.out)
     return not interrupted
 
 
@@ -245,9 +250,10 @@ def evaluated_from(config: Config, count: int) -> str:
     return f" and {count} to evaluate ({evaluation.source}{split})"
 
 
-def log_evaluation(logger, step: int, evaluation) -> None:
-    """An Evaluation (driver/rollouts/evaluation.py) into the logs, and a line above the progress bar."""
-    if evaluation is None:  # not this rank's
+def log_evaluation(logger, step: int, evaluation, best: BestAdapter | None = None, policy=None) -> None:
+    """An Evaluation (driver/rollouts/evaluation.py) into the logs, and a line above the progress bar; with
+    eval.save_best the adapter goes to output_dir/best when it is the best so far (on every rank: collective)."""
+    if evaluation is None:
         return
     logger.log_eval(step, evaluation.metrics, evaluation.table)
     metrics = evaluation.metrics
@@ -258,6 +264,8 @@ def log_evaluation(logger, step: int, evaluation) -> None:
         lines = evaluation.failure.splitlines()
         what = lines[0] + (f" ... {lines[-1]}" if len(lines) > 1 else "")
         line += f"; {int(metrics['eval/failed_groups'])} group(s) could not be scored (first: {what})"
+    if best is not None and best.consider(step, metrics, policy):
+        line += f"; best so far: saved to {best.directory}"
     logger.print(line)
 
 

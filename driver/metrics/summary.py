@@ -75,7 +75,8 @@ def interpreter() -> str:
 
 
 def run_summary(output_dir: Path, *, steps_done: int, steps_planned: int, wall_seconds: float,
-                quiet: bool, plots: bool, tensorboard: bool) -> str:
+                quiet: bool, plots: bool, tensorboard: bool, best: tuple[Path, dict] | None = None) -> str:
+    """best: eval.save_best's directory and what its best.json says (step, metric)."""
     rows = read_rows(output_dir / METRICS_FILE)
     minutes, seconds = divmod(int(round(wall_seconds)), 60)
     lines = [f"{'finished' if steps_done >= steps_planned else 'stopped at'} step {steps_done} of {steps_planned} "
@@ -87,6 +88,11 @@ def run_summary(output_dir: Path, *, steps_done: int, steps_planned: int, wall_s
                if not (output_dir / "model").is_dir() else
                ("model", output_dir / "model", "full fine-tuning: AutoModelForCausalLM.from_pretrained, vllm serve"),
                ("metrics", output_dir / METRICS_FILE, "one JSON line per step")]
+    if best is not None:
+        directory, record = best
+        metric, value = next((key, value) for key, value in record.items() if key != "step")
+        outputs.append(("best", directory, f"the best evaluation's weights: step {record['step']}, {metric} "
+                                           f"{value:.3f}"))
     if (output_dir / EVAL_COMPLETIONS_FILE).exists():
         outputs.append(("evaluated", output_dir / EVAL_COMPLETIONS_FILE, "each evaluated completion, its rewards"))
     if plots:

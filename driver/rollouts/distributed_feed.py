@@ -22,6 +22,7 @@ from driver.distributed import world as distributed
 from driver.engine import RolloutError
 from driver.engine import adapter_sync as sync
 from driver.policy.model import Policy
+from driver.rollouts.evaluation import Evaluation
 from driver.rollouts.schedule import sync_due
 from driver.rollouts.shard_batch import shard_batch
 
@@ -125,14 +126,15 @@ class LeaderFeed:
         return metrics
 
     def evaluate(self, step: int):
-        """Rank 0 evaluates alone; the other ranks go on to the next step's batch and wait there."""
+        """Rank 0 evaluates; every rank gets its metrics (what eval.save_best decides on, on every rank, for
+        the collective save), or its error."""
         try:
-            return self.rollouts.evaluate(step)
+            evaluation = self.rollouts.evaluate(step)
         except Exception as error:
-            if step < self.rollouts.config.train.steps:  # the others wait for a batch: they fail with this
-                distributed.scatter([("error", f"rank 0 failed to evaluate after step {step}: {error}")]
-                                    * distributed.world().size)
+            distributed.broadcast(("error", f"rank 0 failed to evaluate after step {step}: {error}"))
             raise
+        distributed.broadcast(("metrics", evaluation.metrics if evaluation is not None else None))
+        return evaluation
 
     def state_dict(self) -> dict:
         return self.rollouts.state_dict()
@@ -175,8 +177,12 @@ class FollowerFeed:
         if self.probe is not None:
             sync.trainer_probe(self.policy, self.probe.probe_ids)
 
-    def evaluate(self, step: int) -> None:
-        return None  # rank 0's
+    def evaluate(self, step: int) -> Evaluation | None:
+        """Rank 0's evaluation's metrics (its completions stay there)."""
+        kind, payload = distributed.broadcast()
+        if kind == "error":
+            raise RolloutError(payload)
+        return Evaluation(payload, [], None) if payload is not None else None
 
     def state_dict(self) -> None:
         return None

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from driver.cli import ConfigError
 from driver.config import Config
 from driver.data.prompts import PromptSource
 from driver.data.records import Group
@@ -41,6 +42,15 @@ class Evaluation:
     metrics: dict[str, float]  # eval/...
     table: list[dict]  # a row per completion: prompt, completion, reward, each reward function's value
     failure: str | None  # the first group whose scoring failed: which reward, how, on what input
+
+
+def check_best_metric(config: Config, reward_names) -> None:
+    """eval.best_metric must name a reward metric every scored evaluation has: a ConfigError before training."""
+    per_function = [f"rewards/{name}/{stat}" for name in reward_names for stat in ("mean", "std")]
+    decisive = ["reward", "reward_std", *per_function]
+    if config.eval.save_best and config.eval.best_metric not in decisive:
+        raise ConfigError(f"eval.best_metric: {config.eval.best_metric} is none of the evaluations' reward metrics "
+                          f"({', '.join(decisive)})")
 
 
 class Evaluator:

@@ -23,6 +23,7 @@ import functools
 import threading
 import time
 
+from driver.cli import ConfigError
 from driver.config import Config
 from driver.data.prompts import PromptSource
 from driver.engine import adapter_sync as sync
@@ -31,7 +32,7 @@ from driver.policy.model import Policy
 from driver.rewards.group_scorer import reward_function_scorer
 from driver.rollouts.assemble import assemble
 from driver.rollouts.batch import RolloutBatch
-from driver.rollouts.evaluation import Evaluation, Evaluator
+from driver.rollouts.evaluation import Evaluation, Evaluator, check_best_metric
 from driver.rollouts.kl_penalty import set_kl_penalties
 from driver.rollouts.prefetch import Prefetcher
 from driver.environments.factory import episode_runner
@@ -57,6 +58,12 @@ class Rollouts:
             generator.keep_versions = max(generator.keep_versions, versions_kept(self.depth, self.interval))
         self.engine_lock = threading.Lock()
         self.scorer, hooks = (make_scorer or reward_function_scorer)(config, policy)
+        if eval_prompts is not None:
+            try:  # said now, before anything trains
+                check_best_metric(config, self.scorer.names)
+            except ConfigError:
+                self.scorer.close()
+                raise
         hooks = hooks or GenerationHooks()
         self.replay = (ReplayBuffer(config.algo.replay_buffer_size, config.algo.replay_max_age,
                                     config.algo.replay_sampling, config.train.seed)

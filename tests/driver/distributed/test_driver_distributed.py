@@ -8,7 +8,10 @@ micro-batches of 24 rows over 64 completions (3 per step: the ranks get 2 and 1,
 passes run) and 2 optimizer passes per batch (the old-logprob pass is padded too).
 """
 
+import json
+
 import pytest
+from safetensors.torch import load_file
 
 from driver.cli import ConfigError
 from driver.config import Config
@@ -17,13 +20,30 @@ from driver.train import check_world
 from tests.torchrun_runs import adapter, assert_same_adapter, metrics, train
 
 
+# Evaluated after every step on 8 held-out prompts, the best adapter kept: rank 0 evaluates, every rank joins
+# the save (a collective under FSDP) on rank 0's metrics.
+EVALUATED = ["--eval.val_set_size=8", "--eval.steps=1", "--eval.save_best=true"]
+
+
+def trained_steps(output_dir) -> list[dict]:
+    return [row for row in metrics(output_dir) if "eval/version" not in row]
+
+
 @pytest.mark.slow
 def test_two_processes_train_what_one_trains_and_resume_at_any_world_size(tmp_path, tiny_vllm_server):
     one, two = tmp_path / "one", tmp_path / "two"
-    train(one, tiny_vllm_server)
-    train(two, tiny_vllm_server, "--checkpoint.every=1", processes=2)
-    rows_one, rows_two = metrics(one), metrics(two)
+    train(one, tiny_vllm_server, *EVALUATED)
+    train(two, tiny_vllm_server, "--checkpoint.every=1", *EVALUATED, processes=2)
+    rows_one, rows_two = trained_steps(one), trained_steps(two)
     assert len(rows_one) == len(rows_two) == 3
+    evaluations = [row for row in metrics(two) if "eval/version" in row]
+    assert [(row["step"], row["eval/prompts"]) for row in evaluations] == [(1, 8.0), (2, 8.0), (3, 8.0)]
+    best = json.loads((two / "best" / "best.json").read_text())
+    assert best["eval/reward"] == max(row["eval/reward"] for row in evaluations)
+    kept = two / "checkpoints" / f"step-{best['step']:06d}"  # (the two newest are kept)
+    saved = load_file(two / "best" / "adapter_model.safetensors")
+    assert_same_adapter(saved, adapter(kept) if kept.is_dir() else saved, atol=0)  # what the ranks held then
+    assert saved.keys() == adapter(two).keys()
     for a, b in zip(rows_one, rows_two):
         assert a["reward"] == b["reward"]  # rank 0 generated and scored exactly what one process did
         assert a["filter/kept_sequences"] == b["filter/kept_sequences"]
@@ -39,11 +59,11 @@ def test_two_processes_train_what_one_trains_and_resume_at_any_world_size(tmp_pa
 
     checkpoint = f"--checkpoint.resume={two / 'checkpoints' / 'step-000002'}"
     resumed_two, resumed_one = tmp_path / "resumed-two", tmp_path / "resumed-one"
-    train(resumed_two, tiny_vllm_server, checkpoint, processes=2)
-    assert [row["step"] for row in metrics(resumed_two)] == [3]
-    assert metrics(resumed_two)[0]["reward"] == rows_two[2]["reward"]
+    train(resumed_two, tiny_vllm_server, checkpoint, *EVALUATED, processes=2)
+    assert [row["step"] for row in trained_steps(resumed_two)] == [3]
+    assert trained_steps(resumed_two)[0]["reward"] == rows_two[2]["reward"]
     assert_same_adapter(adapter(resumed_two), adapter(two), atol=1e-6)
-    train(resumed_one, tiny_vllm_server, checkpoint)  # the sharded optimizer state loads in one process as well
+    train(resumed_one, tiny_vllm_server, checkpoint, *EVALUATED)  # the sharded optimizer state loads in one process
     assert_same_adapter(adapter(resumed_one), adapter(two), atol=1e-4)
 
 
