@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from importlib.util import find_spec
@@ -673,6 +674,10 @@ class KernelOpsConfig(Section):
 
 class TrainConfig(Section):
     steps: int = Field(60, ge=1, description="optimizer steps")
+    epochs: float | None = Field(None, gt=0, description="passes over the prompts (TRL's num_train_epochs, axolotl's "
+                                 "num_epochs), which then decide steps: ceil(epochs x prompts / (prompts_per_step x "
+                                 "gradient_accumulation_steps)), counted once the data is read (held-out eval prompts "
+                                 "left out) and written to the run's config.yaml")
     prompts_per_step: int = Field(8, ge=1, description="prompts sampled per step (each gets num_generations)")
     micro_batch_size: int = Field(16, ge=1, description="completions per forward/backward "
                                   "(ebft strided: documents x num_generations, at least one document)")
@@ -684,7 +689,10 @@ class TrainConfig(Section):
         "tensors under 4096 elements keep 32-bit states, as bitsandbytes' min_8bit_size)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="learning-rate schedule")
-    warmup_steps: int = Field(0, ge=0, description="linear warm-up steps")
+    warmup_steps: int = Field(0, ge=0, description="linear warm-up steps (optimizer updates)")
+    warmup_ratio: float = Field(0.0, ge=0, lt=1, description="warm-up as a fraction of the run's optimizer updates, "
+                                "rounded up (TRL's warmup_ratio; with train.epochs, of the steps they make); "
+                                "warmup_steps above 0 wins, as in transformers")
     max_grad_norm: float | None = Field(1.0, description="gradient clipping norm (null: off)")
     seed: int = Field(0, description="seed for data order, sampling and initialization")
     kernels: Literal["auto", "reference", "ours", "torch"] = Field(
@@ -701,6 +709,11 @@ class TrainConfig(Section):
         if value.endswith("8bit") and find_spec("bitsandbytes") is None:
             raise ValueError(f"{value} needs bitsandbytes (pip install bitsandbytes); or use adamw_torch_fused")
         return value
+
+    def steps_for_epochs(self, prompts: int) -> int:
+        """The steps train.epochs makes over `prompts` prompts (at least one)."""
+        per_step = self.prompts_per_step * self.gradient_accumulation_steps
+        return max(1, math.ceil(self.epochs * prompts / per_step - 1e-9))  # 1e-9: 0.1 x 30 / 3 is 1.0000000000000002
 
     def kernel_modes(self) -> dict[str, str]:
         """op -> auto | ours | torch, as pykernels.backend.set_kernels takes them."""

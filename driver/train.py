@@ -71,11 +71,28 @@ def run(config: Config) -> bool:
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
         if world.is_main:
-            (output_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+            write_resolved_config(config)
     except OSError as error:  # before anything loads: a mistyped or read-only path is a config mistake
         raise ConfigError(f"logging.output_dir: cannot write {output_dir} ({error.strerror or error})") from None
     with library_output_to_file(output_dir / log_name(world), config.logging.quiet) as terminal:
         return train(config, world, terminal, run_started)
+
+
+def write_resolved_config(config: Config) -> None:
+    """output_dir/config.yaml: what runs (a resume or `continue` reads it back)."""
+    (config.output_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+
+
+def steps_from_epochs(config: Config, world: distributed.World, prompts, startup: StartupPhases) -> None:
+    """train.epochs decides train.steps once the prompts are counted (on rank 0, told to every rank)."""
+    given = config.train.steps if "steps" in config.train.model_fields_set else None
+    steps = distributed.broadcast(config.train.steps_for_epochs(len(prompts.prompts)) if world.is_main else None)
+    config.train.steps = steps
+    if world.is_main:
+        write_resolved_config(config)
+    replaced = f" (in place of train.steps = {given})" if given not in (None, steps) else ""
+    startup.print(f"train.epochs = {config.train.epochs:g}: {steps} steps of "
+                  f"{config.train.prompts_per_step * config.train.gradient_accumulation_steps} prompts{replaced}")
 
 
 def log_name(world: distributed.World) -> str:
@@ -112,6 +129,8 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
             prompts, eval_prompts = training_and_eval_prompts(config, policy.tokenizer,
                                                               tools=prompt_tools(config, policy.tokenizer))
             algo.check_prompts(config, prompts)
+    if config.train.epochs is not None:
+        steps_from_epochs(config, world, prompts, startup)
     optimizer = build_optimizer(policy.trainable_parameters(), config.train)
     scheduler = build_scheduler(optimizer, config.train, config.optimizer_updates)
     step, rollout_state = 0, None
@@ -209,7 +228,8 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
         print(run_summary(output_dir, steps_done=step, steps_planned=config.train.steps,
                           wall_seconds=time.perf_counter() - run_started, quiet=terminal.log_path is not None,
                           plots=config.logging.plots, tensorboard=config.logging.tensorboard,
-                          best=(best.directory, best.best) if best is not None and best.best else None),
+                          best=(best.directory, best.best) if best is not None and best.best else None,
+                          epochs=config.train.epochs),
               file=terminal.out)
     return not interrupted
 

@@ -126,10 +126,10 @@ class TrainingKeys(PendingKeys):
                               "train.gradient_accumulation_steps stays 1")
         updates = self.num_iterations * steps_per_generation
         self.max_steps, self.updates_per_step = max_steps, updates
-        if max_steps is None:
-            self.refuse("max_steps", "missing" + (f" (num_epochs {epochs}: how many steps an epoch makes depends "
-                                                  "on the dataset's size, which translating does not read)"
-                                                  if epochs is not None else ""))
+        if max_steps is None and epochs is not None:  # counted in steps once the run has read the data
+            self.put("train.epochs", epochs)
+        elif max_steps is None:
+            self.refuse("max_steps", "missing (nor num_epochs)")
         elif max_steps % updates:
             self.refuse("max_steps", f"{max_steps} optimizer steps are not a whole number of generated batches of "
                         f"{updates} (trl.num_iterations x steps per generated batch)")
@@ -192,6 +192,11 @@ class TrainingKeys(PendingKeys):
         """axolotl's warm-up: warmup_steps, else warmup_ratio x max_steps, else 3% of max_steps (at most 100);
         1 becomes 2. transformers' constant schedule has none."""
         steps, ratio, total = self.take("warmup_steps"), self.take("warmup_ratio"), self.max_steps or 0
+        if self.max_steps is None and steps is None and schedule != "constant":  # num_epochs: no step count yet
+            self.put("train.warmup_ratio", 0.03 if ratio is None else ratio)
+            self.notes.append(f"warmup_ratio {0.03 if ratio is None else ratio} (num_epochs): rounded up here, down "
+                              "in axolotl" + ("; axolotl's default also caps it at 100 steps" if ratio is None else ""))
+            return
         if steps is not None:
             warmup = steps
         elif ratio is not None:

@@ -75,8 +75,10 @@ def interpreter() -> str:
 
 
 def run_summary(output_dir: Path, *, steps_done: int, steps_planned: int, wall_seconds: float,
-                quiet: bool, plots: bool, tensorboard: bool, best: tuple[Path, dict] | None = None) -> str:
-    """best: eval.save_best's directory and what its best.json says (step, metric)."""
+                quiet: bool, plots: bool, tensorboard: bool, best: tuple[Path, dict] | None = None,
+                epochs: float | None = None) -> str:
+    """best: eval.save_best's directory and what its best.json says (step, metric); epochs: train.epochs, which
+    decided the steps (a longer run then doubles it)."""
     rows = read_rows(output_dir / METRICS_FILE)
     minutes, seconds = divmod(int(round(wall_seconds)), 60)
     lines = [f"{'finished' if steps_done >= steps_planned else 'stopped at'} step {steps_done} of {steps_planned} "
@@ -107,5 +109,6 @@ def run_summary(output_dir: Path, *, steps_done: int, steps_planned: int, wall_s
     if steps_done < steps_planned:
         lines.append(f"  resume:   {command}")
     else:
-        lines.append(f"  continue: {command} --train.steps={2 * steps_planned}")
+        longer = f"--train.epochs={2 * epochs:g}" if epochs is not None else f"--train.steps={2 * steps_planned}"
+        lines.append(f"  continue: {command} {longer}")
     return "\n".join(lines)

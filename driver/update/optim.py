@@ -28,7 +28,8 @@ def build_optimizer(parameters: list[torch.nn.Parameter], config: TrainConfig) -
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total_updates: int):
-    warmup = config.warmup_steps
+    # transformers' get_warmup_steps: warmup_steps when given, else the ratio of the run, rounded up
+    warmup = config.warmup_steps or math.ceil(config.warmup_ratio * total_updates)
 
     def factor(update: int) -> float:
         if update < warmup:

@@ -67,6 +67,7 @@ EXPECTED = {
         "train.prompts_per_step": 2, "train.micro_batch_size": 4, "train.steps": 5, "train.lr": 1e-6,
         "train.warmup_steps": 2, "lora.dropout": 0.05, "logging.report_to": ["wandb"], "logging.project": "ebft",
         "checkpoint.every": 100},
+    "llama-1b-ebft-strided-structured.yaml": {"train.epochs": 1.0},  # num_epochs: steps counted from the data
     "llama-3b-ebft-strided-fft.yaml": {
         "model.dtype": "bfloat16", "model.device": "auto", "lora.r": 32, "train.prompts_per_step": 4,
         "train.micro_batch_size": 4, "train.weight_decay": 0.01, "logging.run_name": "llama3b-strided-lora-100steps",
@@ -96,7 +97,6 @@ def test_axolotl_examples_translate_to_valid_configs(name):
 REFUSED_EXAMPLES = {
     "llama-1b-ebft-opencode.yaml": ({"chat_template"}, {"chat_template": None}),
     "llama-1b-ebft-opencode-novllm.yaml": ({"chat_template"}, {"chat_template": None}),
-    "llama-1b-ebft-strided-structured.yaml": ({"max_steps"}, {"max_steps": 10}),  # its own commented value
     "llama-8b-ebft-strided-fft.yaml": ({"adapter"}, {"adapter": "lora", "lora_target_linear": True}),
     "qwen35-4b-ebft-structured.yaml": ({"lora_target_modules"}, {"lora_target_modules": SEVEN_PROJECTIONS}),
     "qwen35-4b-ebft-structured-async.yaml": ({"lora_target_modules"}, {"lora_target_modules": SEVEN_PROJECTIONS}),
@@ -149,7 +149,7 @@ def quickstart(**changes) -> dict:
 
 
 def test_one_message_names_every_key_it_cannot_honour():
-    data = quickstart(deepspeed="zero3.json", tf32=True, num_epochs=3, max_steps=None, warmup_ratio=0.1,
+    data = quickstart(deepspeed="zero3.json", tf32=True, max_steps=None, warmup_ratio=0.1,
                       colour="blue", trl={"sync_ref_model": True, "rollout_func": "x.y", "typo_key": 1})
     with pytest.raises(UntranslatableConfig) as error:
         translate(data)
@@ -157,7 +157,15 @@ def test_one_message_names_every_key_it_cannot_honour():
     for key in ("deepspeed", "tf32", "max_steps", "colour", "trl.sync_ref_model", "trl.rollout_func",
                 "trl.typo_key"):
         assert f"\n  {key}: " in message, key
-    assert "num_epochs 3" in error.value.refused["max_steps"]
+    assert "missing (nor num_epochs)" in error.value.refused["max_steps"]
+
+
+@pytest.mark.parametrize("ratio", [None, 0.1])
+def test_num_epochs_without_max_steps_counts_steps_once_the_data_is_read(ratio):
+    translation = translate(quickstart(num_epochs=3, max_steps=None, warmup_steps=None, warmup_ratio=ratio))
+    config = Config.model_validate(translation.config)
+    assert config.train.epochs == 3 and "steps" not in translation.config["train"]
+    assert config.train.warmup_ratio == (0.03 if ratio is None else ratio) and config.train.warmup_steps == 0
 
 
 @pytest.mark.parametrize("changes,expected", [
