@@ -163,3 +163,7 @@ def training_progress(completions, trainer_state, **columns):
     """TRL's trainer_state as a reward reads it: global_step + max_steps / 1000, one number."""
     value = trainer_state.global_step + trainer_state.max_steps / 1000
     return [value for _ in completions]
+
+
+def training_epoch(completions, trainer_state, **columns):
+    return [float(trainer_state.epoch) for _ in completions]

@@ -55,14 +55,15 @@ def check_best_metric(config: Config, reward_names) -> None:
 
 class Evaluator:
     def __init__(self, config: Config, generator: Generator, prompts: PromptSource, tokenizer, scorer: GroupScorer,
-                 agent: AgentRuns | None = None) -> None:
+                 agent: AgentRuns | None = None, training: PromptSource | None = None) -> None:
         """scorer: the run's reward functions (their worker processes are shared with training: eval groups
-        are submitted and collected under ids of their own)."""
+        are submitted and collected under ids of their own). training: the training prompts, whose progress
+        is the epoch the rewards' trainer_state says."""
         count = config.eval.generations(config.algo.num_generations)
         # The producer and the reward statistics read the group size from the algo section.
         self.config = config.model_copy(update={"algo": config.algo.model_copy(update={"num_generations": count})})
         self.generator, self.prompts, self.tokenizer, self.scorer = generator, prompts, tokenizer, scorer
-        self.agent = agent
+        self.agent, self.training = agent, training
         self.episodes = episode_runner(self.config, tokenizer)
 
     def evaluate(self, version: int, engine_lock: threading.Lock) -> Evaluation:
@@ -90,6 +91,8 @@ class Evaluator:
         producer.next_group_id = FIRST_EVAL_GROUP_ID
         producer.quota = len(self.prompts.prompts)  # every prompt in the first round: one batch for the engine
         producer.temperature = self.config.eval.temperature
+        if self.training is not None:
+            producer.progress = self.training
         with engine_lock:
             return producer.produce(version, version).groups
 

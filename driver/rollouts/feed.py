@@ -85,8 +85,8 @@ class Rollouts:
                                  on_finished=self.scorer.submit_group if self.stream_rewards else None,
                                  max_tokens=hooks.max_tokens, extend_finished=hooks.extend_finished,
                                  episodes=episode_runner(config, policy.tokenizer), agent=self.agent)
-        self.evaluator = (Evaluator(config, generator, eval_prompts, policy.tokenizer, self.scorer, self.agent)
-                          if eval_prompts is not None else None)
+        self.evaluator = (Evaluator(config, generator, eval_prompts, policy.tokenizer, self.scorer, self.agent,
+                                    training=prompts) if eval_prompts is not None else None)
         # Checkpoints under prefetch: the producer's state before each job not assembled yet, and the
         # re-rolled prompts each took from the queue (both under _state_lock).
         self._state_lock = threading.Lock()

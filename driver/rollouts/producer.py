@@ -97,6 +97,7 @@ class Producer:
         self.budget = config.rollout.partial_rollout_tokens or config.rollout.sampling.max_tokens
         self.temperature: float | None = None  # rollout.sampling's; an evaluation sets its own
         self._job = 0  # the job being produced: the finished groups' trainer_state
+        self.progress = prompts  # whose epochs_drawn() is that trainer_state's epoch (an evaluation: training's)
         self.next_group_id = 0
         self.in_flight: list[Group] = []  # unfinished groups (partial rollouts)
         self.ready: list[Group] = []  # finished groups beyond an earlier job's quota
@@ -236,7 +237,7 @@ class Producer:
         trainer will have made before training on it, and how far through the prompts generation is."""
         algo = self.config.algo
         return TrainerState(global_step=self._job * algo.num_iterations * algo.steps_per_generation,
-                            max_steps=self.config.optimizer_updates, epoch=self.prompts.epochs_drawn())
+                            max_steps=self.config.optimizer_updates, epoch=self.progress.epochs_drawn())
 
     @staticmethod
     def _ends_with_environment(sample: Sample) -> bool:

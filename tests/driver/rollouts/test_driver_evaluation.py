@@ -176,3 +176,21 @@ def test_eval_only_evaluates_the_adapter_it_is_given_and_trains_nothing(tmp_path
         driver.train.main([*argv[:-3], f"--logging.output_dir={tmp_path / 'run'}"])
     assert exit_code.value.code == 2 and "holds a training run; evaluate into another directory" in \
         capsys.readouterr().err
+
+
+def test_an_evaluations_rewards_see_the_training_progress_of_its_step(policy):
+    """trainer_state: the updates before the evaluated step's (TRL's global_step at its evaluate()), the run's
+    total, and the epoch of the training prompts (not of the eval set's)."""
+    config = run_config(rewards={"functions": [{"path": "tests.reward_fixtures.training_progress"},
+                                               {"path": "tests.reward_fixtures.training_epoch", "weight": 0.0}]},
+                        algo={"num_generations": 2, "num_iterations": 2})
+    training, evaluated = training_and_eval_prompts(config, policy.tokenizer)
+    training.next_batch(61)  # training has drawn 61 of its prompts
+    scorer = GroupScorer(config)
+    evaluation_run = Evaluator(config, TransformersGenerator(config, policy), evaluated, policy.tokenizer, scorer,
+                               training=training)
+    result = evaluation_run.evaluate(version=5, engine_lock=threading.Lock())
+    scorer.close()
+    updates = config.train.steps * 2
+    assert result.metrics["eval/rewards/training_progress/mean"] == pytest.approx(5 * 2 + updates / 1000)
+    assert result.metrics["eval/rewards/training_epoch/mean"] == pytest.approx(61 / len(training.prompts))
