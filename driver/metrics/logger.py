@@ -25,6 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 METRICS_FILE = "metrics.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"  # the completions tables: one line per completion, with its step
 EVAL_COMPLETIONS_FILE = "eval_completions.jsonl"  # the same for the evaluations' completions
+EVAL_TABLE = "eval_completions"  # the trackers' table of an evaluation's completions
 TOKENS_IN_STEP = "num_input_tokens"  # a batch's prompt + completion tokens; logged cumulated as num_tokens (TRL's)
 TENSORBOARD_DIR = "tensorboard"
 # Fields the logger writes itself; a metric with one of these names would silently overwrite them.
@@ -164,9 +165,13 @@ class MetricsLogger:
 
     def log_eval(self, step: int, metrics: Mapping[str, Any], rows: list[dict]) -> None:
         """An evaluation after `step` steps: a line of its own in metrics.jsonl, the trackers and TensorBoard,
-        its completions in eval_completions.jsonl. Its time is not the next step's step_time."""
+        its completions in eval_completions.jsonl and the trackers' eval_completions tables. Its time is not
+        the next step's step_time."""
         self._write(step, {key: to_float(key, value) for key, value in metrics.items()})
         self._append_rows(self.eval_completions_path, step, rows)
+        if rows:
+            for tracker in self.trackers:
+                tracker.log_table(step, rows, EVAL_TABLE)
         self._last_log_time = time.monotonic()
 
     def _write(self, step: int, values: dict[str, float | None]) -> None:

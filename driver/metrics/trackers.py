@@ -21,7 +21,8 @@ TABLE_COLUMNS = ("prompt", "completion", "reward", "advantage")
 class Tracker(Protocol):
     def log(self, step: int, values: dict[str, float | None]) -> None: ...
 
-    def log_table(self, step: int, rows: list[dict]) -> None: ...
+    def log_table(self, step: int, rows: list[dict], name: str = "completions") -> None:
+        """A completions table: the step's ("completions") or an evaluation's ("eval_completions")."""
 
     def close(self) -> None: ...
 
@@ -65,10 +66,10 @@ class WandbTracker:
     def log(self, step: int, values: dict[str, float | None]) -> None:
         self.run.log(_finite(values), step=step)
 
-    def log_table(self, step: int, rows: list[dict]) -> None:
+    def log_table(self, step: int, rows: list[dict], name: str = "completions") -> None:
         columns = table_columns(rows)
         table = self.wandb.Table(columns=columns, data=[[row.get(column) for column in columns] for row in rows])
-        self.run.log({"completions": table}, step=step)
+        self.run.log({name: table}, step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -95,10 +96,10 @@ class MlflowTracker:
     def log(self, step: int, values: dict[str, float | None]) -> None:
         self.mlflow.log_metrics(_finite(values), step=step)
 
-    def log_table(self, step: int, rows: list[dict]) -> None:
+    def log_table(self, step: int, rows: list[dict], name: str = "completions") -> None:
         columns = table_columns(rows)
         self.mlflow.log_table({column: [row.get(column) for row in rows] for column in columns},
-                              artifact_file=f"completions/step_{step:06d}.json")
+                              artifact_file=f"{name}/step_{step:06d}.json")
 
     def close(self) -> None:
         self.mlflow.end_run()

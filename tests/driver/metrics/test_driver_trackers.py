@@ -68,8 +68,9 @@ def test_metrics_and_completions_reach_every_tracker_and_resume_continues_them(o
         logger.log(1, {"reward": 0.25, TOKENS_IN_STEP: 100, "kl": float("nan")})
         logger.log(2, {"reward": 0.5, TOKENS_IN_STEP: 120})
         logger.log_completions(2, ROWS)
+        logger.log_eval(2, {"eval/reward": 0.875}, ROWS[:1])  # an evaluation after step 2: its own table
     rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [row["num_tokens"] for row in rows] == [100, 220] and TOKENS_IN_STEP not in rows[0]
+    assert [row.get("num_tokens") for row in rows] == [100, 220, None] and TOKENS_IN_STEP not in rows[0]
     lines = [json.loads(line) for line in (output_dir / "completions.jsonl").read_text().splitlines()]
     assert lines == [{"step": 2, **row} for row in ROWS]
 
@@ -78,6 +79,8 @@ def test_metrics_and_completions_reach_every_tracker_and_resume_continues_them(o
     assert mlflow_history(output_dir, "kl")[2] == []  # NaN is not a point
     artifacts = [a.path for a in client.list_artifacts(run_id, "completions")]
     assert artifacts == ["completions/step_000002.json"]
+    assert [a.path for a in client.list_artifacts(run_id, "eval_completions")] == ["eval_completions/step_000002.json"]
+    assert mlflow_history(output_dir, "eval/reward")[2] == [(2, 0.875)]
     wandb_id = json.loads((output_dir / TRACKER_IDS).read_text())["wandb"]
     steps, context = finished_wandb_history(output_dir, wandb_id)
     assert [(row["_step"], row.get("reward"), row.get("num_tokens")) for row in steps if "reward" in row] == \
@@ -85,6 +88,7 @@ def test_metrics_and_completions_reach_every_tracker_and_resume_continues_them(o
     assert "kl" not in steps[0]  # NaN is not a point
     assert steps[1]["completions/_type"] == "table-file" and steps[1]["completions/nrows"] == 2  # nested keys
     assert steps[1]["completions/ncols"] == 6  # step, prompt, completion, reward, advantage, rewards/digits
+    assert steps[1]["eval/reward"] == 0.875 and steps[1]["eval_completions/nrows"] == 1  # step 2's row too
 
     with make_logger(output_dir, start_step=1) as logger:  # resumed from step 1: step 2 is redone
         assert not (output_dir / "completions.jsonl").read_text()
