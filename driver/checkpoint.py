@@ -103,8 +103,8 @@ BEST_FILE = "best.json"
 class BestAdapter:
     """eval.save_best (TRL's load_best_model_at_end + metric_for_best_model): after each evaluation, the trained
     weights go to output_dir/best/ when its metric beats the best so far (a resumed run's too, read from
-    best.json). Every rank calls consider() with the same metrics (rank 0's, broadcast to the others by
-    driver/rollouts/distributed_feed.py): under torchrun the save is collective."""
+    best.json). Under torchrun every rank calls consider() (the save is collective) and rank 0 decides: only
+    its file system is sure to hold best.json."""
 
     def __init__(self, output_dir: Path, metric: str, greater_is_better: bool) -> None:
         self.directory, self.metric, self.greater = output_dir / BEST, metric, greater_is_better
@@ -116,11 +116,11 @@ class BestAdapter:
         evaluation without the metric (no group could be scored) or with a NaN never does."""
         key = "eval/" + self.metric
         value = metrics.get(key)
-        if value is None or not math.isfinite(value):
-            return False
-        if self.best is not None and not (value > self.best[key] if self.greater else value < self.best[key]):
-            return False
         world = distributed.world()
+        improves = (value is not None and math.isfinite(value)
+                    and (self.best is None or (value > self.best[key] if self.greater else value < self.best[key])))
+        if not distributed.broadcast(improves if world.is_main else None):
+            return False
         staging = self.directory.with_name(BEST + ".tmp")
         if world.is_main:
             shutil.rmtree(staging, ignore_errors=True)
