@@ -145,10 +145,10 @@ class NemoGymVerify:
         self.url, self.timeout, self.retries, self.backoff = url, timeout, retries, backoff
         self.max_concurrency, self.model = max_concurrency, model
 
-    def __call__(self, prompts: list, completions: list, completion_ids: list | None = None,
+    def __call__(self, prompts: list, completions: list, completion_ids: list | None = None, trainer_state=None,
                  **columns: list) -> list[float]:
         """One reward per completion, the server's; `columns` are the rows' fields, one list each."""
-        del completion_ids  # the server scores the text (and must not receive them as a field)
+        del completion_ids, trainer_state  # the server scores the text (they are not the row's fields)
         bodies = [verify_request({key: values[i] for key, values in columns.items()}, prompts[i], completion,
                                  self.model) for i, completion in enumerate(completions)]
         if not bodies:

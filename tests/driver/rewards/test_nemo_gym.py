@@ -15,6 +15,7 @@ import pytest
 from driver.cli import ConfigError, config_from_argv, reward_function
 from driver.config import DataConfig, RewardsConfig
 from driver.data.prompts import load_rows
+from driver.data.trainer_state import TrainerState
 from driver.rewards import nemo_gym
 from driver.rewards.functions import RewardFunctions
 from tests.json_stand_in import ScriptedJSONServer
@@ -100,10 +101,12 @@ def test_a_nemo_gym_jsonl_file_loads_as_chat_prompts(tmp_path):
 def test_the_request_carries_the_row_without_nulls_and_the_completion_as_a_responses_api_response(stand_in):
     reward = nemo_gym.verify(stand_in.url, model="tiny", **FAST)
     chat_completion = [{"role": "assistant", "content": "four"}]
-    assert reward(["2 + 2?"], [chat_completion], [[1, 2]], **columns([ROW])) == [0.4]
+    # As the driver calls it: TRL's trainer_state beside the row's columns, which is no field of the row.
+    assert reward(["2 + 2?"], [chat_completion], [[1, 2]], trainer_state=TrainerState(global_step=3),
+                  **columns([ROW])) == [0.4]
     (body,) = stand_in.requests
     assert body["responses_create_params"] == {"input": [{"role": "user", "content": "2 + 2?"}]}
-    assert body["expected_answer"] == "4" and "options" not in body
+    assert body["expected_answer"] == "4" and "options" not in body and "trainer_state" not in body
     response = body["response"]
     assert response["object"] == "response" and response["model"] == "tiny" and response["status"] == "completed"
     (message,) = response["output"]
