@@ -2,7 +2,8 @@
 
     python -m pykernels.autotune /models/Qwen3-30B-A3B --tokens 16384 --dtype bfloat16 --lora-r 16
 
-MODEL is a Hugging Face model directory or its config.json. From it come the shapes every op sees
+MODEL is a Hugging Face model directory, its config.json, or a Hub model id (org/name: its config.json
+fetched into the Hub's cache, or read from there offline). From it come the shapes every op sees
 in training: the attention and MLP projections for LoRA (and NF4 with --qlora), the experts for
 MoE models, the lm_head for logprobs. Each (op, shape bucket) is run once under ``auto``
 (pykernels/dispatch.py), so a training run starts with every decision made and logged here instead
@@ -16,6 +17,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -30,11 +32,17 @@ class UsageError(Exception):
     """A bad argument or model config; main() prints it and exits 2."""
 
 
+HUB_ID = re.compile(r"^\w[\w.-]*/\w[\w.-]*$")  # org/name, as the Hub spells a repository
+
+
 def read_config(model: str) -> dict:
     path = Path(model)
     path = path / "config.json" if path.is_dir() else path
+    if not path.exists() and HUB_ID.match(model):
+        path = hub_config(model)
     if not path.is_file():
-        raise UsageError(f"model: {model} is neither a model directory with a config.json nor a config.json file")
+        raise UsageError(f"model: {model} is neither a model directory with a config.json, a config.json file, nor "
+                         "a Hub model id (org/name)")
     try:
         config = json.loads(path.read_text())
     except ValueError as error:
@@ -44,6 +52,25 @@ def read_config(model: str) -> dict:
     if missing:
         raise UsageError(f"model: {path} has no {', '.join(missing)} (not a decoder LM config?)")
     return config
+
+
+def hub_config(repo_id: str) -> Path:
+    """The Hub model's config.json, from the Hub's cache (fetched there first when the Hub is reachable)."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return Path(hf_hub_download(repo_id, "config.json"))
+    except RepositoryNotFoundError:
+        raise UsageError(f"model: {repo_id} is not a model on the Hugging Face Hub (a private or gated one needs "
+                         "`hf auth login`, or HF_TOKEN)") from None
+    except LocalEntryNotFoundError:
+        raise UsageError(f"model: {repo_id}'s config.json is not in the Hugging Face cache and the Hub cannot be "
+                         f"reached (or HF_HUB_OFFLINE is set): `hf download {repo_id} config.json` where it can") \
+            from None
+    except (HfHubHTTPError, OSError) as error:
+        raise UsageError(f"model: fetching {repo_id}'s config.json from the Hugging Face Hub failed: {error}") \
+            from None
 
 
 def op_shapes(config: dict) -> dict:
@@ -95,7 +122,7 @@ def _decide_all(shapes: dict, tokens: int, dtype: torch.dtype, lora_r: int, qlor
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m pykernels.autotune", description=__doc__.splitlines()[0])
-    parser.add_argument("model", help="Hugging Face model directory or config.json path")
+    parser.add_argument("model", help="Hugging Face model directory, config.json path, or Hub model id")
     parser.add_argument("--tokens", type=int, required=True, help="tokens per micro-batch (packed), e.g. 16384")
     parser.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32 (default bfloat16)")
     parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank (default 16)")

@@ -391,6 +391,24 @@ def test_autotune_on_cpu_fills_the_cache_for_every_op(isolated):
     assert "moe float32 tokens<=64 experts=4 top_k=2 hidden=32 inter=16 silu dense" in keys
 
 
+def test_autotune_reads_a_hub_models_config_from_the_cache(isolated, monkeypatch):
+    """A Hub id as model.path names it, resolved by the real huggingface_hub offline against a cache laid out as
+    it writes one; an id the cache lacks is a clear error, not a traceback."""
+    from huggingface_hub import constants
+
+    from pykernels import autotune
+    from tests.hub_cache import cache_with
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(isolated / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    (isolated / "model").mkdir()
+    snapshot = cache_with(isolated / "hub", "acme/tiny-moe", {"main": "d" * 40},
+                          model=_model_config(isolated / "model", num_experts=4))["d" * 40]
+    assert autotune.read_config("acme/tiny-moe") == json.loads((snapshot / "config.json").read_text())
+    with pytest.raises(autotune.UsageError, match=r"acme/other's config.json is not in the Hugging Face cache"):
+        autotune.read_config("acme/other")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["/nonexistent"], "neither a model directory"),
     (["MODEL", "--tokens", "0"], "--tokens must be >= 1"),
