@@ -18,7 +18,8 @@ WHOLE_STEP = ((0, len(LENGTHS)),)  # one micro-batch
 
 
 def trl_loss(batch, loss_type, level="token", delta=None, epsilon_high=EPSILON_HIGH, beta=0.0, use_is=False,
-             entropy=None, entropy_coef=0.0, entropy_mask=None, sapo=(1.0, 1.05), vespo=(2.0, 3.0, 3.0, 2.0)):
+             entropy=None, entropy_coef=0.0, entropy_mask=None, sapo=(1.0, 1.05), vespo=(2.0, 3.0, 3.0, 2.0),
+             bias_correction_kl=False):
     """TRL's _compute_loss (trl/trainer/grpo_trainer.py, 2026-07) on a float64 leaf copy of logps."""
     logps = batch["logps"].double().clone().requires_grad_(True)
     mask = batch["mask"].double()
@@ -34,6 +35,8 @@ def trl_loss(batch, loss_type, level="token", delta=None, epsilon_high=EPSILON_H
     if beta:
         ref = torch.where(mask > 0, batch["ref_logps"].double(), logps.detach())
         per_token_kl = torch.exp(ref - logps) - (ref - logps) - 1
+        if bias_correction_kl:  # use_bias_correction_kl: the unclipped ratio, before delta's clamp below
+            per_token_kl = per_token_kl * coef_1
     if loss_type == "cispo":
         per_token_loss = -torch.clamp(coef_1, max=epsilon_high).detach() * advantages * logps
     elif loss_type in ("grpo", "dapo", "luspo"):
@@ -75,13 +78,14 @@ def trl_loss(batch, loss_type, level="token", delta=None, epsilon_high=EPSILON_H
 
 
 def ours(batch, loss_type, level="token", delta=None, epsilon_high=EPSILON_HIGH, beta=0.0, use_is=False,
-         entropy=None, entropy_coef=0.0, keep_tokens=None, parts=WHOLE_STEP, kl_estimator="k3"):
+         entropy=None, entropy_coef=0.0, keep_tokens=None, parts=WHOLE_STEP, kl_estimator="k3",
+         bias_correction_kl=False):
     """Our loss summed over the micro-batches `parts` and its gradient wrt logps."""
     logps = batch["logps"].double().clone().requires_grad_(True)
     normalizers = StepNormalizers(num_sequences=len(LENGTHS), num_tokens=int(batch["mask"].sum()),
                                   num_micro_batches=len(parts), max_completion_length=MAX_COMPLETION_LENGTH)
     options = LossOptions(importance_sampling_level=level, delta=delta, kl_estimator=kl_estimator,
-                          entropy_coef=entropy_coef)
+                          entropy_coef=entropy_coef, bias_correction_kl=bias_correction_kl)
     total = 0.0
     for start, stop in parts:
         rows = slice(start, stop)
@@ -108,6 +112,10 @@ CASES = {
     "gspo_dapo": dict(loss_type="dapo", level="sequence"),
     "gspo_grpo_is": dict(loss_type="grpo", level="sequence", use_is=True),
     "two_sided_clip": dict(loss_type="dapo", delta=1.25),
+    # use_bias_correction_kl (DeepSeek-V3.2): the KL times the unclipped policy ratio, token or GSPO's sequence one
+    "kl_bias_corrected": dict(loss_type="dapo", use_is=True, beta=0.04, bias_correction_kl=True),
+    "gspo_kl_bias_corrected": dict(loss_type="grpo", level="sequence", beta=0.04, bias_correction_kl=True),
+    "clipped_kl_bias_corrected": dict(loss_type="dapo", delta=1.25, beta=0.04, bias_correction_kl=True),
 }
 
 
