@@ -26,12 +26,11 @@ from pathlib import Path
 import torch
 
 from driver.cli import ConfigError
+from driver.data.adapter_settings import beyond_plain_lora
 from driver.data.model_source import model_directory
 from driver.policy.nf4_base import meta_model, quantized_tensors, rewrite_checkpoint, roundtrip
 
 ADAPTER_KEY = re.compile(r"^base_model\.model\.(?P<module>.+?)(?P<nested>(\.base_layer)*)\.lora_(?P<ab>[AB])\.weight$")
-UNSUPPORTED_OPTIONS = {"use_dora": "DoRA", "rank_pattern": "per-module ranks (rank_pattern)",
-                       "alpha_pattern": "per-module alphas (alpha_pattern)"}
 
 
 @dataclass
@@ -201,11 +200,7 @@ def _locate(source: Path) -> tuple[Path, dict]:
 def _check_supported(config: dict, adapter_dir: Path) -> None:
     if config.get("peft_type") != "LORA":
         raise ConfigError(f"{adapter_dir}: a {config.get('peft_type')} adapter; merge_lora merges LoRA only")
-    found = [what for key, what in UNSUPPORTED_OPTIONS.items() if config.get(key)]
-    if config.get("bias", "none") != "none" or config.get("lora_bias"):
-        found.append("trained biases")
-    if config.get("fan_in_fan_out"):
-        found.append("fan_in_fan_out (Conv1D layers)")
+    found = beyond_plain_lora(config)
     if found:
         raise ConfigError(f"{adapter_dir}: the adapter uses {', '.join(found)}, which merge_lora does not merge")
 

@@ -16,12 +16,22 @@ from driver.cli import ConfigError
 from driver.config import Config
 from driver.data.model_source import adapter_directory
 
-# adapter_config.json's options that train differently from our LoRA layers (what PEFT would build for them
-# is not what the fused kernels compute), and what to say about each.
-UNSUPPORTED = {"use_dora": "DoRA", "rank_pattern": "per-module ranks (rank_pattern)",
-               "alpha_pattern": "per-module alphas (alpha_pattern)", "fan_in_fan_out": "fan_in_fan_out (Conv1D)",
-               "modules_to_save": "fully trained modules (modules_to_save)", "layers_to_transform": "a subset of "
-               "layers (layers_to_transform)", "lora_bias": "trained LoRA biases"}
+# adapter_config.json's options beyond plain LoRA (A and B on named modules, one r and alpha), and what to say
+# about each: neither driver/merge_lora.py merges them nor do our LoRA layers train them.
+BEYOND_PLAIN_LORA = {"use_dora": "DoRA", "rank_pattern": "per-module ranks (rank_pattern)",
+                     "alpha_pattern": "per-module alphas (alpha_pattern)",
+                     "fan_in_fan_out": "fan_in_fan_out (Conv1D layers)"}
+# ... and what training from one cannot take either (merging one is fine).
+NOT_TRAINED_HERE = {"modules_to_save": "fully trained modules (modules_to_save)",
+                    "layers_to_transform": "a subset of layers (layers_to_transform)"}
+
+
+def beyond_plain_lora(saved: dict) -> list[str]:
+    """What an adapter_config.json uses of BEYOND_PLAIN_LORA, trained biases included."""
+    found = [what for key, what in BEYOND_PLAIN_LORA.items() if saved.get(key)]
+    if saved.get("bias", "none") != "none" or saved.get("lora_bias"):
+        found.append("trained biases")
+    return found
 
 
 def adopt_adapter_settings(config: Config) -> None:
@@ -50,9 +60,7 @@ def check_trainable_here(saved: dict, source: str) -> None:
     if saved.get("peft_type") != "LORA":
         raise ConfigError(f"lora.init_from: {source} is a {saved.get('peft_type')} adapter; training continues "
                           "LoRA adapters only")
-    found = [what for key, what in UNSUPPORTED.items() if saved.get(key)]
-    if saved.get("bias", "none") != "none":
-        found.append(f"trained biases (bias: {saved['bias']})")
+    found = beyond_plain_lora(saved) + [what for key, what in NOT_TRAINED_HERE.items() if saved.get(key)]
     if found:
         raise ConfigError(f"lora.init_from: {source} uses {', '.join(found)}, which this driver's LoRA layers do not "
                           "train")
