@@ -15,6 +15,7 @@ best.json its step and metric: a directory PeftModel.from_pretrained and lora.in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import pickle
@@ -66,31 +67,41 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
 
 
+@contextlib.contextmanager
+def written_whole(target: Path):
+    """A staging directory beside `target` that every rank writes into, renamed over `target` once all have:
+    a crash never leaves half of it. Every rank enters it (under torchrun the writes inside are collective)."""
+    main = distributed.world().is_main
+    staging = target.with_name(target.name + ".tmp")
+    if main:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    distributed.barrier()  # the directory exists before any rank writes into it
+    yield staging
+    distributed.barrier()  # every rank's files are written before the directory is renamed
+    if main:
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+
+
 def save_checkpoint(output_dir: Path, step: int, policy, optimizer, scheduler, prompts, keep: int,
                     rollouts: dict | None = None) -> Path:
     """Under torchrun every rank calls it: the adapter is gathered and written by rank 0, the sharded
     optimizer state written by every rank (torch.distributed.checkpoint), the rest by rank 0."""
     world = distributed.world()
     target = checkpoint_dir(output_dir, step)
-    staging = target.with_name(target.name + ".tmp")
-    if world.is_main:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-    distributed.barrier()  # the directory exists before any rank writes into it
-    policy.save_trained(staging / policy.trained_name)
-    state = {"step": step, "scheduler": scheduler.state_dict(), "rng": rng_state()}
-    if world.distributed:
-        from driver.distributed.fsdp import save_optimizer
+    with written_whole(target) as staging:
+        policy.save_trained(staging / policy.trained_name)
+        state = {"step": step, "scheduler": scheduler.state_dict(), "rng": rng_state()}
+        if world.distributed:
+            from driver.distributed.fsdp import save_optimizer
 
-        save_optimizer(staging, policy.model, optimizer)
-    else:
-        state["optimizer"] = optimizer.state_dict()
+            save_optimizer(staging, policy.model, optimizer)
+        else:
+            state["optimizer"] = optimizer.state_dict()
+        if world.is_main:
+            torch.save({**state, "data": prompts.state_dict(), "rollouts": rollouts}, staging / STATE_FILE)
     if world.is_main:
-        torch.save({**state, "data": prompts.state_dict(), "rollouts": rollouts}, staging / STATE_FILE)
-    distributed.barrier()  # every rank's files are written before the directory is renamed
-    if world.is_main:
-        shutil.rmtree(target, ignore_errors=True)
-        staging.rename(target)
         for old in sorted(target.parent.glob("step-*[0-9]"))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return target
@@ -121,17 +132,11 @@ class BestAdapter:
                     and (self.best is None or (value > self.best[key] if self.greater else value < self.best[key])))
         if not distributed.broadcast(improves if world.is_main else None):
             return False
-        staging = self.directory.with_name(BEST + ".tmp")
-        if world.is_main:
-            shutil.rmtree(staging, ignore_errors=True)
-        distributed.barrier()
-        policy.save_trained(staging)
         self.best = {"step": step, key: value}
-        if world.is_main:
-            (staging / BEST_FILE).write_text(json.dumps(self.best) + "\n")
-            shutil.rmtree(self.directory, ignore_errors=True)
-            staging.rename(self.directory)
-        distributed.barrier()
+        with written_whole(self.directory) as staging:
+            policy.save_trained(staging)
+            if world.is_main:
+                (staging / BEST_FILE).write_text(json.dumps(self.best) + "\n")
         return True
 
 
