@@ -32,7 +32,7 @@ class UsageError(Exception):
     """A bad argument or model config; main() prints it and exits 2."""
 
 
-HUB_ID = re.compile(r"^\w[\w.-]*/\w[\w.-]*$")  # org/name, as the Hub spells a repository
+HUB_ID = re.compile(r"^\w[\w.-]*/\w[\w.-]*$")  # org/name (driver.config's pattern: pykernels imports no driver)
 
 
 def read_config(model: str) -> dict:

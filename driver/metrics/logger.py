@@ -168,10 +168,7 @@ class MetricsLogger:
         its completions in eval_completions.jsonl and the trackers' eval_completions tables. Its time is not
         the next step's step_time."""
         self._write(step, {key: to_float(key, value) for key, value in metrics.items()})
-        self._append_rows(self.eval_completions_path, step, rows)
-        if rows:
-            for tracker in self.trackers:
-                tracker.log_table(step, rows, EVAL_TABLE)
+        self._log_table(self.eval_completions_path, step, rows, EVAL_TABLE)
         self._last_log_time = time.monotonic()
 
     def _write(self, step: int, values: dict[str, float | None]) -> None:
@@ -188,17 +185,17 @@ class MetricsLogger:
     def log_completions(self, step: int, rows: list[dict]) -> None:
         """One step's completions table (prompt, completion, reward, advantage, per-function rewards):
         a line per completion in completions.jsonl, and a table in each tracker."""
+        self._log_table(self.completions_path, step, rows, "completions")
+
+    def _log_table(self, path: Path, step: int, rows: list[dict], name: str) -> None:
+        """A completions table: a line per row in `path`, and table `name` in each tracker."""
         if not rows:
             return
-        self._append_rows(self.completions_path, step, rows)
-        for tracker in self.trackers:
-            tracker.log_table(step, rows)
-
-    @staticmethod
-    def _append_rows(path: Path, step: int, rows: list[dict]) -> None:
         with path.open("a") as lines:
             for row in rows:
                 lines.write(json.dumps({"step": step, **row}, allow_nan=False, default=_json_default) + "\n")
+        for tracker in self.trackers:
+            tracker.log_table(step, rows, name)
 
     def print(self, *objects) -> None:
         self.console.print(*objects)
