@@ -775,6 +775,16 @@ class CheckpointConfig(Section):
     every: int = Field(0, ge=0, description="save a checkpoint every N steps (0: only at the end)")
     resume: str | None = Field(None, description="checkpoint directory to resume from, or 'latest'")
     keep: int = Field(2, ge=1, description="checkpoints kept on disk")
+    push_to_hub: bool = Field(False, description="upload the trained adapter (the model under full fine-tuning) "
+                              "to a Hugging Face Hub repository, created at the start if missing (TRL's "
+                              "push_to_hub); needs a token that can write: `hf auth login` or HF_TOKEN")
+    hub_model_id: str | None = Field(None, description="with push_to_hub: the repository, user/name or org/name "
+                                     "(a bare name: the token's user); null: output_dir's name, as TRL")
+    hub_strategy: Literal["end", "every_save"] = Field(
+        "end", description="with push_to_hub: end uploads the final adapter (and eval.save_best's to best/) when "
+        "the run ends; every_save also uploads each checkpoint's as it is saved, in the background")
+    hub_private_repo: bool | None = Field(None, description="with push_to_hub: create the repository private "
+                                          "(null: the Hub's default for the account)")
 
 
 class EvalConfig(Section):
@@ -944,6 +954,7 @@ class Config(Section):
         self.algo.check_dynamic_sampling(self.rollout)
         self._check_steps_per_generation()
         self._check_eval()
+        self._check_hub()
         if self.model.adapter == "none":
             self._check_full_finetuning()
         elif self.model.qlora and self.rollout.weight_sync == "merged":
@@ -1022,6 +1033,18 @@ class Config(Section):
         if evaluation.steps % interval:
             raise ValueError(f"eval.steps = {evaluation.steps} must be a multiple of rollout.vllm_sync_interval = "
                              f"{interval}: the engine serves the adapter of those steps only")
+
+    def _check_hub(self) -> None:
+        checkpoint = self.checkpoint
+        if not checkpoint.push_to_hub:
+            # Against the defaults, as _check_eval: a repository named but never pushed to is a mistake.
+            given = [key for key in ("hub_model_id", "hub_strategy", "hub_private_repo")
+                     if getattr(checkpoint, key) != CheckpointConfig.model_fields[key].default]
+            if given:
+                raise ValueError(f"checkpoint.{given[0]} is set but checkpoint.push_to_hub is false: nothing would be "
+                                 "uploaded; set push_to_hub: true (or remove it)")
+        elif self.eval.only:
+            raise ValueError("checkpoint.push_to_hub with eval.only: nothing is trained, so there is nothing to upload")
 
     def _check_full_finetuning(self) -> None:
         conflicts = [key for key, on in (("model.qlora", self.model.qlora),

@@ -30,6 +30,7 @@ from driver.config import Config, is_hub_id
 from driver.data.model_source import model_directory
 from driver.data.adapter_settings import adopt_adapter_settings
 from driver.data.eval_prompts import training_and_eval_prompts
+from driver.data.hub_upload import BEST_FOLDER, HubUploader, HubUploadError, Upload, create_repository
 from driver.distributed import world as distributed
 from driver.distributed.fsdp import shard_policy
 from driver.engine import RolloutError, make_generator
@@ -110,6 +111,7 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
     if terminal.log_path is not None:  # first: where to look while the model loads and vLLM starts
         startup.print(f"vLLM's and the libraries' output: {terminal.log_path}")
 
+    hub = open_hub(config, world, startup)  # first: a token or repository problem stops the run before it loads
     if is_hub_id(config.model.path):  # its own phase: the first run downloads the weights
         with startup.phase(f"fetching {config.model.path} from the Hugging Face Hub",
                            lambda: f"fetched {config.model.path} ({snapshot})"):
@@ -206,8 +208,10 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
                 if config.eval.steps and step % config.eval.steps == 0:
                     log_evaluation(logger, step, rollouts.evaluate(step), best, policy)
                 if config.checkpoint.every and step % config.checkpoint.every == 0:
-                    save_checkpoint(output_dir, step, policy, optimizer, scheduler, prompts, config.checkpoint.keep,
-                                    rollouts.state_dict())
+                    saved = save_checkpoint(output_dir, step, policy, optimizer, scheduler, prompts,
+                                            config.checkpoint.keep, rollouts.state_dict())
+                    if hub is not None and config.checkpoint.hub_strategy == "every_save":
+                        hub.push(Upload({"": saved / policy.trained_name}, f"{policy.trained_name} after step {step}"))
         if steps:
             save_checkpoint(output_dir, step, policy, optimizer, scheduler, prompts, config.checkpoint.keep,
                             rollouts.state_dict())
@@ -221,6 +225,7 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
             generator.close()
     if config.logging.plots and world.is_main and steps:
         plot_metrics(output_dir / "metrics.jsonl", output_dir)
+    hub_failures = push_final(hub, config, policy, best, step, interrupted or step == first_step, terminal.out)
     if world.is_main and not steps:
         print(evaluation_summary(output_dir, wall_seconds=time.perf_counter() - run_started,
                                  quiet=terminal.log_path is not None), file=terminal.out)
@@ -231,6 +236,10 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
                           best=(best.directory, best.best) if best is not None and best.best else None,
                           epochs=config.train.epochs),
               file=terminal.out)
+    if hub_failures:  # last: everything is on disk and summarized
+        trained = output_dir / policy.trained_name
+        raise HubUploadError(f"uploading to {hub.url} failed ({'; '.join(hub_failures)}); everything is in "
+                             f"{output_dir}: upload it with `hf upload {hub.repo_id} {trained}`")
     return not interrupted
 
 
@@ -246,6 +255,39 @@ def engine_phase(startup: StartupPhases, config: Config) -> contextlib.AbstractC
         return startup.phase(f"connecting to vLLM at {urls}", f"connected to vLLM at {urls}")
     startup.print(f"the vLLM server's output: {config.output_dir / SERVER_LOG}")
     return startup.phase("launching a vLLM server", "launched a vLLM server")
+
+
+def open_hub(config: Config, world: distributed.World, startup: StartupPhases) -> HubUploader | None:
+    """checkpoint.push_to_hub: rank 0 finds or creates the repository (driver/data/hub_upload.py)."""
+    checkpoint = config.checkpoint
+    if not (checkpoint.push_to_hub and world.is_main):
+        return None
+    when = "each checkpoint and the end" if checkpoint.hub_strategy == "every_save" else "at the end"
+    with startup.phase("finding or creating the Hugging Face Hub repository",
+                       lambda: f"will upload to {hub.url} ({when})"):
+        hub = HubUploader(create_repository(checkpoint, config.output_dir), config.output_dir,
+                          background=checkpoint.hub_strategy == "every_save")
+    return hub
+
+
+def push_final(hub: HubUploader | None, config: Config, policy, best: BestAdapter | None, step: int, stopped: bool,
+               out) -> list[str]:
+    """The end of push_to_hub: the background upload waited for, then the final adapter (with eval.save_best's in
+    best/) uploaded unless the run stopped early or trained nothing, said on the terminal; what failed, a line each."""
+    if hub is None:
+        return []
+    folders = {} if stopped else {"": config.output_dir / policy.trained_name}
+    if folders and best is not None and best.best:
+        folders[BEST_FOLDER] = best.directory
+    if stopped:
+        print(f"not uploaded to {hub.url}: the run stopped before its last step (it uploads when continued to its "
+              "end)", file=out)
+    else:
+        print(f"uploading the {policy.trained_name} to {hub.url} ...", file=out, flush=True)
+    failures = hub.finish(None if stopped else Upload(folders, f"{policy.trained_name} after step {step}"))
+    if not stopped and not failures:
+        print(f"uploaded to {hub.url}", file=out)
+    return failures
 
 
 def check_world(config: Config, world: distributed.World) -> None:
@@ -326,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if run(config) else INTERRUPTED_EXIT_CODE
     except ConfigError as error:  # found once the data is read (a missing column, a rejected row)
         exit_on_config_error(error)
-    except (RolloutError, RewardError) as error:  # failures of the run, not bugs: say what, not where
+    except (RolloutError, RewardError, HubUploadError) as error:  # failures of the run, not bugs: say what
         details = f" (details: {config.output_dir / LOG_FILE})" if config.logging.quiet else ""
         print(f"error: {error}{details}", file=sys.stderr)
         return 1

@@ -111,13 +111,9 @@ class ModelKeys(PendingKeys):
 
     def start_from_adapter(self, path: str) -> None:
         """lora_model_dir: axolotl loads it with PeftModel.from_pretrained, whose saved settings replace lora_r,
-        lora_alpha and the targets; here lora.init_from takes the same from it. The dropout, a training knob and
-        not part of what the adapter computes, stays lora_dropout (axolotl: the adapter's saved one)."""
+        lora_alpha, lora_dropout and the targets; here lora.init_from takes the same from it."""
         self.put("lora.init_from", path)
-        dropout = self.take("lora_dropout")
-        if dropout is not None:
-            self.put("lora.dropout", dropout)
-        ignored = [key for key in ("lora_r", "lora_alpha", "peft_use_rslora", "lora_target_modules",
+        ignored = [key for key in ("lora_r", "lora_alpha", "lora_dropout", "peft_use_rslora", "lora_target_modules",
                                    "lora_target_linear", "lora_target_parameters") if self.take(key) is not None]
         if ignored:
             self.notes.append(f"{', '.join(ignored)}: the adapter's own settings apply (lora_model_dir), as in axolotl")

@@ -229,9 +229,28 @@ class TrainingKeys(PendingKeys):
             self.put("checkpoint.every", every)
         if keep is not None:
             self.put("checkpoint.keep", keep)
+        self.hub()
         for key in ("resume_from_checkpoint", "auto_resume_from_checkpoints"):
             if self.take(key):
                 self.refuse(key, "axolotl's checkpoints do not load here; resume ours with --checkpoint.resume")
+
+    def hub(self) -> None:
+        """axolotl pushes to the Hub when hub_model_id names a repository (transformers' push_to_hub)."""
+        repository, strategy = self.take("hub_model_id"), self.take("hub_strategy")
+        private = self.take("hub_private_repo")
+        if not repository:
+            if strategy is not None or private is not None:
+                self.notes.append("hub_strategy, hub_private_repo: ignored without hub_model_id, as in axolotl")
+            return
+        self.put("checkpoint.push_to_hub", True)
+        self.put("checkpoint.hub_model_id", repository)
+        if strategy in ("checkpoint", "all_checkpoints"):
+            self.refuse("hub_strategy", f"{strategy}: checkpoints are not uploaded here; end or every_save (each "
+                        "checkpoint's adapter)")
+        elif strategy is not None:
+            self.put("checkpoint.hub_strategy", strategy)
+        if private is not None:
+            self.put("checkpoint.hub_private_repo", bool(private))
 
     def without_effect(self) -> None:
         for key in WITHOUT_EFFECT:

@@ -3,7 +3,8 @@ model=PeftModel.from_pretrained(base, path, is_trainable=True)) instead of PEFT'
 
 The adapter's shape and scaling (r, alpha, rslora, targets, expert_targets) become the lora section's before
 anything is written, so the run's config.yaml, the vLLM server's LoRA limits and a resume all see the
-adapter's own; a value the config gives must agree (said by key otherwise). Its weights are loaded by
+adapter's own; a value the config gives must agree (said by key otherwise). Its lora_dropout is taken too
+(PeftModel.from_pretrained's, which TRL and axolotl train with) unless lora.dropout is given. Its weights are loaded by
 driver/policy/model.py into the adapter load_policy builds on our kernels (QLoRA's NF4 base included).
 """
 
@@ -35,8 +36,8 @@ def beyond_plain_lora(saved: dict) -> list[str]:
 
 
 def adopt_adapter_settings(config: Config) -> None:
-    """lora.r, alpha, rslora, targets and expert_targets from lora.init_from's adapter_config.json; a ConfigError
-    when the config gives another value, or the adapter is not one this run can train on."""
+    """lora.r, alpha, rslora, targets, expert_targets (and dropout) from lora.init_from's adapter_config.json; a
+    ConfigError when the config gives another value, or the adapter is not one this run can train on."""
     if config.lora.init_from is None:
         return
     directory = Path(adapter_directory(config.lora.init_from))
@@ -54,6 +55,8 @@ def adopt_adapter_settings(config: Config) -> None:
                               f"{value}: leave lora.{key} out (the adapter's is taken) or give its value")
         if not same:
             setattr(config.lora, key, value)
+    if "dropout" not in given:  # a training knob, not what the adapter computes: one given wins, as in PEFT's config=
+        config.lora.dropout = float(saved.get("lora_dropout") or 0.0)
 
 
 def check_trainable_here(saved: dict, source: str) -> None:

@@ -242,6 +242,10 @@ def test_num_epochs_without_max_steps_counts_steps_once_the_data_is_read(ratio):
     ({"use_tensorboard": True, "wandb_project": "p", "wandb_name": "n", "save_steps": 25, "save_total_limit": 3},
      {"logging.report_to": ["tensorboard", "wandb"], "logging.project": "p", "logging.run_name": "n",
       "checkpoint.every": 25, "checkpoint.keep": 3}),
+    ({"hub_model_id": "me/grpo-adapter", "hub_strategy": "every_save", "hub_private_repo": True},
+     {"checkpoint.push_to_hub": True, "checkpoint.hub_model_id": "me/grpo-adapter",
+      "checkpoint.hub_strategy": "every_save", "checkpoint.hub_private_repo": True}),
+    ({"hub_strategy": "end"}, {"checkpoint.push_to_hub": False, "checkpoint.hub_strategy": "end"}),
     ({"attn_implementation": "sdpa"}, {"model.attention": "sdpa"}),
     ({"device_map": {"": 1}}, {"model.device": "cuda:1"}),
     ({"base_model": "Qwen/Qwen2.5-0.5B-Instruct", "revision_of_model": "v2"},  # a Hub id, fetched when it runs
@@ -294,6 +298,7 @@ def test_keys_map_as_axolotl_runs_them(changes, expected):
     ({"vllm": {"dtype": "int4"}}, "vllm.dtype", "auto, bfloat16"),
     ({"resume_from_checkpoint": "./grpo-output/checkpoint-100"}, "resume_from_checkpoint", "--checkpoint.resume"),
     ({"plugins": ["axolotl.integrations.liger.LigerPlugin"]}, "plugins", "do not run here"),
+    ({"hub_model_id": "me/x", "hub_strategy": "all_checkpoints"}, "hub_strategy", "end or every_save"),
 ])
 def test_what_cannot_be_honoured_is_refused_with_its_reason(changes, key, reason):
     reasons = refused(quickstart(**changes))
@@ -312,9 +317,9 @@ def test_a_validation_split_is_held_out_and_evaluated_every_eval_steps(eval_step
 def test_lora_model_dir_starts_from_that_adapter_with_its_own_settings():
     translation = translate(quickstart(lora_model_dir="./outputs/sft/adapter", lora_dropout=0.05))
     config = Config.model_validate(translation.config)
-    assert config.lora.init_from == "./outputs/sft/adapter" and config.lora.dropout == 0.05
-    assert "r" not in translation.config["lora"] and "targets" not in translation.config["lora"]
-    assert any(note.startswith("lora_r, lora_alpha, lora_target_linear: the adapter's own settings apply")
+    assert config.lora.init_from == "./outputs/sft/adapter"
+    assert not {"r", "dropout", "targets"} & translation.config["lora"].keys()  # the adapter's, as axolotl's
+    assert any(note.startswith("lora_r, lora_alpha, lora_dropout, lora_target_linear: the adapter's own settings")
                for note in translation.notes)
     assert "needs adapter: lora or qlora" in refused(quickstart(lora_model_dir="x", adapter=None))["lora_model_dir"]
 

@@ -20,7 +20,7 @@ from driver.data.tiny_model import resolve_model_path
 from driver.policy.model import load_policy
 from tests.hub_cache import cache_with
 
-SFT = {"r": 4, "alpha": 12.0, "targets": ["q_proj", "v_proj"]}  # unlike the section's defaults (8, 16, seven)
+SFT = {"r": 4, "alpha": 12.0, "targets": ["q_proj", "v_proj"], "dropout": 0.1}  # unlike the defaults (8, 16, ...)
 TOKENS = [[3, 17, 42, 99, 7, 250, 31, 5]]
 
 
@@ -73,6 +73,7 @@ def test_the_policy_starts_as_the_adapter_with_its_settings(sft_adapter, tmp_pat
     config = config_file(tmp_path, {"init_from": str(sft_adapter)})
     adopt_adapter_settings(config)
     assert (config.lora.r, config.lora.alpha, sorted(config.lora.targets)) == (4, 12.0, ["q_proj", "v_proj"])
+    assert config.lora.dropout == 0.1  # PeftModel.from_pretrained trains with the saved dropout too
     policy = load_policy(config)
     with torch.no_grad():
         logits = policy.causal_lm.eval()(input_ids=torch.tensor(TOKENS)).logits
@@ -92,6 +93,9 @@ def test_a_value_the_config_gives_must_agree(sft_adapter, tmp_path):
     agreeing = config_file(tmp_path, {"init_from": str(sft_adapter), "r": 4, "targets": ["v_proj", "q_proj"]})
     adopt_adapter_settings(agreeing)
     assert agreeing.lora.alpha == 12.0
+    without_dropout = config_file(tmp_path, {"init_from": str(sft_adapter), "dropout": 0.0})
+    adopt_adapter_settings(without_dropout)  # a training knob: the one given wins, as PEFT's config= would
+    assert without_dropout.lora.dropout == 0.0
     with pytest.raises(ConfigError, match=r"lora.r = 8, but the adapter lora.init_from \(.*adapter\) has 4: leave "
                                           r"lora.r out \(the adapter's is taken\) or give its value"):
         adopt_adapter_settings(config_file(tmp_path, {"init_from": str(sft_adapter), "r": 8}))

@@ -1,0 +1,161 @@
+"""checkpoint.push_to_hub: the trained adapter (under full fine-tuning the model) uploaded to a Hugging Face Hub
+repository, as TRL's push_to_hub / hub_model_id / hub_strategy / hub_private_repo do.
+
+The repository is created (or found) before the model loads, so a missing token, HF_HUB_OFFLINE or a name the
+token cannot write stops the run at its start, not after hours of training. hub_strategy end uploads the final
+adapter once the run ends (with eval.save_best, the best evaluation's adapter goes to best/ in the same commit);
+every_save also uploads each checkpoint's adapter as it is saved, from a background thread (training does not
+wait; a newer save replaces one still waiting). A failed upload never costs the run: everything is on disk, and
+the message says how to upload it by hand. Only rank 0 talks to the Hub.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from driver.cli import ConfigError
+from driver.config import CheckpointConfig
+
+BEST_FOLDER = "best"  # where eval.save_best's adapter goes in the repository
+
+
+class HubUploadError(RuntimeError):
+    """An upload failed (the run's files are all on disk): said in a line, the run's exit code 1."""
+
+
+@dataclass(frozen=True)
+class Upload:
+    """Folders to commit at once: {folder in the repository ("" = its root): local directory}."""
+    folders: dict[str, Path]
+    message: str
+
+
+def create_repository(checkpoint: CheckpointConfig, output_dir: Path) -> str:
+    """The repository's full id (user/name) once it exists; a ConfigError naming what is wrong otherwise."""
+    from huggingface_hub import HfApi, constants, get_token
+    from huggingface_hub.errors import HfHubHTTPError
+
+    name = checkpoint.hub_model_id or output_dir.resolve().name  # TRL's default: output_dir's name
+    if constants.HF_HUB_OFFLINE:
+        raise ConfigError("checkpoint.push_to_hub: HF_HUB_OFFLINE is set; unset it, or push_to_hub: false and "
+                          f"upload {output_dir} by hand later (`hf upload`)")
+    if get_token() is None:
+        raise ConfigError("checkpoint.push_to_hub: no Hugging Face token; log in (`hf auth login`) or set HF_TOKEN "
+                          "to a token that can write to the Hub")
+    try:
+        url = HfApi().create_repo(name, private=checkpoint.hub_private_repo, exist_ok=True)
+    except HfHubHTTPError as error:
+        raise ConfigError(f"checkpoint.hub_model_id: the Hub refused to create or find {name} "
+                          f"({hub_reason(error)})") from None
+    except unreachable() as error:
+        raise ConfigError(f"checkpoint.push_to_hub: the Hugging Face Hub ({constants.ENDPOINT}) could not be "
+                          f"reached: {error}") from None
+    return url.repo_id
+
+
+def unreachable() -> tuple[type[BaseException], ...]:
+    """The errors of a Hub that cannot be reached (refused, DNS, timeouts): the HTTP client's transport errors
+    (huggingface_hub 1.x uses httpx, 2.x httpx2), which are no OSError."""
+    errors: list[type[BaseException]] = [OSError]
+    for client in ("httpx2", "httpx"):
+        with contextlib.suppress(ImportError):
+            errors.append(importlib.import_module(client).TransportError)
+    return tuple(errors)
+
+
+def hub_reason(error: Exception) -> str:
+    """The Hub's answer in one line (the status and its message, without huggingface_hub's request ids)."""
+    response = getattr(error, "response", None)
+    status = f"HTTP {response.status_code}: " if response is not None else ""
+    return status + str(error).splitlines()[0]
+
+
+def upload(repo_id: str, job: Upload) -> None:
+    """One commit with every file of job's folders."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    operations = [CommitOperationAdd(path_in_repo="/".join(filter(None, (folder, path.relative_to(local).as_posix()))),
+                                     path_or_fileobj=str(path))
+                  for folder, local in job.folders.items()
+                  for path in sorted(local.rglob("*")) if path.is_file()]
+    HfApi().create_commit(repo_id, operations, commit_message=job.message)
+
+
+class HubUploader:
+    """Rank 0's uploads to the run's repository: `push` hands one to the background thread (every_save; staged
+    as hard links, so a checkpoint rotated away meanwhile is still whole), `finish` waits for it, uploads the
+    final adapter and returns what failed."""
+
+    def __init__(self, repo_id: str, output_dir: Path, background: bool) -> None:
+        from huggingface_hub import constants
+
+        self.repo_id = repo_id
+        self.url = f"{constants.ENDPOINT.rstrip('/')}/{repo_id}"
+        self.output_dir = output_dir
+        self.failures: list[str] = []
+        self.condition = threading.Condition()
+        self.waiting: tuple[Upload, Path] | None = None  # staged, and its staging directory
+        self.finishing = False
+        self.thread = threading.Thread(target=self._work, name="hub-upload", daemon=True) if background else None
+        if self.thread is not None:
+            self.thread.start()
+
+    def push(self, job: Upload) -> None:
+        """Uploaded in the background; one still waiting is replaced by this newer one."""
+        staged = stage(job, self.output_dir)
+        with self.condition:
+            if self.waiting is not None:
+                shutil.rmtree(self.waiting[1], ignore_errors=True)
+            self.waiting = staged
+            self.condition.notify()
+
+    def finish(self, job: Upload | None) -> list[str]:
+        """Wait for the background upload, then upload `job` (the final adapter); the failures, a line each."""
+        if self.thread is not None:
+            with self.condition:
+                self.finishing = True
+                self.condition.notify()
+            self.thread.join()
+        if job is not None:
+            self._attempt(job)
+        return self.failures
+
+    def _work(self) -> None:
+        while True:
+            with self.condition:
+                self.condition.wait_for(lambda: self.waiting is not None or self.finishing)
+                if self.waiting is None:
+                    return
+                (job, directory), self.waiting = self.waiting, None
+            self._attempt(job)
+            shutil.rmtree(directory, ignore_errors=True)
+
+    def _attempt(self, job: Upload) -> None:
+        try:
+            upload(self.repo_id, job)
+        except Exception as error:  # noqa: BLE001 - any failure is reported; the run's files are on disk
+            self.failures.append(f"{job.message}: {hub_reason(error)}")
+
+
+def stage(job: Upload, output_dir: Path) -> tuple[Upload, Path]:
+    """The job's folders hard-linked (copied where links are impossible) into a directory of output_dir's."""
+    directory = Path(tempfile.mkdtemp(prefix=".hub-upload-", dir=output_dir))
+    folders = {}
+    for index, (folder, local) in enumerate(job.folders.items()):
+        shutil.copytree(local, directory / str(index), copy_function=link_or_copy)
+        folders[folder] = directory / str(index)
+    return Upload(folders, job.message), directory
+
+
+def link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)

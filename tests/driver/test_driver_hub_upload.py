@@ -1,0 +1,127 @@
+"""checkpoint.push_to_hub (driver/data/hub_upload.py) through huggingface_hub's real client against a local
+stand-in for the Hub's write API (tests/hub_stand_in.py: the Hub cannot be reached here): the repository is created
+before training (a bare name under the token's user, private when asked) and problems stop the run there; a whole
+training run uploads its final adapter, every checkpoint's with every_save and eval.save_best's to best/; a failed
+upload loses nothing and says how to upload by hand."""
+
+import json
+
+import huggingface_hub.constants
+import pytest
+from safetensors.torch import load
+
+import driver.train
+from driver.checkpoint import CHECKPOINTS
+from driver.cli import ConfigError, load_config
+from driver.config import CheckpointConfig
+from driver.data.hub_upload import HubUploader, Upload, create_repository
+from tests.hub_stand_in import TOKEN, USER, HubStandIn
+
+
+@pytest.fixture
+def hub(monkeypatch):
+    stand_in = HubStandIn()
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", stand_in.url)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    yield stand_in
+    stand_in.close()
+
+
+def test_the_repository_is_created_under_the_token_s_user_or_found(hub, tmp_path):
+    output_dir = tmp_path / "my-grpo-run"
+    assert create_repository(CheckpointConfig(push_to_hub=True), output_dir) == f"{USER}/my-grpo-run"
+    assert hub.repos[f"{USER}/my-grpo-run"].private is None  # the Hub's default
+    named = CheckpointConfig(push_to_hub=True, hub_model_id="org/adapter", hub_private_repo=True)
+    assert create_repository(named, output_dir) == "org/adapter"
+    assert hub.repos["org/adapter"].private is True
+    assert create_repository(named, output_dir) == "org/adapter"  # found: a resumed run pushes to it again
+
+
+def test_no_token_offline_or_a_refusal_is_a_config_error_before_training(hub, tmp_path, monkeypatch):
+    config = CheckpointConfig(push_to_hub=True)
+    monkeypatch.setenv("HF_TOKEN", "hf_wrong")
+    with pytest.raises(ConfigError, match=r"checkpoint.hub_model_id: the Hub refused to create or find run "
+                                          r"\(HTTP 401: "):
+        create_repository(config, tmp_path / "run")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ConfigError, match="HF_HUB_OFFLINE is set"):
+        create_repository(config, tmp_path / "run")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_TOKEN")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_STORED_TOKENS_PATH", str(tmp_path / "no-tokens"))
+    with pytest.raises(ConfigError, match=r"no Hugging Face token; log in \(`hf auth login`\) or set HF_TOKEN"):
+        create_repository(config, tmp_path / "run")
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens
+    with pytest.raises(ConfigError, match=r"the Hugging Face Hub \(http://127.0.0.1:9\) could not be reached"):
+        create_repository(config, tmp_path / "run")
+
+
+def test_hub_keys_without_push_to_hub_and_push_to_hub_with_eval_only_are_refused():
+    with pytest.raises(ConfigError, match="checkpoint.hub_model_id is set but checkpoint.push_to_hub is false"):
+        load_config(None, {"checkpoint.hub_model_id": "me/x"})
+    with pytest.raises(ConfigError, match="checkpoint.push_to_hub with eval.only: nothing is trained"):
+        load_config(None, {"checkpoint.push_to_hub": "true", "eval.only": "true", "eval.val_set_size": "4"})
+    with pytest.raises(ConfigError, match="hub_strategy"):
+        load_config(None, {"checkpoint.push_to_hub": "true", "checkpoint.hub_strategy": "all_checkpoints"})
+
+
+def test_background_uploads_survive_the_checkpoint_s_removal_and_the_newest_waiting_one_wins(hub, tmp_path):
+    create_repository(CheckpointConfig(push_to_hub=True, hub_model_id="me/x"), tmp_path)
+    uploader = HubUploader("me/x", tmp_path, background=True)
+    for step in (1, 2, 3):
+        adapter = tmp_path / f"step-{step}" / "adapter"
+        adapter.mkdir(parents=True)
+        (adapter / "adapter_model.safetensors").write_bytes(f"weights {step}".encode())
+        uploader.push(Upload({"": adapter}, f"adapter after step {step}"))
+        for path in sorted(adapter.parent.rglob("*"), reverse=True):  # rotated away at once, as keep=1 would
+            path.unlink() if path.is_file() else path.rmdir()
+    assert uploader.finish(None) == []
+    commits = hub.repos["me/x"].commits
+    assert commits[-1] == "adapter after step 3" and len(commits) in (2, 3)  # step 2 may have been replaced
+    assert hub.repos["me/x"].files["adapter_model.safetensors"] == b"weights 3"
+    assert not list(tmp_path.glob(".hub-upload-*"))  # the staged links are gone
+
+
+def tiny_run_argv(output_dir, *extra) -> list[str]:
+    return ["--rollout.backend=transformers", "--rollout.sampling.max_tokens=4", "--train.steps=4",
+            "--train.prompts_per_step=2", "--algo.num_generations=2", "--logging.report_to=[]",
+            "--logging.plots=false", "--logging.quiet=false", "--logging.progress=false",
+            f"--logging.output_dir={output_dir}", "--checkpoint.push_to_hub=true", *extra]
+
+
+def test_a_run_uploads_each_checkpoint_and_its_final_and_best_adapters(hub, tmp_path, capsys):
+    output_dir = tmp_path / "run"
+    argv = tiny_run_argv(output_dir, "--checkpoint.every=2", "--checkpoint.hub_strategy=every_save",
+                         "--checkpoint.hub_model_id=me/grpo", "--eval.steps=2", "--eval.val_set_size=4",
+                         "--eval.save_best=true")
+    assert driver.train.main(argv) == 0
+    printed = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    repository = hub.repos["me/grpo"]
+    assert repository.commits[-1] == "adapter after step 4"  # the final adapter's, after each checkpoint's
+    assert repository.commits[:-1] in (["adapter after step 2", "adapter after step 4"],
+                                       ["adapter after step 4"])  # step 2's replaced while still waiting
+    local = output_dir / "adapter"
+    assert repository.files["adapter_model.safetensors"] == (local / "adapter_model.safetensors").read_bytes()
+    assert repository.files["adapter_config.json"] == (local / "adapter_config.json").read_bytes()
+    assert load(repository.files["best/adapter_model.safetensors"]).keys() == \
+        load((local / "adapter_model.safetensors").read_bytes()).keys()
+    assert json.loads(repository.files["best/best.json"])["step"] in (2, 4)
+    assert f"will upload to {hub.url}/me/grpo (each checkpoint and the end)" in printed
+    assert f"uploaded to {hub.url}/me/grpo" in printed
+    assert not list(output_dir.glob(".hub-upload-*"))
+
+
+def test_a_failed_upload_keeps_everything_and_says_how_to_upload_by_hand(hub, tmp_path, capsys):
+    output_dir = tmp_path / "run"
+    hub.fail_commits = 1
+    assert driver.train.main(tiny_run_argv(output_dir)) == 1
+    error = " ".join(capsys.readouterr().err.split())
+    assert (f"error: uploading to {hub.url}/{USER}/run failed (adapter after step 4: HTTP 503" in error
+            and f"upload it with `hf upload {USER}/run {output_dir / 'adapter'}`" in error), error
+    assert "Traceback" not in error
+    assert (output_dir / "adapter" / "adapter_model.safetensors").is_file()
+    assert (output_dir / CHECKPOINTS).is_dir()
+    assert hub.repos[f"{USER}/run"].files == {}
