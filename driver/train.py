@@ -225,7 +225,7 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
             generator.close()
     if config.logging.plots and world.is_main and steps:
         plot_metrics(output_dir / "metrics.jsonl", output_dir)
-    hub_failures = push_final(hub, config, policy, best, step, interrupted or step == first_step, terminal.out)
+    hub_failures = push_final(hub, config, policy, best, step, interrupted, step > first_step, terminal.out)
     if world.is_main and not steps:
         print(evaluation_summary(output_dir, wall_seconds=time.perf_counter() - run_started,
                                  quiet=terminal.log_path is not None), file=terminal.out)
@@ -270,22 +270,23 @@ def open_hub(config: Config, world: distributed.World, startup: StartupPhases) -
     return hub
 
 
-def push_final(hub: HubUploader | None, config: Config, policy, best: BestAdapter | None, step: int, stopped: bool,
-               out) -> list[str]:
+def push_final(hub: HubUploader | None, config: Config, policy, best: BestAdapter | None, step: int,
+               interrupted: bool, trained: bool, out) -> list[str]:
     """The end of push_to_hub: the background upload waited for, then the final adapter (with eval.save_best's in
-    best/) uploaded unless the run stopped early or trained nothing, said on the terminal; what failed, a line each."""
+    best/) uploaded when this run trained to its last step, said on the terminal; what failed, a line each."""
     if hub is None:
         return []
-    folders = {} if stopped else {"": config.output_dir / policy.trained_name}
-    if folders and best is not None and best.best:
-        folders[BEST_FOLDER] = best.directory
-    if stopped:
-        print(f"not uploaded to {hub.url}: the run stopped before its last step (it uploads when continued to its "
-              "end)", file=out)
-    else:
+    upload = None
+    if interrupted:
+        print(f"not uploaded to {hub.url}: the run stopped early (continued to its end, it uploads)", file=out)
+    elif trained:
+        folders = {"": config.output_dir / policy.trained_name}
+        if best is not None and best.best:
+            folders[BEST_FOLDER] = best.directory
+        upload = Upload(folders, f"{policy.trained_name} after step {step}")
         print(f"uploading the {policy.trained_name} to {hub.url} ...", file=out, flush=True)
-    failures = hub.finish(None if stopped else Upload(folders, f"{policy.trained_name} after step {step}"))
-    if not stopped and not failures:
+    failures = hub.finish(upload)
+    if upload is not None and not failures:
         print(f"uploaded to {hub.url}", file=out)
     return failures
 

@@ -125,3 +125,18 @@ def test_a_failed_upload_keeps_everything_and_says_how_to_upload_by_hand(hub, tm
     assert (output_dir / "adapter" / "adapter_model.safetensors").is_file()
     assert (output_dir / CHECKPOINTS).is_dir()
     assert hub.repos[f"{USER}/run"].files == {}
+
+
+def test_a_stopped_run_or_one_that_trained_nothing_uploads_nothing(hub, tmp_path):
+    from io import StringIO
+    from types import SimpleNamespace
+
+    config = load_config(None, {"checkpoint.push_to_hub": "true", "logging.output_dir": str(tmp_path)})
+    policy = SimpleNamespace(trained_name="adapter")
+    for interrupted, trained, said in ((True, True, "the run stopped early (continued to its end, it uploads)"),
+                                       (False, False, "")):  # a resume of a finished run: nothing new
+        out = StringIO()
+        uploader = HubUploader(create_repository(config.checkpoint, tmp_path), tmp_path, background=False)
+        assert driver.train.push_final(uploader, config, policy, None, 4, interrupted, trained, out) == []
+        assert said in out.getvalue() and "uploading" not in out.getvalue()
+    assert hub.repos[f"{USER}/{tmp_path.name}"].commits == []
