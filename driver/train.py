@@ -234,7 +234,7 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
                           wall_seconds=time.perf_counter() - run_started, quiet=terminal.log_path is not None,
                           plots=config.logging.plots, tensorboard=config.logging.tensorboard,
                           best=(best.directory, best.best) if best is not None and best.best else None,
-                          epochs=config.train.epochs),
+                          epochs=config.train.epochs, hub=hub.url if hub is not None and hub.uploaded else None),
               file=terminal.out)
     if hub_failures:  # last: everything is on disk and summarized
         trained = output_dir / policy.trained_name
@@ -286,7 +286,7 @@ def push_final(hub: HubUploader | None, config: Config, policy, best: BestAdapte
         upload = Upload(folders, f"{policy.trained_name} after step {step}")
         print(f"uploading the {policy.trained_name} to {hub.url} ...", file=out, flush=True)
     failures = hub.finish(upload)
-    if upload is not None and not failures:
+    if hub.uploaded:
         print(f"uploaded to {hub.url}", file=out)
     return failures
 

@@ -100,6 +100,7 @@ class HubUploader:
         self.url = f"{constants.ENDPOINT.rstrip('/')}/{repo_id}"
         self.output_dir = output_dir
         self.failures: list[str] = []
+        self.uploaded = False  # finish's upload (the final adapter) reached the Hub
         self.condition = threading.Condition()
         self.waiting: tuple[Upload, Path] | None = None  # staged, and its staging directory
         self.finishing = False
@@ -124,7 +125,7 @@ class HubUploader:
                 self.condition.notify()
             self.thread.join()
         if job is not None:
-            self._attempt(job)
+            self.uploaded = self._attempt(job)
         return self.failures
 
     def _work(self) -> None:
@@ -137,11 +138,13 @@ class HubUploader:
             self._attempt(job)
             shutil.rmtree(directory, ignore_errors=True)
 
-    def _attempt(self, job: Upload) -> None:
+    def _attempt(self, job: Upload) -> bool:
         try:
             upload(self.repo_id, job)
         except Exception as error:  # noqa: BLE001 - any failure is reported; the run's files are on disk
             self.failures.append(f"{job.message}: {hub_reason(error)}")
+            return False
+        return True
 
 
 def stage(job: Upload, output_dir: Path) -> tuple[Upload, Path]:

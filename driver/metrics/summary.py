@@ -63,9 +63,14 @@ def evaluation_summary(output_dir: Path, *, wall_seconds: float, quiet: bool) ->
                      + (f"; {', '.join(rewards)}" if len(rewards) > 1 else ""))
     outputs = [("metrics", output_dir / METRICS_FILE, "the eval/ metrics"),
                ("evaluated", output_dir / EVAL_COMPLETIONS_FILE, "each evaluated completion, its rewards")]
+    return "\n".join(lines + listed(outputs, output_dir, quiet))
+
+
+def listed(outputs: list[tuple[str, object, str]], output_dir: Path, quiet: bool) -> list[str]:
+    """The summary's outputs, a line each (name, where, what it is), run.log last when the libraries wrote there."""
     if quiet:
-        outputs.append(("log", output_dir / LOG_FILE, "vLLM's and the libraries' output"))
-    return "\n".join(lines + [f"  {name:<11} {path}  ({what})" for name, path, what in outputs])
+        outputs = [*outputs, ("log", output_dir / LOG_FILE, "vLLM's and the libraries' output")]
+    return [f"  {name:<11} {path}  ({what})" for name, path, what in outputs]
 
 
 def interpreter() -> str:
@@ -76,9 +81,9 @@ def interpreter() -> str:
 
 def run_summary(output_dir: Path, *, steps_done: int, steps_planned: int, wall_seconds: float,
                 quiet: bool, plots: bool, tensorboard: bool, best: tuple[Path, dict] | None = None,
-                epochs: float | None = None) -> str:
+                epochs: float | None = None, hub: str | None = None) -> str:
     """best: eval.save_best's directory and what its best.json says (step, metric); epochs: train.epochs, which
-    decided the steps (a longer run then doubles it)."""
+    decided the steps (a longer run then doubles it); hub: the repository the run uploaded to."""
     rows = read_rows(output_dir / METRICS_FILE)
     minutes, seconds = divmod(int(round(wall_seconds)), 60)
     lines = [f"{'finished' if steps_done >= steps_planned else 'stopped at'} step {steps_done} of {steps_planned} "
@@ -95,6 +100,8 @@ def run_summary(output_dir: Path, *, steps_done: int, steps_planned: int, wall_s
         metric, value = next((key, value) for key, value in record.items() if key != "step")
         outputs.append(("best", directory, f"the best evaluation's weights: step {record['step']}, {metric} "
                                            f"{value:.3f}"))
+    if hub is not None:
+        outputs.append(("hub", hub, "the uploaded adapter: PeftModel.from_pretrained with the repository's id"))
     if (output_dir / EVAL_COMPLETIONS_FILE).exists():
         outputs.append(("evaluated", output_dir / EVAL_COMPLETIONS_FILE, "each evaluated completion, its rewards"))
     if plots:
@@ -102,9 +109,7 @@ def run_summary(output_dir: Path, *, steps_done: int, steps_planned: int, wall_s
     if tensorboard:
         events = output_dir / TENSORBOARD_DIR
         outputs.append(("tensorboard", events, f"tensorboard --logdir {events}"))
-    if quiet:
-        outputs.append(("log", output_dir / LOG_FILE, "vLLM's and the libraries' output"))
-    lines += [f"  {name:<11} {path}  ({what})" for name, path, what in outputs]
+    lines += listed(outputs, output_dir, quiet)
     command = f"{interpreter()} -m driver.train {output_dir / 'config.yaml'} --checkpoint.resume=latest"
     if steps_done < steps_planned:
         lines.append(f"  resume:   {command}")

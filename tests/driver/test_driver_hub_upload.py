@@ -110,7 +110,7 @@ def test_a_run_uploads_each_checkpoint_and_its_final_and_best_adapters(hub, tmp_
         load((local / "adapter_model.safetensors").read_bytes()).keys()
     assert json.loads(repository.files["best/best.json"])["step"] in (2, 4)
     assert f"will upload to {hub.url}/me/grpo (each checkpoint and the end)" in printed
-    assert f"uploaded to {hub.url}/me/grpo" in printed
+    assert f"uploaded to {hub.url}/me/grpo" in printed and f"hub {hub.url}/me/grpo (the uploaded adapter" in printed
     assert not list(output_dir.glob(".hub-upload-*"))
 
 
