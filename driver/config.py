@@ -72,6 +72,10 @@ class ModelConfig(Section):
     gradient_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in the "
                                          "backward instead of keeping them (transformers' non-reentrant "
                                          "checkpointing): less memory, one more forward per layer")
+    disable_dropout: bool = Field(False, description="no dropout while training (TRL's disable_dropout): the "
+                                  "model's dropout layers, its attention dropout (which TRL's leaves on) and LoRA's, "
+                                  "so the training forward scores tokens as the frozen passes do; the saved "
+                                  "config.json keeps its values")
 
     @field_validator("qlora_blocksize")
     @classmethod

@@ -222,8 +222,22 @@ def load_policy(config: Config) -> Policy:
 
             # After get_peft_model: PEFT reads the expert parameters' shapes when it wraps them.
             quantize_moe_experts(model, config.model.qlora_blocksize)
+    if config.model.disable_dropout:
+        disable_dropout(model)
     return Policy(model=model, tokenizer=tokenizer, model_dir=model_dir,
                   kernels=prepare_for_training(config, model))
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """model.disable_dropout: every nn.Dropout (LoRA's included) at p = 0, and every float a module keeps under a
+    dropout name (attention modules read self.attention_dropout in training: an nn.Dropout search misses it); the
+    model's config is left as it is, so a saved model keeps its own values."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "dropout" in name.lower() and isinstance(value, float):
+                setattr(module, name, 0.0)
 
 
 def full_policy(config: Config, model: nn.Module, tokenizer, model_dir: str) -> Policy:
@@ -238,6 +252,8 @@ def full_policy(config: Config, model: nn.Module, tokenizer, model_dir: str) -> 
     if config.algo.beta > 0:
         reference = copy.deepcopy(model).requires_grad_(False).eval()
         reference.to(resolve_device(config.model.device))
+    if config.model.disable_dropout:
+        disable_dropout(model)
     kernels = prepare_for_training(config, model)
     return Policy(model=model, tokenizer=tokenizer, model_dir=model_dir, kernels=kernels, frozen_reference=reference)
 
