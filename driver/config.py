@@ -481,7 +481,19 @@ class AlgoConfig(Section):
         1.0, ge=0, le=1, description="train the policy term only on the tokens whose entropy is in this top "
         "quantile of the micro-batch's tokens (per rank; Beyond the 80/20 rule recommends 0.2; 1: all)")
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus: the loss minus entropy_coef x the mean "
-                                "token entropy (the kept tokens' with top_entropy_quantile)")
+                                "token entropy (the kept tokens' with top_entropy_quantile); with "
+                                "use_adaptive_entropy, the coefficient it starts from")
+    use_adaptive_entropy: bool = Field(False, description="Skywork-OR1's entropy control (TRL's): after each "
+                                       "optimizer update the coefficient moves by entropy_coef_delta, up while the "
+                                       "update's mean token entropy is at or below entropy_target, down otherwise, "
+                                       "within [entropy_coef_min, entropy_coef_max]; the bonus applies only while "
+                                       "the last update's entropy was at or below the target")
+    entropy_coef_min: float = Field(0.0, ge=0, description="use_adaptive_entropy: the coefficient's lower bound")
+    entropy_coef_max: float = Field(1.0, ge=0, description="use_adaptive_entropy: the coefficient's upper bound")
+    entropy_coef_delta: float = Field(0.005, ge=0, description="use_adaptive_entropy: the step of the coefficient "
+                                      "per optimizer update")
+    entropy_target: float = Field(0.2, ge=0, description="use_adaptive_entropy: the mean token entropy (nats) "
+                                  "below which the bonus applies and grows")
     advantage_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"] = Field(
         "grpo", description="grpo: the group mean subtracted, scaled by scale_rewards; rloo: r minus the mean of the "
         "group's other rewards; reinforce_plus_plus: rewards whitened over the batch's tokens, no group baseline; "
@@ -559,7 +571,20 @@ class AlgoConfig(Section):
         if self.advantage_estimator != "grpo" and "scale_rewards" in self.model_fields_set:
             raise ValueError(f"scale_rewards applies to advantage_estimator grpo only ({self.advantage_estimator} "
                              "has its own scaling); remove it")
+        self._check_adaptive_entropy()
         return self
+
+    def _check_adaptive_entropy(self) -> None:
+        keys = ("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target")
+        if not self.use_adaptive_entropy:
+            # Against the defaults, as the eval section: a controller tuned but left off is a mistake.
+            given = [key for key in keys if getattr(self, key) != AlgoConfig.model_fields[key].default]
+            if given:
+                raise ValueError(f"{given[0]} is set but use_adaptive_entropy is false: set it true (or remove "
+                                 f"{given[0]})")
+        elif self.entropy_coef_min > self.entropy_coef_max:
+            raise ValueError(f"entropy_coef_min = {self.entropy_coef_min} is above entropy_coef_max = "
+                             f"{self.entropy_coef_max}")
 
     @model_validator(mode="after")
     def _check_replay(self) -> AlgoConfig:
@@ -599,7 +624,7 @@ class AlgoConfig(Section):
     def acts_on_every_completion(self) -> bool:
         """A loss term reaches completions of zero advantage (the KL, the entropy bonus): filtering or
         skipping them would change the update."""
-        return self.loss_beta > 0 or self.entropy_coef > 0
+        return self.loss_beta > 0 or self.entropy_coef > 0 or self.use_adaptive_entropy
 
 
 class EbftConfig(Section):
@@ -1104,6 +1129,7 @@ class Config(Section):
                                                ("algo.replay_buffer_size", algo.replay_buffer_size > 0),
                                                ("algo.beta", algo.beta > 0),
                                                ("algo.entropy_coef", algo.entropy_coef > 0),
+                                               ("algo.use_adaptive_entropy", algo.use_adaptive_entropy),
                                                ("algo.top_entropy_quantile", algo.top_entropy_quantile < 1),
                                                ("algo.mask_truncated_completions",
                                                 algo.mask_truncated_completions),

@@ -97,6 +97,15 @@ def max_int(value: int) -> int:
     return int(tensor)
 
 
+def sum_floats(values: list[float]) -> list[float]:
+    """Each value summed over the ranks."""
+    if not _world.distributed:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor)  # a CPU tensor: gloo, as max_int
+    return tensor.tolist()
+
+
 def reduce_metrics(metrics: Metrics, summed: tuple[str, ...] = ()) -> dict[str, float]:
     """The step's metric values from every rank's, each by its meaning (driver.metrics.combine.combine_metrics):
     the sum over ranks for `summed` keys, the min of */min (and *_min) keys and the max of */max (*_max),

@@ -28,10 +28,16 @@ from driver.rollouts.batch import RolloutBatch
 from driver.rollouts.filtering import check_counts, merge, micro_batches, split_steps  # noqa: F401
 from driver.update.ground_truth_loss import (GroundTruthLoss, check_ground_truths, logprobs_and_document_nll,
                                              micro_batch_documents)
+from driver.update.entropy_control import applied_entropy_coef, observe_entropy
 from driver.update.optim import optimizer_steps
 from driver.update.loss_terms import high_entropy_mask, loss_options
 from driver.update.losses import (StepNormalizers, all_zero, connected_zero, importance_weights,
                                   off_policy_sequence_mask, policy_loss)
+
+
+# micro_batch_loss's entropy over the tokens an entropy bonus acts on (summed, counted), taken out of its metrics
+# by the update pass: algo.use_adaptive_entropy measures each update's entropy by them.
+BONUS_ENTROPY = ("bonus_entropy_sum", "bonus_tokens")
 
 
 @torch.no_grad()
@@ -72,7 +78,7 @@ def optimize(config: Config, policy: Policy, batch: RolloutBatch, optimizer, sch
     # their token counts: combine_metrics weighs token means by tokens, takes min of */min, ...
     micro_batch_metrics: list[Metrics] = []
     # A part without micro-batches (a step dynamic sampling left short) makes no update; the schedule still steps.
-    backward_passes = [update_pass(config, policy, part, params, micro_batch_metrics, term)
+    backward_passes = [update_pass(config, policy, part, params, micro_batch_metrics, term, optimizer)
                        if part.counts is None or part.counts.micro_batch_rows else None for part in parts]
     updates = optimizer_steps(config, params, optimizer, scheduler, backward_passes)
     metrics = combine_metrics(micro_batch_metrics).update(updates)
@@ -82,9 +88,11 @@ def optimize(config: Config, policy: Policy, batch: RolloutBatch, optimizer, sch
 
 
 def update_pass(config: Config, policy: Policy, batch: RolloutBatch, params: list[torch.nn.Parameter],
-                micro_batch_metrics: list[Metrics], term: GroundTruthLoss | None = None) -> Callable[[], Metrics]:
+                micro_batch_metrics: list[Metrics], term: GroundTruthLoss | None = None,
+                optimizer: torch.optim.Optimizer | None = None) -> Callable[[], Metrics]:
     """The backward pass of one optimizer update on `batch` (its micro-batches' metrics appended to
-    micro_batch_metrics), with the frozen logprobs it needs computed now, before any update."""
+    micro_batch_metrics), with the frozen logprobs it needs computed now, before any update. optimizer: where
+    algo.use_adaptive_entropy keeps its coefficient (driver/update/entropy_control.py)."""
     algo, temperature = config.algo, config.rollout.sampling.temperature
     parts = micro_batch_plan(batch, config.train.micro_batch_size, algo.loss_type,
                              config.rollout.sampling.max_tokens)
@@ -105,22 +113,31 @@ def update_pass(config: Config, policy: Policy, batch: RolloutBatch, params: lis
     def backward_pass() -> Metrics:
         policy.model.train()
         skipped, step_losses = 0, dict.fromkeys(loss_names(term), 0.0)
+        coef = applied_entropy_coef(algo, optimizer) if optimizer is not None else algo.entropy_coef
+        bonus_entropy = [0.0, 0.0]  # the entropy summed over the bonus's tokens, and their count
         for part, normalizers in parts:
             # Never after filtering (no zero rows are left); the unfiltered path without KL or entropy keeps it.
             if skip_zero and all_zero(batch.advantages[part]):
                 connected_zero(params).backward()  # keeps the graph connected (DDP-style hooks fire)
                 skipped += 1
                 continue
-            metrics = micro_batch_loss(config, policy, batch, part, normalizers, old_logps, ref_logps, term)
+            metrics = micro_batch_loss(config, policy, batch, part, normalizers, old_logps, ref_logps, term,
+                                       entropy_coef=coef)
             for key in step_losses:  # micro-batch losses are normalized to sum to the step's
                 step_losses[key] += metrics.values.pop(key)
+            for index, key in enumerate(BONUS_ENTROPY):
+                bonus_entropy[index] += metrics.values.pop(key)
             micro_batch_metrics.append(metrics)
         for _ in range(padding):
             padding_pass(policy, temperature, backward=True)
         if batch.counts is not None:
             zero_missing_grads(params)
-        return Metrics({**step_losses, "skipped_micro_batch_fraction": skipped / len(parts) if parts else 0.0},
-                       {"skipped_micro_batch_fraction": float(len(parts))})
+        values = {**step_losses, "skipped_micro_batch_fraction": skipped / len(parts) if parts else 0.0}
+        if algo.use_adaptive_entropy and optimizer is not None:  # every rank's tokens: one coefficient for all
+            entropy_sum, tokens = distributed.sum_floats(bonus_entropy)
+            if tokens:  # an update without loss tokens measures nothing
+                values["entropy_coef"] = observe_entropy(algo, optimizer, entropy_sum / tokens)
+        return Metrics(values, {"skipped_micro_batch_fraction": float(len(parts))})
 
     return backward_pass
 
@@ -191,12 +208,15 @@ def _check_filtered_batch(batch: RolloutBatch, every_row: bool) -> None:
 
 def micro_batch_loss(config: Config, policy: Policy, batch: RolloutBatch, part: slice, normalizers: StepNormalizers,
                      old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None,
-                     term: GroundTruthLoss | None = None) -> Metrics:
-    """Backward of this micro-batch's share of the step loss; its metrics, "loss" (the share) among them."""
+                     term: GroundTruthLoss | None = None, entropy_coef: float | None = None) -> Metrics:
+    """Backward of this micro-batch's share of the step loss; its metrics, "loss" (the share) among them, and
+    BONUS_ENTROPY (the entropy summed over the tokens an entropy bonus acts on, their count). entropy_coef: the
+    bonus's coefficient for this update (algo.use_adaptive_entropy's), else algo.entropy_coef."""
     algo = config.algo
+    coef = algo.entropy_coef if entropy_coef is None else entropy_coef
     prompts, completions = batch.prompt_ids[part], batch.completion_ids[part]
     # The entropy is a metric unless the loss has an entropy bonus: only then does it need a gradient.
-    temperature, entropy_grad = config.rollout.sampling.temperature, algo.entropy_coef > 0
+    temperature, entropy_grad = config.rollout.sampling.temperature, coef > 0
     if term is not None and term.trains_ground_truth:  # the documents' sequences join the completions' forward
         documents = micro_batch_documents(prompts, batch.ground_truth_ids[part])
         logps, entropy, mask, document_nll = logprobs_and_document_nll(
@@ -227,7 +247,7 @@ def micro_batch_loss(config: Config, policy: Policy, batch: RolloutBatch, part: 
         ref_logps=ref_logps[part, :width] if ref_logps is not None else None,
         is_weights=weights if sampling_correction.level != "none" else None,
         keep_sequences=keep if algo.off_policy_mask_threshold is not None else None,
-        options=loss_options(algo), entropy=entropy, keep_tokens=keep_tokens)
+        options=replace(loss_options(algo), entropy_coef=coef), entropy=entropy, keep_tokens=keep_tokens)
     metrics.update(mask_metrics).update(loss_metrics)
     if term is not None:
         loss, term_metrics = term.total(loss, documents, document_nll, normalizers.num_sequences)
@@ -235,5 +255,8 @@ def micro_batch_loss(config: Config, policy: Policy, batch: RolloutBatch, part: 
     (loss * distributed.world().size).backward()  # FSDP divides by the world size; the loss is a share already
     num_tokens = loss_mask.sum()
     entropy_mean = float((entropy.detach() * loss_mask).sum() / num_tokens.clamp(min=1))
-    return metrics.update(Metrics({"loss": float(loss.detach()), "entropy": entropy_mean},
+    bonus_tokens = loss_mask > 0 if keep_tokens is None else (loss_mask > 0) & keep_tokens
+    bonus = {BONUS_ENTROPY[0]: float(torch.where(bonus_tokens, entropy.detach().float(), 0.0).sum()),
+             BONUS_ENTROPY[1]: float(bonus_tokens.sum())}
+    return metrics.update(Metrics({"loss": float(loss.detach()), "entropy": entropy_mean, **bonus},
                                   {"entropy": float(num_tokens)}))

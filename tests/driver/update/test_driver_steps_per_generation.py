@@ -113,12 +113,12 @@ def test_every_part_uses_the_old_logprobs_of_the_policy_that_generated(base_poli
     seen = []  # (rows of the part, old logprobs given, the policy's own logprobs at that moment)
     original = step.micro_batch_loss
 
-    def recording(config, policy, part_batch, part, normalizers, old_logps, ref_logps, term=None):
+    def recording(config, policy, part_batch, part, normalizers, old_logps, ref_logps, term=None, **options):
         with torch.no_grad():
             now = [row_logprobs(policy.model, part_batch.prompt_ids[r], part_batch.completion_ids[r])
                    for r in range(part.start, part.stop)]
         seen.append((part_batch.completion_ids[part], old_logps[part], now))
-        return original(config, policy, part_batch, part, normalizers, old_logps, ref_logps, term)
+        return original(config, policy, part_batch, part, normalizers, old_logps, ref_logps, term, **options)
 
     monkeypatch.setattr(step, "micro_batch_loss", recording)
     ours(base_policy, batch, config_of(steps_per_generation=2, zero_advantage="keep"))
