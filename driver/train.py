@@ -50,6 +50,7 @@ from driver.rewards.functions import RewardError
 from driver.rollouts.distributed_feed import FollowerFeed, LeaderFeed, on_rank0
 from driver.rollouts.feed import Rollouts
 from driver.rollouts.source import BatchSource
+from driver.update.entropy_control import controller as entropy_controller
 from driver.update.optim import build_optimizer, build_scheduler
 from driver.update.step import optimize
 
@@ -134,6 +135,8 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
     if config.train.epochs is not None:
         steps_from_epochs(config, world, prompts, startup)
     optimizer = build_optimizer(policy.trainable_parameters(), config.train)
+    if config.algo.use_adaptive_entropy:  # its state's keys before a resume: torchrun's sharded load fills those it has
+        entropy_controller(config.algo, optimizer)
     scheduler = build_scheduler(optimizer, config.train, config.optimizer_updates)
     step, rollout_state = 0, None
     first_step = 0

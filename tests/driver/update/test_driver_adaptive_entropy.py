@@ -108,3 +108,22 @@ def test_controller_keys_without_it_and_crossed_bounds_are_refused():
                            "algo.entropy_coef_max": "0.1"})
     with pytest.raises(ConfigError, match="algo.use_adaptive_entropy: not supported by ebft.mode = strided"):
         load_config(None, {"algo.name": "ebft", "ebft.mode": "strided", "algo.use_adaptive_entropy": "true"})
+
+
+def test_torchrun_s_sharded_checkpoint_resumes_it_when_the_run_sets_it_up_first(tmp_path):
+    """torch.distributed.checkpoint loads the parameter-group keys the optimizer already has (and no other):
+    driver/train.py sets the controller up before a resume, as here (one process: the same calls)."""
+    from driver.distributed.fsdp import load_optimizer, save_optimizer
+    from driver.update.entropy_control import controller
+
+    algo = config_of(use_adaptive_entropy=True, entropy_coef=0.3, entropy_coef_delta=0.1, entropy_target=0.2).algo
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    observe_entropy(algo, optimizer, 0.1)
+    save_optimizer(tmp_path, model, optimizer)
+    resumed = torch.optim.AdamW(model.parameters())
+    controller(algo, resumed)
+    load_optimizer(tmp_path, model, resumed)
+    assert (resumed.param_groups[0][COEF], resumed.param_groups[0][LAST_ENTROPY]) == (pytest.approx(0.4), 0.1)
