@@ -7,6 +7,7 @@ output_dir/checkpoints/step-000012/
                            (groups in flight, re-roll and replay queues: driver/rollouts/feed.py)
     optimizer/             under torchrun: the sharded optimizer state (torch.distributed.checkpoint,
                            one file per rank; loads at any world size), instead of trainer_state.pt's
+    reference.safetensors  with algo.sync_ref_model: the KL reference, which no longer is the base
 Written to a temporary directory and renamed, so a crash never leaves half a checkpoint.
 
 With eval.save_best, output_dir/best/ holds the adapter (or model) of the best evaluation so far, and
@@ -30,6 +31,7 @@ import torch
 from driver.distributed import world as distributed
 
 STATE_FILE = "trainer_state.pt"
+REFERENCE_FILE = "reference.safetensors"  # algo.sync_ref_model's moved KL reference
 
 # The rollout state pickles prompts and sample groups (partial rollouts in flight, re-rolls);
 # checkpoints written before the driver's packages name their classes by the old modules, and
@@ -101,6 +103,10 @@ def save_checkpoint(output_dir: Path, step: int, policy, optimizer, scheduler, p
             state["optimizer"] = optimizer.state_dict()
         if world.is_main:
             torch.save({**state, "data": prompts.state_dict(), "rollouts": rollouts}, staging / STATE_FILE)
+        if policy.reference_moves:  # algo.sync_ref_model (full fine-tuning: one process): no longer the base
+            from safetensors.torch import save_model
+
+            save_model(policy.frozen_reference, str(staging / REFERENCE_FILE))
     if world.is_main:
         for old in sorted(target.parent.glob("step-*[0-9]"))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -173,6 +179,10 @@ def load_checkpoint(path: Path, policy, optimizer, scheduler, prompts) -> tuple[
 
         load_optimizer(path, policy.model, optimizer)
     scheduler.load_state_dict(state["scheduler"])
+    if policy.reference_moves and (path / REFERENCE_FILE).is_file():  # else the base: syncing starts from it
+        from safetensors.torch import load_model
+
+        load_model(policy.frozen_reference, str(path / REFERENCE_FILE))
     if prompts is not None:  # rank 0 only under torchrun
         prompts.load_state_dict(state["data"])
     set_rng_state(state["rng"])

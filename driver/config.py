@@ -483,6 +483,14 @@ class AlgoConfig(Section):
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus: the loss minus entropy_coef x the mean "
                                 "token entropy (the kept tokens' with top_entropy_quantile); with "
                                 "use_adaptive_entropy, the coefficient it starts from")
+    sync_ref_model: bool = Field(False, description="TR-DPO's moving reference (TRL's sync_ref_model): every "
+                                 "ref_model_sync_steps optimizer updates the KL reference becomes "
+                                 "ref_model_mixup_alpha x the policy + (1 - alpha) x itself; full fine-tuning with "
+                                 "beta > 0 (with an adapter the reference is the base with the adapter off, and TRL "
+                                 "refuses it too)")
+    ref_model_mixup_alpha: float = Field(0.6, ge=0, le=1, description="sync_ref_model: the policy's share of the "
+                                         "new reference")
+    ref_model_sync_steps: int = Field(512, ge=1, description="sync_ref_model: optimizer updates between syncs")
     use_adaptive_entropy: bool = Field(False, description="Skywork-OR1's entropy control (TRL's): after each "
                                        "optimizer update the coefficient moves by entropy_coef_delta, up while the "
                                        "update's mean token entropy is at or below entropy_target, down otherwise, "
@@ -984,6 +992,7 @@ class Config(Section):
         self._check_steps_per_generation()
         self._check_eval()
         self._check_hub()
+        self._check_sync_ref_model()
         if self.model.adapter == "none":
             self._check_full_finetuning()
         elif self.model.qlora and self.rollout.weight_sync == "merged":
@@ -1074,6 +1083,23 @@ class Config(Section):
                                  "uploaded; set push_to_hub: true (or remove it)")
         elif self.eval.only:
             raise ValueError("checkpoint.push_to_hub with eval.only: nothing is trained, so there is nothing to upload")
+
+    def _check_sync_ref_model(self) -> None:
+        algo = self.algo
+        if not algo.sync_ref_model:
+            given = [key for key in ("ref_model_mixup_alpha", "ref_model_sync_steps")
+                     if getattr(algo, key) != AlgoConfig.model_fields[key].default]
+            if given:
+                raise ValueError(f"algo.{given[0]} is set but algo.sync_ref_model is false: set it true (or remove "
+                                 f"algo.{given[0]})")
+            return
+        if self.model.adapter != "none":
+            raise ValueError("algo.sync_ref_model moves a reference model of its own, which full fine-tuning keeps "
+                             "(model.adapter: none); with an adapter the reference is the base with the adapter off "
+                             "(TRL refuses sync_ref_model with PEFT for the same reason)")
+        if algo.name != "grpo" or algo.loss_beta <= 0:
+            raise ValueError("algo.sync_ref_model moves the reference of the loss's KL term: it needs algo.name = grpo "
+                             "and beta > 0 without kl_in_reward (whose reference is scored while the policy trains)")
 
     def _check_full_finetuning(self) -> None:
         conflicts = [key for key, on in (("model.qlora", self.model.qlora),

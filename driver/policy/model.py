@@ -33,6 +33,7 @@ class Policy:
     model_dir: str  # local directory of the base model (what vLLM loads)
     kernels: str = "pure torch (train.kernels: reference)"  # what runs on pykernels' kernels, for the log
     frozen_reference: nn.Module | None = None  # full fine-tuning with a KL term: the base, frozen
+    reference_moves: bool = False  # algo.sync_ref_model: the reference mixes in the policy (checkpoints keep it)
 
     @property
     def has_adapter(self) -> bool:
@@ -65,6 +66,14 @@ class Policy:
         if self.frozen_reference is None:
             raise ValueError("full fine-tuning keeps a reference copy only when a KL term needs it (algo.beta > 0)")
         yield self.frozen_reference
+
+    @torch.no_grad()
+    def mix_into_reference(self, alpha: float) -> None:
+        """algo.sync_ref_model (TR-DPO, TRL's sync_target_model): the reference becomes alpha x the policy +
+        (1 - alpha) x itself, weight by weight."""
+        trained = dict(self.model.named_parameters())
+        for name, weight in self.frozen_reference.named_parameters():
+            weight.lerp_(trained[name].to(weight.dtype), alpha)
 
     def save_trained(self, directory: Path | None) -> Path | None:
         """The adapter in PEFT format (adapter_config.json + adapter_model.safetensors), loadable by PEFT
@@ -255,7 +264,8 @@ def full_policy(config: Config, model: nn.Module, tokenizer, model_dir: str) -> 
     if config.model.disable_dropout:
         disable_dropout(model)
     kernels = prepare_for_training(config, model)
-    return Policy(model=model, tokenizer=tokenizer, model_dir=model_dir, kernels=kernels, frozen_reference=reference)
+    return Policy(model=model, tokenizer=tokenizer, model_dir=model_dir, kernels=kernels, frozen_reference=reference,
+                  reference_moves=config.algo.sync_ref_model)
 
 
 def is_moe(model_config) -> bool:

@@ -45,12 +45,13 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total
 
 
 def optimizer_steps(config: Config, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, scheduler,
-                    backward_passes: list[Callable[[], Metrics] | None]) -> Metrics:
+                    backward_passes: list[Callable[[], Metrics] | None],
+                    after_update: Callable[[int], None] | None = None) -> Metrics:
     """algo.num_iterations rounds of one optimizer update per backward pass (steps_per_generation
     parts of a generated batch, or one): zero the gradients, run the pass (the backward of every
     micro-batch; returns that update's metrics), clip to train.max_grad_norm, step the optimizer and
-    the schedule. A None pass (a part without rows) steps the schedule only. Returns the updates'
-    metrics combined, with grad_norm."""
+    the schedule. A None pass (a part without rows) steps the schedule only. after_update gets the schedule's
+    count of updates after each one. Returns the updates' metrics combined, with grad_norm."""
     updates = []
     for _ in range(config.algo.num_iterations):
         for backward_pass in backward_passes:
@@ -64,4 +65,6 @@ def optimizer_steps(config: Config, params: list[torch.nn.Parameter], optimizer:
             updates.append(metrics)
             optimizer.step()
             scheduler.step()
+            if after_update is not None:
+                after_update(scheduler.last_epoch)
     return combine_metrics(updates)

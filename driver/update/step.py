@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 import torch
 
-from driver.config import Config
+from driver.config import AlgoConfig, Config
 from driver.distributed import world as distributed
 from driver.metrics.combine import Metrics, combine_metrics
 from driver.policy.logprobs import completion_logprobs, pack
@@ -80,11 +81,18 @@ def optimize(config: Config, policy: Policy, batch: RolloutBatch, optimizer, sch
     # A part without micro-batches (a step dynamic sampling left short) makes no update; the schedule still steps.
     backward_passes = [update_pass(config, policy, part, params, micro_batch_metrics, term, optimizer)
                        if part.counts is None or part.counts.micro_batch_rows else None for part in parts]
-    updates = optimizer_steps(config, params, optimizer, scheduler, backward_passes)
+    updates = optimizer_steps(config, params, optimizer, scheduler, backward_passes,
+                              after_update=partial(sync_reference, policy, algo) if algo.sync_ref_model else None)
     metrics = combine_metrics(micro_batch_metrics).update(updates)
     values = distributed.reduce_metrics(metrics, summed=loss_names(term))  # each rank's: shares of the step's
     values["learning_rate"] = scheduler.get_last_lr()[0]
     return values
+
+
+def sync_reference(policy: Policy, algo: AlgoConfig, updates: int) -> None:
+    """algo.sync_ref_model: every ref_model_sync_steps optimizer updates, as TRL's SyncRefModelCallback."""
+    if updates % algo.ref_model_sync_steps == 0:
+        policy.mix_into_reference(algo.ref_model_mixup_alpha)
 
 
 def update_pass(config: Config, policy: Policy, batch: RolloutBatch, params: list[torch.nn.Parameter],
