@@ -10,7 +10,9 @@ import json
 import re
 import threading
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
+
+from tests.json_stand_in import JSONHandler
 
 USER = "tester"  # whose a bare repository name becomes, as the Hub gives it the token's user
 TOKEN = "hf_stand_in_token"
@@ -32,24 +34,12 @@ class HubStandIn:
         self.lock = threading.Lock()
         stand_in = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args) -> None:
-                pass
-
+        class Handler(JSONHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 if self.headers.get("authorization") != f"Bearer {TOKEN}":
-                    return self.reply(401, {"error": "Invalid credentials in Authorization header"})
-                status, answer = stand_in.answer(self.path.split("?")[0], body)
-                self.reply(status, answer)
-
-            def reply(self, status: int, answer: dict) -> None:
-                data = json.dumps(answer).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                    return self.answer(401, {"error": "Invalid credentials in Authorization header"})
+                self.answer(*stand_in.respond(self.path.split("?")[0], body))
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -59,7 +49,7 @@ class HubStandIn:
         self.server.shutdown()
         self.server.server_close()
 
-    def answer(self, path: str, body: bytes) -> tuple[int, dict]:
+    def respond(self, path: str, body: bytes) -> tuple[int, dict]:
         with self.lock:
             if path == "/api/repos/create":
                 request = json.loads(body)

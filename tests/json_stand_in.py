@@ -17,6 +17,21 @@ class QuietServer(ThreadingHTTPServer):
         pass  # a scripted "drop" fails the handler's last write: expected
 
 
+class JSONHandler(BaseHTTPRequestHandler):
+    """A request handler that answers in JSON and logs nothing (tests/hub_stand_in.py's too)."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def answer(self, status: int, payload) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
 class ScriptedJSONServer:
     """POST: answered by `answer(body)`, after `delay` s, unless `script` (a list, consumed one request at a time)
     names the next answer: an HTTP status code, "drop" (close the connection unanswered) or a dict (answered as
@@ -31,10 +46,7 @@ class ScriptedJSONServer:
         self.lock = threading.Lock()
         stand_in = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args) -> None:
-                pass
-
+        class Handler(JSONHandler):
             def do_GET(self) -> None:
                 self.answer(200, get(self.path))
 
@@ -56,14 +68,6 @@ class ScriptedJSONServer:
                     self.answer(step, {"detail": f"scripted {step}"})
                 else:
                     self.answer(200, step if isinstance(step, dict) else answer(body))
-
-            def answer(self, status: int, payload) -> None:
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
 
         self.server = QuietServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
