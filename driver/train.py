@@ -30,7 +30,7 @@ from driver.config import Config, is_hub_id
 from driver.data.model_source import model_directory
 from driver.data.adapter_settings import adopt_adapter_settings
 from driver.data.eval_prompts import training_and_eval_prompts
-from driver.data.hub_upload import BEST_FOLDER, HubUploader, HubUploadError, Upload, create_repository
+from driver.data.hub_upload import HubUploader, HubUploadError, create_repository, trained_upload
 from driver.distributed import world as distributed
 from driver.distributed.fsdp import shard_policy
 from driver.engine import RolloutError, make_generator
@@ -214,7 +214,7 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
                     saved = save_checkpoint(output_dir, step, policy, optimizer, scheduler, prompts,
                                             config.checkpoint.keep, rollouts.state_dict())
                     if hub is not None and config.checkpoint.hub_strategy == "every_save":
-                        hub.push(Upload({"": saved / policy.trained_name}, f"{policy.trained_name} after step {step}"))
+                        hub.push(trained_upload(config, hub.repo_id, saved / policy.trained_name, step))
         if steps:
             save_checkpoint(output_dir, step, policy, optimizer, scheduler, prompts, config.checkpoint.keep,
                             rollouts.state_dict())
@@ -283,10 +283,8 @@ def push_final(hub: HubUploader | None, config: Config, policy, best: BestAdapte
     if interrupted:
         print(f"not uploaded to {hub.url}: the run stopped early (continued to its end, it uploads)", file=out)
     elif trained:
-        folders = {"": config.output_dir / policy.trained_name}
-        if best is not None and best.best:
-            folders[BEST_FOLDER] = best.directory
-        upload = Upload(folders, f"{policy.trained_name} after step {step}")
+        upload = trained_upload(config, hub.repo_id, config.output_dir / policy.trained_name, step,
+                                best.directory if best is not None and best.best else None)
         print(f"uploading the {policy.trained_name} to {hub.url} ...", file=out, flush=True)
     failures = hub.finish(upload)
     if hub.uploaded:

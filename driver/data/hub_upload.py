@@ -5,7 +5,8 @@ The repository is created (or found) before the model loads, so a missing token,
 token cannot write stops the run at its start, not after hours of training. hub_strategy end uploads the final
 adapter once the run ends (with eval.save_best, the best evaluation's adapter goes to best/ in the same commit);
 every_save also uploads each checkpoint's adapter as it is saved, from a background thread (training does not
-wait; a newer save replaces one still waiting). A failed upload never costs the run: everything is on disk, and
+wait; a newer save replaces one still waiting). Each upload's README.md is a model card (model_card). A failed
+upload never costs the run: everything is on disk, and
 the message says how to upload it by hand. Only rank 0 talks to the Hub.
 """
 
@@ -17,11 +18,11 @@ import os
 import shutil
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from driver.cli import ConfigError
-from driver.config import CheckpointConfig
+from driver.config import CheckpointConfig, Config, is_hub_id
 
 BEST_FOLDER = "best"  # where eval.save_best's adapter goes in the repository
 
@@ -32,9 +33,11 @@ class HubUploadError(RuntimeError):
 
 @dataclass(frozen=True)
 class Upload:
-    """Folders to commit at once: {folder in the repository ("" = its root): local directory}."""
+    """Folders to commit at once: {folder in the repository ("" = its root): local directory}, and files written
+    here instead of a folder's (the model card: {path in the repository: contents})."""
     folders: dict[str, Path]
     message: str
+    files: dict[str, bytes] = field(default_factory=dict)
 
 
 def create_repository(checkpoint: CheckpointConfig, output_dir: Path) -> str:
@@ -81,11 +84,62 @@ def upload(repo_id: str, job: Upload) -> None:
     """One commit with every file of job's folders."""
     from huggingface_hub import CommitOperationAdd, HfApi
 
-    operations = [CommitOperationAdd(path_in_repo="/".join(filter(None, (folder, path.relative_to(local).as_posix()))),
-                                     path_or_fileobj=str(path))
-                  for folder, local in job.folders.items()
-                  for path in sorted(local.rglob("*")) if path.is_file()]
+    files = {"/".join(filter(None, (folder, path.relative_to(local).as_posix()))): str(path)
+             for folder, local in job.folders.items() for path in sorted(local.rglob("*")) if path.is_file()}
+    files.update(job.files)
+    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=content) for name, content in files.items()]
     HfApi().create_commit(repo_id, operations, commit_message=job.message)
+
+
+def trained_upload(config: Config, repo_id: str, trained: Path, step: int, best: Path | None = None) -> Upload:
+    """The trained adapter (or model) at the repository's root with its model card, eval.save_best's in best/."""
+    folders = {"": trained, **({BEST_FOLDER: best} if best is not None else {})}
+    return Upload(folders, f"{trained.name} after step {step}",
+                  {"README.md": model_card(config, repo_id, trained, step)})
+
+
+def model_card(config: Config, repo_id: str, trained: Path, step: int) -> bytes:
+    """The repository's README.md: PEFT's metadata (base model, library, its tags; a whole model's own), pykernels'
+    and the algorithm's tags (as TRL tags its uploads trl and grpo), how to load it and what trained it, in place
+    of the template PEFT leaves unfilled."""
+    import yaml
+
+    saved = trained / "README.md"
+    metadata: dict = {}
+    if saved.is_file() and saved.read_text().startswith("---"):
+        metadata = yaml.safe_load(saved.read_text().split("---")[1]) or {}
+    adapter = (trained / "adapter_config.json").is_file()
+    base = config.model.path if is_hub_id(config.model.path) else None
+    metadata.setdefault("library_name", "peft" if adapter else "transformers")
+    metadata.setdefault("pipeline_tag", "text-generation")
+    tags = list(metadata.get("tags") or [])
+    if base is None:  # a local or tiny base: PEFT named it by this machine's path, which means nothing on the Hub
+        metadata.pop("base_model", None)
+        tags = [tag for tag in tags if not str(tag).startswith("base_model:")]
+    else:
+        metadata["base_model"] = base
+    metadata["tags"] = tags + [tag for tag in ("pykernels", config.algo.name, "qlora" if config.model.qlora else None)
+                               if tag and tag not in tags]
+    lora, algo, train = config.lora, config.algo, config.train
+    what = (f"A LoRA adapter (r {lora.r}, alpha {lora.alpha:g} on {', '.join(lora.targets + lora.expert_targets)})"
+            if adapter else "A fully fine-tuned model")
+    on = f" for [{base}](https://huggingface.co/{base})" if base else ""
+    loader = ("peft", "AutoPeftModelForCausalLM") if adapter else ("transformers", "AutoModelForCausalLM")
+    rewards = [function.name or function.path or function.model for function in config.rewards.functions]
+    reward_line = ", ".join(rewards) if rewards else "the algorithm's own (EBFT: feature matching)"
+    nf4 = " on an NF4 (QLoRA) base" if config.model.qlora else ""
+    lines = [f"# {repo_id.split('/')[-1]}", "",
+             f"{what}{on}, trained with {algo.name.upper()} ({algo.loss_type} loss) for {step} steps by "
+             f"pykernels{nf4}.",
+             "", "## Use", "", "```python", f"from {loader[0]} import {loader[1]}", "",
+             f'model = {loader[1]}.from_pretrained("{repo_id}")', "```", "", "## Training", "",
+             f"- prompts: `{config.data.source}`",
+             f"- rewards: {reward_line}",
+             f"- {algo.num_generations} completions per prompt, {train.prompts_per_step} prompts per step, learning "
+             f"rate {train.lr:g}, beta {algo.beta:g}",
+             "- the whole configuration: `config.yaml` in the run's output directory"]
+    front = yaml.safe_dump(metadata, sort_keys=False)
+    return (f"---\n{front}---\n\n" + "\n".join(lines) + "\n").encode()
 
 
 class HubUploader:

@@ -8,6 +8,7 @@ import json
 
 import huggingface_hub.constants
 import pytest
+from huggingface_hub import ModelCard
 from safetensors.torch import load
 
 import driver.train
@@ -112,6 +113,32 @@ def test_a_run_uploads_each_checkpoint_and_its_final_and_best_adapters(hub, tmp_
     assert f"will upload to {hub.url}/me/grpo (each checkpoint and the end)" in printed
     assert f"uploaded to {hub.url}/me/grpo" in printed and f"hub {hub.url}/me/grpo (the uploaded adapter" in printed
     assert not list(output_dir.glob(".hub-upload-*"))
+    card = ModelCard(repository.files["README.md"].decode())  # huggingface_hub's own reading of it
+    assert card.data.library_name == "peft" and {"pykernels", "grpo", "lora"} <= set(card.data.tags)
+    assert card.data.base_model is None  # a tiny local base: no Hub id to name
+    assert 'AutoPeftModelForCausalLM.from_pretrained("me/grpo")' in card.text and "for 4 steps" in card.text
+
+
+def test_the_model_card_names_a_hub_base_and_a_whole_model(tmp_path):
+    from driver.data.hub_upload import model_card
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    (adapter / "README.md").write_text("---\nbase_model: Qwen/Qwen2.5-0.5B-Instruct\nlibrary_name: peft\ntags:\n"
+                                       "- base_model:adapter:Qwen/Qwen2.5-0.5B-Instruct\n- lora\n---\n# Model Card\n")
+    config = load_config(None, {"model.path": "Qwen/Qwen2.5-0.5B-Instruct", "model.qlora": "true",
+                                "rewards.functions": "[{path: driver.data.toy_tasks.digit_fraction}]"})
+    card = ModelCard(model_card(config, "me/qwen-grpo", adapter, 7).decode())
+    assert card.data.base_model == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert card.data.tags == ["base_model:adapter:Qwen/Qwen2.5-0.5B-Instruct", "lora", "pykernels", "grpo", "qlora"]
+    assert "[Qwen/Qwen2.5-0.5B-Instruct](https://huggingface.co/Qwen/Qwen2.5-0.5B-Instruct)" in card.text
+    assert "digit_fraction" in card.text and "NF4 (QLoRA)" in card.text and "# Model Card" not in card.text
+    model = tmp_path / "model"
+    model.mkdir()
+    whole = ModelCard(model_card(load_config(None, {"model.adapter": "none"}), "me/full", model, 3).decode())
+    assert whole.data.library_name == "transformers"
+    assert 'AutoModelForCausalLM.from_pretrained("me/full")' in whole.text
 
 
 def test_a_failed_upload_keeps_everything_and_says_how_to_upload_by_hand(hub, tmp_path, capsys):
