@@ -6,8 +6,8 @@ token cannot write stops the run at its start, not after hours of training. hub_
 adapter once the run ends (with eval.save_best, the best evaluation's adapter goes to best/ in the same commit);
 every_save also uploads each checkpoint's adapter as it is saved, from a background thread (training does not
 wait; a newer save replaces one still waiting). Each upload's README.md is a model card (model_card). A failed
-upload never costs the run: everything is on disk, and
-the message says how to upload it by hand. Only rank 0 talks to the Hub.
+upload never costs the run: everything is on disk, and the message says how to upload it by hand. Only rank 0
+talks to the Hub.
 """
 
 from __future__ import annotations
