@@ -8,6 +8,11 @@ from driver.axolotl.keys import (AXOLOTL_DEFAULTS, EBFT_STRIDED_ONLY, EBFT_STRUC
 from driver.axolotl.pending import PendingKeys
 
 
+# TRL's adaptive entropy control, the same names in the algo section.
+TRL_ENTROPY_CONTROL = ("use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta",
+                       "entropy_target")
+
+
 class TrainingKeys(PendingKeys):
     def policy_loss(self) -> None:
         trl_beta, rl_beta = self.take("trl.beta"), self.take("rl_beta")
@@ -15,7 +20,7 @@ class TrainingKeys(PendingKeys):
         if beta is not None:
             self.put("algo.beta", beta)
         for key in ("epsilon", "epsilon_high", "loss_type", "importance_sampling_level", "mask_truncated_completions",
-                    "off_policy_mask_threshold"):
+                    "off_policy_mask_threshold", "top_entropy_quantile", "entropy_coef", *TRL_ENTROPY_CONTROL):
             value = self.take(f"trl.{key}")
             if value is not None:
                 self.put(f"algo.{key}", value)
@@ -30,8 +35,7 @@ class TrainingKeys(PendingKeys):
                             "(rloo, group_norm, reinforce)")
             else:
                 self.put("algo.scale_rewards", scale)
-        if self.take("trl.sync_ref_model", False):
-            self.refuse("trl.sync_ref_model", "a reference model synced to the policy is not here yet")
+        self.sync_ref_model()
         if self.take("trl.use_bias_correction_kl", False):
             self.put("algo.use_bias_correction_kl", True)
         asynchronous = self.asynchronous()
@@ -43,6 +47,21 @@ class TrainingKeys(PendingKeys):
             self.put("algo.zero_advantage", "skip" if skip else "keep")
         self.replay_and_reroll()
 
+
+    def sync_ref_model(self) -> None:
+        """TRL's moving reference: under full fine-tuning (no adapter), as TRL runs it; its ref_model_* keys without
+        it change nothing (taken by without_effect)."""
+        if not self.take("trl.sync_ref_model", False):
+            return
+        if self.out.get("model", {}).get("adapter") != "none":
+            self.refuse("trl.sync_ref_model", "with an adapter the KL reference is the base with the adapter off "
+                        "(TRL refuses sync_ref_model with PEFT too); here it runs under full fine-tuning")
+            return
+        self.put("algo.sync_ref_model", True)
+        for key in ("ref_model_mixup_alpha", "ref_model_sync_steps"):
+            value = self.take(f"trl.{key}")
+            if value is not None:
+                self.put(f"algo.{key}", value)
 
     def replay_and_reroll(self) -> None:
         size = self.take("trl.replay_buffer_size", 0)

@@ -247,6 +247,13 @@ def test_num_epochs_without_max_steps_counts_steps_once_the_data_is_read(ratio):
       "checkpoint.hub_strategy": "every_save", "checkpoint.hub_private_repo": True}),
     ({"hub_strategy": "end"}, {"checkpoint.push_to_hub": False, "checkpoint.hub_strategy": "end"}),
     ({"attn_implementation": "sdpa"}, {"model.attention": "sdpa"}),
+    ({"adapter": None, "lora_r": None, "lora_alpha": None, "lora_target_linear": None,
+      "trl": {"beta": 0.04, "sync_ref_model": True, "ref_model_sync_steps": 64}},
+     {"algo.sync_ref_model": True, "algo.ref_model_sync_steps": 64, "algo.ref_model_mixup_alpha": 0.6}),
+    ({"trl": {"ref_model_sync_steps": 64, "top_entropy_quantile": 0.2, "use_adaptive_entropy": True,
+              "entropy_target": 0.3}},
+     {"algo.sync_ref_model": False, "algo.top_entropy_quantile": 0.2, "algo.use_adaptive_entropy": True,
+      "algo.entropy_target": 0.3}),
     ({"device_map": {"": 1}}, {"model.device": "cuda:1"}),
     ({"base_model": "Qwen/Qwen2.5-0.5B-Instruct", "revision_of_model": "v2"},  # a Hub id, fetched when it runs
      {"model.path": "Qwen/Qwen2.5-0.5B-Instruct", "model.revision": "v2"}),
@@ -491,7 +498,7 @@ def test_cli_refusal_is_one_message_exit_2_without_traceback(tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr and result.stdout == ""
     assert result.stderr.startswith(f"error: {path}: this axolotl config cannot be translated")
     assert "\n  deepspeed: DeepSpeed is not here" in result.stderr
-    assert "\n  trl.sync_ref_model: a reference model synced to the policy is not here yet" in result.stderr
+    assert "\n  trl.sync_ref_model: with an adapter the KL reference is the base with the adapter off" in result.stderr
 
 
 def test_translation_yaml_reloads_as_the_same_config():
