@@ -2,7 +2,7 @@
 #   make demo   the main job: GRPO + LoRA on a tiny model with vLLM (examples/tiny-grpo.yaml)
 #   make test   set-up, build, the unit and integration tests, lint, and the CUDA compile check when
 #               nvcc is present (a few minutes)
-# Other targets: test-e2e (the end-to-end tier: real vLLM engines, 8.5 min on Zen 4, ~20 on CI's Xeon), lint,
+# Other targets: test-e2e (the end-to-end tier: real vLLM engines, ~10 min on 2 cores), lint,
 # install, build, bench, cuda-check, gpu-wheels, gpu-kernels and gpu-link-check (here) and gpu-install, gpu (on
 # the GPU machine), clean.
 
@@ -19,7 +19,7 @@ BENCH_JSON := $(BUILD_DIR)/bench.json
 TORCH_SPEC := torch==2.13.0
 BUILD_DEPS := "setuptools>=77" wheel "cmake>=3.26" ninja "pybind11>=2.12" nvidia-cutlass==4.2.0.0
 
-# Set-up commands write to $(SETUP_LOG), not the terminal (pip's and CMake's output matters only when
+# Set-up commands write to $(SETUP_LOG), not the terminal (uv's, pip's and CMake's output matters only when
 # they fail): `$(LOGGED) cmd args` runs cmd, and on failure shows the log's tail and where it is.
 SETUP_LOG := $(VENV)/install.log
 LOGGED = sh -c '"$$@" >> $(SETUP_LOG) 2>&1 || { tail -n 40 $(SETUP_LOG); echo "failed: $$*"; \
@@ -46,7 +46,7 @@ demo: $(BUILT)
 CUDA_CHECK_IF_NVCC := $(if $(shell command -v nvcc 2>/dev/null),cuda-check,no-nvcc)
 
 # Two jobs from the start: the compile check needs only torch and the build tools ($(TOOLS)), so it
-# compiles while pip fetches and unpacks vLLM and the rest ($(INSTALLED)), then beside the tests.
+# compiles while uv fetches and unpacks vLLM and the rest ($(INSTALLED)), then beside the tests.
 test:
 	@$(MAKE) --no-print-directory -j2 --output-sync=target lint test-fast $(CUDA_CHECK_IF_NVCC)
 
