@@ -4,8 +4,8 @@ model=PeftModel.from_pretrained(base, path, is_trainable=True)) instead of PEFT'
 The adapter's shape and scaling (r, alpha, rslora, targets, expert_targets) become the lora section's before
 anything is written, so the run's config.yaml, the vLLM server's LoRA limits and a resume all see the
 adapter's own; a value the config gives must agree (said by key otherwise). Its lora_dropout is taken too
-(PeftModel.from_pretrained's, which TRL and axolotl train with) unless lora.dropout is given. Its weights are loaded by
-driver/policy/model.py into the adapter load_policy builds on our kernels (QLoRA's NF4 base included).
+(PeftModel.from_pretrained's, which TRL and axolotl train with) unless lora.dropout is given. Its weights are
+loaded by driver/policy/model.py into the adapter load_policy builds on our kernels (QLoRA's NF4 base included).
 """
 
 from __future__ import annotations

@@ -208,7 +208,7 @@ def stage(job: Upload, output_dir: Path) -> tuple[Upload, Path]:
     for index, (folder, local) in enumerate(job.folders.items()):
         shutil.copytree(local, directory / str(index), copy_function=link_or_copy)
         folders[folder] = directory / str(index)
-    return Upload(folders, job.message), directory
+    return Upload(folders, job.message, job.files), directory
 
 
 def link_or_copy(source: str, target: str) -> None:

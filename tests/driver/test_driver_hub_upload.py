@@ -76,13 +76,14 @@ def test_background_uploads_survive_the_checkpoint_s_removal_and_the_newest_wait
         adapter = tmp_path / f"step-{step}" / "adapter"
         adapter.mkdir(parents=True)
         (adapter / "adapter_model.safetensors").write_bytes(f"weights {step}".encode())
-        uploader.push(Upload({"": adapter}, f"adapter after step {step}"))
+        uploader.push(Upload({"": adapter}, f"adapter after step {step}", {"README.md": f"card {step}".encode()}))
         for path in sorted(adapter.parent.rglob("*"), reverse=True):  # rotated away at once, as keep=1 would
             path.unlink() if path.is_file() else path.rmdir()
     assert uploader.finish(None) == []
     commits = hub.repos["me/x"].commits
     assert commits[-1] == "adapter after step 3" and len(commits) in (2, 3)  # step 2 may have been replaced
     assert hub.repos["me/x"].files["adapter_model.safetensors"] == b"weights 3"
+    assert hub.repos["me/x"].files["README.md"] == b"card 3"  # the model card travels with a background upload
     assert not list(tmp_path.glob(".hub-upload-*"))  # the staged links are gone
 
 
