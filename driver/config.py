@@ -47,6 +47,12 @@ FORMER_SYNC_VALUES = {"lora": "adapter", "weights": "merged"}  # rollout.sync ->
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
+    def off_default(self, keys) -> list[str]:
+        """Which of `keys` hold other than their default: settings of a switch that is off are a mistake when
+        set, and compared with the defaults, not "was it given", as a run's own config.yaml lists every key."""
+        fields = type(self).model_fields
+        return [key for key in keys if getattr(self, key) != fields[key].get_default(call_default_factory=True)]
+
 
 class ModelConfig(Section):
     path: str = Field("tiny://qwen2", description="a Hugging Face Hub model id (org/name: fetched into the Hub's "
@@ -585,8 +591,7 @@ class AlgoConfig(Section):
     def _check_adaptive_entropy(self) -> None:
         keys = ("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target")
         if not self.use_adaptive_entropy:
-            # Against the defaults, as the eval section: a controller tuned but left off is a mistake.
-            given = [key for key in keys if getattr(self, key) != AlgoConfig.model_fields[key].default]
+            given = self.off_default(keys)  # a controller tuned but left off
             if given:
                 raise ValueError(f"{given[0]} is set but use_adaptive_entropy is false: set it true (or remove "
                                  f"{given[0]})")
@@ -1047,8 +1052,7 @@ class Config(Section):
     def _check_eval(self) -> None:
         evaluation = self.eval
         if not evaluation.enabled:
-            # Against the defaults, not "was it given": a run's own config.yaml lists every key.
-            given = [key for key, value in EvalConfig().model_dump().items() if getattr(evaluation, key) != value]
+            given = evaluation.off_default(EvalConfig.model_fields)
             if given:  # a config that names eval prompts but never evaluates them has a mistake in it
                 raise ValueError(f"eval.{given[0]} is set but eval.steps = 0 and eval.on_start and eval.only are "
                                  "false: nothing would be evaluated; set eval.steps (or remove the eval section)")
@@ -1075,9 +1079,7 @@ class Config(Section):
     def _check_hub(self) -> None:
         checkpoint = self.checkpoint
         if not checkpoint.push_to_hub:
-            # Against the defaults, as _check_eval: a repository named but never pushed to is a mistake.
-            given = [key for key in ("hub_model_id", "hub_strategy", "hub_private_repo")
-                     if getattr(checkpoint, key) != CheckpointConfig.model_fields[key].default]
+            given = checkpoint.off_default(("hub_model_id", "hub_strategy", "hub_private_repo"))
             if given:
                 raise ValueError(f"checkpoint.{given[0]} is set but checkpoint.push_to_hub is false: nothing would be "
                                  "uploaded; set push_to_hub: true (or remove it)")
@@ -1087,8 +1089,7 @@ class Config(Section):
     def _check_sync_ref_model(self) -> None:
         algo = self.algo
         if not algo.sync_ref_model:
-            given = [key for key in ("ref_model_mixup_alpha", "ref_model_sync_steps")
-                     if getattr(algo, key) != AlgoConfig.model_fields[key].default]
+            given = algo.off_default(("ref_model_mixup_alpha", "ref_model_sync_steps"))
             if given:
                 raise ValueError(f"algo.{given[0]} is set but algo.sync_ref_model is false: set it true (or remove "
                                  f"algo.{given[0]})")

@@ -104,10 +104,8 @@ def model_card(config: Config, repo_id: str, trained: Path, step: int) -> bytes:
     of the template PEFT leaves unfilled."""
     import yaml
 
-    saved = trained / "README.md"
-    metadata: dict = {}
-    if saved.is_file() and saved.read_text().startswith("---"):
-        metadata = yaml.safe_load(saved.read_text().split("---")[1]) or {}
+    saved = (trained / "README.md").read_text() if (trained / "README.md").is_file() else ""
+    metadata: dict = (yaml.safe_load(saved.split("---")[1]) or {}) if saved.startswith("---") else {}
     adapter = (trained / "adapter_config.json").is_file()
     base = config.model.path if is_hub_id(config.model.path) else None
     metadata.setdefault("library_name", "peft" if adapter else "transformers")

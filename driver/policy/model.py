@@ -231,8 +231,6 @@ def load_policy(config: Config) -> Policy:
 
             # After get_peft_model: PEFT reads the expert parameters' shapes when it wraps them.
             quantize_moe_experts(model, config.model.qlora_blocksize)
-    if config.model.disable_dropout:
-        disable_dropout(model)
     return Policy(model=model, tokenizer=tokenizer, model_dir=model_dir,
                   kernels=prepare_for_training(config, model))
 
@@ -261,8 +259,6 @@ def full_policy(config: Config, model: nn.Module, tokenizer, model_dir: str) -> 
     if config.algo.beta > 0:
         reference = copy.deepcopy(model).requires_grad_(False).eval()
         reference.to(resolve_device(config.model.device))
-    if config.model.disable_dropout:
-        disable_dropout(model)
     kernels = prepare_for_training(config, model)
     return Policy(model=model, tokenizer=tokenizer, model_dir=model_dir, kernels=kernels, frozen_reference=reference,
                   reference_moves=config.algo.sync_ref_model)
@@ -273,8 +269,10 @@ def is_moe(model_config) -> bool:
 
 
 def prepare_for_training(config: Config, model: nn.Module) -> str:
-    """pykernels' modules in place of PEFT's and transformers' (per train.kernels), gradient
-    checkpointing, then the move to the device; returns what runs on pykernels' kernels, for the log."""
+    """model.disable_dropout, pykernels' modules in place of PEFT's and transformers' (per train.kernels),
+    gradient checkpointing, then the move to the device; returns what runs on pykernels' kernels, for the log."""
+    if config.model.disable_dropout:
+        disable_dropout(model)
     kernels = Policy.kernels
     modes = kernel_modes(config)
     if modes["lora"] != "torch" or modes["moe"] != "torch":  # torch: PEFT's and transformers' own modules
