@@ -25,6 +25,7 @@ from driver.cli import ConfigError
 from driver.config import CheckpointConfig, Config, is_hub_id
 
 BEST_FOLDER = "best"  # where eval.save_best's adapter goes in the repository
+STAGING_PREFIX = ".hub-upload-"  # the background uploads' staging directories in output_dir
 
 
 class HubUploadError(RuntimeError):
@@ -156,6 +157,8 @@ class HubUploader:
         self.condition = threading.Condition()
         self.waiting: tuple[Upload, Path] | None = None  # staged, and its staging directory
         self.finishing = False
+        for left in output_dir.glob(f"{STAGING_PREFIX}*"):  # a crashed run's staged upload: its hard links only
+            shutil.rmtree(left, ignore_errors=True)
         self.thread = threading.Thread(target=self._work, name="hub-upload", daemon=True) if background else None
         if self.thread is not None:
             self.thread.start()
@@ -201,7 +204,7 @@ class HubUploader:
 
 def stage(job: Upload, output_dir: Path) -> tuple[Upload, Path]:
     """The job's folders hard-linked (copied where links are impossible) into a directory of output_dir's."""
-    directory = Path(tempfile.mkdtemp(prefix=".hub-upload-", dir=output_dir))
+    directory = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=output_dir))
     folders = {}
     for index, (folder, local) in enumerate(job.folders.items()):
         shutil.copytree(local, directory / str(index), copy_function=link_or_copy)

@@ -70,8 +70,13 @@ def test_hub_keys_without_push_to_hub_and_push_to_hub_with_eval_only_are_refused
 
 
 def test_background_uploads_survive_the_checkpoint_s_removal_and_the_newest_waiting_one_wins(hub, tmp_path):
+    """Also: a crashed run's staging directory is removed when the next uploader starts."""
     create_repository(CheckpointConfig(push_to_hub=True, hub_model_id="me/x"), tmp_path)
+    crashed = tmp_path / ".hub-upload-k3j2"  # a crashed run's staged upload
+    (crashed / "0").mkdir(parents=True)
+    (crashed / "0" / "adapter_model.safetensors").write_bytes(b"old")
     uploader = HubUploader("me/x", tmp_path, background=True)
+    assert not crashed.exists()
     for step in (1, 2, 3):
         adapter = tmp_path / f"step-{step}" / "adapter"
         adapter.mkdir(parents=True)
