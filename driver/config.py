@@ -729,6 +729,12 @@ class TrainConfig(Section):
         "adamw_torch_fused", description="transformers' names: torch's AdamW (foreach), its fused kernel (the "
         "default, as transformers'), or bitsandbytes' 8-bit AdamW (paged: its states may page out to CPU memory; "
         "tensors under 4096 elements keep 32-bit states, as bitsandbytes' min_8bit_size)")
+    master_weights: bool = Field(True, description="the optimizer steps fp32 copies of 16-bit trainable weights "
+                                 "(full fine-tuning in bfloat16 / float16; adapters are fp32 already) and writes them "
+                                 "back rounded: stepped in bf16, an update below a weight's rounding step is lost, so "
+                                 "at GRPO's usual learning rates most weights would never move. Costs 4 bytes a "
+                                 "weight and fp32 optimizer states; false: pure 16-bit AdamW, as TRL's single-GPU "
+                                 "full fine-tuning of a bf16 model (docs/memory.md)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="learning-rate schedule")
     warmup_steps: int = Field(0, ge=0, description="linear warm-up steps (optimizer updates)")

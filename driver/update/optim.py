@@ -6,17 +6,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
 from driver.config import Config, TrainConfig
 from driver.metrics.combine import Metrics, combine_metrics
+from driver.update.master_weights import MasterWeightsOptimizer, needs_master_weights
 
 
 def build_optimizer(parameters: list[torch.nn.Parameter], config: TrainConfig) -> torch.optim.Optimizer:
-    """train.optim's AdamW over the trainable parameters (the adapter)."""
+    """train.optim's AdamW over the trainable parameters (the adapter; every weight under full fine-tuning, whose
+    16-bit weights it steps as fp32 master weights unless train.master_weights is off)."""
     if not parameters:
         raise ValueError("the model has no trainable parameters: check lora.targets against the model's module names")
+    if config.master_weights and needs_master_weights(parameters):
+        return MasterWeightsOptimizer(parameters, partial(adamw, config=config))
+    return adamw(parameters, config)
+
+
+def adamw(parameters: list[torch.Tensor], config: TrainConfig) -> torch.optim.Optimizer:
     if config.optim in ("adamw_8bit", "paged_adamw_8bit"):
         import bitsandbytes  # TrainConfig checked that it is installed
 

@@ -14,6 +14,7 @@ from driver.cli import ConfigError
 from driver.config import Config
 from driver.engine.colocate import engine_kwargs
 from driver.policy.model import load_policy
+from driver.update.master_weights import MasterWeightsOptimizer
 from driver.update.optim import build_optimizer, build_scheduler
 from driver.update.step import frozen_logprobs, optimize
 from tests.driver.rollouts.test_driver_filtering import make_batch
@@ -68,20 +69,20 @@ def test_the_kl_reference_is_the_base_after_the_policy_moved(with_kl):
     assert float((current - reference).abs().max()) > 1e-3  # the policy itself moved away from it
 
 
+class NoData:
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
 def test_checkpoints_hold_the_whole_model_and_resume_it(with_kl, tmp_path):
     policy = copy.deepcopy(with_kl)
     config = full_config(tmp_path, beta=0.04)
     optimizer = build_optimizer(policy.trainable_parameters(), config.train)
     scheduler = build_scheduler(optimizer, config.train, 4)
     optimize(config, policy, make_batch(policy), optimizer, scheduler)
-
-    class NoData:
-        def state_dict(self):
-            return {}
-
-        def load_state_dict(self, state):
-            pass
-
     path = save_checkpoint(tmp_path, 1, policy, optimizer, scheduler, NoData(), keep=2)
     assert (path / "model" / "model.safetensors").is_file() and not (path / "adapter").exists()
     saved = AutoModelForCausalLM.from_pretrained(path / "model", dtype=torch.float32)  # transformers' own format
@@ -122,3 +123,31 @@ def test_what_cannot_go_with_full_finetuning_is_named(overrides, named):
 def test_moe_models_are_refused_with_the_way_out():
     with pytest.raises(ConfigError, match="mixture of experts: train it with LoRA"):
         load_policy(Config.model_validate({**FULL, "model": {"adapter": "none", "path": "tiny://qwen3-moe"}}))
+
+
+def test_bf16_weights_train_through_fp32_master_weights_and_a_resume_keeps_them(tmp_path):
+    """train.master_weights (default): at a learning rate whose updates are below the bf16 weights' rounding
+    step, the model's weights are the fp32 masters rounded, the masters moved, and a checkpoint resumes the
+    masters themselves (driver/update/master_weights.py; its oracle tests: tests/driver/update)."""
+    config = Config.model_validate({**FULL, "model": {"adapter": "none", "dtype": "bfloat16"},
+                                    "train": {"lr": 1e-6, "micro_batch_size": 3}})
+    config.logging.output_dir = str(tmp_path)
+    policy = load_policy(config)
+    before = [p.detach().float().clone() for p in policy.trainable_parameters()]
+    optimizer = build_optimizer(policy.trainable_parameters(), config.train)
+    assert isinstance(optimizer, MasterWeightsOptimizer)
+    scheduler = build_scheduler(optimizer, config.train, 4)
+    batch = make_batch(policy, advantages=[1.0, -0.5, 0.25, -1.0, 0.3, 0.7, -0.3, 0.9])
+    for _ in range(2):
+        optimize(config, policy, batch, optimizer, scheduler)
+    masters = [m.detach().clone() for m in optimizer.masters]
+    moved = sum(int((m != b).sum()) for m, b in zip(masters, before, strict=True))
+    assert moved > 0.5 * sum(m.numel() for m in masters)
+    for weight, master in zip(policy.trainable_parameters(), masters, strict=True):
+        assert weight.dtype == torch.bfloat16 and torch.equal(weight.detach(), master.to(torch.bfloat16))
+    path = save_checkpoint(tmp_path, 1, policy, optimizer, scheduler, NoData(), keep=2)
+    fresh = load_policy(config)
+    fresh_optimizer = build_optimizer(fresh.trainable_parameters(), config.train)
+    load_checkpoint(path, fresh, fresh_optimizer, build_scheduler(fresh_optimizer, config.train, 4), NoData())
+    for master, kept in zip(masters, fresh_optimizer.masters, strict=True):
+        assert torch.equal(master, kept.detach())
