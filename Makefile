@@ -31,7 +31,7 @@ INSTALLED := $(VENV)/.installed
 BUILT := $(VENV)/.built
 
 .PHONY: demo test test-fast no-nvcc test-e2e lint install build bench cuda-check clean \
-	gpu-wheels gpu-kernels gpu-link-check gpu-install gpu-packages gpu-build gpu-test gpu-sanitize gpu-bench gpu \
+	gpu-wheels gpu-kernels gpu-link-check gpu-install gpu-packages gpu-build gpu-test gpu-sanitize gpu-driver-runs gpu-bench gpu \
 	gpu-sweep nemo-gym
 
 DEMO_CONFIG := examples/tiny-grpo.yaml
@@ -202,7 +202,11 @@ gpu-sanitize:
 gpu-bench:
 	$(call GPU_STAGE,bench)
 
-gpu: gpu-build gpu-test gpu-sanitize gpu-bench
+# python -m driver.train on the GPU: the tiny examples with our kernels forced, and the update's speed-up.
+gpu-driver-runs:
+	$(call GPU_STAGE,driver_runs)
+
+gpu: gpu-build gpu-test gpu-sanitize gpu-driver-runs gpu-bench
 
 # Every tile of the Hopper kernels on MoE, LoRA and logprobs, one build (benchmarks/tile_sweep.py).
 gpu-sweep:

@@ -16,7 +16,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_DIR = ROOT / ".ci" / "gpu"
-STAGES = ["wheels", "kernels", "link_check", "install", "build", "test", "sanitize", "bench"]
+STAGES = ["wheels", "kernels", "link_check", "install", "build", "test", "sanitize", "driver_runs", "bench"]
 
 
 def load(name: str):
@@ -53,6 +53,9 @@ def test_dry_run_prints_the_commands(name):
                   "kernels: "],
         "test": ["-m 'cuda and not slow' -q", "CUDA tests selected:"],
         "sanitize": ["--tool memcheck", "--tool racecheck", "sanitize_ops.py --device cuda", "moe: ran on cpu"],
+        "driver_runs": ["driver runs (", "-m driver.train", "tiny-moe-grpo.yaml", "--model.qlora=true",
+                   "--rollout.backend=transformers", "--model.device=cuda", "--train.kernels=ours",
+                   "--train.kernels=torch", "'--model.path=<shaped model>'"],
         "bench": ["pytest --benchmark --benchmark-json=", "benchmarks.report", "--markdown", "benchmarks/results/"],
     }[name]
     for text in expected:
@@ -177,7 +180,7 @@ def run_lease(tmp_path, stages: str) -> subprocess.CompletedProcess:
 def test_lease_script_refuses_an_unknown_stage(tmp_path):
     result = run_lease(tmp_path, "tests build")
     assert result.returncode == 2, result.stdout + result.stderr
-    assert "unknown stage tests (build, test, sanitize, bench, breakdown, sweep, profile)" in result.stdout
+    assert "unknown stage tests (build, test, sanitize, driver, bench, breakdown, sweep, profile)" in result.stdout
 
 
 def test_lease_script_with_no_stage_prints_only_the_summary(tmp_path):
@@ -406,3 +409,42 @@ def test_kernel_objects_build_lists_every_cuda_source(tmp_path):
     ninja = (tmp_path / "build.ninja").read_text()
     assert "-lineinfo" in ninja and "-DPYKERNELS_SM90A_GEMM" in ninja
     assert "torch" not in ninja.lower()  # the objects do not depend on the node's torch
+
+
+def driver_rows(rewards, loss=0.5):
+    return [{"step": i + 1, "reward": r, "loss": loss, "grad_norm": 1.0, "time/step": 0.2, "time/generation": 0.1,
+             "time/update": 0.05 if i >= 2 else 5.0, "memory/update_peak_gib": 1.5} for i, r in enumerate(rewards)]
+
+
+def test_driver_stage_checks_each_run_and_times_the_speed_runs_after_their_first_calls():
+    """.ci/gpu/driver_runs.py's verdict on a run's metrics.jsonl rows: every step there, loss and grad_norm
+    finite, the reward of the last 10 steps above the first 10's (EBFT: its feature-matching loss below);
+    the speed runs' medians leave out the first two steps (the kernels' first calls: 5 s here)."""
+    driver = load("driver_runs")
+    learnt = [0.1] * 10 + [0.5] * 10 + [0.9] * 10
+    lora, ebft = driver.RUNS["lora"], driver.RUNS["ebft"]
+    problems, row = driver.check_run(driver_rows(learnt), 30, lora)
+    assert problems == [] and (row["first"], row["last"]) == (0.1, 0.9)
+    problems, _ = driver.check_run(driver_rows(learnt[::-1]), 30, lora)
+    assert problems == ["did not learn: mean reward 0.900 over the first 10 steps, 0.100 over the last"]
+    falling = [{**row, "ebft/cfm_loss": row["reward"]} for row in driver_rows(learnt[::-1])]
+    assert driver.check_run(falling, 30, ebft)[0] == []  # EBFT's feature-matching loss falls
+    assert driver.check_run(falling[::-1], 30, ebft)[0] == [
+        "did not learn: mean ebft/cfm_loss 0.100 over the first 10 steps, 0.900 over the last"]
+    rows = driver_rows(learnt)
+    rows[4]["grad_norm"] = float("nan")
+    problems, _ = driver.check_run(rows[:-1], 30, lora)
+    assert problems == ["29 metrics lines for 30 steps", "step 5: grad_norm not finite ([nan])"]
+    _, ours = driver.check_run(driver_rows([0.0] * 8), 8, driver.RUNS["speed-ours"])
+    _, torch_run = driver.check_run(driver_rows([0.0] * 8), 8, driver.RUNS["speed-torch"])
+    assert ours["time/update"] == 0.05
+    torch_run["time/update"] = 0.08
+    table = driver.table({"speed-ours": (20.0, ours), "speed-torch": (21.0, torch_run)})
+    assert "| speed-ours | 20 | 200.0 | 100.0 | 50.0 | 1.50 | reward 0.000 -> 0.000 |" in table
+    assert table.endswith("torch / ours = 1.60x")
+
+
+def test_driver_stage_names_an_unknown_run():
+    result = subprocess.run([sys.executable, str(GPU_DIR / "driver_runs.py"), "--dry-run", "--runs", "lora,lorra"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "gpu-driver-runs: unknown runs lorra (known: lora, qlora," in result.stderr

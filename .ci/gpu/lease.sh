@@ -14,6 +14,7 @@
 #   STAGES="build sweep" bash .ci/gpu/lease.sh     # time every tile and knob of the Hopper kernels
 #   STAGES="bench" BENCH_K="mixtral-T4096 or N16384-H4096" bash .ci/gpu/lease.sh   # -k: a few cases
 #   STAGES="profile" bash .ci/gpu/lease.sh    # Nsight Compute on benchmarks/ncu_targets.py's kernels
+#   STAGES="build driver" bash .ci/gpu/lease.sh   # the driver's training runs on the GPU (.ci/gpu/driver_runs.py)
 #
 # The benchmarks run with PYKERNELS_BENCH_RETIME=0: the gate judges the one run (benchmarks/gate_plugin.py)
 # instead of timing failing rules again (on the 2026-11-27 lease: every case of the three failing LoRA
@@ -29,7 +30,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-build/lease}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-STAGES=${STAGES-"build test sanitize bench"}  # set and empty: no stage
+STAGES=${STAGES-"build test sanitize driver bench"}  # set and empty: no stage
 BENCH_FILES=${BENCH_FILES:-"moe logprobs lora"}
 BENCH_K=${BENCH_K:-}  # a pytest -k expression selecting benchmark cases; empty: every case of each file
 PY=${GPU_PYTHON:-python3}  # the image's python, with its CUDA torch
@@ -77,6 +78,7 @@ for stage in $STAGES; do
             step test test 240 "$PY" .ci/gpu/test.py -- "${per_test[@]}" -rfE
         fi ;;
     sanitize) step sanitize sanitize 150 "$PY" .ci/gpu/sanitize.py ;;
+    driver) step driver driver 240 "$PY" .ci/gpu/driver_runs.py ;;  # python -m driver.train on the GPU, our kernels forced
     bench)
         select=()
         [ -n "$BENCH_K" ] && select=(-k "$BENCH_K")
@@ -94,7 +96,7 @@ for stage in $STAGES; do
             "$2" -m benchmarks.ncu_targets > "$3"; rc=$?
             "$2" -m benchmarks.ncu_summary "$3" || { rc=1; tail -n 20 "$3"; }; exit $rc' \
             profile "${NCU:-ncu}" "$PY" "$OUT/ncu.csv" ;;
-    *) echo "unknown stage $stage (build, test, sanitize, bench, breakdown, sweep, profile)"; exit 2 ;;
+    *) echo "unknown stage $stage (build, test, sanitize, driver, bench, breakdown, sweep, profile)"; exit 2 ;;
     esac
 done
 
@@ -105,6 +107,7 @@ for log in "$OUT"/*.log; do
     grep -E "FAILED|ERROR|Error|error:|passed|failed|wall time|^kernels:|========= (ERROR|RACECHECK|LEAK)" "$log" |
         tail -25
 done
+[ -f "$OUT/driver.log" ] && { echo "---- driver.log"; grep -E "^\||^update, |^gpu-driver-runs" "$OUT/driver.log" | tail -20; }
 [ -f "$OUT/breakdown.log" ] && { echo "---- breakdown.log"; grep -v "^==" "$OUT/breakdown.log" | tail -60; }
 [ -f "$OUT/sweep.log" ] && { echo "---- sweep.log"; grep -v "^==" "$OUT/sweep.log" | tail -150; }
 [ -f "$OUT/profile.log" ] && { echo "---- profile.log"; grep -v "^==" "$OUT/profile.log" | tail -30; }
