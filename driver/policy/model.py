@@ -281,8 +281,9 @@ def prepare_for_training(config: Config, model: nn.Module) -> str:
 
         fused = apply_fused_lora(model) if modes["lora"] != "torch" else 0  # fused LoRA (dense and NF4 bases)
         grouped = apply_moe_kernels(model) if modes["moe"] != "torch" else 0  # grouped experts; 0 if dense
-        kernels = f"fused LoRA on {fused} layers" + (f", grouped MoE kernels on {grouped} experts modules"
-                                                      if grouped else "")
+        parts = [f"fused LoRA on {fused} layers"] if fused else []
+        parts += [f"grouped MoE kernels on {grouped} experts modules"] if grouped else []
+        kernels = ", ".join(parts) or "no LoRA or MoE layers to fuse (full fine-tuning of a dense model)"
     if config.model.gradient_checkpointing:
         # Non-reentrant: the inputs need not require grad (the base is frozen, only the adapter trains).
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

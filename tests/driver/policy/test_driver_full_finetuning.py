@@ -45,6 +45,7 @@ def test_every_weight_trains_and_no_copy_is_made_without_a_kl_term():
     assert not any("lora_" in name for name in names)
     assert len(policy.trainable_parameters()) == len(names) and policy.trained_name == "model"
     assert policy.causal_lm is policy.model and policy.frozen_reference is None
+    assert policy.kernels == "no LoRA or MoE layers to fuse (full fine-tuning of a dense model)"  # the start-up line
     with pytest.raises(ValueError, match="beta > 0"), policy.reference():
         pass
 
