@@ -736,7 +736,13 @@ class TrainConfig(Section):
                                  "weight and fp32 optimizer states; false: pure 16-bit AdamW, as TRL's single-GPU "
                                  "full fine-tuning of a bf16 model (docs/memory.md)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW's beta1 (TRL's adam_beta1)")
+    adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW's beta2 (TRL's adam_beta2)")
+    adam_epsilon: float = Field(1e-8, gt=0, description="AdamW's epsilon (TRL's adam_epsilon)")
     schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="learning-rate schedule")
+    min_lr_rate: float = Field(0.0, ge=0, lt=1, description="cosine: the fraction of lr the schedule ends at "
+                               "(transformers' cosine_with_min_lr with lr_scheduler_kwargs min_lr_rate, axolotl's "
+                               "cosine_min_lr_ratio)")
     warmup_steps: int = Field(0, ge=0, description="linear warm-up steps (optimizer updates)")
     warmup_ratio: float = Field(0.0, ge=0, lt=1, description="warm-up as a fraction of the run's optimizer updates, "
                                 "rounded up (TRL's warmup_ratio; with train.epochs, of the steps they make); "
@@ -757,6 +763,13 @@ class TrainConfig(Section):
         if value.endswith("8bit") and find_spec("bitsandbytes") is None:
             raise ValueError(f"{value} needs bitsandbytes (pip install bitsandbytes); or use adamw_torch_fused")
         return value
+
+    @model_validator(mode="after")
+    def _min_lr_with_cosine(self) -> TrainConfig:
+        if self.min_lr_rate and self.schedule != "cosine":
+            raise ValueError(f"min_lr_rate = {self.min_lr_rate} is for schedule cosine, not {self.schedule}: set "
+                             "schedule: cosine (or remove min_lr_rate)")
+        return self
 
     def steps_for_epochs(self, prompts: int) -> int:
         """The steps train.epochs makes over `prompts` prompts (at least one)."""

@@ -199,10 +199,15 @@ class TrainingKeys(PendingKeys):
         else:
             self.put("train.schedule", SCHEDULES[schedule])
         self.warmup(schedule)
-        for key in ("weight_decay", "max_grad_norm"):
+        for key in ("weight_decay", "max_grad_norm", "adam_beta1", "adam_beta2", "adam_epsilon"):
             value = self.take(key)
             if value is not None:
                 self.put(f"train.{key}", value)
+        min_lr_ratio = self.take("cosine_min_lr_ratio")
+        if min_lr_ratio is not None and schedule != "cosine":
+            self.refuse("cosine_min_lr_ratio", f"only with lr_scheduler cosine, not {schedule}")
+        elif min_lr_ratio is not None:
+            self.put("train.min_lr_rate", min_lr_ratio)
         if self.take("lr_scheduler_kwargs"):
             self.refuse("lr_scheduler_kwargs", "the schedules here take no arguments")
         self.put("train.seed", self.take("seed", AXOLOTL_DEFAULTS["seed"]))

@@ -26,13 +26,14 @@ def build_optimizer(parameters: list[torch.nn.Parameter], config: TrainConfig) -
 
 
 def adamw(parameters: list[torch.Tensor], config: TrainConfig) -> torch.optim.Optimizer:
+    adam = {"betas": (config.adam_beta1, config.adam_beta2), "eps": config.adam_epsilon}
     if config.optim in ("adamw_8bit", "paged_adamw_8bit"):
         import bitsandbytes  # TrainConfig checked that it is installed
 
         optimizer = bitsandbytes.optim.PagedAdamW8bit if config.optim == "paged_adamw_8bit" else \
             bitsandbytes.optim.AdamW8bit
-        return optimizer(parameters, lr=config.lr, weight_decay=config.weight_decay)
-    return torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay,
+        return optimizer(parameters, lr=config.lr, weight_decay=config.weight_decay, **adam)
+    return torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay, **adam,
                              fused=True if config.optim == "adamw_torch_fused" else None)
 
 
@@ -46,8 +47,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total
         progress = (update - warmup) / max(1, total_updates - warmup)
         if config.schedule == "linear":
             return max(0.0, 1.0 - progress)
-        if config.schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        if config.schedule == "cosine":  # down to min_lr_rate x lr, as transformers' cosine_with_min_lr
+            cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+            return config.min_lr_rate + (1.0 - config.min_lr_rate) * cosine
         return 1.0
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
