@@ -827,6 +827,14 @@ class LoggingConfig(Section):
             raise ValueError(f"not installed: {', '.join(missing)}")
         return list(dict.fromkeys(value))
 
+    @model_validator(mode="after")
+    def _tensorboard_installed(self) -> LoggingConfig:
+        # A model check: report_to's default names TensorBoard, and a field's default is never validated.
+        if self.tensorboard and find_spec("tensorboard") is None:
+            raise ValueError("logging.report_to has tensorboard (its default), which is not installed: pip install "
+                             "tensorboard, or set logging.report_to: [] (metrics.jsonl is written either way)")
+        return self
+
     @property
     def tensorboard(self) -> bool:
         return "tensorboard" in self.report_to

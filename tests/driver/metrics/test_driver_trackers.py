@@ -107,3 +107,20 @@ def test_the_old_tensorboard_key_maps_to_report_to():
     assert any("logging.report_to" in str(w.message) for w in caught)
     assert load_config(None, {}).logging.tensorboard
     assert load_config(None, {"logging.report_to": "[wandb, wandb]"}).logging.report_to == ["wandb"]
+
+
+@pytest.mark.parametrize(("report_to", "message"), [
+    (None, "logging.report_to has tensorboard (its default), which is not installed: pip install tensorboard"),
+    (["wandb"], "not installed: wandb (pip install wandb)"),
+])
+def test_a_tracker_that_is_not_installed_is_a_config_error(monkeypatch, report_to, message):
+    """Before: the default TensorBoard missing was an ImportError traceback once the model had loaded."""
+    import driver.config
+
+    real = driver.config.find_spec
+    monkeypatch.setattr(driver.config, "find_spec",
+                        lambda name: None if name in ("tensorboard", "wandb") else real(name))
+    logging = {} if report_to is None else {"report_to": report_to}
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        driver.config.Config.model_validate({"logging": logging})
+    driver.config.Config.model_validate({"logging": {"report_to": []}})  # metrics.jsonl alone needs nothing
