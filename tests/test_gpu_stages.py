@@ -55,7 +55,7 @@ def test_dry_run_prints_the_commands(name):
         "sanitize": ["--tool memcheck", "--tool racecheck", "sanitize_ops.py --device cuda", "moe: ran on cpu"],
         "driver_runs": ["driver runs (", "-m driver.train", "tiny-moe-grpo.yaml", "--model.qlora=true",
                    "--rollout.backend=transformers", "--model.device=cuda", "--train.kernels=ours",
-                   "--train.kernels=torch", "'--model.path=<shaped model>'"],
+                   "--train.kernels=torch", "'--model.path=<shaped model>' --algo.zero_advantage=keep"],
         "bench": ["pytest --benchmark --benchmark-json=", "benchmarks.report", "--markdown", "benchmarks/results/"],
     }[name]
     for text in expected:

@@ -53,8 +53,10 @@ RUNS = {
     "moe": Run("tiny-moe-grpo.yaml"),
     "ebft": Run("tiny-ebft.yaml", learnt="ebft/cfm_loss", lower=True),  # feature matching, as its e2e test
     "full": Run("tiny-grpo.yaml", ("--model.adapter=none", "--train.lr=1.0e-3")),  # bf16 on CPU: 0.08 -> 1.00
-    "speed-ours": Run("tiny-grpo.yaml", speed=True),
-    "speed-torch": Run("tiny-grpo.yaml", kernels="torch", speed=True),
+    # zero_advantage keep: every step trains all its completions (a random model's groups of equal rewards
+    # would otherwise leave steps with nothing to update, and medians of nothing)
+    "speed-ours": Run("tiny-grpo.yaml", ("--algo.zero_advantage=keep",), speed=True),
+    "speed-torch": Run("tiny-grpo.yaml", ("--algo.zero_advantage=keep",), kernels="torch", speed=True),
 }
 
 
