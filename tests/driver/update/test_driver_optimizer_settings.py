@@ -1,12 +1,13 @@
 """TRL's adam_beta1 / adam_beta2 / adam_epsilon (train.*) reach every optimizer train.optim builds, and the
-cosine schedule's min_lr_rate is transformers' cosine_with_min_lr. Oracles: Adam's update written out in
-fp64, and transformers' own schedule."""
+schedules are transformers' (the cosine's min_lr_rate its cosine_with_min_lr) after the warm-up. Oracles:
+Adam's update written out in fp64, and transformers' own schedules."""
 
 import math
 
 import pytest
 import torch
-from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
+from transformers.optimization import (get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup,
+                                      get_cosine_with_min_lr_schedule_with_warmup, get_linear_schedule_with_warmup)
 
 from driver.config import Config, TrainConfig
 from driver.update.optim import build_optimizer, build_scheduler
@@ -40,22 +41,36 @@ def test_betas_and_epsilon_reach_the_optimizer(optim):
     torch.testing.assert_close(weight.detach().double(), expected, rtol=0, atol=1e-5)
 
 
+SCHEDULES = {  # ours -> transformers' own
+    ("constant", 0.0): lambda opt, warmup, total: get_constant_schedule_with_warmup(opt, warmup),
+    ("linear", 0.0): lambda opt, warmup, total: get_linear_schedule_with_warmup(opt, warmup, total),
+    ("cosine", 0.0): lambda opt, warmup, total: get_cosine_schedule_with_warmup(opt, warmup, total),
+    ("cosine", 0.1): lambda opt, warmup, total: get_cosine_with_min_lr_schedule_with_warmup(
+        opt, warmup, total, min_lr_rate=0.1),
+}
+
+
 @pytest.mark.parametrize("warmup", [0, 3])
-def test_cosine_min_lr_rate_is_transformers_cosine_with_min_lr(warmup):
+@pytest.mark.parametrize(("schedule", "min_lr_rate"), list(SCHEDULES))
+def test_schedules_are_transformers_after_the_warm_up(schedule, min_lr_rate, warmup):
+    """transformers' schedule through the run's last update (beyond it, its cosine rises again); during the
+    warm-up ours is (n + 1) / (warmup + 1), where transformers' first update is at lr 0
+    (docs/trl-differences.md)."""
     total = 20
-    config = TrainConfig(lr=1.0, schedule="cosine", min_lr_rate=0.1, warmup_steps=warmup)
+    config = TrainConfig(lr=1.0, schedule=schedule, min_lr_rate=min_lr_rate, warmup_steps=warmup)
     ours = build_scheduler(build_optimizer([torch.nn.Parameter(torch.zeros(1))], config), config, total)
     theirs_optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    theirs = get_cosine_with_min_lr_schedule_with_warmup(theirs_optimizer, warmup, total, min_lr_rate=0.1)
-    for update in range(total + 1):  # through the run's last update; beyond it, transformers' rises again
-        if update >= warmup:  # the warm-up's own ramp is ours: (n + 1) / (warmup + 1)
-            assert math.isclose(ours.get_last_lr()[0], theirs.get_last_lr()[0], rel_tol=1e-12), update
+    theirs = SCHEDULES[schedule, min_lr_rate](theirs_optimizer, warmup, total)
+    for update in range(total + 1):
+        expected = (update + 1) / (warmup + 1) if update < warmup else theirs.get_last_lr()[0]
+        assert math.isclose(ours.get_last_lr()[0], expected, rel_tol=1e-12), update
         if update < total:
             ours.optimizer.step()
             ours.step()
             theirs_optimizer.step()
             theirs.step()
-    assert math.isclose(ours.get_last_lr()[0], 0.1)
+    final = {"constant": 1.0, "linear": 0.0, "cosine": min_lr_rate}[schedule]
+    assert math.isclose(ours.get_last_lr()[0], final, abs_tol=1e-12)
 
 
 def test_min_lr_rate_without_the_cosine_schedule_is_refused():
