@@ -735,7 +735,8 @@ class TrainConfig(Section):
                                  "at GRPO's usual learning rates most weights would never move. Costs 4 bytes a "
                                  "weight and fp32 optimizer states; false: pure 16-bit AdamW, as TRL's single-GPU "
                                  "full fine-tuning of a bf16 model (docs/memory.md)")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (biases and norm weights take none, as in "
+                                "transformers' Trainer)")
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW's beta1 (TRL's adam_beta1)")
     adam_beta2: float = Field(0.999, ge=0, lt=1, description="AdamW's beta2 (TRL's adam_beta2)")
     adam_epsilon: float = Field(1e-8, gt=0, description="AdamW's epsilon (TRL's adam_epsilon)")

@@ -134,7 +134,7 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
             algo.check_prompts(config, prompts)
     if config.train.epochs is not None:
         steps_from_epochs(config, world, prompts, startup)
-    optimizer = build_optimizer(policy.trainable_parameters(), config.train)
+    optimizer = build_optimizer(policy.trainable_parameters(), config.train, model=policy.model)
     if config.algo.use_adaptive_entropy:  # its state's keys before a resume: torchrun's sharded load fills those it has
         entropy_controller(config.algo, optimizer)
     scheduler = build_scheduler(optimizer, config.train, config.optimizer_updates)

@@ -5,6 +5,7 @@ driver/update/step.py, strided EBFT: driver/ebft/strided_update.py)."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from functools import partial
 
@@ -15,26 +16,47 @@ from driver.metrics.combine import Metrics, combine_metrics
 from driver.update.master_weights import MasterWeightsOptimizer, needs_master_weights
 
 
-def build_optimizer(parameters: list[torch.nn.Parameter], config: TrainConfig) -> torch.optim.Optimizer:
+# transformers' Trainer decays no bias and no norm weight (get_decay_parameter_names): these names, and LayerNorms.
+NO_DECAY_NAMES = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+
+
+def build_optimizer(parameters: list[torch.nn.Parameter], config: TrainConfig,
+                    model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
     """train.optim's AdamW over the trainable parameters (the adapter; every weight under full fine-tuning, whose
-    16-bit weights it steps as fp32 master weights unless train.master_weights is off)."""
+    16-bit weights it steps as fp32 master weights unless train.master_weights is off). model: the parameters'
+    module, whose biases and norm weights then take no weight decay, as in TRL (an adapter has neither)."""
     if not parameters:
         raise ValueError("the model has no trainable parameters: check lora.targets against the model's module names")
+    exempt = undecayed(model, parameters) if model is not None and config.weight_decay else set()
     if config.master_weights and needs_master_weights(parameters):
-        return MasterWeightsOptimizer(parameters, partial(adamw, config=config))
-    return adamw(parameters, config)
+        return MasterWeightsOptimizer(parameters, partial(adamw, config=config, exempt=exempt))
+    return adamw(parameters, config, exempt)
 
 
-def adamw(parameters: list[torch.Tensor], config: TrainConfig) -> torch.optim.Optimizer:
-    adam = {"betas": (config.adam_beta1, config.adam_beta2), "eps": config.adam_epsilon}
+def undecayed(model: torch.nn.Module, parameters: list[torch.nn.Parameter]) -> set[int]:
+    """Positions in `parameters` of the biases and norm weights of `model` (transformers' rule)."""
+    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    layernorms = {id(parameter) for module in model.modules() if isinstance(module, torch.nn.LayerNorm)
+                  for parameter in module.parameters(recurse=False)}
+    return {index for index, parameter in enumerate(parameters)
+            if id(parameter) in layernorms or NO_DECAY_NAMES.search(names.get(id(parameter), "").lower())}
+
+
+def adamw(parameters: list[torch.Tensor], config: TrainConfig, exempt: set[int] = frozenset()) -> torch.optim.Optimizer:
+    """exempt: positions in `parameters` that take no weight decay (a second param group, after the first)."""
+    adam = {"lr": config.lr, "weight_decay": config.weight_decay, "betas": (config.adam_beta1, config.adam_beta2),
+            "eps": config.adam_epsilon}
+    decayed = [p for i, p in enumerate(parameters) if i not in exempt]
+    groups = [{"params": decayed}] if decayed else []
+    if exempt:
+        groups.append({"params": [p for i, p in enumerate(parameters) if i in exempt], "weight_decay": 0.0})
     if config.optim in ("adamw_8bit", "paged_adamw_8bit"):
         import bitsandbytes  # TrainConfig checked that it is installed
 
         optimizer = bitsandbytes.optim.PagedAdamW8bit if config.optim == "paged_adamw_8bit" else \
             bitsandbytes.optim.AdamW8bit
-        return optimizer(parameters, lr=config.lr, weight_decay=config.weight_decay, **adam)
-    return torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay, **adam,
-                             fused=True if config.optim == "adamw_torch_fused" else None)
+        return optimizer(groups, **adam)
+    return torch.optim.AdamW(groups, **adam, fused=True if config.optim == "adamw_torch_fused" else None)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total_updates: int):

@@ -76,3 +76,34 @@ def test_schedules_are_transformers_after_the_warm_up(schedule, min_lr_rate, war
 def test_min_lr_rate_without_the_cosine_schedule_is_refused():
     with pytest.raises(ValueError, match="min_lr_rate = 0.1 is for schedule cosine, not linear"):
         Config.model_validate({"train": {"schedule": "linear", "min_lr_rate": 0.1}})
+
+
+@pytest.mark.parametrize("master_weights", [False, True])
+def test_biases_and_norm_weights_take_no_weight_decay_as_in_trl(master_weights):
+    """Full fine-tuning with weight_decay: the decayed weights are those transformers' Trainer decays
+    (get_decay_parameter_names: no bias, no norm weight); one step with zero gradients shrinks them by
+    1 - lr x weight_decay and leaves the others. An adapter (no bias, no norm) stays one group."""
+    from transformers import Trainer
+
+    from driver.policy.model import load_policy
+
+    config = Config.model_validate({"model": {"adapter": "none", "dtype": "bfloat16" if master_weights else "float32"},
+                                    "train": {"lr": 0.5, "weight_decay": 0.1, "master_weights": master_weights}})
+    policy = load_policy(config)
+    model = policy.model
+    expected = set(Trainer.get_decay_parameter_names(None, model))  # the method reads no attribute of the trainer
+    assert expected and len(expected) < len(list(model.parameters()))  # this model has both kinds
+    before = {name: p.detach().float().clone() for name, p in model.named_parameters()}
+    optimizer = build_optimizer(policy.trainable_parameters(), config.train, model=model)
+    assert [group["weight_decay"] for group in optimizer.param_groups] == [0.1, 0.0]
+    for parameter in policy.trainable_parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()
+    for name, parameter in model.named_parameters():
+        factor = 1 - 0.5 * 0.1 if name in expected else 1.0
+        expected_value = (before[name].double() * factor).to(parameter.dtype)
+        torch.testing.assert_close(parameter.detach(), expected_value, rtol=2e-7, atol=0, msg=name)
+
+    lora = load_policy(Config.model_validate({"train": {"weight_decay": 0.1}}))
+    lora_optimizer = build_optimizer(lora.trainable_parameters(), config.train, model=lora.model)
+    assert [group["weight_decay"] for group in lora_optimizer.param_groups] == [0.1]
