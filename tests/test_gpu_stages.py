@@ -20,9 +20,10 @@ STAGES = ["wheels", "kernels", "link_check", "install", "build", "test", "saniti
 
 
 def load(name: str):
-    """A stage script as a module (its own `import stage` needs .ci/gpu on sys.path)."""
+    """A stage script as a module (its own `import stage` needs .ci/gpu on sys.path). Appended, not first: the
+    scripts' names (kernels, test, build, ...) must not shadow packages for the rest of this test process."""
     if str(GPU_DIR) not in sys.path:
-        sys.path.insert(0, str(GPU_DIR))
+        sys.path.append(str(GPU_DIR))
     spec = importlib.util.spec_from_file_location(f"gpu_stage_{name}", GPU_DIR / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
