@@ -1008,6 +1008,10 @@ class Config(Section):
                              f"rollout.sampling.max_tokens = {rollout.sampling.max_tokens} (or null for off)")
         if rollout.backend == "transformers":
             self._check_transformers_backend()
+        if self.model.dtype == "float16" and not self.eval.only:
+            warnings.warn("model.dtype float16 trains without loss scaling (TRL's fp16 runs a GradScaler): gradients "
+                          "below float16's normal range (6e-5) lose precision, and below 6e-8 vanish; bfloat16 (GPUs "
+                          "from Ampere on) or float32 trains without that", stacklevel=2)
         if self.algo.kl_in_reward and self.rewards.aggregation != "sum_then_normalize":
             raise ValueError("algo.kl_in_reward needs rewards.aggregation = sum_then_normalize (the penalty is added "
                              "to the weighted sum of the rewards)")

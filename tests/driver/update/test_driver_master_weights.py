@@ -2,6 +2,8 @@
 fp64 tensors given the same (16-bit) gradients: the master weights follow it exactly and the model's weights
 are those rounded; without them, AdamW at GRPO's learning rates leaves most bf16 weights where they were."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -115,3 +117,14 @@ def test_a_state_without_master_weights_starts_them_from_the_model():
     for weight, master in zip(weights, masters.masters, strict=True):
         assert torch.equal(master.detach(), weight.detach().float())
     assert masters.state[masters.masters[0]]["step"] == 2
+
+
+def test_float16_training_warns_that_it_runs_without_loss_scaling():
+    from driver.config import Config
+
+    with pytest.warns(UserWarning, match="model.dtype float16 trains without loss scaling"):
+        Config.model_validate({"model": {"dtype": "float16"}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Config.model_validate({"model": {"dtype": "float16"}, "eval": {"only": True, "val_set_size": 2}})
+        Config.model_validate({"model": {"dtype": "bfloat16"}})
