@@ -123,15 +123,16 @@ class BestAdapter:
     best.json). Under torchrun every rank calls consider() (the save is collective) and rank 0 decides: only
     its file system is sure to hold best.json."""
 
-    def __init__(self, output_dir: Path, metric: str, greater_is_better: bool) -> None:
-        self.directory, self.metric, self.greater = output_dir / BEST, metric, greater_is_better
+    def __init__(self, output_dir: Path, key: str, greater_is_better: bool) -> None:
+        """key: the metric's (eval.best_key(): eval/reward, eval_<set>/reward with eval.sets)."""
+        self.directory, self.key, self.greater = output_dir / BEST, key, greater_is_better
         saved = self.directory / BEST_FILE
         self.best = json.loads(saved.read_text()) if saved.is_file() else None
 
     def consider(self, step: int, metrics: dict[str, float], policy) -> bool:
         """Save the policy's weights if `metrics` (an evaluation's, eval/...) beat the best; True if they did. An
         evaluation without the metric (no group could be scored) or with a NaN never does."""
-        key = "eval/" + self.metric
+        key = self.key
         value = metrics.get(key)
         world = distributed.world()
         improves = (value is not None and math.isfinite(value)

@@ -202,7 +202,7 @@ def _describe(model: type[BaseModel], prefix: str, lines: list[str]) -> None:
         key = prefix + name
         annotation = field.annotation
         nested = _nested_model(annotation)
-        if nested is not None and get_origin(annotation) is not list:
+        if nested is not None and get_origin(annotation) not in (list, dict):  # a list or dict of them: one key
             lines.append(f"\n  {key}: {field.description}")
             _describe(nested, key + ".", lines)
             continue

@@ -857,6 +857,24 @@ class CheckpointConfig(Section):
                                           "(null: the Hub's default for the account)")
 
 
+class EvalSetConfig(Section):
+    """One of eval.sets: a dataset read as eval.source is."""
+
+    source: str = Field(description="a dataset in any form data.source takes")
+    name: str | None = Field(None, description="its configuration (subset), e.g. main for openai/gsm8k")
+    split: str = Field("test", description="the split of a dataset directory or Hub dataset")
+    revision: str | None = Field(None, description="on the Hub: a branch, tag or commit")
+
+
+EVAL_SET_LABEL = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def eval_prefix(label: str) -> str:
+    """Where an evaluation set's metrics go: eval/ for the one set, eval_<label>/ for each of eval.sets (TRL's
+    eval_<name>_ prefix of a dict eval_dataset's metrics, with our slash)."""
+    return f"eval_{label}/" if label else "eval/"
+
+
 class EvalConfig(Section):
     """Evaluation on prompts the run does not train on: the step's adapter samples each, the reward functions score
     them, and eval/<TRL's metric names> go to metrics.jsonl and the trackers (eval/reward, eval/rewards/<name>/mean,
@@ -875,6 +893,11 @@ class EvalConfig(Section):
     name: str | None = Field(None, description="source's configuration (subset), e.g. main for openai/gsm8k")
     split: str = Field("test", description="the split of a dataset directory or Hub dataset given as source")
     revision: str | None = Field(None, description="source on the Hub: a branch, tag or commit")
+    sets: dict[str, EvalSetConfig] = Field(default_factory=dict, description="named evaluation sets instead of "
+                                           "source (TRL's eval_dataset as a dict), each {source, name, split, "
+                                           "revision}, evaluated in turn: metrics under eval_<set>/ "
+                                           "(eval_<set>/reward, ...), completions tagged with set in "
+                                           "eval_completions.jsonl; best_metric then names a set: <set>/reward")
     val_set_size: float = Field(0, ge=0, description="without source: prompts of data.source held out of training "
                                 "for evaluation (axolotl's val_set_size), a fraction below 1 or a count; which ones "
                                 "is fixed by train.seed")
@@ -902,10 +925,23 @@ class EvalConfig(Section):
             return self.num_generations
         return 1 if self.temperature == 0 else training
 
-    def data(self, data: DataConfig) -> DataConfig:
-        """The data section reading source instead (same columns, transform, chat template), unshuffled."""
-        return data.model_copy(update={"source": self.source, "name": self.name, "split": self.split,
-                                       "revision": self.revision, "shuffle": False})
+    def data(self, data: DataConfig, label: str = "") -> DataConfig:
+        """The data section reading source (or eval.sets' `label`) instead (same columns, transform, chat template),
+        unshuffled."""
+        origin = self.sets[label] if label else self
+        return data.model_copy(update={"source": origin.source, "name": origin.name, "split": origin.split,
+                                       "revision": origin.revision, "shuffle": False})
+
+    def labels(self) -> list[str]:
+        """The evaluation sets' labels: eval.sets' names, or "" for the one set (source or val_set_size)."""
+        return list(self.sets) or [""]
+
+    def best_key(self) -> str:
+        """The metrics key best_metric names (eval/reward; with sets, <set>/reward is eval_<set>/reward)."""
+        if not self.sets:
+            return eval_prefix("") + self.best_metric
+        label, _, metric = self.best_metric.partition("/")
+        return eval_prefix(label) + metric
 
     def held_out(self, rows: int) -> int:
         """How many of data.source's `rows` prompts val_set_size holds out (0 with a source of its own)."""
@@ -1089,9 +1125,16 @@ class Config(Section):
                 raise ValueError(f"eval.{given[0]} is set but eval.steps = 0 and eval.on_start and eval.only are "
                                  "false: nothing would be evaluated; set eval.steps (or remove the eval section)")
             return
-        if (evaluation.source is None) == (not evaluation.val_set_size):
-            raise ValueError("eval needs its prompts from exactly one of eval.source (a dataset, e.g. its test split) "
-                             "and eval.val_set_size (prompts held out of data.source)")
+        if sum((evaluation.source is not None, bool(evaluation.val_set_size), bool(evaluation.sets))) != 1:
+            raise ValueError("eval needs its prompts from exactly one of eval.source (a dataset, e.g. its test split), "
+                             "eval.sets (named datasets) and eval.val_set_size (prompts held out of data.source)")
+        bad = [label for label in evaluation.sets if not EVAL_SET_LABEL.fullmatch(label)]
+        if bad:
+            raise ValueError(f"eval.sets: {bad[0]!r} is no set name: letters, digits, _ . - only (it names metrics: "
+                             f"eval_<set>/reward)")
+        if evaluation.sets and evaluation.save_best and evaluation.best_metric.partition("/")[0] not in evaluation.sets:
+            raise ValueError(f"eval.best_metric = {evaluation.best_metric}: with eval.sets it names one of them, "
+                             f"<set>/<metric> (e.g. {next(iter(evaluation.sets))}/reward)")
         if evaluation.val_set_size >= 1 and evaluation.val_set_size != int(evaluation.val_set_size):
             raise ValueError(f"eval.val_set_size = {evaluation.val_set_size}: a fraction below 1 or a whole count")
         if evaluation.save_best and evaluation.only:

@@ -26,7 +26,7 @@ import pykernels.backend
 from driver.algorithms import algorithm
 from driver.checkpoint import CHECKPOINTS, BestAdapter, find_checkpoint, load_checkpoint, save_checkpoint
 from driver.cli import ConfigError, config_from_argv, exit_on_config_error
-from driver.config import Config, is_hub_id
+from driver.config import Config, eval_prefix, is_hub_id
 from driver.data.model_source import model_directory
 from driver.data.adapter_settings import adopt_adapter_settings
 from driver.data.eval_prompts import training_and_eval_prompts
@@ -128,7 +128,7 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
     if world.is_main:
         with startup.phase(f"reading the prompts ({config.data.source})",
                            lambda: f"read {len(prompts.prompts)} prompts ({config.data.source})"
-                           + (evaluated_from(config, len(eval_prompts.prompts)) if eval_prompts is not None else "")):
+                           + (evaluated_from(config, eval_prompts) if eval_prompts is not None else "")):
             prompts, eval_prompts = training_and_eval_prompts(config, policy.tokenizer,
                                                               tools=prompt_tools(config, policy.tokenizer))
             algo.check_prompts(config, prompts)
@@ -178,10 +178,10 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
                                                          make_scorer=algo.make_scorer, eval_prompts=eval_prompts))
         else:
             rollouts = FollowerFeed(config, policy)
-        best = (BestAdapter(output_dir, config.eval.best_metric, config.eval.greater_is_better)
+        best = (BestAdapter(output_dir, config.eval.best_key(), config.eval.greater_is_better)
                 if config.eval.save_best else None)
         if config.eval.on_start or config.eval.only:
-            log_evaluation(logger, step, rollouts.evaluate(step), best, policy)
+            log_evaluation(logger, step, rollouts.evaluate(step), config.eval.labels(), best, policy)
         with GracefulInterrupt(out=terminal.out) as interrupt:
             # Under torchrun rank 0 alone decides to stop (its next_batch tells the others).
             while step < steps and (world.distributed or not interrupt.requested):
@@ -209,7 +209,7 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
                     show_samples(logger, batch, config.logging.log_completions)
                     logger.log_completions(step, batch.table)
                 if config.eval.steps and step % config.eval.steps == 0:
-                    log_evaluation(logger, step, rollouts.evaluate(step), best, policy)
+                    log_evaluation(logger, step, rollouts.evaluate(step), config.eval.labels(), best, policy)
                 if config.checkpoint.every and step % config.checkpoint.every == 0:
                     saved = save_checkpoint(output_dir, step, policy, optimizer, scheduler, prompts,
                                             config.checkpoint.keep, rollouts.state_dict())
@@ -305,29 +305,39 @@ def check_world(config: Config, world: distributed.World) -> None:
                           "GPU, or server)")
 
 
-def evaluated_from(config: Config, count: int) -> str:
+def evaluated_from(config: Config, eval_prompts: dict) -> str:
     """The start-up line's end: which prompts the evaluations take."""
     evaluation = config.eval
-    if evaluation.source is None:
-        return f" and held out {count} for evaluation"
-    split = f", {evaluation.split}" if evaluation.data(config.data).source_kind() in ("hub", "directory") else ""
-    return f" and {count} to evaluate ({evaluation.source}{split})"
+    if evaluation.val_set_size:
+        return f" and held out {len(eval_prompts[''].prompts)} for evaluation"
+    described = []
+    for label, prompts in eval_prompts.items():
+        data = evaluation.data(config.data, label)
+        split = f", {data.split}" if data.source_kind() in ("hub", "directory") else ""
+        described.append(f"{len(prompts.prompts)} to evaluate ({f'{label}: ' if label else ''}{data.source}{split})")
+    return " and " + ", ".join(described)
 
 
-def log_evaluation(logger, step: int, evaluation, best: BestAdapter | None = None, policy=None) -> None:
+def log_evaluation(logger, step: int, evaluation, labels: list[str], best: BestAdapter | None = None,
+                   policy=None) -> None:
     """An Evaluation (driver/rollouts/evaluation.py) into the logs, and a line above the progress bar; with
     eval.save_best the adapter goes to output_dir/best when it is the best so far (on every rank: collective)."""
     if evaluation is None:
         return
     logger.log_eval(step, evaluation.metrics, evaluation.table)
     metrics = evaluation.metrics
-    reward = metrics.get("eval/reward")
-    line = (f"eval after step {step}: reward {'n/a' if reward is None else f'{reward:.3f}'} over "
-            f"{int(metrics['eval/prompts'])} prompts in {metrics['eval/time']:.1f} s")
+    parts, failed = [], 0
+    for label in labels:  # each set's: eval/ for the one set, eval_<set>/ for eval.sets
+        prefix = eval_prefix(label)
+        reward = metrics.get(prefix + "reward")
+        parts.append(f"{label + ' ' if label else ''}reward {'n/a' if reward is None else f'{reward:.3f}'} over "
+                     f"{int(metrics[prefix + 'prompts'])} prompts in {metrics[prefix + 'time']:.1f} s")
+        failed += int(metrics[prefix + "failed_groups"])
+    line = f"eval after step {step}: " + "; ".join(parts)
     if evaluation.failure is not None:  # its first line (which reward, how) and last (on what input): no traceback
         lines = evaluation.failure.splitlines()
         what = lines[0] + (f" ... {lines[-1]}" if len(lines) > 1 else "")
-        line += f"; {int(metrics['eval/failed_groups'])} group(s) could not be scored (first: {what})"
+        line += f"; {failed} group(s) could not be scored (first: {what})"
     if best is not None and best.consider(step, metrics, policy):
         line += f"; best so far: saved to {best.directory}"
     logger.print(line)

@@ -11,32 +11,36 @@ from driver.config import Config, EvalConfig
 from driver.data.prompts import PromptSource, load_rows
 
 
-def training_and_eval_prompts(config: Config, tokenizer,
-                              tools: list[dict] | None = None) -> tuple[PromptSource, PromptSource | None]:
-    """(the prompts trained on, the prompts evaluated or None without evaluation)."""
+def training_and_eval_prompts(config: Config, tokenizer, tools: list[dict] | None = None
+                              ) -> tuple[PromptSource, dict[str, PromptSource] | None]:
+    """(the prompts trained on, the prompts evaluated by set label or None without evaluation): {"": prompts} for
+    eval.source or val_set_size, a label each for eval.sets."""
     data, evaluation, seed = config.data, config.eval, config.train.seed
     if not evaluation.enabled:
         return PromptSource(data, tokenizer, seed, tools), None
-    if evaluation.source is not None:
-        eval_rows = list(enumerate(eval_source_rows(config)))
-        training = PromptSource(data, tokenizer, seed, tools)
-    else:
+    if evaluation.val_set_size:
         rows = load_rows(data)
-        kept, eval_rows = hold_out(rows, held_out_count(evaluation, len(rows), data.source), seed)
+        kept, held = hold_out(rows, held_out_count(evaluation, len(rows), data.source), seed)
+        sets = {"": held}
         training = PromptSource(data, tokenizer, seed, tools, rows=kept)
-    eval_data = evaluation.data(data)
-    return training, PromptSource(eval_data, tokenizer, seed, tools, rows=eval_rows[:evaluation.max_prompts])
+    else:
+        sets = {label: list(enumerate(eval_source_rows(config, label))) for label in evaluation.labels()}
+        training = PromptSource(data, tokenizer, seed, tools)
+    return training, {label: PromptSource(evaluation.data(data, label), tokenizer, seed, tools,
+                                          rows=rows[:evaluation.max_prompts]) for label, rows in sets.items()}
 
 
-def eval_source_rows(config: Config) -> list[dict]:
-    """eval.source's rows after data.transform; its errors name eval.source (load_rows says data.source)."""
+def eval_source_rows(config: Config, label: str = "") -> list[dict]:
+    """eval.source's (or eval.sets' `label`'s) rows after data.transform; its errors name that key (load_rows says
+    data.source)."""
     try:
-        return load_rows(config.eval.data(config.data))
+        return load_rows(config.eval.data(config.data, label))
     except ConfigError as error:
         message = str(error)
         if not message.startswith("data.source"):  # data.prompt_field, data.transform: the shared keys
             raise
-        raise ConfigError("eval.source" + message[len("data.source"):]) from error
+        key = f"eval.sets.{label}.source" if label else "eval.source"
+        raise ConfigError(key + message[len("data.source"):]) from error
 
 
 def held_out_count(evaluation: EvalConfig, rows: int, source: str) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,9 +24,10 @@ PLOTS_DIR = "plots"
 # averages over roughly the last ten steps, TensorBoard's default look for noisy RL curves.
 EMA_SMOOTHING = 0.9
 # Keys whose "best" value has a clear direction; other curves report their range instead.
-HIGHER_IS_BETTER = ("reward", "rewards/", "eval/reward", "ebft/alignment", "ebft/reward")
+HIGHER_IS_BETTER = ("reward", "rewards/", "eval/reward", "eval_", "ebft/alignment", "ebft/reward")  # eval_<set>/reward
 LOWER_IS_BETTER = ("loss", "ebft/cfm_loss")
-EVALUATED = "eval/"  # the eval section's metrics (driver/rollouts/evaluation.py)
+EVALUATED = ("eval/", "eval_")  # the eval section's metrics: the one set's, eval_<set>/ for each of eval.sets
+EVAL_SET_REWARD = re.compile(r"eval_[^/]+/reward")
 
 
 def read_metrics(metrics_path: Path) -> list[dict]:
@@ -116,6 +118,10 @@ def plot_metrics(metrics_path: Path, output_dir: Path, keys: Sequence[str] = MAI
     Returns the written paths, overview.png last; [] when the file has no rows or none of the keys.
     """
     rows = read_metrics(metrics_path)
+    if "eval/reward" in keys:  # eval.sets: each set's reward curve beside it
+        found = dict.fromkeys(key for row in rows for key in row if EVAL_SET_REWARD.fullmatch(key))
+        at = keys.index("eval/reward") + 1
+        keys = (*keys[:at], *found, *keys[at:])
     curves = {key: curve(rows, key) for key in keys}
     curves = {key: (steps, values) for key, (steps, values) in curves.items()
               if any(not math.isnan(value) for value in values)}

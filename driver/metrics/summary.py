@@ -12,7 +12,7 @@ from driver.metrics.console import LOG_FILE
 from driver.metrics.logger import EVAL_COMPLETIONS_FILE, METRICS_FILE, TENSORBOARD_DIR
 
 REWARD_KEYS = ("reward", "ebft/reward")  # GRPO's, then EBFT's
-EVAL_REWARD = "eval/reward"
+EVAL_PREFIX = "eval/"  # the one evaluation set's metrics; eval_<set>/ for each of eval.sets
 WINDOW = 10  # steps averaged at each end of the run
 
 
@@ -38,29 +38,43 @@ def reward_trend(rows: list[dict]) -> str | None:
     return f"{key}: first {window} steps {first:.3f} -> last {window} steps {last:.3f}"
 
 
-def eval_trend(rows: list[dict]) -> str | None:
-    """The first and the last evaluation's reward (the same prompts and seeds: comparable as they are)."""
-    evaluations = [row for row in rows if row.get(EVAL_REWARD) is not None]
+def is_eval_key(key: str, metric: str) -> bool:
+    """An evaluation set's `metric` (eval/<metric>, or eval_<set>/<metric> with eval.sets)."""
+    return key == EVAL_PREFIX + metric or (key.startswith("eval_") and key.endswith("/" + metric)
+                                           and key.count("/") == metric.count("/") + 1)
+
+
+def eval_trends(rows: list[dict]) -> list[str]:
+    """Each evaluation set's first and last reward (the same prompts and seeds: comparable as they are)."""
+    keys = dict.fromkeys(key for row in rows for key in row if is_eval_key(key, "reward"))
+    return [trend for key in keys if (trend := eval_trend(rows, key)) is not None]
+
+
+def eval_trend(rows: list[dict], key: str = EVAL_PREFIX + "reward") -> str | None:
+    evaluations = [row for row in rows if row.get(key) is not None]
     if not evaluations:
         return None
     first, last = evaluations[0], evaluations[-1]
-    trend = f"{first[EVAL_REWARD]:.3f} at step {first['step']}"
+    trend = f"{first[key]:.3f} at step {first['step']}"
     if len(evaluations) > 1:
-        trend += f" -> {last[EVAL_REWARD]:.3f} at step {last['step']}"
-    return f"{EVAL_REWARD}: {trend} ({int(last.get('eval/prompts') or 0)} prompts)"
+        trend += f" -> {last[key]:.3f} at step {last['step']}"
+    prompts = key.removesuffix("reward") + "prompts"
+    return f"{key}: {trend} ({int(last.get(prompts) or 0)} prompts)"
 
 
 def evaluation_summary(output_dir: Path, *, wall_seconds: float, quiet: bool) -> str:
     """What an evaluation-only run (eval.only) prints last: its result and where the completions are."""
-    rows = [row for row in read_rows(output_dir / METRICS_FILE) if row.get("eval/prompts") is not None]
+    rows = [row for row in read_rows(output_dir / METRICS_FILE)
+            if any(is_eval_key(key, "prompts") and value is not None for key, value in row.items())]
     minutes, seconds = divmod(int(round(wall_seconds)), 60)
     lines = [f"evaluated in {minutes}m{seconds:02d}s (eval.only: nothing trained)"]
     if rows:
         result = rows[-1]
         rewards = [f"{key} {value:.3f}" for key, value in result.items()
-                   if key.startswith("eval/rewards/") and key.endswith("/mean") and value is not None]
-        lines.append(f"  {eval_trend(rows) or 'eval/reward: n/a (no group could be scored)'}"
-                     + (f"; {', '.join(rewards)}" if len(rewards) > 1 else ""))
+                   if key.startswith("eval") and "/rewards/" in key and key.endswith("/mean") and value is not None]
+        trends = eval_trends(rows) or ["eval/reward: n/a (no group could be scored)"]
+        lines += [f"  {trend}" for trend in trends[:-1]]
+        lines.append(f"  {trends[-1]}" + (f"; {', '.join(rewards)}" if len(rewards) > len(trends) else ""))
     outputs = [("metrics", output_dir / METRICS_FILE, "the eval/ metrics"),
                ("evaluated", output_dir / EVAL_COMPLETIONS_FILE, "each evaluated completion, its rewards")]
     return "\n".join(lines + listed(outputs, output_dir, quiet))
@@ -88,7 +102,7 @@ def run_summary(output_dir: Path, *, steps_done: int, steps_planned: int, wall_s
     minutes, seconds = divmod(int(round(wall_seconds)), 60)
     lines = [f"{'finished' if steps_done >= steps_planned else 'stopped at'} step {steps_done} of {steps_planned} "
              f"in {minutes}m{seconds:02d}s"]
-    for trend in (reward_trend(rows), eval_trend(rows)):
+    for trend in (reward_trend(rows), *eval_trends(rows)):
         if trend is not None:
             lines.append(f"  {trend}")
     outputs = [("adapter", output_dir / "adapter", "PEFT format: PeftModel.from_pretrained, vLLM LoRARequest")

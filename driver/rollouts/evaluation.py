@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from driver.cli import ConfigError
-from driver.config import Config
+from driver.config import Config, eval_prefix
 from driver.data.prompts import PromptSource
 from driver.data.records import Group
 from driver.engine.base import Generator
@@ -32,9 +32,10 @@ from driver.rollouts.agent_runs import AgentRuns
 from driver.rollouts.assemble import completion_stats, completions_table, score_groups
 from driver.rollouts.producer import Producer
 
-# Eval groups' ids (their reward calls' keys and sampling seeds) start here; training's count up from 0.
+# Eval groups' ids (their reward calls' keys and sampling seeds) start here, each set's SET_ID_SPAN after the one
+# before; training's count up from 0.
 FIRST_EVAL_GROUP_ID = 1 << 48
-PREFIX = "eval/"
+SET_ID_SPAN = 1 << 40
 
 
 @dataclass
@@ -45,20 +46,24 @@ class Evaluation:
 
 
 def check_best_metric(config: Config, reward_names) -> None:
-    """eval.best_metric must name a reward metric every scored evaluation has: a ConfigError before training."""
+    """eval.best_metric must name a reward metric every scored evaluation has (with eval.sets, one of a set's:
+    <set>/<metric>): a ConfigError before training."""
     per_function = [f"rewards/{name}/{stat}" for name in reward_names for stat in ("mean", "std")]
     decisive = ["reward", "reward_std", *per_function]
+    if config.eval.sets:
+        decisive = [f"{label}/{metric}" for label in config.eval.sets for metric in decisive]
     if config.eval.save_best and config.eval.best_metric not in decisive:
         raise ConfigError(f"eval.best_metric: {config.eval.best_metric} is none of the evaluations' reward metrics "
                           f"({', '.join(decisive)})")
 
 
 class Evaluator:
-    def __init__(self, config: Config, generator: Generator, prompts: PromptSource, tokenizer, scorer: GroupScorer,
-                 agent: AgentRuns | None = None, training: PromptSource | None = None) -> None:
-        """scorer: the run's reward functions (their worker processes are shared with training: eval groups
-        are submitted and collected under ids of their own). training: the training prompts, whose progress
-        is the epoch the rewards' trainer_state says."""
+    def __init__(self, config: Config, generator: Generator, prompts: dict[str, PromptSource], tokenizer,
+                 scorer: GroupScorer, agent: AgentRuns | None = None, training: PromptSource | None = None) -> None:
+        """prompts: each evaluation set's, by label ("": the one set; driver/data/eval_prompts.py). scorer: the run's
+        reward functions (their worker processes are shared with training: eval groups are submitted and
+        collected under ids of their own). training: the training prompts, whose progress is the epoch the
+        rewards' trainer_state says."""
         count = config.eval.generations(config.algo.num_generations)
         # The producer and the reward statistics read the group size from the algo section.
         self.config = config.model_copy(update={"algo": config.algo.model_copy(update={"num_generations": count})})
@@ -67,10 +72,19 @@ class Evaluator:
         self.episodes = episode_runner(self.config, tokenizer)
 
     def evaluate(self, version: int, engine_lock: threading.Lock) -> Evaluation:
-        """Adapter `version`'s evaluation; the engine serves it. A group whose scoring failed is counted
-        (eval/failed_groups) and left out of the rewards: an evaluation does not stop the run."""
+        """Adapter `version`'s evaluation of every set, one after the other; the engine serves it. A group whose
+        scoring failed is counted (eval/failed_groups) and left out of the rewards: an evaluation does not stop
+        the run."""
+        evaluations = [self._evaluate_set(label, index, version, engine_lock)
+                       for index, label in enumerate(self.prompts)]
+        failures = [evaluation.failure for evaluation in evaluations if evaluation.failure is not None]
+        return Evaluation({key: value for evaluation in evaluations for key, value in evaluation.metrics.items()},
+                          [row for evaluation in evaluations for row in evaluation.table],
+                          failures[0] if failures else None)
+
+    def _evaluate_set(self, label: str, index: int, version: int, engine_lock: threading.Lock) -> Evaluation:
         started = time.perf_counter()
-        groups = self._generate(version, engine_lock)
+        groups = self._generate(self.prompts[label], FIRST_EVAL_GROUP_ID + index * SET_ID_SPAN, version, engine_lock)
         score_groups(self.scorer, groups, submit=True)
         failed = [group for group in groups if group.failure is not None]
         scored = [group for group in groups if group.failure is None]
@@ -79,17 +93,19 @@ class Evaluator:
         metrics.update({key: value for key, value in completion_stats(groups).items() if key != TOKENS_IN_STEP})
         metrics.update(episode_stats(groups))
         metrics["time"] = time.perf_counter() - started
-        table = [{key: value for key, value in row.items() if key != "advantage"}  # nothing is trained on
+        table = [{**({"set": label} if label else {}), **{key: value for key, value in row.items()
+                                                           if key != "advantage"}}  # nothing is trained on
                  for row in completions_table(scored, list(self.scorer.names))]
-        return Evaluation({PREFIX + key: value for key, value in metrics.items()}, table,
+        return Evaluation({eval_prefix(label) + key: value for key, value in metrics.items()}, table,
                           failed[0].failure if failed else None)
 
-    def _generate(self, version: int, engine_lock: threading.Lock) -> list[Group]:
-        self.prompts.load_state_dict({"epoch": 0, "position": 0, "prompts": len(self.prompts.prompts)})
-        producer = Producer(self.config, self.generator, self.prompts, self.tokenizer, episodes=self.episodes,
+    def _generate(self, prompts: PromptSource, first_group_id: int, version: int,
+                  engine_lock: threading.Lock) -> list[Group]:
+        prompts.load_state_dict({"epoch": 0, "position": 0, "prompts": len(prompts.prompts)})
+        producer = Producer(self.config, self.generator, prompts, self.tokenizer, episodes=self.episodes,
                             agent=self.agent)
-        producer.next_group_id = FIRST_EVAL_GROUP_ID
-        producer.quota = len(self.prompts.prompts)  # every prompt in the first round: one batch for the engine
+        producer.next_group_id = first_group_id
+        producer.quota = len(prompts.prompts)  # every prompt in the first round: one batch for the engine
         producer.temperature = self.config.eval.temperature
         if self.training is not None:
             producer.progress = self.training

@@ -46,12 +46,12 @@ from driver.rollouts.schedule import job_version, sync_due, versions_kept
 class Rollouts:
     def __init__(self, config: Config, policy: Policy, generator: Generator, prompts: PromptSource,
                  verifier, start_step: int, state: dict | None = None, before_first_push=None,
-                 make_scorer=None, eval_prompts: PromptSource | None = None) -> None:
+                 make_scorer=None, eval_prompts: dict[str, PromptSource] | None = None) -> None:
         """make_scorer(config, policy) -> (Scorer, GenerationHooks or None): the algorithm's
         (driver/algorithms.py; default: the reward functions). before_first_push(): called just
         before the start version is pushed (under torchrun the push is a collective;
         driver/rollouts/distributed_feed.py tells the other ranks it is coming). eval_prompts: the
-        eval section's prompts (driver/rollouts/evaluation.py), None without evaluation."""
+        eval section's prompts by set (driver/rollouts/evaluation.py), None without evaluation."""
         self.config, self.policy, self.generator, self.verifier = config, policy, generator, verifier
         self.depth, self.interval = config.prefetch_depth, config.rollout.vllm_sync_interval
         if not getattr(generator, "serves_one_version", False):

@@ -37,7 +37,7 @@ def saved_lora_b(directory) -> float:
 
 @pytest.mark.parametrize("greater, expected_step", [(True, 3), (False, 2)])
 def test_the_best_evaluation_keeps_the_weights_of_its_step(policy, tmp_path, greater, expected_step):
-    best = BestAdapter(tmp_path, "rewards/f/mean", greater)
+    best = BestAdapter(tmp_path, "eval/rewards/f/mean", greater)
     outcomes = []
     for step, value in ((1, 0.5), (2, 0.25), (3, 0.75), (4, math.nan), (5, None)):
         set_lora(policy, float(step))  # the weights at this step: B filled with the step
@@ -48,7 +48,7 @@ def test_the_best_evaluation_keeps_the_weights_of_its_step(policy, tmp_path, gre
     record = json.loads((tmp_path / "best" / "best.json").read_text())
     assert record == {"step": expected_step, "eval/rewards/f/mean": 0.75 if greater else 0.25}
     assert not (tmp_path / "best.tmp").exists()
-    resumed = BestAdapter(tmp_path, "rewards/f/mean", greater)  # a resumed run compares with the saved best
+    resumed = BestAdapter(tmp_path, "eval/rewards/f/mean", greater)  # a resumed run compares with the saved best
     set_lora(policy, 7.0)
     assert not resumed.consider(7, {"eval/rewards/f/mean": 0.5}, policy)
     assert saved_lora_b(tmp_path / "best") == expected_step

@@ -20,7 +20,9 @@ def tokenizer():
 
 
 def prompts_of(config: dict, tokenizer):
-    return training_and_eval_prompts(Config.model_validate(config), tokenizer)
+    """(training, the one evaluation set's prompts or None)."""
+    training, sets = training_and_eval_prompts(Config.model_validate(config), tokenizer)
+    return training, None if sets is None else sets[""]
 
 
 def texts(source) -> list[str]:
@@ -83,7 +85,12 @@ def test_eval_source_mistakes_are_named_by_eval_source(tokenizer, tmp_path):
 
 
 @pytest.mark.parametrize("section, message", [
-    ({"steps": 5}, "exactly one of eval.source (a dataset, e.g. its test split) and eval.val_set_size"),
+    ({"steps": 5}, "exactly one of eval.source (a dataset, e.g. its test split), eval.sets (named datasets) and "
+                   "eval.val_set_size"),
+    ({"steps": 2, "source": "toy:digits", "sets": {"a": {"source": "toy:digits"}}}, "exactly one of eval.source"),
+    ({"steps": 2, "sets": {"a/b": {"source": "toy:digits"}}}, "eval.sets: 'a/b' is no set name"),
+    ({"steps": 2, "sets": {"a": {"source": "toy:digits"}}, "save_best": True},
+     "eval.best_metric = reward: with eval.sets it names one of them, <set>/<metric> (e.g. a/reward)"),
     ({"on_start": True, "source": "toy:digits", "val_set_size": 8}, "exactly one of eval.source"),
     ({"split": "validation"}, "eval.split is set but eval.steps = 0 and eval.on_start and eval.only are false"),
     ({"steps": 5, "val_set_size": 2.5}, "eval.val_set_size = 2.5: a fraction below 1 or a whole count"),
@@ -111,3 +118,21 @@ def test_a_runs_own_config_yaml_reads_back_without_evaluation(tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(json.dumps(Config().model_dump(mode="json")))
     assert not load_config(config, {}).eval.enabled
+
+
+def test_eval_sets_are_each_read_with_datas_columns_and_their_mistakes_named_by_set(tokenizer, tmp_path):
+    """eval.sets (TRL's eval_dataset as a dict): a PromptSource per set, each its own source in file order;
+    training keeps every row of data.source; best_metric <set>/<metric> is the key eval_<set>/<metric>."""
+    path = tmp_path / "questions.jsonl"
+    path.write_text("".join(json.dumps({"question": f"q{i}"}) + "\n" for i in range(5)))
+    config = Config.model_validate({"data": {"prompt_field": "question", "source": str(path)},
+                                    "eval": {"steps": 2, "sets": {"file": {"source": str(path)},
+                                                                  "again": {"source": str(path)}},
+                                             "max_prompts": 3, "save_best": True, "best_metric": "again/reward"}})
+    training, sets = training_and_eval_prompts(config, tokenizer)
+    assert list(sets) == ["file", "again"] and len(training.prompts) == 5
+    assert texts(sets["file"]) == texts(sets["again"]) == ["q0", "q1", "q2"]
+    assert config.eval.best_key() == "eval_again/reward" and config.eval.labels() == ["file", "again"]
+    bad = {"steps": 2, "sets": {"ok": {"source": str(path)}, "empty": {"source": str(tmp_path / "none.jsonl")}}}
+    with pytest.raises(ConfigError, match=r"^eval.sets.empty.source: dataset file .*none.jsonl does not exist"):
+        prompts_of({"data": {"prompt_field": "question", "source": str(path)}, "eval": bad}, tokenizer)

@@ -52,7 +52,7 @@ def test_eval_metrics_are_the_reward_functions_over_the_logged_completions(polic
     metrics, table = result.metrics, result.table
     assert result.failure is None and metrics["eval/failed_groups"] == 0
     assert metrics["eval/prompts"] == HELD_OUT and len(table) == HELD_OUT * 3
-    held = [prompt.text for prompt in evaluation_run.prompts.prompts]
+    held = [prompt.text for prompt in evaluation_run.prompts[""].prompts]
     assert [row["prompt"] for row in table] == [text for text in held for _ in range(3)]  # every prompt, in order
     oracle = digit_fraction([row["prompt"] for row in table], [row["completion"] for row in table])
     assert metrics["eval/reward"] == pytest.approx(math.fsum(oracle) / len(oracle), abs=1e-6)
@@ -100,7 +100,7 @@ def test_groups_a_reward_cannot_score_are_counted_and_left_out(policy, tmp_path)
     evaluation_run, scorer = evaluator(config, policy)
     result = evaluation_run.evaluate(version=0, engine_lock=threading.Lock())
     scorer.close()
-    rivers = sum("river" in prompt.text for prompt in evaluation_run.prompts.prompts)
+    rivers = sum("river" in prompt.text for prompt in evaluation_run.prompts[""].prompts)
     assert 0 < rivers < HELD_OUT  # the held-out set has both kinds
     assert result.metrics["eval/failed_groups"] == rivers and "raise_on_river refuses" in result.failure
     assert len(result.table) == (HELD_OUT - rivers) * 3 and not any("river" in row["prompt"] for row in result.table)
@@ -111,7 +111,7 @@ def test_groups_a_reward_cannot_score_are_counted_and_left_out(policy, tmp_path)
     terminal = io.StringIO()
     logger = MetricsLogger(tmp_path, total_steps=4, tensorboard=False, progress=False,
                            console=Console(file=terminal, width=10_000))
-    log_evaluation(logger, 2, result)
+    log_evaluation(logger, 2, result, [""])
     logger.close()
     line = terminal.getvalue()
     assert line.startswith(f"eval after step 2: reward {result.metrics['eval/reward']:.3f} over {HELD_OUT} prompts")
@@ -129,7 +129,7 @@ def test_temperature_zero_evaluates_one_greedy_completion_per_prompt(policy):
     assert len(result.table) == HELD_OUT and result.metrics["eval/prompts"] == HELD_OUT
     model = policy.causal_lm.eval()
     eos = policy.tokenizer.eos_token_id
-    for prompt, row in zip(evaluation_run.prompts.prompts, result.table):  # transformers' greedy search, alone
+    for prompt, row in zip(evaluation_run.prompts[""].prompts, result.table):  # transformers' greedy search, alone
         output = model.generate(input_ids=torch.tensor([prompt.token_ids]), do_sample=False, max_new_tokens=10,
                                 eos_token_id=eos, pad_token_id=eos)[0, len(prompt.token_ids):]
         assert row["completion"] == policy.tokenizer.decode(output, skip_special_tokens=True)
@@ -194,3 +194,42 @@ def test_an_evaluations_rewards_see_the_training_progress_of_its_step(policy):
     updates = config.train.steps * 2
     assert result.metrics["eval/rewards/training_progress/mean"] == pytest.approx(5 * 2 + updates / 1000)
     assert result.metrics["eval/rewards/training_epoch/mean"] == pytest.approx(61 / len(training.prompts))
+
+
+def test_each_eval_set_is_evaluated_under_its_own_prefix(policy, tmp_path):
+    """eval.sets (TRL's eval_dataset as a dict): the sets one after the other, each one's metrics under
+    eval_<set>/; the first set's are exactly what eval.source with that dataset gives (its group ids and
+    sampling seeds are the one set's), the second's are its reward function over its own rows (tagged
+    with the set); the terminal line and the run summary name each set."""
+    from driver.metrics.plots import plot_metrics
+    from driver.metrics.summary import eval_trends
+
+    single = run_config(eval={"val_set_size": 0, "source": "toy:digits", "max_prompts": 4})
+    sets = run_config(eval={"val_set_size": 0, "max_prompts": 4,
+                            "sets": {"a": {"source": "toy:digits"}, "b": {"source": "toy:digits"}}})
+    results = []
+    for config in (single, sets):
+        evaluation_run, scorer = evaluator(config, policy)
+        results.append(evaluation_run.evaluate(version=0, engine_lock=threading.Lock()))
+        scorer.close()
+    one, both = results
+    assert {key.removeprefix("eval/"): value for key, value in one.metrics.items() if key != "eval/time"} == {
+        key.removeprefix("eval_a/"): value for key, value in both.metrics.items()
+        if key.startswith("eval_a/") and key != "eval_a/time"}
+    assert [row["set"] for row in both.table] == ["a"] * 12 + ["b"] * 12
+    assert [row["completion"] for row in both.table[:12]] == [row["completion"] for row in one.table]
+    rows_b = both.table[12:]
+    oracle = digit_fraction([row["prompt"] for row in rows_b], [row["completion"] for row in rows_b])
+    assert both.metrics["eval_b/reward"] == pytest.approx(sum(oracle) / len(oracle), abs=1e-6)
+    assert not any(key.startswith("eval/") for key in both.metrics)
+    terminal = io.StringIO()
+    logger = MetricsLogger(tmp_path, total_steps=4, tensorboard=False, progress=False,
+                           console=Console(file=terminal, width=10_000))
+    log_evaluation(logger, 2, both, sets.eval.labels())
+    logger.close()
+    assert terminal.getvalue().startswith(f"eval after step 2: a reward {both.metrics['eval_a/reward']:.3f} over 4 "
+                                          f"prompts in ") and "; b reward " in terminal.getvalue()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [trend.split(":")[0] for trend in eval_trends(rows)] == ["eval_a/reward", "eval_b/reward"]
+    written = [path.name for path in plot_metrics(tmp_path / "metrics.jsonl", tmp_path)]
+    assert written == ["eval_a_reward.png", "eval_b_reward.png", "overview.png"]
