@@ -29,12 +29,12 @@ from typing import NamedTuple
 
 import stage
 
+from benchmarks.trl_step import QUIET  # no progress bar, trackers, plots, completions or checkpoints
+
 OUTPUT_DIR = stage.BUILD_DIR / "gpu-driver"
 EXAMPLES = stage.ROOT / "examples"
 LEARNT_OVER = 10  # steps averaged at each end of a run for the learning check
 WARM_STEPS = 2  # steps of a speed run left out of its medians: the kernels' first calls
-QUIET = ["--logging.progress=false", "--logging.report_to=[]", "--logging.plots=false",
-         "--logging.log_completions=0", "--checkpoint.every=0"]
 SPEED_SHAPE, SPEED_LAYERS, SPEED_STEPS = "qwen2.5-1.5b", 4, 8
 
 

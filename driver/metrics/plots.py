@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from driver.metrics.summary import is_eval_key
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -27,7 +28,6 @@ EMA_SMOOTHING = 0.9
 HIGHER_IS_BETTER = ("reward", "rewards/", "eval/reward", "eval_", "ebft/alignment", "ebft/reward")  # eval_<set>/reward
 LOWER_IS_BETTER = ("loss", "ebft/cfm_loss")
 EVALUATED = ("eval/", "eval_")  # the eval section's metrics: the one set's, eval_<set>/ for each of eval.sets
-EVAL_SET_REWARD = re.compile(r"eval_[^/]+/reward")
 
 
 def read_metrics(metrics_path: Path) -> list[dict]:
@@ -119,7 +119,7 @@ def plot_metrics(metrics_path: Path, output_dir: Path, keys: Sequence[str] = MAI
     """
     rows = read_metrics(metrics_path)
     if "eval/reward" in keys:  # eval.sets: each set's reward curve beside it
-        found = dict.fromkeys(key for row in rows for key in row if EVAL_SET_REWARD.fullmatch(key))
+        found = dict.fromkeys(key for row in rows for key in row if is_eval_key(key, "reward") and key not in keys)
         at = keys.index("eval/reward") + 1
         keys = (*keys[:at], *found, *keys[at:])
     curves = {key: curve(rows, key) for key in keys}
