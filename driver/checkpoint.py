@@ -6,7 +6,8 @@ output_dir/checkpoints/step-000012/
     trainer_state.pt       optimizer, scheduler, RNG states, data position, step, and the rollout state
                            (groups in flight, re-roll and replay queues: driver/rollouts/feed.py)
     optimizer/             under torchrun: the sharded optimizer state (torch.distributed.checkpoint,
-                           one file per rank; loads at any world size), instead of trainer_state.pt's
+                           one file per rank; loads at any world size), instead of trainer_state.pt's; under
+                           full fine-tuning the weights' shards too (fp32 master weights: model/ is 16-bit)
     reference.safetensors  with algo.sync_ref_model: the KL reference, which no longer is the base
 Written to a temporary directory and renamed, so a crash never leaves half a checkpoint.
 
@@ -98,7 +99,7 @@ def save_checkpoint(output_dir: Path, step: int, policy, optimizer, scheduler, p
         if world.distributed:
             from driver.distributed.fsdp import save_optimizer
 
-            save_optimizer(staging, policy.model, optimizer)
+            save_optimizer(staging, policy.model, optimizer, with_weights=not policy.has_adapter)
         else:
             state["optimizer"] = optimizer.state_dict()
         if world.is_main:
@@ -175,10 +176,13 @@ def load_checkpoint(path: Path, policy, optimizer, scheduler, prompts) -> tuple[
             raise ValueError(f"{path} was written by a single process (its optimizer state is not sharded): "
                              "resume it without torchrun")
         optimizer.load_state_dict(state["optimizer"])
-    else:  # torchrun's sharded state: loads at any world size, one process included
+    else:  # torchrun's sharded state: loads at any world size, one process included (an adapter's)
         from driver.distributed.fsdp import load_optimizer
 
-        load_optimizer(path, policy.model, optimizer)
+        if not (policy.has_adapter or distributed.world().distributed):
+            raise ValueError(f"{path} was written by full fine-tuning under torchrun (its weights and optimizer state "
+                             "are sharded): resume it under torchrun, at any number of processes above one")
+        load_optimizer(path, policy.model, optimizer, with_weights=not policy.has_adapter)
     scheduler.load_state_dict(state["scheduler"])
     if policy.reference_moves and (path / REFERENCE_FILE).is_file():  # else the base: syncing starts from it
         from safetensors.torch import load_model

@@ -32,7 +32,7 @@ from driver.data.adapter_settings import adopt_adapter_settings
 from driver.data.eval_prompts import training_and_eval_prompts
 from driver.data.hub_upload import HubUploader, HubUploadError, create_repository, trained_upload
 from driver.distributed import world as distributed
-from driver.distributed.fsdp import shard_policy
+from driver.distributed.fsdp import reshard_before_steps, shard_policy
 from driver.engine import RolloutError, make_generator
 from driver.engine import adapter_sync as sync
 from driver.engine.launch import LOG_NAME as SERVER_LOG
@@ -122,7 +122,7 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
                        lambda: f"loaded {config.model.path}{started_from} ({describe(policy)})"):
         policy = load_policy(config)
         if world.distributed:
-            shard_policy(policy)  # before the optimizer: FSDP replaces the parameters
+            shard_policy(policy, config.train.master_weights)  # before the optimizer: FSDP replaces the parameters
     startup.print(f"pykernels: {policy.kernels}" + (f"; {world.size} ranks (FSDP2)" if world.distributed else ""))
     prompts = eval_prompts = None
     if world.is_main:
@@ -135,6 +135,8 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
     if config.train.epochs is not None:
         steps_from_epochs(config, world, prompts, startup)
     optimizer = build_optimizer(policy.trainable_parameters(), config.train, model=policy.model)
+    if world.distributed:
+        reshard_before_steps(optimizer, policy.model)
     if config.algo.use_adaptive_entropy:  # its state's keys before a resume: torchrun's sharded load fills those it has
         entropy_controller(config.algo, optimizer)
     scheduler = build_scheduler(optimizer, config.train, config.optimizer_updates)
@@ -296,9 +298,14 @@ def check_world(config: Config, world: distributed.World) -> None:
     """What a torchrun launch cannot do yet, said before anything starts."""
     if not world.distributed:
         return
-    if config.model.adapter == "none":
-        raise ConfigError("model.adapter = none (full fine-tuning) runs in one process for now (the sync would gather "
-                          "the FSDP-sharded weights); launch it without torchrun, or train a LoRA adapter")
+    if config.model.adapter == "none" and config.rollout.backend == "colocate":
+        raise ConfigError("rollout.backend = colocate with model.adapter = none (full fine-tuning) under torchrun: its "
+                          "engine runs inside rank 0's process, where vLLM's process group would wait for the other "
+                          "ranks; use rollout.backend: server (a server the driver launches, or rollout.server_url)")
+    if config.model.adapter == "none" and config.algo.sync_ref_model:
+        raise ConfigError("algo.sync_ref_model with model.adapter = none (full fine-tuning) runs in one process for "
+                          "now (its reference, which moves, would be a second sharded model to checkpoint); launch "
+                          "it without torchrun, or train a LoRA adapter")
     if config.rollout.backend == "transformers" and algorithm(config).trainer_sampling(config) is None:
         raise ConfigError("rollout.backend = transformers: under torchrun the model is sharded, and generation with "
                           "it would be forwards only rank 0 runs; use vLLM (rollout.backend: colocate, on rank 0's "

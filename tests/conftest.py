@@ -63,12 +63,9 @@ def gemm_cpu_isa(request):
     yield from _forced_cpu_isa(request.param)
 
 
-@pytest.fixture(scope="session")
-def tiny_vllm_server(tmp_path_factory) -> str:
-    """URL of one vLLM OpenAI server for the tiny fp32 Qwen2, launched by the driver's own launcher
-    with the flags a run would use, shared by every test that only needs a server to talk to: a
-    launch costs ~25 s on 2 cores. Runs load their adapters under names unique to each load
-    (driver/engine/server.py), so they never see each other's."""
+def launch_tiny_vllm_server(directory):
+    """A vLLM OpenAI server for the tiny fp32 Qwen2 (a LaunchedServer: .url, .stop()), launched by the driver's own
+    launcher with the flags a run would use; its output under directory. Skips where vLLM is missing."""
     from importlib.util import find_spec
 
     if find_spec("vllm") is None:
@@ -78,10 +75,18 @@ def tiny_vllm_server(tmp_path_factory) -> str:
     from driver.engine.server import LaunchedServer
 
     config = Config()
-    config.logging.output_dir = str(tmp_path_factory.mktemp("shared-vllm-server"))
+    config.logging.output_dir = str(directory)
     config.rollout.server_timeout = 300.0
     config.rollout.enforce_eager = True  # vLLM's torch.compile of the tiny model: ~7 s a start, nothing gained
-    server = LaunchedServer(config, resolve_model_path("tiny://qwen2"))
+    return LaunchedServer(config, resolve_model_path("tiny://qwen2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_vllm_server(tmp_path_factory) -> str:
+    """URL of one vLLM server for the tiny fp32 Qwen2 (launch_tiny_vllm_server), shared by every test that only
+    needs a server to talk to: a launch costs ~25 s on 2 cores. Runs load their adapters under names unique to
+    each load (driver/engine/server.py), so they never see each other's."""
+    server = launch_tiny_vllm_server(tmp_path_factory.mktemp("shared-vllm-server"))
     yield server.url
     server.stop()
 

@@ -65,6 +65,8 @@ def completion_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature:
     positions = batch.completion_positions()
     targets = packed_targets(batch.input_ids[0], batch.cu_seqlens)[positions]
     hidden = hidden_states(model, batch)[positions]
+    # Read after the forward: under full fine-tuning with FSDP, the weight the root gathered for it
+    # (driver/distributed/fsdp.py), not the shard.
     result = token_logprobs(hidden, causal_lm.get_output_embeddings().weight, targets, temperature=temperature,
                             return_entropy=return_entropy, entropy_grad=entropy_grad)
     logprobs, entropy = result if return_entropy else (result, None)

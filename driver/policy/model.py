@@ -53,6 +53,14 @@ class Policy:
         return "adapter" if self.has_adapter else "model"
 
     def trainable_parameters(self) -> list[nn.Parameter]:
+        """Under torchrun, FSDP's shards: a unit a forward without backward left gathered (the root's under full
+        fine-tuning) is resharded first, or its gathered weights would be listed in place of the shards."""
+        from driver.distributed.world import world
+
+        if world().distributed:
+            from driver.distributed.fsdp import reshard
+
+            reshard(self.model)
         return [p for p in self.model.parameters() if p.requires_grad]
 
     @contextlib.contextmanager
@@ -83,7 +91,13 @@ class Policy:
         from driver.distributed.world import world
 
         if not self.has_adapter:
-            self.model.save_pretrained(directory, safe_serialization=True)
+            if not world().distributed:
+                self.model.save_pretrained(directory, safe_serialization=True)
+            else:
+                state = self.gathered_weights()
+                if not world().is_main or directory is None:
+                    return directory
+                self.model.save_pretrained(directory, safe_serialization=True, state_dict=state)
             self.tokenizer.save_pretrained(directory)  # a directory vllm serve and transformers load as it is
             return directory
         # PEFT's save_embedding_layers="auto" asks the Hub for the base's config.json at every save when the
@@ -102,9 +116,22 @@ class Policy:
                                        save_embedding_layers=embeddings)
         return directory
 
+    def gathered_weights(self) -> dict[str, torch.Tensor]:
+        """Full fine-tuning under torchrun: every rank calls it (the shards are gathered); rank 0 gets every weight
+        whole on the CPU, in the model's dtype (fp32 master shards rounded as the forward rounds them, what
+        save_pretrained writes and the engine serves), the others {}."""
+        from driver.distributed.fsdp import full_model_state
+
+        dtype = self.model.config.dtype
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        return {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
+                for name, tensor in full_model_state(self.model).items()}
+
     def load_trained(self, directory: Path) -> None:
         """Load what save_trained wrote (a checkpoint's weights) into the model."""
         from safetensors.torch import load_file
+
+        from driver.distributed.world import world
 
         if self.has_adapter:
             check_same_adapter_settings(directory, self.model.peft_config["default"])
@@ -113,9 +140,18 @@ class Policy:
         state = {}
         for shard in sorted(directory.glob("*.safetensors")):
             state.update(load_file(shard))
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        names = dict(self.model.named_parameters())
+        if world().distributed:  # each rank keeps its shards of what it read
+            from driver.distributed.fsdp import load_full_model_state
+
+            known = set(self.model.state_dict())
+            unexpected = [name for name in state if name not in known]
+            load_full_model_state(self.model, {name: state[name] for name in state if name in known})
+            missing = [name for name in known if name not in state]
+        else:
+            missing, unexpected = self.model.load_state_dict(state, strict=False)
         # save_pretrained leaves out a weight tied to another (the output head tied to the embeddings).
-        loaded = {id(param) for name, param in self.model.named_parameters() if name in state}
+        loaded = {id(param) for name, param in names.items() if name in state}
         untied = [name for name in missing if id(self.model.get_parameter(name)) not in loaded]
         if unexpected or untied:
             raise ValueError(f"{directory}: the saved model does not match this one (unexpected: {unexpected[:3]}, "

@@ -23,6 +23,7 @@ from driver.engine import RolloutError
 from driver.engine import adapter_sync as sync
 from driver.policy.model import Policy
 from driver.rollouts.evaluation import Evaluation
+from driver.rollouts.filtering import check_every_row_kept
 from driver.rollouts.schedule import sync_due
 from driver.rollouts.shard_batch import shard_batch
 
@@ -98,6 +99,8 @@ class LeaderFeed:
             return None
         try:
             batch = self.rollouts.next_batch(step, abandon)
+            if batch is not None:  # the whole batch: each rank's update sees only its shard
+                check_every_row_kept(batch, self.rollouts.config.algo.acts_on_every_completion)
         except Exception as error:
             if abandon():  # Ctrl-C broke the generation: stop cleanly (its prompts come first on resume)
                 batch = None

@@ -188,6 +188,17 @@ def check_counts(batch: RolloutBatch) -> None:
                          f"the batch has {len(batch)}")
 
 
+def check_every_row_kept(batch: RolloutBatch, every_row: bool) -> None:
+    """every_row (a KL or entropy term acts on every row): a ValueError if zero-advantage filtering dropped a row
+    with loss tokens. The whole step's batch: a torchrun rank's shard holds only its share of the tokens."""
+    counts = batch.counts
+    # Rows without loss tokens (mask_truncated_completions) may always go: nothing of the loss acts on them.
+    if every_row and counts is not None and counts.num_tokens != int(batch.mask.sum()):
+        raise ValueError(f"the batch was zero-advantage filtered ({len(batch)} of {counts.num_sequences} rows kept) "
+                         "but the loss has a KL or entropy term, which acts on every row, so filtering changes the "
+                         "update (filter_zero_advantage(..., every_row=True) keeps every row that has tokens)")
+
+
 def _check_rows(batch: RolloutBatch) -> None:
     """Every per-row list matches the batch's rows (samples and versions may be empty: not recorded)."""
     check_counts(batch)

@@ -88,10 +88,10 @@ def logprobs_and_document_nll(model: torch.nn.Module, prompt_ids: list[list[int]
     truth at temperature 1: one packed forward, the documents' sequences after the completions'."""
     packed = pack(prompt_ids + documents.prompt_ids, completion_ids + documents.ground_truth_ids, device=device)
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    weight = causal_lm.get_output_embeddings().weight
     positions = packed.completion_positions()
     targets = packed_targets(packed.input_ids[0], packed.cu_seqlens)[positions]
     hidden = hidden_states(model, packed)[positions]
+    weight = causal_lm.get_output_embeddings().weight  # after the forward: under FSDP, the gathered weight
     lengths = torch.tensor(packed.completion_lengths, device=hidden.device)
     completion_lengths, truth_lengths = lengths[: len(completion_ids)], lengths[len(completion_ids):]
     split = int(completion_lengths.sum())

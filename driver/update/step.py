@@ -12,6 +12,7 @@ An algorithm may weigh the policy loss and add a cross-entropy term on each prom
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
@@ -26,7 +27,8 @@ from driver.policy.model import Policy, evaluating
 from driver.rollouts.batch import RolloutBatch
 
 # merge is re-exported: callers merge a step's rollout batches with the update's module
-from driver.rollouts.filtering import check_counts, merge, micro_batches, split_steps  # noqa: F401
+from driver.rollouts.filtering import (check_counts, check_every_row_kept, merge, micro_batches,  # noqa: F401
+                                      split_steps)
 from driver.update.ground_truth_loss import (GroundTruthLoss, check_ground_truths, logprobs_and_document_nll,
                                              micro_batch_documents)
 from driver.update.entropy_control import applied_entropy_coef, observe_entropy
@@ -57,7 +59,7 @@ def frozen_logprobs(policy: Policy, batch: RolloutBatch, parts: list[slice], tem
                 logps, _, _ = completion_logprobs(policy.model, packed, temperature)
             out[part, : logps.shape[1]] = logps
         for _ in range(padding):
-            padding_pass(policy, temperature, backward=False)
+            padding_pass(policy, temperature, backward=False, reference=reference)
     return out
 
 
@@ -155,12 +157,14 @@ def loss_names(term: GroundTruthLoss | None) -> tuple[str, ...]:
     return ("loss", *(term.metric_names if term is not None else ()))
 
 
-def padding_pass(policy: Policy, temperature: float, backward: bool) -> None:
+def padding_pass(policy: Policy, temperature: float, backward: bool, reference: bool = False) -> None:
     """A one-token forward (and backward of 0 x its loss) that changes nothing but runs the FSDP
-    collectives a real pass runs, for a rank with fewer micro-batches than the busiest one."""
+    collectives a real pass runs, for a rank with fewer micro-batches than the busiest one. reference: a pass
+    of the reference's (under full fine-tuning a sharded model of its own, with collectives of its own)."""
     packed = pack([[0]], [[0]], device=policy.device)
-    with torch.set_grad_enabled(backward):
-        logps, _, _ = completion_logprobs(policy.model, packed, temperature)
+    scored = policy.reference() if reference else contextlib.nullcontext(policy.model)
+    with torch.set_grad_enabled(backward), scored as model:
+        logps, _, _ = completion_logprobs(model, packed, temperature)
         if backward:
             (logps.sum() * 0.0).backward()
 
@@ -206,12 +210,8 @@ def zero_missing_grads(params: list[torch.nn.Parameter]) -> None:
 
 def _check_filtered_batch(batch: RolloutBatch, every_row: bool) -> None:
     check_counts(batch)
-    counts = batch.counts
-    # Rows without loss tokens (mask_truncated_completions) may always go: nothing of the loss acts on them.
-    if every_row and counts is not None and counts.num_tokens != int(batch.mask.sum()):
-        raise ValueError(f"the batch was zero-advantage filtered ({len(batch)} of {counts.num_sequences} rows kept) "
-                         "but the loss has a KL or entropy term, which acts on every row, so filtering changes the "
-                         "update (filter_zero_advantage(..., every_row=True) keeps every row that has tokens)")
+    if not distributed.world().distributed:  # under torchrun rank 0 checks the whole batch before sharding it
+        check_every_row_kept(batch, every_row)
 
 
 def micro_batch_loss(config: Config, policy: Policy, batch: RolloutBatch, part: slice, normalizers: StepNormalizers,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from driver.config import Config
-from driver.rollouts.filtering import check_counts, filter_zero_advantage, step_counts
+from driver.rollouts.filtering import check_counts, check_every_row_kept, filter_zero_advantage, step_counts
 from driver.rollouts.shard_batch import shard_batch
 from driver.update.optim import build_optimizer, build_scheduler
 from driver.update.step import optimize
@@ -67,3 +67,19 @@ def test_the_ranks_gradients_sum_to_the_single_process_gradient(base_policy, los
         total = grads if total is None else {n: total[n] + g for n, g in grads.items()}
     for name, grad in expected.items():
         torch.testing.assert_close(total[name], grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_a_kl_term_s_check_on_filtering_reads_the_whole_batch_not_a_shard(base_policy):
+    """A KL or entropy term acts on every row: filtering may drop only rows without loss tokens, which the check
+    reads from the step's token count against the batch's. A rank's shard holds only its share of the tokens,
+    so under torchrun rank 0 checks the whole batch before sharding it (driver/rollouts/distributed_feed.py) and
+    the ranks' updates do not (tests/driver/distributed/test_driver_distributed_full_finetuning.py: beta > 0)."""
+    batch = make_batch(base_policy, ADVANTAGES, rows=11)
+    kept, _ = filter_zero_advantage(batch, 2, every_row=True)
+    check_every_row_kept(kept, every_row=True)
+    dropped, _ = filter_zero_advantage(batch, 2, every_row=False)
+    check_every_row_kept(dropped, every_row=False)
+    with pytest.raises(ValueError, match=r"zero-advantage filtered \(5 of 11 rows kept\) but the loss has a KL"):
+        check_every_row_kept(dropped, every_row=True)
+    with pytest.raises(ValueError, match="zero-advantage filtered"):  # what each rank's check used to see
+        check_every_row_kept(shard_batch(kept, 0, 2, 2), every_row=True)

@@ -1,0 +1,67 @@
+"""Full fine-tuning (model.adapter: none) under torchrun on CPU (gloo, FSDP2): 2 processes train every weight as
+1 process does on the same global batch, with the KL reference (a frozen copy, sharded too), the server
+serving the weights gathered from the shards, and a checkpoint resuming exactly (the fp32 shards and AdamW's
+state from torch.distributed.checkpoint). The weights' own path is tested against one process in
+tests/driver/distributed/test_driver_fsdp_full_model.py (bf16 master weights, tied and untied lm_head).
+
+The server is the module's own: every sync of a full fine-tuning run reloads its weights (each run pushes its
+start weights before it generates), which the session's shared server must not see.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from driver.data.tiny_model import resolve_model_path
+from tests.conftest import launch_tiny_vllm_server
+from tests.torchrun_runs import metrics, train
+
+FULL = ["--model.adapter=none", "--train.lr=1e-4", "--algo.beta=0.04"]
+
+
+@pytest.fixture(scope="module")
+def own_vllm_server(tmp_path_factory):
+    server = launch_tiny_vllm_server(tmp_path_factory.mktemp("full-finetuning-server"))
+    yield server.url
+    server.stop()
+
+
+def model(output_dir) -> dict[str, torch.Tensor]:
+    return load_file(output_dir / "model" / "model.safetensors")
+
+
+def assert_same_model(a: dict, b: dict, atol: float) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=atol, rtol=0, msg=key)
+
+
+@pytest.mark.slow
+def test_two_processes_fine_tune_every_weight_as_one_process_and_resume(tmp_path, own_vllm_server):
+    one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
+    train(one, own_vllm_server, *FULL)
+    train(two, own_vllm_server, *FULL, "--checkpoint.every=1", processes=2)
+    rows_one, rows_two = metrics(one), metrics(two)
+    assert len(rows_one) == len(rows_two) == 3
+    for a, b in zip(rows_one, rows_two):
+        assert a["reward"] == b["reward"]  # rank 0 generated and scored exactly what one process did
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-3, abs=1e-6)
+        assert b["kl"] == pytest.approx(a["kl"], rel=1e-3, abs=1e-7)  # against the sharded reference
+        assert b["sync/probe_max_abs_diff"] < 1e-3  # the server serves the weights gathered from the shards
+    assert rows_two[-1]["kl"] > 0  # the policy moved away from its reference
+    # Summation order differs (sharded reduce-scatter); a missed or doubled step moves weights by ~lr.
+    assert_same_model(model(one), model(two), atol=2e-5)
+    base = load_file(Path(resolve_model_path("tiny://qwen2")) / "model.safetensors")
+    assert base.keys() == model(two).keys()
+    assert all(not torch.equal(model(two)[key], base[key]) for key in base)  # every weight trained (lm_head too)
+    assert sorted(p.name for p in (two / "checkpoints" / "step-000002" / "optimizer").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+    checkpoint = f"--checkpoint.resume={two / 'checkpoints' / 'step-000002'}"
+    train(resumed, own_vllm_server, *FULL, checkpoint, processes=2)
+    assert [row["step"] for row in metrics(resumed)] == [3]
+    assert metrics(resumed)[0]["reward"] == rows_two[2]["reward"]
+    assert_same_model(model(resumed), model(two), atol=1e-6)

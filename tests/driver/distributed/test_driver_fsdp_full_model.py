@@ -1,0 +1,127 @@
+"""Full fine-tuning under FSDP2 (driver/distributed/fsdp.py shard_full_model) with two real gloo processes: a bf16
+model sharded as fp32 master weights trains what one process trains with train.master_weights (the oracle:
+driver/update/master_weights.py's optimizer, itself tested against fp64 AdamW), the lm_head (untied, or tied to
+the embeddings) included. Each rank trains the same batch, so FSDP's averaged gradients are one process's.
+
+The updates run as driver/update/step.py runs them, with forwards without gradients where a run has them (the
+old logprobs before the parameters are listed, a sync probe between a backward and its optimizer step): the root
+unit keeps its gathered weights after such a forward, so the parameters would list them in place of the shards,
+and the next forward after the step would compute with the weights of before it, without the reshards."""
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from driver.config import Config
+from driver.data.tiny_model import build_tiny_model
+from driver.metrics.combine import Metrics
+from driver.policy.logprobs import completion_logprobs, pack
+from driver.policy.model import Policy
+from driver.update.master_weights import MasterWeightsOptimizer
+from driver.update.optim import build_optimizer, optimizer_steps
+from tests.driver.distributed.test_driver_world_collectives import free_port
+
+STEPS = 3
+PROMPTS = [[5, 17, 33, 2], [9, 4], [12, 80, 7]]
+COMPLETIONS = [[44, 51, 60, 3, 8], [101, 7, 7], [19, 250, 41, 6]]
+
+
+def config() -> Config:
+    config = Config()
+    config.train.lr, config.train.weight_decay = 2e-3, 0.01
+    # No clipping: one process takes the 16-bit gradients' norm in bf16 (torch's clip_grad_norm_), FSDP that of
+    # the fp32 shards, and clip coefficients apart by bf16's rounding would move the weights apart. The norm
+    # is still measured (over every rank's shards: a rank's own would be ~1/sqrt(2) of it).
+    config.train.max_grad_norm = None
+    return config
+
+
+def bf16_policy(tied: bool) -> Policy:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_model("qwen2"), dtype=torch.bfloat16)
+    if tied:
+        model.lm_head.weight = model.get_input_embeddings().weight
+        model.config.tie_word_embeddings = True
+    return Policy(model=model, tokenizer=None, model_dir="")
+
+
+def train(policy: Policy, optimizer) -> list[tuple[float, float, float]]:
+    """STEPS updates on the batch as driver/update/step.py makes them: a forward without gradients first (the
+    old logprobs), the parameters listed, then optimizer_steps; each backward followed by another forward
+    without gradients before the optimizer step. (old logprobs' loss, loss, grad_norm) of each update."""
+    packed, settings = pack(PROMPTS, COMPLETIONS), config()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    measured = []
+
+    def backward_pass() -> Metrics:
+        logps, _, mask = completion_logprobs(policy.model, packed)
+        loss = -(logps * mask).sum() / mask.sum()
+        loss.backward()
+        with torch.no_grad():
+            completion_logprobs(policy.model, packed)
+        return Metrics({"loss": float(loss.detach())})
+
+    for _ in range(STEPS):
+        with torch.no_grad():
+            old_logps, _, mask = completion_logprobs(policy.model, packed)
+        update = optimizer_steps(settings, policy.trainable_parameters(), optimizer, scheduler, [backward_pass])
+        measured.append((float(-(old_logps * mask).sum() / mask.sum()), update["loss"], update["grad_norm"]))
+    return measured
+
+
+def rank_main(rank: int, port: int, tied: bool, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
+                      LOCAL_RANK=str(rank))
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from driver.distributed import world
+    from driver.distributed.fsdp import full_model_state, reshard_before_steps, shard_full_model
+
+    torch.set_num_threads(1)
+    world.init_world()
+    try:
+        policy = bf16_policy(tied)
+        shard_full_model(policy.model, master_weights=True)
+        shards = policy.trainable_parameters()
+        assert all(isinstance(p, DTensor) and p.dtype == torch.float32 for p in shards)
+        optimizer = build_optimizer(shards, config().train, model=policy.model)
+        assert not isinstance(optimizer, MasterWeightsOptimizer)  # the fp32 shards are the master weights
+        reshard_before_steps(optimizer, policy.model)
+        measured = train(policy, optimizer)
+        state = full_model_state(policy.model)
+        results[rank] = (measured, {name: tensor.clone() for name, tensor in state.items()})
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_two_ranks_train_the_fp32_masters_one_process_trains(tied):
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(rank_main, args=(free_port(), tied, results), nprocs=2, join=True)
+        results = dict(results)
+    torch.set_num_threads(1)
+    policy = bf16_policy(tied)
+    optimizer = build_optimizer(policy.trainable_parameters(), config().train, model=policy.model)
+    assert isinstance(optimizer, MasterWeightsOptimizer)
+    measured = train(policy, optimizer)
+    masters = dict(zip([name for name, _ in policy.model.named_parameters()], optimizer.masters, strict=True))
+
+    (measured_0, gathered), (measured_1, nothing) = results[0], results[1]
+    assert nothing == {}  # the whole weights reach rank 0 only
+    assert measured_0 == measured_1
+    for (old_loss, loss, grad_norm), (old_loss_two, loss_two, grad_norm_two) in zip(measured, measured_0, strict=True):
+        assert old_loss_two == pytest.approx(old_loss, rel=1e-5)  # after a step: with the weights it made
+        assert loss_two == pytest.approx(loss, rel=1e-5)
+        assert grad_norm_two == pytest.approx(grad_norm, rel=2 ** -8)  # bf16's precision (above)
+    assert measured[-1][1] < measured[0][1] - 0.1  # it trains: a weight left behind would show
+    for name, master in masters.items():
+        assert gathered[name].dtype == torch.float32
+        torch.testing.assert_close(gathered[name], master.detach(), rtol=0, atol=1e-6, msg=name)
+    assert (gathered["lm_head.weight"] != bf16_policy(tied).model.lm_head.weight.float()).float().mean() > 0.5
+    if tied:  # one weight under two names, trained once
+        assert torch.equal(gathered["lm_head.weight"], gathered["model.embed_tokens.weight"])
