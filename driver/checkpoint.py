@@ -104,10 +104,8 @@ def save_checkpoint(output_dir: Path, step: int, policy, optimizer, scheduler, p
             state["optimizer"] = optimizer.state_dict()
         if world.is_main:
             torch.save({**state, "data": prompts.state_dict(), "rollouts": rollouts}, staging / STATE_FILE)
-        if policy.reference_moves:  # algo.sync_ref_model (full fine-tuning: one process): no longer the base
-            from safetensors.torch import save_model
-
-            save_model(policy.frozen_reference, str(staging / REFERENCE_FILE))
+        if policy.reference_moves:  # algo.sync_ref_model (full fine-tuning): no longer the base
+            policy.save_reference(staging / REFERENCE_FILE)
     if world.is_main:
         for old in sorted(target.parent.glob("step-*[0-9]"))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -185,9 +183,7 @@ def load_checkpoint(path: Path, policy, optimizer, scheduler, prompts) -> tuple[
         load_optimizer(path, policy.model, optimizer, with_weights=not policy.has_adapter)
     scheduler.load_state_dict(state["scheduler"])
     if policy.reference_moves and (path / REFERENCE_FILE).is_file():  # else the base: syncing starts from it
-        from safetensors.torch import load_model
-
-        load_model(policy.frozen_reference, str(path / REFERENCE_FILE))
+        policy.load_reference(path / REFERENCE_FILE)
     if prompts is not None:  # rank 0 only under torchrun
         prompts.load_state_dict(state["data"])
     set_rng_state(state["rng"])

@@ -298,14 +298,6 @@ def check_world(config: Config, world: distributed.World) -> None:
     """What a torchrun launch cannot do yet, said before anything starts."""
     if not world.distributed:
         return
-    if config.model.adapter == "none" and config.rollout.backend == "colocate":
-        raise ConfigError("rollout.backend = colocate with model.adapter = none (full fine-tuning) under torchrun: its "
-                          "engine runs inside rank 0's process, where vLLM's process group would wait for the other "
-                          "ranks; use rollout.backend: server (a server the driver launches, or rollout.server_url)")
-    if config.model.adapter == "none" and config.algo.sync_ref_model:
-        raise ConfigError("algo.sync_ref_model with model.adapter = none (full fine-tuning) runs in one process for "
-                          "now (its reference, which moves, would be a second sharded model to checkpoint); launch "
-                          "it without torchrun, or train a LoRA adapter")
     if config.rollout.backend == "transformers" and algorithm(config).trainer_sampling(config) is None:
         raise ConfigError("rollout.backend = transformers: under torchrun the model is sharded, and generation with "
                           "it would be forwards only rank 0 runs; use vLLM (rollout.backend: colocate, on rank 0's "

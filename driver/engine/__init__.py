@@ -106,8 +106,10 @@ def make_generator(config: Config, policy) -> Generator:
         if config.model.qlora:  # auto's merged for MoE on CPU (explicit merged + QLoRA is a config error)
             raise SyncError("QLoRA on a mixture-of-experts model cannot run with vLLM on CPU: vLLM's LoRA path for "
                             "experts is Triton-only, and merged weights need a dense base (model.qlora = false)")
-        from driver.engine.colocate_weights import WeightSyncGenerator
+        from driver.engine.colocate_weights import ReloadingGenerator, WeightSyncGenerator
 
+        if world().distributed:  # full fine-tuning's shards (merged LoRA is refused under torchrun)
+            return ReloadingGenerator(config, policy.model_dir)
         return WeightSyncGenerator(config, policy.model_dir, policy.model)
     from driver.engine.colocate import ColocatedGenerator
 

@@ -78,10 +78,45 @@ class Policy:
     @torch.no_grad()
     def mix_into_reference(self, alpha: float) -> None:
         """algo.sync_ref_model (TR-DPO, TRL's sync_target_model): the reference becomes alpha x the policy +
-        (1 - alpha) x itself, weight by weight."""
+        (1 - alpha) x itself, weight by weight (under torchrun shard by shard: both are sharded alike)."""
+        from driver.distributed.world import world
+
+        if world().distributed:  # the shards, not the weights a forward left gathered (driver/distributed/fsdp.py)
+            from driver.distributed.fsdp import reshard
+
+            reshard(self.model)
+            reshard(self.frozen_reference)
         trained = dict(self.model.named_parameters())
         for name, weight in self.frozen_reference.named_parameters():
             weight.lerp_(trained[name].to(weight.dtype), alpha)
+
+    def save_reference(self, path: Path) -> None:
+        """algo.sync_ref_model's moved reference, as safetensors. Under torchrun every rank calls it (the shards are
+        gathered) and rank 0 writes it."""
+        from safetensors.torch import save_file, save_model
+
+        from driver.distributed.world import world
+
+        if not world().distributed:
+            save_model(self.frozen_reference, str(path))
+            return
+        from driver.distributed.fsdp import full_model_state
+
+        state = full_model_state(self.frozen_reference)
+        if world().is_main:  # copies: a tied weight's two names share one tensor, which save_file refuses
+            save_file({name: tensor.clone() for name, tensor in state.items()}, str(path))
+
+    def load_reference(self, path: Path) -> None:
+        from safetensors.torch import load_file, load_model
+
+        from driver.distributed.world import world
+
+        if not world().distributed:
+            load_model(self.frozen_reference, str(path))
+            return
+        from driver.distributed.fsdp import load_full_model_state
+
+        load_full_model_state(self.frozen_reference, load_file(path))
 
     def save_trained(self, directory: Path | None) -> Path | None:
         """The adapter in PEFT format (adapter_config.json + adapter_model.safetensors), loadable by PEFT

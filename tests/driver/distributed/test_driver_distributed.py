@@ -71,10 +71,6 @@ def test_two_processes_train_what_one_trains_and_resume_at_any_world_size(tmp_pa
 
 @pytest.mark.parametrize("overrides, message", [
     ({"rollout": {"backend": "transformers"}}, "rollout.backend = transformers: under torchrun the model is sharded"),
-    ({"model": {"adapter": "none"}, "rollout": {"backend": "colocate"}},
-     "rollout.backend = colocate with model.adapter = none .* use rollout.backend: server"),
-    ({"model": {"adapter": "none"}, "algo": {"beta": 0.04, "sync_ref_model": True}},
-     "algo.sync_ref_model with model.adapter = none .* runs in one process for now"),
 ])
 def test_a_torchrun_launch_refuses_what_it_cannot_do_yet(overrides, message):
     config = Config.model_validate({"rollout": {"backend": "server"}, **overrides})

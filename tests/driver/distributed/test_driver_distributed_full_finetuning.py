@@ -1,5 +1,7 @@
-"""Full fine-tuning (model.adapter: none) under torchrun on CPU (gloo, FSDP2): 2 processes train every weight as
-1 process does on the same global batch, with the KL reference (a frozen copy, sharded too), the server
+"""Full fine-tuning (model.adapter: none) under torchrun on CPU (gloo, FSDP2), with a vLLM server and colocated on
+rank 0: 2 processes train every weight as
+1 process does on the same global batch, with the KL reference (a copy, sharded too, which moves toward the
+policy: algo.sync_ref_model), the server
 serving the weights gathered from the shards, and a checkpoint resuming exactly (the fp32 shards and AdamW's
 state from torch.distributed.checkpoint). The weights' own path is tested against one process in
 tests/driver/distributed/test_driver_fsdp_full_model.py (bf16 master weights, tied and untied lm_head).
@@ -18,7 +20,10 @@ from driver.data.tiny_model import resolve_model_path
 from tests.conftest import launch_tiny_vllm_server
 from tests.torchrun_runs import metrics, train
 
-FULL = ["--model.adapter=none", "--train.lr=1e-4", "--algo.beta=0.04"]
+# The KL reference moves (algo.sync_ref_model, TR-DPO) after every update: a second sharded model to mix into,
+# checkpoint and resume.
+FULL = ["--model.adapter=none", "--train.lr=1e-4", "--algo.beta=0.04", "--algo.sync_ref_model=true",
+        "--algo.ref_model_sync_steps=1", "--algo.ref_model_mixup_alpha=0.5"]
 
 
 @pytest.fixture(scope="module")
@@ -64,4 +69,23 @@ def test_two_processes_fine_tune_every_weight_as_one_process_and_resume(tmp_path
     train(resumed, own_vllm_server, *FULL, checkpoint, processes=2)
     assert [row["step"] for row in metrics(resumed)] == [3]
     assert metrics(resumed)[0]["reward"] == rows_two[2]["reward"]
+    assert metrics(resumed)[0]["kl"] == pytest.approx(rows_two[2]["kl"], rel=1e-5)  # the moved reference resumed
     assert_same_model(model(resumed), model(two), atol=1e-6)
+
+
+@pytest.mark.slow
+def test_two_processes_fine_tune_with_vllm_colocated_on_rank_0(tmp_path):
+    """rollout.backend = colocate: one process pushes the weights into its in-process engine by reference; under
+    torchrun the engine runs in a process of its own (an in-process engine's process group would wait for the
+    other ranks) and reloads the weights rank 0 wrote from the gathered shards at every sync."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    colocate = ["--rollout.backend=colocate", "--train.steps=2", "--model.adapter=none", "--train.lr=1e-4"]
+    train(one, None, *colocate)
+    train(two, None, *colocate, processes=2)
+    rows_one, rows_two = metrics(one), metrics(two)
+    assert len(rows_one) == len(rows_two) == 2
+    for a, b in zip(rows_one, rows_two):
+        assert a["reward"] == b["reward"]  # rank 0's engine sampled what one process's did
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert b["sync/probe_max_abs_diff"] < 1e-3  # and serves the weights gathered from the shards
+    assert sorted(p.name for p in (two / "adapters").iterdir()) == ["v000002"]  # a version a sync, the newest kept
