@@ -98,6 +98,7 @@ def tiny_vllm_server(tmp_path_factory) -> str:
 # A stale entry only costs balance; every other test keeps its place.
 E2E_LONGEST_FIRST = (
     "tests/driver/distributed/test_driver_distributed_rank0_work.py",  # 172 s
+    "tests/driver/distributed/test_driver_distributed_full_finetuning.py",  # 133 s (2026-11-29)
     "tests/e2e/test_ebft_e2e.py",  # 130 s
     "tests/e2e/test_nemo_gym_agent_e2e.py",  # 125 s
     "tests/e2e/test_driver_e2e.py::TestBf16",  # 103 s

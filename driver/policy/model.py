@@ -19,6 +19,7 @@ from torch import nn
 
 from driver.config import Config, LoraSettings, is_hub_id
 from driver.data.model_source import adapter_directory, model_directory
+from driver.distributed.world import world
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Layers never quantized for QLoRA: the output head and MoE routers stay in full precision, as in
@@ -55,8 +56,6 @@ class Policy:
     def trainable_parameters(self) -> list[nn.Parameter]:
         """Under torchrun, FSDP's shards: a unit a forward without backward left gathered (the root's under full
         fine-tuning) is resharded first, or its gathered weights would be listed in place of the shards."""
-        from driver.distributed.world import world
-
         if world().distributed:
             from driver.distributed.fsdp import reshard
 
@@ -79,8 +78,6 @@ class Policy:
     def mix_into_reference(self, alpha: float) -> None:
         """algo.sync_ref_model (TR-DPO, TRL's sync_target_model): the reference becomes alpha x the policy +
         (1 - alpha) x itself, weight by weight (under torchrun shard by shard: both are sharded alike)."""
-        from driver.distributed.world import world
-
         if world().distributed:  # the shards, not the weights a forward left gathered (driver/distributed/fsdp.py)
             from driver.distributed.fsdp import reshard
 
@@ -95,8 +92,6 @@ class Policy:
         gathered) and rank 0 writes it."""
         from safetensors.torch import save_file, save_model
 
-        from driver.distributed.world import world
-
         if not world().distributed:
             save_model(self.frozen_reference, str(path))
             return
@@ -108,8 +103,6 @@ class Policy:
 
     def load_reference(self, path: Path) -> None:
         from safetensors.torch import load_file, load_model
-
-        from driver.distributed.world import world
 
         if not world().distributed:
             load_model(self.frozen_reference, str(path))
@@ -123,8 +116,6 @@ class Policy:
         and vLLM, or under full fine-tuning the whole model (config.json + safetensors, what vLLM and
         transformers load). Under torchrun every rank calls it (the sharded adapter is gathered) and
         rank 0 writes it."""
-        from driver.distributed.world import world
-
         if not self.has_adapter:
             if not world().distributed:
                 self.model.save_pretrained(directory, safe_serialization=True)
@@ -166,7 +157,6 @@ class Policy:
         """Load what save_trained wrote (a checkpoint's weights) into the model."""
         from safetensors.torch import load_file
 
-        from driver.distributed.world import world
 
         if self.has_adapter:
             check_same_adapter_settings(directory, self.model.peft_config["default"])
@@ -329,7 +319,8 @@ def full_policy(config: Config, model: nn.Module, tokenizer, model_dir: str) -> 
     reference = None
     if config.algo.beta > 0:
         reference = copy.deepcopy(model).requires_grad_(False).eval()
-        reference.to(resolve_device(config.model.device))
+        if not world().distributed:  # under torchrun FSDP moves it, as the policy (prepare_for_training)
+            reference.to(resolve_device(config.model.device))
     kernels = prepare_for_training(config, model)
     return Policy(model=model, tokenizer=tokenizer, model_dir=model_dir, kernels=kernels, frozen_reference=reference,
                   reference_moves=config.algo.sync_ref_model)
@@ -359,8 +350,10 @@ def prepare_for_training(config: Config, model: nn.Module) -> str:
         # Non-reentrant: the inputs need not require grad (the base is frozen, only the adapter trains).
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # Loaded (and NF4-quantized) on the CPU, then moved: a large model never has to fit on the GPU
-    # in 16-bit before quantization.
-    model.to(resolve_device(config.model.device))
+    # in 16-bit before quantization. Full fine-tuning under torchrun stays on the CPU: FSDP moves each unit to
+    # this rank's device as it shards it (driver/distributed/fsdp.py), so no GPU holds the whole model.
+    if not (world().distributed and config.model.adapter == "none"):
+        model.to(resolve_device(config.model.device))
     return kernels
 
 
