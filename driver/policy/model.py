@@ -35,6 +35,9 @@ class Policy:
     kernels: str = "pure torch (train.kernels: reference)"  # what runs on pykernels' kernels, for the log
     frozen_reference: nn.Module | None = None  # full fine-tuning with a KL term: the base, frozen
     reference_moves: bool = False  # algo.sync_ref_model: the reference mixes in the policy (checkpoints keep it)
+    # model.dtype: what the model computes in and is saved and served in (under torchrun with master weights its
+    # shards are fp32: driver/distributed/fsdp.py)
+    dtype: torch.dtype | None = None
 
     @property
     def has_adapter(self) -> bool:
@@ -124,6 +127,9 @@ class Policy:
                 if not world().is_main or directory is None:
                     return directory
                 self.model.save_pretrained(directory, safe_serialization=True, state_dict=state)
+                # save_pretrained wrote the dtype of the model's parameters (fp32 master shards), not of the weights
+                self.model.config.dtype = self.dtype
+                self.model.config.save_pretrained(directory)
             self.tokenizer.save_pretrained(directory)  # a directory vllm serve and transformers load as it is
             return directory
         # PEFT's save_embedding_layers="auto" asks the Hub for the base's config.json at every save when the
@@ -144,13 +150,11 @@ class Policy:
 
     def gathered_weights(self) -> dict[str, torch.Tensor]:
         """Full fine-tuning under torchrun: every rank calls it (the shards are gathered); rank 0 gets every weight
-        whole on the CPU, in the model's dtype (fp32 master shards rounded as the forward rounds them, what
-        save_pretrained writes and the engine serves), the others {}."""
+        whole on the CPU, in model.dtype (fp32 master shards rounded as the forward rounds them: what is saved and
+        served), the others {}."""
         from driver.distributed.fsdp import full_model_state
 
-        dtype = self.model.config.dtype
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        return {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
+        return {name: tensor.to(self.dtype) if tensor.is_floating_point() else tensor
                 for name, tensor in full_model_state(self.model).items()}
 
     def load_trained(self, directory: Path) -> None:
@@ -323,7 +327,7 @@ def full_policy(config: Config, model: nn.Module, tokenizer, model_dir: str) -> 
             reference.to(resolve_device(config.model.device))
     kernels = prepare_for_training(config, model)
     return Policy(model=model, tokenizer=tokenizer, model_dir=model_dir, kernels=kernels, frozen_reference=reference,
-                  reference_moves=config.algo.sync_ref_model)
+                  reference_moves=config.algo.sync_ref_model, dtype=DTYPES[config.model.dtype])
 
 
 def is_moe(model_config) -> bool:

@@ -8,11 +8,14 @@ old logprobs before the parameters are listed, a sync probe between a backward a
 unit keeps its gathered weights after such a forward, so the parameters would list them in place of the shards,
 and the next forward after the step would compute with the weights of before it, without the reshards."""
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM
 
 from driver.config import Config
 from driver.data.tiny_model import build_tiny_model
@@ -39,13 +42,15 @@ def config() -> Config:
 
 
 def bf16_policy(tied: bool) -> Policy:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(build_tiny_model("qwen2"), dtype=torch.bfloat16)
+    path = build_tiny_model("qwen2")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     if tied:
         model.lm_head.weight = model.get_input_embeddings().weight
         model.config.tie_word_embeddings = True
-    return Policy(model=model, tokenizer=None, model_dir="")
+    return Policy(model=model, tokenizer=AutoTokenizer.from_pretrained(path), model_dir=str(path),
+                  dtype=torch.bfloat16)
 
 
 def train(policy: Policy, optimizer) -> list[tuple[float, float, float]]:
@@ -72,7 +77,7 @@ def train(policy: Policy, optimizer) -> list[tuple[float, float, float]]:
     return measured
 
 
-def rank_main(rank: int, port: int, tied: bool, results) -> None:
+def rank_main(rank: int, port: int, tied: bool, directory: Path, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
                       LOCAL_RANK=str(rank))
     import torch.distributed as dist
@@ -93,16 +98,18 @@ def rank_main(rank: int, port: int, tied: bool, results) -> None:
         reshard_before_steps(optimizer, policy.model)
         measured = train(policy, optimizer)
         state = full_model_state(policy.model)
+        for name in ("first", "second"):  # what a run saves at every sync and checkpoint (rank 0 writes)
+            policy.save_trained(directory / name)
         results[rank] = (measured, {name: tensor.clone() for name, tensor in state.items()})
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_two_ranks_train_the_fp32_masters_one_process_trains(tied):
+def test_two_ranks_train_the_fp32_masters_one_process_trains(tied, tmp_path):
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(rank_main, args=(free_port(), tied, results), nprocs=2, join=True)
+        mp.spawn(rank_main, args=(free_port(), tied, tmp_path, results), nprocs=2, join=True)
         results = dict(results)
     torch.set_num_threads(1)
     policy = bf16_policy(tied)
@@ -125,3 +132,10 @@ def test_two_ranks_train_the_fp32_masters_one_process_trains(tied):
     assert (gathered["lm_head.weight"] != bf16_policy(tied).model.lm_head.weight.float()).float().mean() > 0.5
     if tied:  # one weight under two names, trained once
         assert torch.equal(gathered["lm_head.weight"], gathered["model.embed_tokens.weight"])
+    # Saved as the model computes: bf16, the masters rounded, and said so in config.json (save_pretrained itself
+    # would write the dtype of the fp32 shards), at every save.
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "second")
+    assert saved.config.dtype == torch.bfloat16
+    assert json.loads((tmp_path / "second" / "config.json").read_text())["dtype"] == "bfloat16"
+    for name, weight in saved.state_dict().items():
+        assert torch.equal(weight, gathered[name].to(torch.bfloat16)), name
