@@ -117,8 +117,8 @@ class Policy:
     def save_trained(self, directory: Path | None) -> Path | None:
         """The adapter in PEFT format (adapter_config.json + adapter_model.safetensors), loadable by PEFT
         and vLLM, or under full fine-tuning the whole model (config.json + safetensors, what vLLM and
-        transformers load). Under torchrun every rank calls it (the sharded adapter is gathered) and
-        rank 0 writes it."""
+        transformers load). Under torchrun every rank calls it (the sharded adapter, or weights, are gathered)
+        and rank 0 writes it; directory None: the gather only (the ranks joining rank 0's)."""
         if not self.has_adapter:
             if not world().distributed:
                 self.model.save_pretrained(directory, safe_serialization=True)
@@ -160,7 +160,6 @@ class Policy:
     def load_trained(self, directory: Path) -> None:
         """Load what save_trained wrote (a checkpoint's weights) into the model."""
         from safetensors.torch import load_file
-
 
         if self.has_adapter:
             check_same_adapter_settings(directory, self.model.peft_config["default"])
