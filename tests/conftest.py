@@ -97,12 +97,12 @@ def tiny_vllm_server(tmp_path_factory) -> str:
 # last): longest first, the two workers end within seconds of each other instead of ~1 minute apart.
 # A stale entry only costs balance; every other test keeps its place.
 E2E_LONGEST_FIRST = (
-    "tests/driver/distributed/test_driver_distributed_rank0_work.py",  # 172 s
-    "tests/driver/distributed/test_driver_distributed_full_finetuning.py",  # 133 s (2026-11-29)
+    "tests/driver/distributed/test_driver_distributed_rank0_work.py",  # 172 s (+58 s with full fine-tuning: 11-29)
     "tests/e2e/test_ebft_e2e.py",  # 130 s
     "tests/e2e/test_nemo_gym_agent_e2e.py",  # 125 s
     "tests/e2e/test_driver_e2e.py::TestBf16",  # 103 s
     "tests/e2e/test_driver_e2e.py::test_",  # its module-level tests, 113 s
+    "tests/driver/distributed/test_driver_distributed_full_finetuning.py",  # 73 s (2026-11-29)
     "tests/e2e/test_environments_e2e.py",  # 56 s
     "tests/driver/distributed/test_driver_distributed.py",  # 52 s
     "tests/e2e/test_driver_e2e.py::TestTheDemoRun",  # 47 s

@@ -1,10 +1,10 @@
-"""Full fine-tuning (model.adapter: none) under torchrun on CPU (gloo, FSDP2), with a vLLM server and colocated on
-rank 0: 2 processes train every weight as
+"""Full fine-tuning (model.adapter: none) under torchrun on CPU (gloo, FSDP2): 2 processes train every weight as
 1 process does on the same global batch, with the KL reference (a copy, sharded too, which moves toward the
 policy: algo.sync_ref_model), the server
 serving the weights gathered from the shards, and a checkpoint resuming exactly (the fp32 shards and AdamW's
 state from torch.distributed.checkpoint). The weights' own path is tested against one process in
-tests/driver/distributed/test_driver_fsdp_full_model.py (bf16 master weights, tied and untied lm_head).
+tests/driver/distributed/test_driver_fsdp_full_model.py (bf16 master weights, tied and untied lm_head), and with
+vLLM colocated on rank 0 in tests/driver/distributed/test_driver_distributed_rank0_work.py.
 
 The server is the module's own: every sync of a full fine-tuning run reloads its weights (each run pushes its
 start weights before it generates), which the session's shared server must not see.
@@ -72,20 +72,3 @@ def test_two_processes_fine_tune_every_weight_as_one_process_and_resume(tmp_path
     assert metrics(resumed)[0]["kl"] == pytest.approx(rows_two[2]["kl"], rel=1e-5)  # the moved reference resumed
     assert_same_model(model(resumed), model(two), atol=1e-6)
 
-
-@pytest.mark.slow
-def test_two_processes_fine_tune_with_vllm_colocated_on_rank_0(tmp_path):
-    """rollout.backend = colocate: one process pushes the weights into its in-process engine by reference; under
-    torchrun the engine runs in a process of its own (an in-process engine's process group would wait for the
-    other ranks) and reloads the weights rank 0 wrote from the gathered shards at every sync."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    colocate = ["--rollout.backend=colocate", "--train.steps=2", "--model.adapter=none", "--train.lr=1e-4"]
-    train(one, None, *colocate)
-    train(two, None, *colocate, processes=2)
-    rows_one, rows_two = metrics(one), metrics(two)
-    assert len(rows_one) == len(rows_two) == 2
-    for a, b in zip(rows_one, rows_two):
-        assert a["reward"] == b["reward"]  # rank 0's engine sampled what one process's did
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
-        assert b["sync/probe_max_abs_diff"] < 1e-3  # and serves the weights gathered from the shards
-    assert sorted(p.name for p in (two / "adapters").iterdir()) == ["v000002"]  # a version a sync, the newest kept

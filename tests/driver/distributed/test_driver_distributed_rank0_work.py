@@ -65,11 +65,16 @@ def test_two_processes_compute_the_kl_in_reward_as_one_process(tmp_path, tiny_vl
 
 
 @pytest.mark.slow
-def test_two_processes_train_with_vllm_colocated_on_rank_0(tmp_path):
+@pytest.mark.parametrize("trained", [["--rollout.weight_sync=adapter"],  # as under torchrun
+                                     ["--model.adapter=none", "--train.lr=1e-4"]], ids=["adapter", "full"])
+def test_two_processes_train_with_vllm_colocated_on_rank_0(tmp_path, trained):
     """rollout.backend = colocate under torchrun: rank 0 runs the engine in its process (vLLM's engine core
-    in a child process of rank 0), as one process does, and serves the adapter gathered from the shards."""
+    in a child process of rank 0), as one process does, and serves the adapter gathered from the shards. Full
+    fine-tuning: one process pushes its weights into an in-process engine by reference; under torchrun the
+    engine runs in a process of its own (an in-process engine's process group would wait for the other ranks)
+    and reloads the weights rank 0 wrote from the gathered shards at every sync."""
     one, two = tmp_path / "one", tmp_path / "two"
-    colocate = ["--rollout.backend=colocate", "--rollout.weight_sync=adapter", "--train.steps=2"]  # as under torchrun
+    colocate = ["--rollout.backend=colocate", "--train.steps=2", *trained]
     train(one, None, *colocate)
     train(two, None, *colocate, processes=2)
     rows_one, rows_two = metrics(one), metrics(two)
