@@ -10,6 +10,7 @@ The server is the module's own: every sync of a full fine-tuning run reloads its
 start weights before it generates), which the session's shared server must not see.
 """
 
+import json
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,10 @@ def model(output_dir) -> dict[str, torch.Tensor]:
     return load_file(output_dir / "model" / "model.safetensors")
 
 
+def trained_steps(output_dir) -> list[dict]:
+    return [row for row in metrics(output_dir) if "eval/version" not in row]
+
+
 def assert_same_model(a: dict, b: dict, atol: float) -> None:
     assert a.keys() == b.keys()
     for key in a:
@@ -46,9 +51,12 @@ def assert_same_model(a: dict, b: dict, atol: float) -> None:
 @pytest.mark.slow
 def test_two_processes_fine_tune_every_weight_as_one_process_and_resume(tmp_path, own_vllm_server):
     one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
-    train(one, own_vllm_server, *FULL)
-    train(two, own_vllm_server, *FULL, "--checkpoint.every=1", processes=2)
-    rows_one, rows_two = metrics(one), metrics(two)
+    # Evaluated after every step on 8 held-out prompts (both runs: the same prompts train), the best model kept:
+    # rank 0 evaluates, every rank joins its save (the gather).
+    evaluated = ["--eval.val_set_size=8", "--eval.steps=1", "--eval.save_best=true"]
+    train(one, own_vllm_server, *FULL, *evaluated)
+    train(two, own_vllm_server, *FULL, *evaluated, "--checkpoint.every=1", processes=2)
+    rows_one, rows_two = trained_steps(one), trained_steps(two)
     assert len(rows_one) == len(rows_two) == 3
     for a, b in zip(rows_one, rows_two):
         assert a["reward"] == b["reward"]  # rank 0 generated and scored exactly what one process did
@@ -64,11 +72,17 @@ def test_two_processes_fine_tune_every_weight_as_one_process_and_resume(tmp_path
     assert all(not torch.equal(model(two)[key], base[key]) for key in base)  # every weight trained (lm_head too)
     assert sorted(p.name for p in (two / "checkpoints" / "step-000002" / "optimizer").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp"]
+    best = json.loads((two / "best" / "best.json").read_text())
+    assert best["eval/reward"] == max(row["eval/reward"] for row in metrics(two) if "eval/version" in row)
+    kept = two / "checkpoints" / f"step-{best['step']:06d}"  # (the two newest are kept)
+    if kept.is_dir():
+        assert_same_model(load_file(two / "best" / "model.safetensors"), model(kept), atol=0)  # what ranks held then
 
     checkpoint = f"--checkpoint.resume={two / 'checkpoints' / 'step-000002'}"
-    train(resumed, own_vllm_server, *FULL, checkpoint, processes=2)
-    assert [row["step"] for row in metrics(resumed)] == [3]
-    assert metrics(resumed)[0]["reward"] == rows_two[2]["reward"]
-    assert metrics(resumed)[0]["kl"] == pytest.approx(rows_two[2]["kl"], rel=1e-5)  # the moved reference resumed
+    train(resumed, own_vllm_server, *FULL, *evaluated, checkpoint, processes=2)
+    rows_resumed = trained_steps(resumed)
+    assert [row["step"] for row in rows_resumed] == [3]
+    assert rows_resumed[0]["reward"] == rows_two[2]["reward"]
+    assert rows_resumed[0]["kl"] == pytest.approx(rows_two[2]["kl"], rel=1e-5)  # the moved reference resumed
     assert_same_model(model(resumed), model(two), atol=1e-6)
 
