@@ -100,6 +100,7 @@ E2E_LONGEST_FIRST = (
     "tests/driver/distributed/test_driver_distributed_rank0_work.py",  # 172 s (+58 s with full fine-tuning: 11-29)
     "tests/e2e/test_ebft_e2e.py",  # 130 s
     "tests/e2e/test_nemo_gym_agent_e2e.py",  # 125 s
+    "tests/driver/distributed/test_driver_full_finetuning_tied.py",  # 110 s (2026-11-29)
     "tests/e2e/test_driver_e2e.py::TestBf16",  # 103 s
     "tests/e2e/test_driver_e2e.py::test_",  # its module-level tests, 113 s
     "tests/driver/distributed/test_driver_distributed_full_finetuning.py",  # 73 s (2026-11-29)

@@ -1,5 +1,6 @@
 """The worker extension of the vLLM servers the driver starts (`--worker-extension-cls`, as TRL's vllm-serve
-adds its own): a weight reload from a directory that first re-arms the MoE experts' post-load prepacking.
+adds its own): a weight reload from a directory that first re-arms the MoE experts' post-load prepacking and
+then redoes a tied lm_head's (driver/engine/weight_sync.py refresh_shared_weights).
 
 vLLM's own reload_weights skips that prepacking on CPU after the first load and copies the checkpoint's
 expert layout into storage its kernel reads as prepacked, corrupting every MoE layer
@@ -37,7 +38,8 @@ class ReloadExtension:
     """Mixed into vLLM's worker class: `self` is the worker."""
 
     def reload_weights_rearmed(self, weights_path: str) -> None:
-        from driver.engine.weight_sync import rearm_expert_prepacking
+        from driver.engine.weight_sync import rearm_expert_prepacking, refresh_shared_weights
 
         rearm_expert_prepacking(self.model_runner.get_model())
         self.reload_weights(weights_path=weights_path)
+        refresh_shared_weights(self.model_runner.get_model())  # a tied lm_head's packed copy (CPU)

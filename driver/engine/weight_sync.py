@@ -228,6 +228,27 @@ def _reload_in_place(worker, weights: Iterator[tuple[str, torch.Tensor]]) -> Non
     experts' post-load prepacking re-armed (see the module docstring)."""
     rearm_expert_prepacking(worker.model_runner.get_model())
     worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+    refresh_shared_weights(worker.model_runner.get_model())
+
+
+def refresh_shared_weights(model: nn.Module) -> int:
+    """Re-run the post-load processing of every layer whose weight another layer owns: an lm_head tied to the
+    embeddings (Qwen2.5 up to 3B, Llama 3.2, Gemma). vLLM on CPU computes the logits from a packed copy of the
+    head's weight made after loading (UnquantizedEmbeddingMethod: dispatch_cpu_unquantized_gemm); a reload
+    gives the tied head no weight of its own, so its copy kept the weights the engine started with (measured:
+    full fine-tuning of a tied model failed its first sync probe by 0.024 nats). Returns the layers redone."""
+    owners: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
+        if weight is not None and getattr(module, "quant_method", None) is not None:
+            owners.setdefault(id(weight), []).append(module)
+    redone = 0
+    for modules in owners.values():
+        if len(modules) > 1:
+            for module in modules:
+                module.quant_method.process_weights_after_loading(module)
+                redone += 1
+    return redone
 
 
 def rearm_expert_prepacking(model: nn.Module) -> int:

@@ -154,8 +154,12 @@ class Policy:
         served), the others {}."""
         from driver.distributed.fsdp import full_model_state
 
+        # A tied weight (the lm_head that is the embeddings) once, under its first name, as save_pretrained
+        # writes it; the state dict names it twice.
+        first = {name for name, _ in self.model.named_parameters()}
+        again = {name for name, _ in self.model.named_parameters(remove_duplicate=False)} - first
         return {name: tensor.to(self.dtype) if tensor.is_floating_point() else tensor
-                for name, tensor in full_model_state(self.model).items()}
+                for name, tensor in full_model_state(self.model).items() if name not in again}
 
     def load_trained(self, directory: Path) -> None:
         """Load what save_trained wrote (a checkpoint's weights) into the model."""
