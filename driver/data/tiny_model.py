@@ -5,8 +5,9 @@ models built here: `tiny://qwen2` (dense), `tiny://qwen2-wide` (hidden 512), `ti
 experts, top-2), `tiny://qwen3-moe-wide` (hidden 512, 32 experts, top-4), `tiny://llama`, and the
 other MoE architectures `tiny://gpt-oss`, `tiny://ernie4.5-moe`, `tiny://gemma4-moe` (8 experts,
 top-2). Head
-dim is 64 (vLLM's CPU attention does not support 16), embeddings are untied (vLLM's weight reload
-does not refresh a tied lm_head). The same name always gives the same bytes.
+dim is 64 (vLLM's CPU attention does not support 16), embeddings are untied (they were while vLLM's weight
+reload left a tied lm_head stale; tied models are tested in tests/driver/distributed/
+test_driver_full_finetuning_tied.py). The same name always gives the same bytes.
 """
 
 from __future__ import annotations
