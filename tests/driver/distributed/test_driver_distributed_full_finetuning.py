@@ -1,8 +1,8 @@
 """Full fine-tuning (model.adapter: none) under torchrun on CPU (gloo, FSDP2): 2 processes train every weight as
 1 process does on the same global batch, with the KL reference (a copy, sharded too, which moves toward the
-policy: algo.sync_ref_model), the server
-serving the weights gathered from the shards, and a checkpoint resuming exactly (the fp32 shards and AdamW's
-state from torch.distributed.checkpoint). The weights' own path is tested against one process in
+policy: algo.sync_ref_model), the server serving the weights gathered from the shards, the best evaluation's
+model saved through the same gather, and a checkpoint resuming exactly (the fp32 shards and AdamW's state from
+torch.distributed.checkpoint). The weights' own path is tested against one process in
 tests/driver/distributed/test_driver_fsdp_full_model.py (bf16 master weights, tied and untied lm_head), and with
 vLLM colocated on rank 0 in tests/driver/distributed/test_driver_distributed_rank0_work.py.
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from driver.config import Config
 from driver.data.tiny_model import build_tiny_model
@@ -42,8 +42,6 @@ def config() -> Config:
 
 
 def bf16_policy(tied: bool) -> Policy:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     path = build_tiny_model("qwen2")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     if tied:
