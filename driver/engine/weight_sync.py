@@ -231,24 +231,23 @@ def _reload_in_place(worker, weights: Iterator[tuple[str, torch.Tensor]]) -> Non
     refresh_shared_weights(worker.model_runner.get_model())
 
 
-def refresh_shared_weights(model: nn.Module) -> int:
+def refresh_shared_weights(model: nn.Module) -> None:
     """Re-run the post-load processing of every layer whose weight another layer owns: an lm_head tied to the
     embeddings (Qwen2.5 up to 3B, Llama 3.2, Gemma). vLLM on CPU computes the logits from a packed copy of the
     head's weight made after loading (UnquantizedEmbeddingMethod: dispatch_cpu_unquantized_gemm); a reload
     gives the tied head no weight of its own, so its copy kept the weights the engine started with (measured:
-    full fine-tuning of a tied model failed its first sync probe by 0.024 nats). Returns the layers redone."""
+    full fine-tuning of a tied model failed its first sync probe by 0.024 nats)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
     owners: dict[int, list[nn.Module]] = {}
-    for module in model.modules():
-        weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
-        if weight is not None and getattr(module, "quant_method", None) is not None:
+    for module in model.modules():  # unquantized only: redoing a quantized layer's processing would quantize twice
+        weight = module._parameters.get("weight")
+        if weight is not None and isinstance(getattr(module, "quant_method", None), UnquantizedEmbeddingMethod):
             owners.setdefault(id(weight), []).append(module)
-    redone = 0
     for modules in owners.values():
         if len(modules) > 1:
             for module in modules:
                 module.quant_method.process_weights_after_loading(module)
-                redone += 1
-    return redone
 
 
 def rearm_expert_prepacking(model: nn.Module) -> int:
