@@ -37,11 +37,21 @@ def metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def trained_steps(output_dir: Path) -> list[dict]:
+    """The metrics of the training steps (an evaluation's rows left out)."""
+    return [row for row in metrics(output_dir) if "eval/version" not in row]
+
+
 def adapter(output_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(output_dir / "adapter" / "adapter_model.safetensors")
 
 
-def assert_same_adapter(a: dict, b: dict, atol: float) -> None:
+def model(output_dir: Path) -> dict[str, torch.Tensor]:
+    """Full fine-tuning's trained model."""
+    return load_file(output_dir / "model" / "model.safetensors")
+
+
+def assert_same_weights(a: dict, b: dict, atol: float) -> None:
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], atol=atol, rtol=0, msg=key)

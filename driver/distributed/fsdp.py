@@ -70,8 +70,7 @@ def shard_full_model(causal_lm, master_weights: bool) -> None:
         upcast_parameters(causal_lm, upcast)
     fully_shard(causal_lm, mp_policy=precision)
     count_decoder_forward_as_root(causal_lm)
-    keep_output_capturing(decoder)
-    keep_output_capturing(causal_lm)
+    keep_output_capturing(causal_lm)  # the one class swapped above the layers (the decoder is no unit here)
 
 
 def upcast_parameters(module, done: dict[int, torch.nn.Parameter]) -> None:

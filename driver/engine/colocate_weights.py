@@ -22,8 +22,20 @@ from driver.engine.server_worker import EXTENSION, RELOAD_METHOD
 from driver.engine.weight_sync import create_inprocess_engine, push_merged, shutdown_engine
 
 
-class WeightSyncGenerator(ColocatedGenerator):
+class InPlaceWeightsGenerator(ColocatedGenerator):
+    """A colocated engine without LoRA whose weights each sync replaces (subclasses build the engine and sync)."""
+
     serves_one_version = True  # in-place weights: a job of an older version cannot run after a push
+
+    def _lora_of(self, version: int):
+        # One set of weights at a time: the prefetcher pushes version v only after every job
+        # sampled with an older one has finished (driver/rollouts/prefetch.py).
+        if version != self.adapter_version:
+            raise RolloutError(f"the engine serves weights of version {self.adapter_version}, not {version}")
+        return None
+
+
+class WeightSyncGenerator(InPlaceWeightsGenerator):
     reads_saved_weights = False  # the weights go by reference: push_adapter writes no directory
 
     # Does not call super().__init__(): that builds a LoRA engine.
@@ -36,13 +48,6 @@ class WeightSyncGenerator(ColocatedGenerator):
         push_merged(self.llm, self._policy_model)
         self.adapter_version = version
 
-    def _lora_of(self, version: int):
-        # One set of weights at a time: the prefetcher pushes version v only after every job
-        # sampled with an older one has finished (driver/rollouts/prefetch.py).
-        if version != self.adapter_version:
-            raise RolloutError(f"the engine serves weights of version {self.adapter_version}, not {version}")
-        return None
-
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
@@ -52,11 +57,9 @@ class WeightSyncGenerator(ColocatedGenerator):
                 pass
 
 
-class ReloadingGenerator(ColocatedGenerator):
+class ReloadingGenerator(InPlaceWeightsGenerator):
     """Full fine-tuning under torchrun, colocated on rank 0: the engine core in a process of its own (vLLM's
     default), each sync a reload of every weight from the directory push_adapter wrote."""
-
-    serves_one_version = True  # weights replaced in place: a job of an older version cannot run after a push
 
     # Does not call super().__init__(): that builds a LoRA engine.
     def __init__(self, config: Config, model_dir: str) -> None:
@@ -70,8 +73,3 @@ class ReloadingGenerator(ColocatedGenerator):
         self.llm.collective_rpc(RELOAD_METHOD, kwargs={"weights_path": str(adapter_dir)})
         self.llm.reset_prefix_cache()  # its KV was computed with the old weights
         self.adapter_version = version
-
-    def _lora_of(self, version: int):
-        if version != self.adapter_version:
-            raise RolloutError(f"the engine serves weights of version {self.adapter_version}, not {version}")
-        return None

@@ -59,10 +59,7 @@ class Policy:
     def trainable_parameters(self) -> list[nn.Parameter]:
         """Under torchrun, FSDP's shards: a unit a forward without backward left gathered (the root's under full
         fine-tuning) is resharded first, or its gathered weights would be listed in place of the shards."""
-        if world().distributed:
-            from driver.distributed.fsdp import reshard
-
-            reshard(self.model)
+        reshard_if_sharded(self.model)
         return [p for p in self.model.parameters() if p.requires_grad]
 
     @contextlib.contextmanager
@@ -81,11 +78,7 @@ class Policy:
     def mix_into_reference(self, alpha: float) -> None:
         """algo.sync_ref_model (TR-DPO, TRL's sync_target_model): the reference becomes alpha x the policy +
         (1 - alpha) x itself, weight by weight (under torchrun shard by shard: both are sharded alike)."""
-        if world().distributed:  # the shards, not the weights a forward left gathered (driver/distributed/fsdp.py)
-            from driver.distributed.fsdp import reshard
-
-            reshard(self.model)
-            reshard(self.frozen_reference)
+        reshard_if_sharded(self.model, self.frozen_reference)  # the shards, not the weights a forward gathered
         trained = dict(self.model.named_parameters())
         for name, weight in self.frozen_reference.named_parameters():
             weight.lerp_(trained[name].to(weight.dtype), alpha)
@@ -188,6 +181,15 @@ class Policy:
         if unexpected or untied:
             raise ValueError(f"{directory}: the saved model does not match this one (unexpected: {unexpected[:3]}, "
                              f"missing: {untied[:3]})")
+
+
+def reshard_if_sharded(*models: nn.Module) -> None:
+    """Under torchrun: each model's FSDP units back to their shards (driver/distributed/fsdp.py reshard)."""
+    if world().distributed:
+        from driver.distributed.fsdp import reshard
+
+        for model in models:
+            reshard(model)
 
 
 def load_adapter_weights(model: nn.Module, directory: Path, source: str) -> None:

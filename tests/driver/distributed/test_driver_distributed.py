@@ -17,16 +17,12 @@ from driver.cli import ConfigError
 from driver.config import Config
 from driver.distributed.world import World
 from driver.train import check_world
-from tests.torchrun_runs import adapter, assert_same_adapter, metrics, train
+from tests.torchrun_runs import adapter, assert_same_weights, metrics, train, trained_steps
 
 
 # Evaluated after every step on 8 held-out prompts, the best adapter kept: rank 0 evaluates, every rank joins
 # the save (a collective under FSDP) on rank 0's metrics.
 EVALUATED = ["--eval.val_set_size=8", "--eval.steps=1", "--eval.save_best=true"]
-
-
-def trained_steps(output_dir) -> list[dict]:
-    return [row for row in metrics(output_dir) if "eval/version" not in row]
 
 
 @pytest.mark.slow
@@ -42,7 +38,7 @@ def test_two_processes_train_what_one_trains_and_resume_at_any_world_size(tmp_pa
     assert best["eval/reward"] == max(row["eval/reward"] for row in evaluations)
     kept = two / "checkpoints" / f"step-{best['step']:06d}"  # (the two newest are kept)
     saved = load_file(two / "best" / "adapter_model.safetensors")
-    assert_same_adapter(saved, adapter(kept) if kept.is_dir() else saved, atol=0)  # what the ranks held then
+    assert_same_weights(saved, adapter(kept) if kept.is_dir() else saved, atol=0)  # what the ranks held then
     assert saved.keys() == adapter(two).keys()
     for a, b in zip(rows_one, rows_two):
         assert a["reward"] == b["reward"]  # rank 0 generated and scored exactly what one process did
@@ -52,7 +48,7 @@ def test_two_processes_train_what_one_trains_and_resume_at_any_world_size(tmp_pa
         assert b["sync/probe_max_abs_diff"] < 1e-3  # vLLM serves the adapter gathered from the shards
     # Summation order differs (sharded reduce-scatter); AdamW's first steps magnify that on entries with
     # near-zero gradients, so the tolerance is lr / 5: a missed or doubled step moves weights by ~lr.
-    assert_same_adapter(adapter(one), adapter(two), atol=1e-3)
+    assert_same_weights(adapter(one), adapter(two), atol=1e-3)
     assert sorted(p.name for p in (two / "checkpoints").iterdir()) == ["step-000002", "step-000003"]
     assert sorted(p.name for p in (two / "checkpoints" / "step-000002" / "optimizer").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp"]
@@ -64,9 +60,9 @@ def test_two_processes_train_what_one_trains_and_resume_at_any_world_size(tmp_pa
     train(resumed_two, tiny_vllm_server, checkpoint, *EVALUATED, "--train.epochs=0.09", processes=2)
     assert [row["step"] for row in trained_steps(resumed_two)] == [3]
     assert trained_steps(resumed_two)[0]["reward"] == rows_two[2]["reward"]
-    assert_same_adapter(adapter(resumed_two), adapter(two), atol=1e-6)
+    assert_same_weights(adapter(resumed_two), adapter(two), atol=1e-6)
     train(resumed_one, tiny_vllm_server, checkpoint, *EVALUATED)  # the sharded optimizer state loads in one process
-    assert_same_adapter(adapter(resumed_one), adapter(two), atol=1e-4)
+    assert_same_weights(adapter(resumed_one), adapter(two), atol=1e-4)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from driver.data.tiny_model import resolve_model_path
 from tests.conftest import launch_tiny_vllm_server
-from tests.torchrun_runs import metrics, train
+from tests.torchrun_runs import assert_same_weights, metrics, model, train, trained_steps
 
 # The KL reference moves (algo.sync_ref_model, TR-DPO) after every update: a second sharded model to mix into,
 # checkpoint and resume.
@@ -32,20 +32,6 @@ def own_vllm_server(tmp_path_factory):
     server = launch_tiny_vllm_server(tmp_path_factory.mktemp("full-finetuning-server"))
     yield server.url
     server.stop()
-
-
-def model(output_dir) -> dict[str, torch.Tensor]:
-    return load_file(output_dir / "model" / "model.safetensors")
-
-
-def trained_steps(output_dir) -> list[dict]:
-    return [row for row in metrics(output_dir) if "eval/version" not in row]
-
-
-def assert_same_model(a: dict, b: dict, atol: float) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], atol=atol, rtol=0, msg=key)
 
 
 @pytest.mark.slow
@@ -66,7 +52,7 @@ def test_two_processes_fine_tune_every_weight_as_one_process_and_resume(tmp_path
         assert b["sync/probe_max_abs_diff"] < 1e-3  # the server serves the weights gathered from the shards
     assert rows_two[-1]["kl"] > 0  # the policy moved away from its reference
     # Summation order differs (sharded reduce-scatter); a missed or doubled step moves weights by ~lr.
-    assert_same_model(model(one), model(two), atol=2e-5)
+    assert_same_weights(model(one), model(two), atol=2e-5)
     base = load_file(Path(resolve_model_path("tiny://qwen2")) / "model.safetensors")
     assert base.keys() == model(two).keys()
     assert all(not torch.equal(model(two)[key], base[key]) for key in base)  # every weight trained (lm_head too)
@@ -76,7 +62,7 @@ def test_two_processes_fine_tune_every_weight_as_one_process_and_resume(tmp_path
     assert best["eval/reward"] == max(row["eval/reward"] for row in metrics(two) if "eval/version" in row)
     kept = two / "checkpoints" / f"step-{best['step']:06d}"  # (the two newest are kept)
     if kept.is_dir():
-        assert_same_model(load_file(two / "best" / "model.safetensors"), model(kept), atol=0)  # what ranks held then
+        assert_same_weights(load_file(two / "best" / "model.safetensors"), model(kept), atol=0)  # what ranks held then
 
     checkpoint = f"--checkpoint.resume={two / 'checkpoints' / 'step-000002'}"
     train(resumed, own_vllm_server, *FULL, *evaluated, checkpoint, processes=2)
@@ -84,5 +70,5 @@ def test_two_processes_fine_tune_every_weight_as_one_process_and_resume(tmp_path
     assert [row["step"] for row in rows_resumed] == [3]
     assert rows_resumed[0]["reward"] == rows_two[2]["reward"]
     assert rows_resumed[0]["kl"] == pytest.approx(rows_two[2]["kl"], rel=1e-5)  # the moved reference resumed
-    assert_same_model(model(resumed), model(two), atol=1e-6)
+    assert_same_weights(model(resumed), model(two), atol=1e-6)
 

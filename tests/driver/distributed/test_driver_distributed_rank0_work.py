@@ -5,7 +5,7 @@ colocated in rank 0's process: each compared with one process (gloo on CPU, the 
 
 import pytest
 
-from tests.torchrun_runs import EBFT, EBFT_STRIDED, adapter, assert_same_adapter, metrics, train
+from tests.torchrun_runs import EBFT, EBFT_STRIDED, adapter, assert_same_weights, metrics, train
 
 
 @pytest.mark.slow
@@ -24,7 +24,7 @@ def test_two_processes_score_ebft_features_as_one_process(tmp_path, tiny_vllm_se
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
         assert b["sync/probe_max_abs_diff"] < 1e-3
-    assert_same_adapter(adapter(one), adapter(two), atol=1e-3)
+    assert_same_weights(adapter(one), adapter(two), atol=1e-3)
 
 
 @pytest.mark.slow
@@ -43,7 +43,7 @@ def test_two_processes_sample_and_train_ebft_strided_as_one_process(tmp_path):
         for key in ("ebft/cfm_loss", "ebft/alignment", "ebft/advantages_std", "ebft/advantage_abs_mean",
                     "ebft/ce_loss", "ebft/rl_loss", "loss", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-6), key
-    assert_same_adapter(adapter(one), adapter(two), atol=1e-3)
+    assert_same_weights(adapter(one), adapter(two), atol=1e-3)
     resumed = tmp_path / "resumed"  # the checkpoint of 2 ranks, resumed in one process: the same blocks
     train(resumed, None, *strided, f"--checkpoint.resume={two / 'checkpoints' / 'step-000002'}", example=EBFT_STRIDED)
     assert metrics(resumed)[0]["ebft/cfm_loss"] == pytest.approx(rows_two[2]["ebft/cfm_loss"], rel=1e-4)

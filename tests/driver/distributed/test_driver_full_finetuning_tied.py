@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from driver.data.tiny_model import resolve_model_path
-from tests.torchrun_runs import metrics, train
+from tests.torchrun_runs import assert_same_weights, metrics, model, train
 
 TRAINED = ["--model.adapter=none", "--train.lr=1e-3", "--train.steps=2"]
 
@@ -45,7 +45,7 @@ def assert_synced(output_dir: Path, steps: int) -> list[dict]:
 def test_a_tied_model_syncs_into_the_colocated_engine(tmp_path, tied_model):
     train(tmp_path, None, *TRAINED, f"--model.path={tied_model}", "--rollout.backend=colocate")
     assert_synced(tmp_path, 2)
-    saved = load_file(tmp_path / "model" / "model.safetensors")
+    saved = model(tmp_path)
     assert "lm_head.weight" not in saved  # tied: saved once, as the embeddings
     assert not torch.equal(saved["model.embed_tokens.weight"], load_file(tied_model / "model.safetensors")[
         "model.embed_tokens.weight"])
@@ -59,7 +59,6 @@ def test_two_processes_fine_tune_a_tied_model_through_a_server_and_resume(tmp_pa
     rows = assert_synced(two, 2)
     train(resumed, None, *flags, f"--checkpoint.resume={two / 'checkpoints' / 'step-000001'}", processes=2)
     assert metrics(resumed)[0]["reward"] == rows[1]["reward"]
-    final, again = (load_file(run / "model" / "model.safetensors") for run in (two, resumed))
+    final, again = (model(run) for run in (two, resumed))
     assert final.keys() == again.keys() == {name for name in load_file(tied_model / "model.safetensors")}
-    for name in final:
-        torch.testing.assert_close(again[name], final[name], atol=1e-6, rtol=0, msg=name)
+    assert_same_weights(again, final, atol=1e-6)
