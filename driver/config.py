@@ -62,10 +62,12 @@ class ModelConfig(Section):
     revision: str | None = Field(None, description="a Hub model's branch, tag or commit (TRL's model_revision, "
                                  "axolotl's revision_of_model); default: main")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="dtype of the trainer's weights and of vLLM's")
+        "float32", description="dtype of the trainer's weights and of vLLM's; float16 trains with dynamic loss "
+        "scaling (TRL's fp16: GradScaler's schedule, an update that overflows is skipped; driver/update/loss_scale.py)")
     adapter: Literal["lora", "none"] = Field(
         "lora", description="lora: train a LoRA adapter (lora section) on the frozen base; none: full fine-tuning of "
-        "every weight (axolotl's adapter key absent, TRL without peft_config), dense models, one process: the "
+        "every weight (axolotl's adapter key absent, TRL without peft_config), dense models, one process or "
+        "torchrun (FSDP2): the "
         "reference for beta > 0 is a frozen copy (twice the weights in memory) and every sync pushes all weights")
     qlora: bool = Field(False, description="train on an NF4-quantized base (pykernels.nn.NF4Linear, MoE experts as "
                         "NF4ExpertWeight on the grouped kernels); vLLM "
@@ -732,9 +734,10 @@ class TrainConfig(Section):
     master_weights: bool = Field(True, description="the optimizer steps fp32 copies of 16-bit trainable weights "
                                  "(full fine-tuning in bfloat16 / float16; adapters are fp32 already) and writes them "
                                  "back rounded: stepped in bf16, an update below a weight's rounding step is lost, so "
-                                 "at GRPO's usual learning rates most weights would never move. Costs 4 bytes a "
-                                 "weight and fp32 optimizer states; false: pure 16-bit AdamW, as TRL's single-GPU "
-                                 "full fine-tuning of a bf16 model (docs/memory.md)")
+                                 "at GRPO's usual learning rates most weights would never move. Micro-batches' "
+                                 "gradients sum in fp32 on the copies, and are clipped there. Costs 4 bytes a weight, "
+                                 "2 for the fp32 gradient and fp32 optimizer states; false: pure 16-bit AdamW, as "
+                                 "TRL's single-GPU full fine-tuning of a bf16 model (docs/memory.md)")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (biases and norm weights take none, as in "
                                 "transformers' Trainer)")
     adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW's beta1 (TRL's adam_beta1)")
@@ -1044,10 +1047,6 @@ class Config(Section):
                              f"rollout.sampling.max_tokens = {rollout.sampling.max_tokens} (or null for off)")
         if rollout.backend == "transformers":
             self._check_transformers_backend()
-        if self.model.dtype == "float16" and not self.eval.only:
-            warnings.warn("model.dtype float16 trains without loss scaling (TRL's fp16 runs a GradScaler): gradients "
-                          "below float16's normal range (6e-5) lose precision, and below 6e-8 vanish; bfloat16 (GPUs "
-                          "from Ampere on) or float32 trains without that", stacklevel=2)
         if self.algo.kl_in_reward and self.rewards.aggregation != "sum_then_normalize":
             raise ValueError("algo.kl_in_reward needs rewards.aggregation = sum_then_normalize (the penalty is added "
                              "to the weighted sum of the rewards)")

@@ -51,6 +51,7 @@ from driver.rollouts.distributed_feed import FollowerFeed, LeaderFeed, on_rank0
 from driver.rollouts.feed import Rollouts
 from driver.rollouts.source import BatchSource
 from driver.update.entropy_control import controller as entropy_controller
+from driver.update.loss_scale import start_loss_scale
 from driver.update.optim import build_optimizer, build_scheduler
 from driver.update.step import optimize
 
@@ -139,6 +140,7 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
         reshard_before_steps(optimizer, policy.model)
     if config.algo.use_adaptive_entropy:  # its state's keys before a resume: torchrun's sharded load fills those it has
         entropy_controller(config.algo, optimizer)
+    start_loss_scale(config, optimizer)  # float16's, the same way
     scheduler = build_scheduler(optimizer, config.train, config.optimizer_updates)
     step, rollout_state = 0, None
     first_step = 0

@@ -29,6 +29,7 @@ from driver.ebft.strided import StridedBatch, StridedChunk
 from driver.ebft.strided_attention import full_row_attention, uses_flex
 from driver.metrics.combine import Metrics, combine_metrics
 from driver.policy.model import Policy
+from driver.update.loss_scale import loss_scale
 from driver.update.loss_terms import loss_options
 from driver.update.losses import StepNormalizers, policy_loss
 from driver.update.optim import optimizer_steps
@@ -50,8 +51,9 @@ def optimize_strided(config: Config, policy: Policy, batch: StridedBatch, optimi
     def backward_pass() -> Metrics:
         # Each chunk's losses are its share of the step's: the step's are their sums.
         step_losses = dict.fromkeys(("loss", "ebft/rl_loss", "ebft/ce_loss"), 0.0)
+        scale = loss_scale(config, optimizer)
         for chunk in batch.chunks:
-            metrics = chunk_loss(config, policy, chunk, normalizers, totals.num_documents)
+            metrics = chunk_loss(config, policy, chunk, normalizers, totals.num_documents, scale)
             for key in step_losses:
                 step_losses[key] += metrics.values.pop(key)
             chunk_metrics.append(metrics)
@@ -67,8 +69,9 @@ def optimize_strided(config: Config, policy: Policy, batch: StridedBatch, optimi
 
 
 def chunk_loss(config: Config, policy: Policy, chunk: StridedChunk, normalizers: StepNormalizers,
-               num_documents: int) -> Metrics:
-    """Backward of this chunk's share of the step loss; returns its metrics."""
+               num_documents: int, scale: float = 1.0) -> Metrics:
+    """Backward of this chunk's share of the step loss; returns its metrics. scale: float16's loss scale (the
+    backward's alone)."""
     algo, ebft, rollout = config.algo, config.ebft, chunk.rollout
     device, causal_lm = policy.device, policy.causal_lm
     with full_row_attention(policy, rollout, uses_flex(ebft.attention, device)) as (input_ids, position_ids, mask):
@@ -89,7 +92,7 @@ def chunk_loss(config: Config, policy: Policy, chunk: StridedChunk, normalizers:
     ce = ground_truth_cross_entropy(chunk, hidden, weight, device) / num_documents
     if ebft.ce_coef > 0:
         loss = loss + ebft.ce_coef * ce
-    (loss * distributed.world().size).backward()  # FSDP divides by the world size; the loss is a share already
+    (loss * (distributed.world().size * scale)).backward()  # FSDP divides by the world size; the loss is a share
     return metrics.update(Metrics({"loss": float(loss.detach()), "ebft/rl_loss": float(rl.detach()),
                                    "ebft/ce_loss": float(ce.detach())}))
 

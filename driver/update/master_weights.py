@@ -7,15 +7,28 @@ move (measured: 1.9% of them moved in 10 AdamW steps at 1e-6, against every one 
 full fine-tuning trains a bf16 model that way. Here the optimizer steps fp32 copies of those weights (its
 moments fp32 with them) and writes each back rounded after every step: the mixed precision DeepSpeed and
 FSDP give their users. Adapters need none: PEFT keeps LoRA weights in fp32 over a bf16 base.
+
+The gradients are summed in fp32 too: each 16-bit gradient is added into its master's as soon as backward has
+accumulated it (a post-accumulate-grad hook) and freed. Summed in bf16, every micro-batch's addition rounds the
+running sum to 8 significant bits (measured on a bf16 linear layer: the step's gradient 0.3% off with 4
+micro-batches, 0.6% with 32) and clipping would take a bf16 norm; FSDP's path (driver/distributed/fsdp.py)
+reduces in fp32 the same way. The update's gradients are then the masters' (`gradient_holders`), which clipping
+and zero-filling act on.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)
+
+# A 16-bit weight's fp32 master, of the newest MasterWeightsOptimizer over it (weak: a dropped optimizer's masters go
+# with it). Its hook is registered once, with the weight's first entry, and reads the master here.
+_MASTERS = WeakIdKeyDictionary()  # by identity: a tensor's == is elementwise
 
 
 def needs_master_weights(parameters: list[torch.nn.Parameter]) -> bool:
@@ -36,6 +49,10 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         self.inner = build(self.masters)
         super().__init__(self.masters, self.inner.defaults)
         self._share_inner()
+        for parameter, master in self._copies():
+            if parameter not in _MASTERS:
+                parameter.register_post_accumulate_grad_hook(_add_into_master)
+            _MASTERS[parameter] = weakref.ref(master)
 
     def _share_inner(self) -> None:
         # The inner optimizer's load_state_dict replaces its lists: shared again after every load.
@@ -45,10 +62,16 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
     def _copies(self):
         return ((p, master) for p, master in zip(self.model_parameters, self.masters, strict=True) if master is not p)
 
+    def gradient_holders(self) -> list[torch.nn.Parameter]:
+        """The tensors whose .grad is the update's gradient (the masters), with any gradient still on a 16-bit
+        weight (one assigned rather than accumulated by backward) added into its master first."""
+        for parameter, master in self._copies():
+            _add_into(parameter, master)
+        return self.masters
+
     @torch.no_grad()
     def step(self, closure=None):
-        for parameter, master in self._copies():
-            master.grad = None if parameter.grad is None else parameter.grad.float()
+        self.gradient_holders()
         loss = self.inner.step(closure)
         for parameter, master in self._copies():
             parameter.copy_(master)  # rounded to nearest
@@ -74,3 +97,31 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         self._share_inner()
         for index, (parameter, master) in enumerate(self._copies()):
             master.copy_(masters[index] if masters is not None else parameter.float())
+
+
+def _add_into_master(parameter: torch.Tensor) -> None:
+    """The hook: into the master of the newest optimizer over the weight, if it is still there."""
+    reference = _MASTERS.get(parameter)
+    master = reference() if reference is not None else None
+    if master is not None:
+        _add_into(parameter, master)
+
+
+@torch.no_grad()
+def _add_into(parameter: torch.Tensor, master: torch.Tensor) -> None:
+    """The weight's gradient added into the fp32 master's (or made it), the 16-bit one freed."""
+    if parameter.grad is None:
+        return
+    if master.grad is None:
+        master.grad = parameter.grad.float()
+    else:
+        master.grad.add_(parameter.grad)
+    parameter.grad = None
+
+
+def gradient_holders(optimizer: torch.optim.Optimizer | None,
+                     parameters: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """The tensors whose .grad is an update's gradient: a MasterWeightsOptimizer's masters, else the parameters."""
+    if isinstance(optimizer, MasterWeightsOptimizer):
+        return optimizer.gradient_holders()
+    return parameters

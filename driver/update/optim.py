@@ -13,7 +13,8 @@ import torch
 
 from driver.config import Config, TrainConfig
 from driver.metrics.combine import Metrics, combine_metrics
-from driver.update.master_weights import MasterWeightsOptimizer, needs_master_weights
+from driver.update.loss_scale import loss_scale, scales_loss, unscale_gradients
+from driver.update.master_weights import MasterWeightsOptimizer, gradient_holders, needs_master_weights
 
 
 # transformers' Trainer decays no bias and no norm weight (get_decay_parameter_names): these names, and LayerNorms.
@@ -83,8 +84,10 @@ def optimizer_steps(config: Config, params: list[torch.nn.Parameter], optimizer:
     """algo.num_iterations rounds of one optimizer update per backward pass (steps_per_generation
     parts of a generated batch, or one): zero the gradients, run the pass (the backward of every
     micro-batch; returns that update's metrics), clip to train.max_grad_norm, step the optimizer and
-    the schedule. A None pass (a part without rows) steps the schedule only. after_update gets the schedule's
-    count of updates after each one. Returns the updates' metrics combined, with grad_norm."""
+    the schedule. A None pass (a part without rows) steps the schedule only. In float16 the gradients are unscaled
+    first, and an update that overflowed steps neither (driver/update/loss_scale.py). after_update gets the
+    schedule's count of updates after each one. Returns the updates' metrics combined, with grad_norm (and in
+    float16 loss_scale and skipped_update_fraction)."""
     updates = []
     for _ in range(config.algo.num_iterations):
         for backward_pass in backward_passes:
@@ -93,11 +96,20 @@ def optimizer_steps(config: Config, params: list[torch.nn.Parameter], optimizer:
                 continue
             optimizer.zero_grad(set_to_none=True)
             metrics = backward_pass()
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, config.train.max_grad_norm or math.inf)
-            metrics.values["grad_norm"] = float(grad_norm)
             updates.append(metrics)
+            holders = gradient_holders(optimizer, params)  # fp32 master weights hold the gradients: clipped there
+            stepped = unscale_gradients(config, optimizer, holders)
+            if scales_loss(config):
+                metrics.values["skipped_update_fraction"] = 0.0 if stepped else 1.0
+            if not stepped:  # float16 overflowed: no step, as GradScaler; no grad_norm to average in
+                continue
+            grad_norm = torch.nn.utils.clip_grad_norm_(holders, config.train.max_grad_norm or math.inf)
+            metrics.values["grad_norm"] = float(grad_norm)
             optimizer.step()
             scheduler.step()
             if after_update is not None:
                 after_update(scheduler.last_epoch)
-    return combine_metrics(updates)
+    combined = combine_metrics(updates)
+    if scales_loss(config) and updates:
+        combined.values["loss_scale"] = loss_scale(config, optimizer)  # for the next step's updates
+    return combined

@@ -33,7 +33,9 @@ from driver.update.ground_truth_loss import (GroundTruthLoss, check_ground_truth
                                              micro_batch_documents)
 from driver.update.entropy_control import applied_entropy_coef, observe_entropy
 from driver.update.optim import optimizer_steps
+from driver.update.loss_scale import loss_scale
 from driver.update.loss_terms import high_entropy_mask, loss_options
+from driver.update.master_weights import gradient_holders
 from driver.update.losses import (StepNormalizers, all_zero, connected_zero, importance_weights,
                                   off_policy_sequence_mask, policy_loss)
 
@@ -124,6 +126,7 @@ def update_pass(config: Config, policy: Policy, batch: RolloutBatch, params: lis
         policy.model.train()
         skipped, step_losses = 0, dict.fromkeys(loss_names(term), 0.0)
         coef = applied_entropy_coef(algo, optimizer) if optimizer is not None else algo.entropy_coef
+        scale = loss_scale(config, optimizer)
         bonus_entropy = [0.0, 0.0]  # the entropy summed over the bonus's tokens, and their count
         for part, normalizers in parts:
             # Never after filtering (no zero rows are left); the unfiltered path without KL or entropy keeps it.
@@ -132,7 +135,7 @@ def update_pass(config: Config, policy: Policy, batch: RolloutBatch, params: lis
                 skipped += 1
                 continue
             metrics = micro_batch_loss(config, policy, batch, part, normalizers, old_logps, ref_logps, term,
-                                       entropy_coef=coef)
+                                       entropy_coef=coef, scale=scale)
             for key in step_losses:  # micro-batch losses are normalized to sum to the step's
                 step_losses[key] += metrics.values.pop(key)
             for index, key in enumerate(BONUS_ENTROPY):
@@ -141,7 +144,7 @@ def update_pass(config: Config, policy: Policy, batch: RolloutBatch, params: lis
         for _ in range(padding):
             padding_pass(policy, temperature, backward=True)
         if batch.counts is not None:
-            zero_missing_grads(params)
+            zero_missing_grads(gradient_holders(optimizer, params))
         values = {**step_losses, "skipped_micro_batch_fraction": skipped / len(parts) if parts else 0.0}
         if algo.use_adaptive_entropy and optimizer is not None:  # every rank's tokens: one coefficient for all
             entropy_sum, tokens = distributed.sum_floats(bonus_entropy)
@@ -216,10 +219,12 @@ def _check_filtered_batch(batch: RolloutBatch, every_row: bool) -> None:
 
 def micro_batch_loss(config: Config, policy: Policy, batch: RolloutBatch, part: slice, normalizers: StepNormalizers,
                      old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None,
-                     term: GroundTruthLoss | None = None, entropy_coef: float | None = None) -> Metrics:
+                     term: GroundTruthLoss | None = None, entropy_coef: float | None = None,
+                     scale: float = 1.0) -> Metrics:
     """Backward of this micro-batch's share of the step loss; its metrics, "loss" (the share) among them, and
     BONUS_ENTROPY (the entropy summed over the tokens an entropy bonus acts on, their count). entropy_coef: the
-    bonus's coefficient for this update (algo.use_adaptive_entropy's), else algo.entropy_coef."""
+    bonus's coefficient for this update (algo.use_adaptive_entropy's), else algo.entropy_coef. scale: float16's
+    loss scale (driver/update/loss_scale.py), the backward's alone."""
     algo = config.algo
     coef = algo.entropy_coef if entropy_coef is None else entropy_coef
     prompts, completions = batch.prompt_ids[part], batch.completion_ids[part]
@@ -260,7 +265,7 @@ def micro_batch_loss(config: Config, policy: Policy, batch: RolloutBatch, part: 
     if term is not None:
         loss, term_metrics = term.total(loss, documents, document_nll, normalizers.num_sequences)
         metrics.update(term_metrics)
-    (loss * distributed.world().size).backward()  # FSDP divides by the world size; the loss is a share already
+    (loss * (distributed.world().size * scale)).backward()  # FSDP divides by the world size; the loss is a share
     num_tokens = loss_mask.sum()
     entropy_mean = float((entropy.detach() * loss_mask).sum() / num_tokens.clamp(min=1))
     bonus_tokens = loss_mask > 0 if keep_tokens is None else (loss_mask > 0) & keep_tokens
