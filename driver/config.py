@@ -67,8 +67,8 @@ class ModelConfig(Section):
     adapter: Literal["lora", "none"] = Field(
         "lora", description="lora: train a LoRA adapter (lora section) on the frozen base; none: full fine-tuning of "
         "every weight (axolotl's adapter key absent, TRL without peft_config), dense models, one process or "
-        "torchrun (FSDP2): the "
-        "reference for beta > 0 is a frozen copy (twice the weights in memory) and every sync pushes all weights")
+        "torchrun (FSDP2): the reference for beta > 0 and EBFT's feature network are a frozen copy (twice the "
+        "weights in memory) and every sync pushes all weights")
     qlora: bool = Field(False, description="train on an NF4-quantized base (pykernels.nn.NF4Linear, MoE experts as "
                         "NF4ExpertWeight on the grouped kernels); vLLM "
                         "serves the bf16 base + adapter and importance sampling absorbs the difference")
@@ -1179,14 +1179,12 @@ class Config(Section):
     def _check_full_finetuning(self) -> None:
         conflicts = [key for key, on in (("model.qlora", self.model.qlora),
                                           ("lora.init_from", self.lora.init_from is not None),
-                                          ("algo.name = ebft", self.algo.name == "ebft"),
                                           (f"rollout.{self.rollout.weight_sync_key()}",
                                            self.rollout.weight_sync == "adapter")) if on]
         if conflicts:
             raise ValueError(f"model.adapter = none (full fine-tuning) cannot go with {', '.join(conflicts)}: QLoRA "
                              "trains an adapter on a frozen NF4 base, an adapter to start from needs an adapter to "
-                             "train, EBFT's features come from the base with the adapter disabled, and the engine "
-                             "must receive whole weights (rollout.weight_sync: auto or merged)")
+                             "train, and the engine must receive whole weights (rollout.weight_sync: auto or merged)")
 
     def _check_steps_per_generation(self) -> None:
         steps, train = self.algo.steps_per_generation, self.train

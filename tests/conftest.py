@@ -97,8 +97,8 @@ def tiny_vllm_server(tmp_path_factory) -> str:
 # last): longest first, the two workers end within seconds of each other instead of ~1 minute apart.
 # A stale entry only costs balance; every other test keeps its place.
 E2E_LONGEST_FIRST = (
-    "tests/driver/distributed/test_driver_distributed_rank0_work.py",  # 172 s (+58 s with full fine-tuning: 11-29)
-    "tests/e2e/test_ebft_e2e.py",  # 130 s
+    "tests/driver/distributed/test_driver_distributed_rank0_work.py",  # 250 s (EBFT full fine-tuning +20 s: 11-29)
+    "tests/e2e/test_ebft_e2e.py",  # 160 s (EBFT full fine-tuning +30 s: 11-29)
     "tests/e2e/test_nemo_gym_agent_e2e.py",  # 125 s
     "tests/driver/distributed/test_driver_full_finetuning_tied.py",  # 110 s (2026-11-29)
     "tests/e2e/test_driver_e2e.py::TestBf16",  # 103 s

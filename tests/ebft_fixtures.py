@@ -20,3 +20,19 @@ def separate_base_model(policy):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(policy.model_dir, dtype=torch.float32).eval()
+
+
+def full_policy_moved_from_its_base(config, std: float):
+    """Full fine-tuning (model.adapter: none) with every weight moved away from the base's, as training moves
+    them: EBFT's features must come from the frozen copy of the base, which reading the policy would miss."""
+    from driver.policy.model import load_policy
+
+    config = config.model_copy(deep=True)
+    config.model.adapter = "none"
+    policy = load_policy(config)
+    assert policy.frozen_reference is not None  # EBFT keeps the copy without a KL term
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in policy.model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * std)
+    return policy

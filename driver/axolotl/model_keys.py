@@ -83,9 +83,6 @@ class ModelKeys(PendingKeys):
             self.refuse("load_in_8bit", "8-bit bases are not here: adapter: qlora (NF4)")
         if adapter is None:
             self.put("model.adapter", "none")
-            if self.method == "ebft":
-                self.refuse("adapter", "missing (full fine-tuning): EBFT here reads its features from the base "
-                            "with the adapter disabled; use adapter: lora")
             if four_bit:
                 self.refuse("load_in_4bit", "a 4-bit base trains an adapter: adapter: qlora")
         elif adapter not in ("lora", "qlora"):

@@ -74,8 +74,8 @@ def hidden_layer_states(
 ) -> list[torch.Tensor]:  # len(layers) x [L, H]
     """One forward of the LM's body (no lm_head) returning the requested hidden states of the row.
 
-    Runs whatever weights are active: the caller disables the adapter (`policy.reference()`) and
-    puts the model in eval mode.
+    Runs whatever weights are active: the caller passes the frozen base (what `policy.reference()` yields: the
+    model with its adapter disabled, or the frozen copy under full fine-tuning) in eval mode.
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids must have shape (1, L), got {tuple(input_ids.shape)}")

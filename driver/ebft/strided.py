@@ -180,8 +180,8 @@ class StridedSource:
         with evaluating(policy.model):
             for _ in range(self.ebft.generate_max_len):
                 policy.model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
-            with policy.reference():
-                hidden_layer_states(policy.model, packed.input_ids, packed.position_ids, None, self.layers)
+            with policy.reference() as base:
+                hidden_layer_states(base, packed.input_ids, packed.position_ids, None, self.layers)
 
     def sample(self, documents: list[Document], generator: torch.Generator) -> StridedRollout:
         sampling = self.config.rollout.sampling  # temperature 0.6 unless given (Config._check_ebft)
@@ -195,9 +195,9 @@ class StridedSource:
         """Reward parts of every (document, block) group over its n samples, from one forward of the
         chunk's row through the frozen base (adapter disabled, eval mode)."""
         policy = self.policy
-        with evaluating(policy.model), policy.reference(), \
-                full_row_attention(policy, rollout, self.flex) as (input_ids, position_ids, mask):
-            states = hidden_layer_states(policy.model, input_ids, position_ids, mask, self.layers)
+        with evaluating(policy.model), policy.reference() as base, \
+                full_row_attention(policy, rollout, self.flex, base) as (input_ids, position_ids, mask):
+            states = hidden_layer_states(base, input_ids, position_ids, mask, self.layers)
         features = token_features([state.float() for state in states]).cpu()  # [L, F]
         generate_length = self.ebft.generate_max_len
         gen, truth = [], []

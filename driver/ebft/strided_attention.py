@@ -34,15 +34,18 @@ def uses_flex(attention: str, device: torch.device) -> bool:
 
 
 @contextlib.contextmanager
-def full_row_attention(policy: Policy, rollout: StridedRollout, flex: bool):
+def full_row_attention(policy: Policy, rollout: StridedRollout, flex: bool, model: torch.nn.Module | None = None):
     """Yields (input_ids [1, L], position_ids [1, L], mask) for one forward of the rollout's row; with
-    flex the model runs transformers' flex_attention inside the block (restored after)."""
+    flex the model runs transformers' flex_attention inside the block (restored after). model: the network the
+    forward runs, when not the policy's own (the frozen base of EBFT's features: under full fine-tuning a copy)."""
     if not flex:
         yield row_inputs(rollout, policy.device, attention_mask_dtype(policy))
         return
     from torch.nn.attention.flex_attention import create_block_mask
 
     device, causal_lm = policy.device, policy.causal_lm
+    if model is not None:
+        causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     meta = rollout.meta.to(device)
     block_mask = create_block_mask(mask_mod(meta), None, None, len(meta), len(meta), device=device)
     previous = causal_lm.config._attn_implementation

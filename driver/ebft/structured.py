@@ -187,20 +187,19 @@ def features_of_share(config: Config, policy: Policy, share: tuple[list[list[int
     starts = range(0, len(prompts), size)
     padding = distributed.max_int(len(starts)) - len(starts)
     out = []
-    with evaluating(policy.model), policy.reference():
+    with evaluating(policy.model), policy.reference() as base:
         for start in starts:
             packed = pack(prompts[start:start + size], completions[start:start + size], device=policy.device)
             attention = packed_attention_kwargs(policy.causal_lm, packed.cu_seqlens)
             mask = attention.pop("attention_mask")
-            states = hidden_layer_states(policy.model, packed.input_ids, packed.position_ids, mask, layers,
-                                         **attention)
+            states = hidden_layer_states(base, packed.input_ids, packed.position_ids, mask, layers, **attention)
             sequence_starts = packed.cu_seqlens[:-1].tolist()
             spans = [(s, s + p, s + p + c) for s, p, c in
                      zip(sequence_starts, packed.prompt_lengths, packed.completion_lengths)]
             out.append(pool(token_features([state.float() for state in states]), spans, ebft.embed_method))
         for _ in range(padding):
             packed = pack([[0]], [[0]], device=policy.device)
-            hidden_layer_states(policy.model, packed.input_ids, packed.position_ids, None, layers)
+            hidden_layer_states(base, packed.input_ids, packed.position_ids, None, layers)
     return torch.cat(out).cpu() if out else torch.zeros(0, 0)
 
 

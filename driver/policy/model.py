@@ -1,9 +1,9 @@
 """The policy: a transformers causal LM with a PEFT LoRA adapter, optionally on an NF4 base (QLoRA),
 or the causal LM itself under full fine-tuning (model.adapter: none).
 
-With an adapter, the reference model for the KL term is the same network with the adapter disabled,
-so no second copy of the weights exists; under full fine-tuning it is a frozen copy of the base,
-made only when a KL term needs it.
+With an adapter, the reference model for the KL term (and EBFT's feature network) is the same network with the
+adapter disabled, so no second copy of the weights exists; under full fine-tuning it is a frozen copy of the base,
+made only when a KL term or EBFT needs it (axolotl's EBFT keeps the same deepcopy).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class Policy:
     tokenizer: object
     model_dir: str  # local directory of the base model (what vLLM loads)
     kernels: str = "pure torch (train.kernels: reference)"  # what runs on pykernels' kernels, for the log
-    frozen_reference: nn.Module | None = None  # full fine-tuning with a KL term: the base, frozen
+    frozen_reference: nn.Module | None = None  # full fine-tuning with a KL term or EBFT: the base, frozen
     reference_moves: bool = False  # algo.sync_ref_model: the reference mixes in the policy (checkpoints keep it)
     # model.dtype: what the model computes in and is saved and served in (under torchrun with master weights its
     # shards are fp32: driver/distributed/fsdp.py)
@@ -64,14 +64,15 @@ class Policy:
 
     @contextlib.contextmanager
     def reference(self):
-        """Context giving the frozen base to score with: the model with its adapter disabled, or the
-        frozen copy under full fine-tuning."""
+        """Context giving the frozen base to score with (use what it yields): the model with its adapter disabled,
+        or the frozen copy under full fine-tuning."""
         if self.has_adapter:
             with self.model.disable_adapter():
                 yield self.model
             return
         if self.frozen_reference is None:
-            raise ValueError("full fine-tuning keeps a reference copy only when a KL term needs it (algo.beta > 0)")
+            raise ValueError("full fine-tuning keeps a reference copy only when a KL term (algo.beta > 0) or EBFT's "
+                             "features need it")
         yield self.frozen_reference
 
     @torch.no_grad()
@@ -318,15 +319,15 @@ def disable_dropout(model: nn.Module) -> None:
 
 
 def full_policy(config: Config, model: nn.Module, tokenizer, model_dir: str) -> Policy:
-    """Full fine-tuning: every weight trains; a KL term scores against a frozen copy of the base,
-    made before anything trains (and before a resumed checkpoint's weights are loaded)."""
+    """Full fine-tuning: every weight trains; a KL term scores against a frozen copy of the base, and EBFT reads its
+    features from it, made before anything trains (and before a resumed checkpoint's weights are loaded)."""
     from driver.cli import ConfigError
 
     if is_moe(model.config):
         raise ConfigError(f"model.adapter = none (full fine-tuning) supports dense models; {config.model.path} is a "
                           "mixture of experts: train it with LoRA (lora.expert_targets for the experts)")
     reference = None
-    if config.algo.beta > 0:
+    if config.algo.beta > 0 or config.algo.name == "ebft":
         reference = copy.deepcopy(model).requires_grad_(False).eval()
         if not world().distributed:  # under torchrun FSDP moves it, as the policy (prepare_for_training)
             reference.to(resolve_device(config.model.device))

@@ -72,6 +72,9 @@ EXPECTED = {
         "model.dtype": "bfloat16", "model.device": "auto", "lora.r": 32, "train.prompts_per_step": 4,
         "train.micro_batch_size": 4, "train.weight_decay": 0.01, "logging.run_name": "llama3b-strided-lora-100steps",
         "checkpoint.every": 50},
+    "llama-8b-ebft-strided-fft.yaml": {  # no adapter key: every weight trains, the features from a frozen copy
+        "model.adapter": "none", "model.dtype": "bfloat16", "algo.name": "ebft", "ebft.mode": "strided",
+        "train.lr": 1e-6, "train.weight_decay": 0.01, "model.gradient_checkpointing": True},
 }
 
 
@@ -97,16 +100,13 @@ def test_axolotl_examples_translate_to_valid_configs(name):
 REFUSED_EXAMPLES = {
     "llama-1b-ebft-opencode.yaml": ({"chat_template"}, {"chat_template": None}),
     "llama-1b-ebft-opencode-novllm.yaml": ({"chat_template"}, {"chat_template": None}),
-    "llama-8b-ebft-strided-fft.yaml": ({"adapter"}, {"adapter": "lora", "lora_target_linear": True}),
     "qwen35-4b-ebft-structured.yaml": ({"lora_target_modules"}, {"lora_target_modules": SEVEN_PROJECTIONS}),
     "qwen35-4b-ebft-structured-async.yaml": ({"lora_target_modules"}, {"lora_target_modules": SEVEN_PROJECTIONS}),
     "qwen35-9b-ebft-structured.yaml": ({"lora_target_modules"}, {"lora_target_modules": SEVEN_PROJECTIONS}),
     "ebft-strided-docs.yaml": ({"learning_rate", "max_steps"}, {"learning_rate": 1e-6, "max_steps": 10}),
     "rlhf-ebft-structured.yaml": ({"learning_rate", "max_steps", "micro_batch_size"},
                                   {"learning_rate": 1e-6, "max_steps": 10, "micro_batch_size": 4}),
-    "rlhf-ebft-strided.yaml": ({"adapter", "learning_rate", "max_steps"},
-                               {"adapter": "lora", "lora_target_linear": True, "learning_rate": 1e-6,
-                                "max_steps": 10}),
+    "rlhf-ebft-strided.yaml": ({"learning_rate", "max_steps"}, {"learning_rate": 1e-6, "max_steps": 10}),
     "vllm-serving-minimal-server.yaml": (
         {"datasets", "trl.reward_funcs", "trl.max_completion_length", "micro_batch_size", "learning_rate",
          "max_steps"},

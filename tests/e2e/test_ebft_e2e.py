@@ -3,8 +3,8 @@
 The assertion is the one the method is about: the feature-matching (CFM) loss between the
 policy's samples and the ground truths falls. Structured mode samples with vLLM (the session's
 shared server, tests/conftest.py), also with the async pipeline; strided mode samples in the
-trainer. A short strided run with whitening and cross-entropy covers those paths, and a resumed
-strided run must give the same adapter as an uninterrupted one.
+trainer, also under full fine-tuning. A short strided run with whitening and cross-entropy covers
+those paths, and a resumed strided run must give the same adapter as an uninterrupted one.
 """
 
 import json
@@ -84,6 +84,15 @@ def test_strided_ebft_lowers_the_feature_matching_loss(tmp_path):
     train(STRIDED, output_dir, *QUIET)
     assert_cfm_falls(output_dir, 60)
     assert min(metric(output_dir, "ebft/num_blocks")) >= 1
+
+
+def test_strided_ebft_with_full_fine_tuning_lowers_the_feature_matching_loss(tmp_path):
+    """model.adapter: none (axolotl's llama-8b-ebft-strided-fft): every weight trains and the features come from a
+    frozen copy of the base. At lr 2e-3 measured CFM 0.176 (first 10 steps) -> 0.145 (last 10), bar 0.158."""
+    output_dir = tmp_path / "strided-full"
+    train(STRIDED, output_dir, *QUIET, "--model.adapter=none", "--train.lr=2e-3")
+    assert_cfm_falls(output_dir, 60)
+    assert (output_dir / "model" / "config.json").is_file()
 
 
 def test_strided_with_whitening_and_cross_entropy_runs_and_resumes_exactly(tmp_path):

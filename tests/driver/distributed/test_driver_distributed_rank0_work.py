@@ -1,11 +1,12 @@
 """Under torchrun, the work rank 0's assembly needs from the sharded model runs in shares on every rank
-(EBFT's features, algo.kl_in_reward's passes), EBFT's strided mode samples on every rank, and vLLM can run
-colocated in rank 0's process: each compared with one process (gloo on CPU, the tiny examples).
+(EBFT's features, algo.kl_in_reward's passes), EBFT's strided mode samples on every rank (with an adapter or
+under full fine-tuning), and vLLM can run colocated in rank 0's process: each compared with one process (gloo on
+CPU, the tiny examples).
 """
 
 import pytest
 
-from tests.torchrun_runs import EBFT, EBFT_STRIDED, adapter, assert_same_weights, metrics, train
+from tests.torchrun_runs import EBFT, EBFT_STRIDED, adapter, assert_same_weights, metrics, model, train
 
 
 @pytest.mark.slow
@@ -47,6 +48,23 @@ def test_two_processes_sample_and_train_ebft_strided_as_one_process(tmp_path):
     resumed = tmp_path / "resumed"  # the checkpoint of 2 ranks, resumed in one process: the same blocks
     train(resumed, None, *strided, f"--checkpoint.resume={two / 'checkpoints' / 'step-000002'}", example=EBFT_STRIDED)
     assert metrics(resumed)[0]["ebft/cfm_loss"] == pytest.approx(rows_two[2]["ebft/cfm_loss"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_two_processes_train_ebft_strided_with_full_fine_tuning_as_one_process(tmp_path):
+    """model.adapter: none: every weight trains, and the features come from the frozen copy of the base, sharded
+    as the policy is (a rank's padding chunk runs its forwards too). Measured: every metric equal to 7 digits."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    strided = ["--train.prompts_per_step=6", "--train.micro_batch_size=16", "--ebft.ce_coef=0.1",
+               "--algo.num_iterations=1", "--model.adapter=none", "--train.lr=1e-3"]
+    train(one, None, *strided, example=EBFT_STRIDED)
+    train(two, None, *strided, processes=2, example=EBFT_STRIDED)
+    rows_one, rows_two = metrics(one), metrics(two)
+    assert len(rows_one) == len(rows_two) == 3
+    for a, b in zip(rows_one, rows_two):
+        for key in ("ebft/cfm_loss", "ebft/alignment", "ebft/ce_loss", "loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+    assert_same_weights(model(one), model(two), atol=1e-4)
 
 
 @pytest.mark.slow

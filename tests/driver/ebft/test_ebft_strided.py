@@ -16,7 +16,7 @@ from driver.ebft.strided_attention import full_row_attention, uses_flex
 from driver.ebft.strided_update import chunk_loss
 from driver.engine import RolloutError
 from driver.update.losses import StepNormalizers
-from tests.ebft_fixtures import policy_with_random_adapter, separate_base_model
+from tests.ebft_fixtures import full_policy_moved_from_its_base, policy_with_random_adapter, separate_base_model
 
 GROUND_TRUTHS = [" 12345 678 90 1234", " 98765 4321 0"]
 PROMPTS = ["Write digits: apple river", "Write digits: stone"]
@@ -45,6 +45,11 @@ class ListPrompts:
 @pytest.fixture(scope="module")
 def policy():  # the policy samples (adapter on), the base gives the features (adapter off)
     return policy_with_random_adapter(strided_config(), std=0.3)
+
+
+@pytest.fixture(scope="module")
+def full_policy():  # full fine-tuning: the policy samples, the frozen copy of the base gives the features
+    return full_policy_moved_from_its_base(strided_config(), std=0.05)
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +128,11 @@ def plain_features(base_model, tokens, layers=(1, 2)):
     return torch.cat([F.normalize(states[i][0], dim=-1) for i in layers], -1) / math.sqrt(len(layers))
 
 
-@pytest.mark.parametrize("method, whitening", [("mean_pooling", False), ("last_token", True), ("concat", False)])
-def test_block_rewards_match_each_block_alone_through_the_base_model(policy, base_model, method, whitening):
+@pytest.mark.parametrize("method, whitening, trained", [
+    ("mean_pooling", False, "policy"), ("last_token", True, "policy"), ("concat", False, "policy"),
+    ("last_token", True, "full_policy")])
+def test_block_rewards_match_each_block_alone_through_the_base_model(request, base_model, method, whitening, trained):
+    policy = request.getfixturevalue(trained)
     config = strided_config(embed_method=method, whitening=whitening, diversity_coef=0.5)
     source = StridedSource(config, policy, ListPrompts(make_prompts(policy)))
     batch = source.next_batch(0)

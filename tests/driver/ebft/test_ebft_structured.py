@@ -17,7 +17,7 @@ from driver.ebft.rewards import RewardParts, group_rewards
 from driver.ebft.structured import FeatureScorer, adaptive_max_tokens, advantages_from_tables, completion_ids
 from driver.rollouts.producer import Producer
 from tests.async_fakes import FakeGenerator, FakeTokenizer
-from tests.ebft_fixtures import policy_with_random_adapter, separate_base_model
+from tests.ebft_fixtures import full_policy_moved_from_its_base, policy_with_random_adapter, separate_base_model
 
 EBFT = {"algo": {"name": "ebft", "num_generations": 4}}
 
@@ -167,6 +167,11 @@ def policy():
 
 
 @pytest.fixture(scope="module")
+def full_policy():  # full fine-tuning: the features from the frozen copy of the base
+    return full_policy_moved_from_its_base(ebft_config(ebft={"feature_layers": [0.5, 1.0]}), std=0.05)
+
+
+@pytest.fixture(scope="module")
 def base_model(policy):
     return separate_base_model(policy)
 
@@ -201,10 +206,12 @@ def oracle_feature(base_model, prompt_ids, completion, layers, method):
     return features[start:].mean(0)
 
 
-@pytest.mark.parametrize("method, micro_batch_size, whitening", [
-    ("completion_mean", 64, False), ("completion_mean", 3, False), ("last_token", 2, True)])
-def test_feature_scorer_matches_per_sequence_features_of_the_base_model(policy, base_model, method,
-                                                                        micro_batch_size, whitening):
+@pytest.mark.parametrize("method, micro_batch_size, whitening, trained", [
+    ("completion_mean", 64, False, "policy"), ("completion_mean", 3, False, "policy"),
+    ("last_token", 2, True, "policy"), ("completion_mean", 3, False, "full_policy")])
+def test_feature_scorer_matches_per_sequence_features_of_the_base_model(request, base_model, method,
+                                                                        micro_batch_size, whitening, trained):
+    policy = request.getfixturevalue(trained)
     config = ebft_config(ebft={"feature_layers": [0.5, 1.0], "embed_method": method, "whitening": whitening,
                                "diversity_coef": 0.5}, train={"micro_batch_size": micro_batch_size})
     scorer = FeatureScorer(config, policy)

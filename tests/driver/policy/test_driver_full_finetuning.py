@@ -112,7 +112,6 @@ def test_the_engine_gets_no_lora_slots():
 
 @pytest.mark.parametrize(("overrides", "named"), [
     ({"model": {"qlora": True}}, "model.qlora"),
-    ({"algo": {"name": "ebft"}, "data": {"source": "toy:digits-gt"}}, "algo.name = ebft"),
     ({"rollout": {"sync": "lora"}}, "rollout.sync = lora"),
 ])
 def test_what_cannot_go_with_full_finetuning_is_named(overrides, named):
