@@ -51,7 +51,7 @@ from driver.rollouts.distributed_feed import FollowerFeed, LeaderFeed, on_rank0
 from driver.rollouts.feed import Rollouts
 from driver.rollouts.source import BatchSource
 from driver.update.entropy_control import controller as entropy_controller
-from driver.update.loss_scale import start_loss_scale
+from driver.update.loss_scale import LossScaleError, start_loss_scale
 from driver.update.optim import build_optimizer, build_scheduler
 from driver.update.step import optimize
 
@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if run(config) else INTERRUPTED_EXIT_CODE
     except ConfigError as error:  # found once the data is read (a missing column, a rejected row)
         exit_on_config_error(error)
-    except (RolloutError, RewardError, HubUploadError) as error:  # failures of the run, not bugs: say what
+    except (RolloutError, RewardError, HubUploadError, LossScaleError) as error:  # the run's failures, not bugs
         details = f" (details: {config.output_dir / LOG_FILE})" if config.logging.quiet else ""
         print(f"error: {error}{details}", file=sys.stderr)
         return 1

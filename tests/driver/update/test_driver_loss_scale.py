@@ -192,3 +192,26 @@ def test_torchrun_s_sharded_checkpoint_resumes_it_when_the_run_sets_it_up_first(
     not_started = torch.optim.AdamW(model.parameters())
     start_loss_scale(Config(), not_started)  # float32: no scale, no keys
     assert SCALE not in not_started.param_groups[0]
+
+
+def test_a_run_whose_gradients_overflow_at_every_scale_stops_and_says_why():
+    """17 overflows in a row take the scale from 2^16 below 1: the update raises what driver/train.py reports
+    in one line, instead of skipping every update while the run looks alive."""
+    from driver.update.loss_scale import LossScaleError
+
+    config = Config.model_validate({"model": {"dtype": "float16"}})
+    parameter = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([parameter], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+
+    def nan_pass():
+        (parameter * torch.tensor([math.nan, 1.0])).sum().backward()
+        return Metrics({})
+
+    for _ in range(16):
+        assert optimizer_steps(config, [parameter], optimizer, scheduler, [nan_pass]).values[
+            "skipped_update_fraction"] == 1.0
+    assert loss_scale(config, optimizer) == 1.0
+    with pytest.raises(LossScaleError, match="overflowed at every loss scale down to 1 .* non-finite loss or weights"):
+        optimizer_steps(config, [parameter], optimizer, scheduler, [nan_pass])
+    assert torch.equal(parameter.detach(), torch.ones(2))  # no update ran
