@@ -1185,6 +1185,11 @@ class Config(Section):
             raise ValueError(f"model.adapter = none (full fine-tuning) cannot go with {', '.join(conflicts)}: QLoRA "
                              "trains an adapter on a frozen NF4 base, an adapter to start from needs an adapter to "
                              "train, and the engine must receive whole weights (rollout.weight_sync: auto or merged)")
+        if self.model.dtype == "float16" and not self.train.master_weights:
+            raise ValueError("model.dtype = float16 with train.master_weights = false under full fine-tuning: the "
+                             "loss-scaled gradients would be unscaled in float16, where the small ones vanish (why "
+                             "TRL's GradScaler refuses float16 gradients), and AdamW's eps (1e-8) is 0 in float16; "
+                             "keep train.master_weights: true, or use bfloat16")
 
     def _check_steps_per_generation(self) -> None:
         steps, train = self.algo.steps_per_generation, self.train

@@ -215,3 +215,9 @@ def test_a_run_whose_gradients_overflow_at_every_scale_stops_and_says_why():
     with pytest.raises(LossScaleError, match="overflowed at every loss scale down to 1 .* non-finite loss or weights"):
         optimizer_steps(config, [parameter], optimizer, scheduler, [nan_pass])
     assert torch.equal(parameter.detach(), torch.ones(2))  # no update ran
+
+
+def test_float16_full_fine_tuning_without_master_weights_is_refused():
+    with pytest.raises(ValueError, match="float16 with train.master_weights = false .* keep train.master_weights"):
+        Config.model_validate({"model": {"adapter": "none", "dtype": "float16"}, "train": {"master_weights": False}})
+    Config.model_validate({"model": {"adapter": "none", "dtype": "bfloat16"}, "train": {"master_weights": False}})
