@@ -11,6 +11,7 @@ trainer's model (rollout.backend: transformers: the lent nodes have no vLLM).
 - speed-ours, speed-torch: a few steps of a model with Qwen2.5-1.5B's layer shapes and 4 of its layers,
   our kernels against torch's (PEFT's LoRA, torch's logprobs): the medians of time/update after the first
   two steps (the kernels' first calls) are the driver's end-to-end speed-up of the update.
+- lora-fp16: the LoRA run in float16 (dynamic loss scaling; the others are bfloat16).
 
 A table per run (wall time, medians of time/step, time/generation, time/update, the update's peak memory,
 reward first -> last 10 steps) ends the stage; outputs stay in build/gpu-driver/<run>.
@@ -58,6 +59,9 @@ RUNS = {
     # would otherwise leave steps with nothing to update, and medians of nothing)
     "speed-ours": Run("tiny-grpo.yaml", ("--algo.zero_advantage=keep",), speed=True),
     "speed-torch": Run("tiny-grpo.yaml", ("--algo.zero_advantage=keep",), kernels="torch", speed=True),
+    # float16 with its loss scale (driver/update/loss_scale.py) through our kernels' fp16 paths; last, so a short
+    # lease spends its time on the bf16 runs first
+    "lora-fp16": Run("tiny-grpo.yaml", ("--model.dtype=float16",)),
 }
 
 
