@@ -6,8 +6,9 @@ output_dir/checkpoints/step-000012/
     trainer_state.pt       optimizer, scheduler, RNG states, data position, step, and the rollout state
                            (groups in flight, re-roll and replay queues: driver/rollouts/feed.py)
     optimizer/             under torchrun: the sharded optimizer state (torch.distributed.checkpoint,
-                           one file per rank; loads at any world size), instead of trainer_state.pt's; under
-                           full fine-tuning the weights' shards too (fp32 master weights: model/ is 16-bit)
+                           one file per rank; loads at any world size, one process included), instead of
+                           trainer_state.pt's; under full fine-tuning the weights' shards too (fp32 master
+                           weights: model/ is 16-bit)
     reference.safetensors  with algo.sync_ref_model: the KL reference, which no longer is the base
 Written to a temporary directory and renamed, so a crash never leaves half a checkpoint.
 
@@ -174,13 +175,17 @@ def load_checkpoint(path: Path, policy, optimizer, scheduler, prompts) -> tuple[
             raise ValueError(f"{path} was written by a single process (its optimizer state is not sharded): "
                              "resume it without torchrun")
         optimizer.load_state_dict(state["optimizer"])
-    else:  # torchrun's sharded state: loads at any world size, one process included (an adapter's)
+    else:  # torchrun's sharded state: loads at any world size, one process included
         from driver.distributed.fsdp import load_optimizer
 
-        if not (policy.has_adapter or distributed.world().distributed):
-            raise ValueError(f"{path} was written by full fine-tuning under torchrun (its weights and optimizer state "
-                             "are sharded): resume it under torchrun, at any number of processes above one")
-        load_optimizer(path, policy.model, optimizer, with_weights=not policy.has_adapter)
+        # Full fine-tuning of 16-bit weights in one process (driver/update/master_weights.py): the fp32 shards are
+        # its master weights, which stand in the model while they load.
+        in_place_of_weights = getattr(optimizer, "in_place_of_weights", None)
+        if in_place_of_weights is not None:
+            with in_place_of_weights(policy.model) as inner:
+                load_optimizer(path, policy.model, inner, with_weights=True)
+        else:
+            load_optimizer(path, policy.model, optimizer, with_weights=not policy.has_adapter)
     scheduler.load_state_dict(state["scheduler"])
     if policy.reference_moves and (path / REFERENCE_FILE).is_file():  # else the base: syncing starts from it
         policy.load_reference(path / REFERENCE_FILE)

@@ -18,6 +18,7 @@ and zero-filling act on.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 
@@ -61,6 +62,29 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
 
     def _copies(self):
         return ((p, master) for p, master in zip(self.model_parameters, self.masters, strict=True) if master is not p)
+
+    @contextlib.contextmanager
+    def in_place_of_weights(self, model: torch.nn.Module):
+        """Yields the inner optimizer while the masters stand in the model for the weights they copy (same modules,
+        same names): torch's state-dict helpers then see the fp32 masters, and the inner optimizer's state under
+        the model's parameter names (how a torchrun checkpoint's sharded state loads in one process,
+        driver/checkpoint.py). After it the weights take the masters, rounded."""
+        stand_ins = {id(parameter): master for parameter, master in self._copies()}
+        swapped = []
+        for module in model.modules():
+            for name, parameter in list(module._parameters.items()):
+                if parameter is not None and id(parameter) in stand_ins:
+                    module._parameters[name] = stand_ins[id(parameter)]
+                    swapped.append((module, name, parameter))
+        try:
+            yield self.inner
+        finally:
+            for module, name, parameter in swapped:
+                module._parameters[name] = parameter
+            self._share_inner()
+            with torch.no_grad():
+                for parameter, master in self._copies():
+                    parameter.copy_(master)
 
     def gradient_holders(self) -> list[torch.nn.Parameter]:
         """The tensors whose .grad is the update's gradient (the masters), with any gradient still on a 16-bit

@@ -2,7 +2,7 @@
 1 process does on the same global batch, with the KL reference (a copy, sharded too, which moves toward the
 policy: algo.sync_ref_model), the server serving the weights gathered from the shards, the best evaluation's
 model saved through the same gather, and a checkpoint resuming exactly (the fp32 shards and AdamW's state from
-torch.distributed.checkpoint). The weights' own path is tested against one process in
+torch.distributed.checkpoint), in two processes or in one. The weights' own path is tested against one process in
 tests/driver/distributed/test_driver_fsdp_full_model.py (bf16 master weights, tied and untied lm_head), and with
 vLLM colocated on rank 0 in tests/driver/distributed/test_driver_distributed_rank0_work.py.
 
@@ -71,4 +71,11 @@ def test_two_processes_fine_tune_every_weight_as_one_process_and_resume(tmp_path
     assert rows_resumed[0]["reward"] == rows_two[2]["reward"]
     assert rows_resumed[0]["kl"] == pytest.approx(rows_two[2]["kl"], rel=1e-5)  # the moved reference resumed
     assert_same_weights(model(resumed), model(two), atol=1e-6)
+
+    alone = tmp_path / "alone"  # the sharded checkpoint resumed in one process (the shards loaded whole)
+    train(alone, own_vllm_server, *FULL, *evaluated, checkpoint)
+    rows_alone = trained_steps(alone)
+    assert [row["step"] for row in rows_alone] == [3] and rows_alone[0]["reward"] == rows_two[2]["reward"]
+    assert rows_alone[0]["kl"] == pytest.approx(rows_two[2]["kl"], rel=1e-3)
+    assert_same_weights(model(alone), model(two), atol=2e-5)  # as one process against two, above
 

@@ -27,6 +27,7 @@ from driver.policy.model import Policy
 from driver.update.loss_scale import loss_scale
 from driver.update.master_weights import MasterWeightsOptimizer
 from driver.update.optim import build_optimizer, optimizer_steps
+from driver.distributed.fsdp import load_optimizer
 from tests.driver.distributed.test_driver_world_collectives import free_port
 
 STEPS = 3
@@ -86,7 +87,7 @@ def rank_main(rank: int, port: int, tied: bool, dtype: torch.dtype, directory: P
     from torch.distributed.tensor import DTensor
 
     from driver.distributed import world
-    from driver.distributed.fsdp import full_model_state, reshard_before_steps, shard_full_model
+    from driver.distributed.fsdp import full_model_state, reshard_before_steps, save_optimizer, shard_full_model
 
     torch.set_num_threads(1)
     world.init_world()
@@ -102,6 +103,7 @@ def rank_main(rank: int, port: int, tied: bool, dtype: torch.dtype, directory: P
         state = full_model_state(policy.model)
         for name in ("first", "second"):  # what a run saves at every sync and checkpoint (rank 0 writes)
             policy.save_trained(directory / name)
+        save_optimizer(directory / "checkpoint", policy.model, optimizer, with_weights=True)  # as a checkpoint does
         results[rank] = (measured, {name: tensor.clone() for name, tensor in state.items()})
     finally:
         dist.destroy_process_group()
@@ -143,3 +145,19 @@ def test_two_ranks_train_the_fp32_masters_one_process_trains(tied, dtype, tmp_pa
     assert json.loads((tmp_path / "second" / "config.json").read_text())["dtype"] == str(dtype).removeprefix("torch.")
     for name, weight in saved.state_dict().items():
         assert torch.equal(weight, gathered[name].to(dtype)), name
+
+    # The two ranks' sharded checkpoint state resumed in one process (driver/checkpoint.py): its masters are the
+    # fp32 shards, its AdamW state the one process's own, its 16-bit weights the masters rounded.
+    resumed = sixteen_bit_policy(tied, dtype)
+    fresh = build_optimizer(resumed.trainable_parameters(), config(dtype).train, model=resumed.model)
+    with fresh.in_place_of_weights(resumed.model) as inner:
+        load_optimizer(tmp_path / "checkpoint", resumed.model, inner, with_weights=True)
+    names = [name for name, _ in resumed.model.named_parameters()]
+    for name, master, expected, weight in zip(names, fresh.masters, optimizer.masters, resumed.trainable_parameters(),
+                                              strict=True):
+        assert torch.equal(master.detach(), gathered[name]), name
+        assert weight.dtype == dtype and torch.equal(weight.detach(), master.detach().to(dtype)), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(fresh.state[master][key], optimizer.state[expected][key], rtol=0, atol=1e-7)
+        assert int(fresh.state[master]["step"]) == STEPS
+    assert fresh.param_groups[1]["weight_decay"] == 0.0 and len(fresh.param_groups) == len(optimizer.param_groups)
