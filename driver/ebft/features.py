@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from driver.policy.logprobs import causal_lm_of
+
 POOL_METHODS = ("last_token", "mean_pooling", "completion_mean", "concat")
 CONCAT_QUARTERS = (1, 2, 3)  # `concat` reads the completion at 25 / 50 / 75 % of its length
 
@@ -79,7 +81,7 @@ def hidden_layer_states(
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids must have shape (1, L), got {tuple(input_ids.shape)}")
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    causal_lm = causal_lm_of(model)
     body = causal_lm.get_decoder()
     outputs = body(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                    output_hidden_states=True, use_cache=False, **attention_kwargs)

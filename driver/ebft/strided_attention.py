@@ -15,6 +15,7 @@ import torch
 from driver.ebft.strided_generate import StridedRollout, row_inputs
 from driver.ebft.strided_layout import mask_mod
 from driver.engine import RolloutError
+from driver.policy.logprobs import causal_lm_of
 from driver.policy.model import Policy
 
 FLEX_IMPLEMENTATION = "flex_attention"
@@ -43,9 +44,7 @@ def full_row_attention(policy: Policy, rollout: StridedRollout, flex: bool, mode
         return
     from torch.nn.attention.flex_attention import create_block_mask
 
-    device, causal_lm = policy.device, policy.causal_lm
-    if model is not None:
-        causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    device, causal_lm = policy.device, causal_lm_of(model if model is not None else policy.model)
     meta = rollout.meta.to(device)
     block_mask = create_block_mask(mask_mod(meta), None, None, len(meta), len(meta), device=device)
     previous = causal_lm.config._attn_implementation

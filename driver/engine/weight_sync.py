@@ -93,9 +93,10 @@ def merged_weights(peft_model: nn.Module, changed_only: bool = False) -> Iterato
     given whole); embeddings, norms, the lm_head and unadapted blocks are left out (a dense base
     only: MoE models and full fine-tuning give every weight).
     """
+    from driver.policy.logprobs import causal_lm_of
     from driver.policy.model import is_moe
 
-    base = peft_model.get_base_model() if hasattr(peft_model, "get_base_model") else peft_model
+    base = causal_lm_of(peft_model)
     adapters_of, adapted_parents = _adapters_by_parameter(base)
     if not adapted_parents or is_moe(base.config):
         changed_only = False

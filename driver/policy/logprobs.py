@@ -56,12 +56,17 @@ def hidden_states(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
     return packed_hidden_states(model, batch.input_ids, batch.cu_seqlens, batch.position_ids)
 
 
+def causal_lm_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers causal LM itself: a PEFT model's base model, or the model when it is no wrapper."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def completion_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature: float = 1.0,
                         return_entropy: bool = False, entropy_grad: bool = True):
     """Per-token logprobs of each completion under softmax(logits / temperature), padded to
     [num_sequences, max_completion_length] fp32, with the matching mask (and entropy if asked;
     entropy_grad=False returns it detached, for logging, which spares the forward its gradient)."""
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    causal_lm = causal_lm_of(model)
     positions = batch.completion_positions()
     targets = packed_targets(batch.input_ids[0], batch.cu_seqlens)[positions]
     hidden = hidden_states(model, batch)[positions]

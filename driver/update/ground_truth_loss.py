@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from driver.metrics.combine import Metrics
-from driver.policy.logprobs import hidden_states, pack
+from driver.policy.logprobs import causal_lm_of, hidden_states, pack
 from driver.rollouts.batch import RolloutBatch
 from pykernels.logprobs import packed_targets, token_logprobs
 
@@ -87,7 +87,7 @@ def logprobs_and_document_nll(model: torch.nn.Module, prompt_ids: list[list[int]
     completion_logprobs gives them at `temperature`, and the token-mean NLL [D] of each document's ground
     truth at temperature 1: one packed forward, the documents' sequences after the completions'."""
     packed = pack(prompt_ids + documents.prompt_ids, completion_ids + documents.ground_truth_ids, device=device)
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    causal_lm = causal_lm_of(model)
     positions = packed.completion_positions()
     targets = packed_targets(packed.input_ids[0], packed.cu_seqlens)[positions]
     hidden = hidden_states(model, packed)[positions]
