@@ -171,10 +171,12 @@ def load_checkpoint(path: Path, policy, optimizer, scheduler, prompts) -> tuple[
     policy.load_trained(path / policy.trained_name)
     state = load_state(path / STATE_FILE)
     if "optimizer" in state:
-        if distributed.world().distributed:
-            raise ValueError(f"{path} was written by a single process (its optimizer state is not sharded): "
-                             "resume it without torchrun")
-        optimizer.load_state_dict(state["optimizer"])
+        if distributed.world().distributed:  # one process's state, whole: each rank keeps its shards
+            from driver.distributed.fsdp import load_unsharded_optimizer
+
+            load_unsharded_optimizer(policy.model, optimizer, state["optimizer"], policy.trainable_parameters())
+        else:
+            optimizer.load_state_dict(state["optimizer"])
     else:  # torchrun's sharded state: loads at any world size, one process included
         from driver.distributed.fsdp import load_optimizer
 

@@ -20,8 +20,8 @@ RUN = ["--train.steps=3", "--train.micro_batch_size=24", "--algo.num_iterations=
 
 
 def train(output_dir: Path, server_url: str | None, *overrides: str, processes: int = 1,
-          example: Path = EXAMPLE) -> None:
-    """server_url None: a mode without an engine (EBFT strided)."""
+          example: Path = EXAMPLE, env: dict[str, str] | None = None) -> None:
+    """server_url None: a mode without an engine (EBFT strided). env: added to the run's environment."""
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
                 if processes > 1 else [sys.executable])
     engine = [] if server_url is None else ["--rollout.backend=server", f"--rollout.server_url={server_url}"]
@@ -29,7 +29,7 @@ def train(output_dir: Path, server_url: str | None, *overrides: str, processes: 
                *overrides]
     # One thread per rank: two ranks on two cores, and the same summation order in every run.
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
     assert result.returncode == 0, result.stderr[-4000:]
 
 

@@ -192,3 +192,43 @@ def load_optimizer(directory: Path, model, optimizer, with_weights: bool = False
     dcp.load(state, checkpoint_id=str(directory / OPTIMIZER_DIR))
     set_state_dict(model, optimizer, model_state_dict=state.get("model", {}), optim_state_dict=state["optimizer"],
                    options=options)
+
+
+def load_unsharded_optimizer(model, optimizer, saved: dict, parameters: list) -> None:
+    """A one-process checkpoint's optimizer state into the sharded optimizer (every rank calls it; each read the state
+    whole and keeps its shards: torch's full-state-dict load). `saved` is torch's state_dict, keyed by position in
+    the optimizer's parameter groups, which the sharded optimizer, built by the same code over the same weights,
+    holds in the same order: the positions become the weights' names. Full fine-tuning's fp32 master weights
+    (driver/update/master_weights.py: "inner" and "masters", keyed by position in `parameters`, the order the
+    optimizer was built from) become the fp32 shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    name_of = {id(parameter): name for name, parameter in model.named_parameters()}
+    inner = saved.get("inner", saved)
+    saved_sizes, sizes = ([len(group["params"]) for group in groups]
+                          for groups in (inner["param_groups"], optimizer.param_groups))
+    if saved_sizes != sizes:
+        raise ValueError(f"the one-process checkpoint's optimizer state has parameter groups of {saved_sizes} weights "
+                         f"where this run's has {sizes}: it was written with other trainable weights (model.adapter, "
+                         "lora.*) or another train.weight_decay")
+    names = [name_of[id(parameter)] for group in optimizer.param_groups for parameter in group["params"]]
+    state = {"state": {names[index]: value for index, value in inner["state"].items()},
+             "param_groups": [{**group, "params": [names[index] for index in group["params"]]}
+                              for group in inner["param_groups"]]}
+    for group, saved_group in zip(optimizer.param_groups, inner["param_groups"], strict=True):
+        for key, value in saved_group.items():  # torch's load maps only keys the groups have (initial_lr: a schedule's)
+            if key != "params":
+                group.setdefault(key, value)
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    reshard(model)
+    masters = saved.get("masters") if "inner" in saved else None
+    if masters is not None:
+        if isinstance(masters, list):  # written before they were keyed: one for each 16-bit weight, in order
+            if len(masters) != len(parameters):  # then it cannot tell which they copy
+                raise ValueError(f"the one-process checkpoint lists {len(masters)} master weights for "
+                                 f"{len(parameters)} weights without saying which (an older version wrote it): "
+                                 "resume it in one process")
+            masters = dict(enumerate(masters))
+        set_model_state_dict(model, {name_of[id(parameters[index])]: master for index, master in masters.items()},
+                             options=options)
+    set_optimizer_state_dict(model, optimizer, state, options=options)

@@ -111,16 +111,26 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         self.inner.zero_grad(set_to_none)
 
     def state_dict(self) -> dict:
-        return {"inner": self.inner.state_dict(), "masters": [master.detach() for _, master in self._copies()]}
+        """The inner optimizer's state and the masters, keyed by their weight's position in `parameters` (a sharded
+        resume, whose weights are all fp32, could not tell from a list which weights they copy:
+        driver/distributed/fsdp.py load_unsharded_optimizer)."""
+        return {"inner": self.inner.state_dict(),
+                "masters": {index: self.masters[index].detach() for index in self._copy_positions()}}
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """A state without master weights (a checkpoint of a run without them) takes the model's weights."""
         masters = state_dict.get("masters")
+        if isinstance(masters, list):  # written before they were keyed: one for each 16-bit weight, in order
+            masters = dict(zip(self._copy_positions(), masters, strict=True))
         self.inner.load_state_dict(state_dict["inner"] if "inner" in state_dict else state_dict)
         self._share_inner()
-        for index, (parameter, master) in enumerate(self._copies()):
-            master.copy_(masters[index] if masters is not None else parameter.float())
+        for index in self._copy_positions():
+            self.masters[index].copy_(masters[index] if masters is not None else self.model_parameters[index].float())
+
+    def _copy_positions(self) -> list[int]:
+        return [index for index, (parameter, master) in enumerate(zip(self.model_parameters, self.masters, strict=True))
+                if master is not parameter]
 
 
 def _add_into_master(parameter: torch.Tensor) -> None:

@@ -1,7 +1,8 @@
 """Training under torchrun on CPU (gloo, FSDP2): 2 processes train the adapter 1 process trains on the
-same global batch, checkpoints resume exactly, at the same or another world size; and what a torchrun
-launch cannot do yet is refused up front (tests/driver/distributed/test_driver_distributed_rank0_work.py:
-the work at assembly every rank shares, and the colocated engine).
+same global batch, checkpoints resume exactly, at the same or another world size (one process's under torchrun
+too); and what a torchrun launch cannot do yet is refused up front
+(tests/driver/distributed/test_driver_distributed_rank0_work.py: the work at assembly every rank shares, and the
+colocated engine).
 
 The end-to-end runs use a real vLLM server (the session's shared one; rank 0 generates for everyone),
 micro-batches of 24 rows over 64 completions (3 per step: the ranks get 2 and 1, so the padding
@@ -28,7 +29,7 @@ EVALUATED = ["--eval.val_set_size=8", "--eval.steps=1", "--eval.save_best=true"]
 @pytest.mark.slow
 def test_two_processes_train_what_one_trains_and_resume_at_any_world_size(tmp_path, tiny_vllm_server):
     one, two = tmp_path / "one", tmp_path / "two"
-    train(one, tiny_vllm_server, *EVALUATED)
+    train(one, tiny_vllm_server, "--checkpoint.every=1", *EVALUATED)
     train(two, tiny_vllm_server, "--checkpoint.every=1", *EVALUATED, processes=2)
     rows_one, rows_two = trained_steps(one), trained_steps(two)
     assert len(rows_one) == len(rows_two) == 3
@@ -63,6 +64,12 @@ def test_two_processes_train_what_one_trains_and_resume_at_any_world_size(tmp_pa
     assert_same_weights(adapter(resumed_two), adapter(two), atol=1e-6)
     train(resumed_one, tiny_vllm_server, checkpoint, *EVALUATED)  # the sharded optimizer state loads in one process
     assert_same_weights(adapter(resumed_one), adapter(two), atol=1e-4)
+    # and one process's checkpoint (its optimizer state whole, keyed by position) under torchrun
+    from_one = tmp_path / "two-from-one"
+    train(from_one, tiny_vllm_server, f"--checkpoint.resume={one / 'checkpoints' / 'step-000002'}", *EVALUATED,
+          processes=2)
+    assert trained_steps(from_one)[0]["reward"] == rows_one[2]["reward"]
+    assert_same_weights(adapter(from_one), adapter(one), atol=1e-4)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -1,11 +1,12 @@
 """Under torchrun, the work rank 0's assembly needs from the sharded model runs in shares on every rank
 (EBFT's features, algo.kl_in_reward's passes), EBFT's strided mode samples on every rank (with an adapter or
 under full fine-tuning), and vLLM can run colocated in rank 0's process: each compared with one process (gloo on
-CPU, the tiny examples).
+CPU, the tiny examples); a two-rank run pushes to the Hub.
 """
 
 import pytest
 
+from tests.hub_stand_in import TOKEN, HubStandIn
 from tests.torchrun_runs import EBFT, EBFT_STRIDED, adapter, assert_same_weights, metrics, model, train
 
 
@@ -51,20 +52,33 @@ def test_two_processes_sample_and_train_ebft_strided_as_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_train_ebft_strided_with_full_fine_tuning_as_one_process(tmp_path):
+def test_two_processes_train_ebft_strided_with_full_fine_tuning_as_one_process_and_push_it_to_the_hub(tmp_path):
     """model.adapter: none: every weight trains, and the features come from the frozen copy of the base, sharded
-    as the policy is (a rank's padding chunk runs its forwards too). Measured: every metric equal to 7 digits."""
+    as the policy is (a rank's padding chunk runs its forwards too). Measured: every metric equal to 7 digits.
+    The two ranks' run pushes to the Hub (checkpoint.push_to_hub, every_save; tests/hub_stand_in.py, the Hub
+    cannot be reached here): rank 0 uploads the gathered weights of the checkpoint and of the end."""
     one, two = tmp_path / "one", tmp_path / "two"
     strided = ["--train.prompts_per_step=6", "--train.micro_batch_size=16", "--ebft.ce_coef=0.1",
                "--algo.num_iterations=1", "--model.adapter=none", "--train.lr=1e-3"]
     train(one, None, *strided, example=EBFT_STRIDED)
-    train(two, None, *strided, processes=2, example=EBFT_STRIDED)
+    hub = HubStandIn()
+    try:
+        train(two, None, *strided, "--checkpoint.push_to_hub=true", "--checkpoint.hub_model_id=me/full",
+              "--checkpoint.hub_strategy=every_save", "--checkpoint.every=2", processes=2, example=EBFT_STRIDED,
+              env={"HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN, "HF_HUB_OFFLINE": "0"})
+    finally:
+        hub.close()
     rows_one, rows_two = metrics(one), metrics(two)
     assert len(rows_one) == len(rows_two) == 3
     for a, b in zip(rows_one, rows_two):
         for key in ("ebft/cfm_loss", "ebft/alignment", "ebft/ce_loss", "loss", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
     assert_same_weights(model(one), model(two), atol=1e-4)
+    repository = hub.repos["me/full"]
+    assert repository.commits == ["model after step 2", "model after step 3"]
+    for name in ("model.safetensors", "config.json"):
+        assert repository.files[name] == (two / "model" / name).read_bytes(), name
+    assert b"library_name: transformers" in repository.files["README.md"]
 
 
 @pytest.mark.slow

@@ -3,7 +3,8 @@ model sharded as fp32 master weights trains what one process trains with train.m
 driver/update/master_weights.py's optimizer, itself tested against fp64 AdamW), the lm_head (untied, or tied to
 the embeddings) included; a float16 one too, through its loss scale (driver/update/loss_scale.py: the sharded
 gradients unscaled shard by shard). Each rank trains the same batch, so FSDP's averaged gradients are one
-process's.
+process's. Checkpoints cross over: the two ranks' sharded state resumes in one process, and one process's state
+(whole, keyed by position) on two ranks, which then train on as it does.
 
 The updates run as driver/update/step.py runs them, with forwards without gradients where a run has them (the
 old logprobs before the parameters are listed, a sync probe between a backward and its optimizer step): the root
@@ -28,6 +29,7 @@ from driver.update.loss_scale import loss_scale
 from driver.update.master_weights import MasterWeightsOptimizer
 from driver.update.optim import build_optimizer, optimizer_steps
 from driver.distributed.fsdp import load_optimizer
+from driver.update.loss_scale import start_loss_scale
 from tests.driver.distributed.test_driver_world_collectives import free_port
 
 STEPS = 3
@@ -80,6 +82,15 @@ def train(policy: Policy, optimizer, dtype: torch.dtype) -> list[tuple[float, fl
     return measured
 
 
+def assert_same_updates(measured, measured_two) -> None:
+    """train()'s (old logprobs' loss, loss, grad_norm) of each update, one process's and two ranks'."""
+    for (old_loss, loss, grad_norm), (old_loss_two, loss_two, grad_norm_two) in zip(measured, measured_two,
+                                                                                    strict=True):
+        assert old_loss_two == pytest.approx(old_loss, rel=1e-5)  # after a step: with the weights it made
+        assert loss_two == pytest.approx(loss, rel=1e-5)
+        assert grad_norm_two == pytest.approx(grad_norm, rel=1e-5)  # fp32 norms of the same gradients
+
+
 def rank_main(rank: int, port: int, tied: bool, dtype: torch.dtype, directory: Path, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
                       LOCAL_RANK=str(rank))
@@ -104,32 +115,51 @@ def rank_main(rank: int, port: int, tied: bool, dtype: torch.dtype, directory: P
         for name in ("first", "second"):  # what a run saves at every sync and checkpoint (rank 0 writes)
             policy.save_trained(directory / name)
         save_optimizer(directory / "checkpoint", policy.model, optimizer, with_weights=True)  # as a checkpoint does
-        results[rank] = (measured, {name: tensor.clone() for name, tensor in state.items()})
+        whole = {name: tensor.clone() for name, tensor in state.items()}
+        results[rank] = (measured, whole, *resumed_on(tied, dtype, directory))
     finally:
         dist.destroy_process_group()
 
 
+def resumed_on(tied: bool, dtype: torch.dtype, directory: Path) -> tuple[list, float | None, dict]:
+    """One process's optimizer state resumed on this rank (driver/checkpoint.py under torchrun) into the untrained
+    weights (the masters must replace them), then STEPS updates: what they measured, the loss scale after them and
+    the whole weights (rank 0's)."""
+    from driver.distributed.fsdp import (full_model_state, load_unsharded_optimizer, reshard_before_steps,
+                                         shard_full_model)
+
+    policy = sixteen_bit_policy(tied, dtype)
+    shard_full_model(policy.model, master_weights=True)
+    optimizer = build_optimizer(policy.trainable_parameters(), config(dtype).train, model=policy.model)
+    reshard_before_steps(optimizer, policy.model)
+    start_loss_scale(config(dtype), optimizer)  # as train.py primes it before a resume
+    load_unsharded_optimizer(policy.model, optimizer, torch.load(directory / "one-process.pt"),
+                             policy.trainable_parameters())
+    measured = train(policy, optimizer, dtype)
+    state = full_model_state(policy.model)
+    return measured, optimizer.param_groups[0].get("loss_scale"), {name: t.clone() for name, t in state.items()}
+
+
 @pytest.mark.parametrize(("tied", "dtype"), [(False, torch.bfloat16), (True, torch.bfloat16), (False, torch.float16)],
                          ids=["untied", "tied", "untied-float16"])
-def test_two_ranks_train_the_fp32_masters_one_process_trains(tied, dtype, tmp_path):
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(rank_main, args=(free_port(), tied, dtype, tmp_path, results), nprocs=2, join=True)
-        results = dict(results)
+def test_two_ranks_train_the_fp32_masters_one_process_trains_and_checkpoints_cross_over(tied, dtype, tmp_path):
     torch.set_num_threads(1)
     policy = sixteen_bit_policy(tied, dtype)
     optimizer = build_optimizer(policy.trainable_parameters(), config(dtype).train, model=policy.model)
     assert isinstance(optimizer, MasterWeightsOptimizer)
+    start_loss_scale(config(dtype), optimizer)
     measured = train(policy, optimizer, dtype)
+    torch.save(optimizer.state_dict(), tmp_path / "one-process.pt")  # its checkpoint's (trainer_state.pt's)
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(rank_main, args=(free_port(), tied, dtype, tmp_path, results), nprocs=2, join=True)
+        results = dict(results)
     masters = dict(zip([name for name, _ in policy.model.named_parameters()], optimizer.masters, strict=True))
 
-    (measured_0, gathered), (measured_1, nothing) = results[0], results[1]
-    assert nothing == {}  # the whole weights reach rank 0 only
+    (measured_0, gathered, *resumed_0), (measured_1, nothing, *resumed_1) = results[0], results[1]
+    assert nothing == {} == resumed_1[2]  # the whole weights reach rank 0 only
     assert measured_0 == measured_1
-    for (old_loss, loss, grad_norm), (old_loss_two, loss_two, grad_norm_two) in zip(measured, measured_0, strict=True):
-        assert old_loss_two == pytest.approx(old_loss, rel=1e-5)  # after a step: with the weights it made
-        assert loss_two == pytest.approx(loss, rel=1e-5)
-        assert grad_norm_two == pytest.approx(grad_norm, rel=1e-5)  # fp32 norms of the same gradients (above)
+    assert_same_updates(measured, measured_0)
     assert measured[-1][1] < measured[0][1] - 0.1  # it trains: a weight left behind would show
     for name, master in masters.items():
         assert gathered[name].dtype == torch.float32
@@ -161,3 +191,13 @@ def test_two_ranks_train_the_fp32_masters_one_process_trains(tied, dtype, tmp_pa
             torch.testing.assert_close(fresh.state[master][key], optimizer.state[expected][key], rtol=0, atol=1e-7)
         assert int(fresh.state[master]["step"]) == STEPS
     assert fresh.param_groups[1]["weight_decay"] == 0.0 and len(fresh.param_groups) == len(optimizer.param_groups)
+
+    # The one process's state at STEPS resumed on two ranks (resumed_on): they train on as the one process does. A
+    # lost master shows in the first loss, a lost AdamW moment or step count in the updates after it.
+    measured_on, (measured_resumed, scale, gathered_resumed) = train(policy, optimizer, dtype), resumed_0
+    assert measured_resumed == resumed_1[0]
+    assert_same_updates(measured_on, measured_resumed)
+    assert scale == optimizer.param_groups[0].get("loss_scale")  # float16's scale rides in the param groups
+    for name, master in masters.items():
+        torch.testing.assert_close(gathered_resumed[name], master.detach(), rtol=0, atol=1e-6, msg=name)
+

@@ -117,6 +117,26 @@ def test_a_state_without_master_weights_starts_them_from_the_model():
     assert masters.state[masters.masters[0]]["step"] == 2
 
 
+def test_masters_are_saved_by_their_weights_position_and_an_older_list_still_loads():
+    """A fp32 weight among 16-bit ones has no master: the saved masters name the positions of those that do (a
+    sharded resume, whose weights are all fp32, reads them by position: test_driver_fsdp_full_model.py), and a
+    state from before, listing them in order, loads into the same masters."""
+    config = TrainConfig(lr=1e-3)
+    bf16 = bf16_weights()
+    weights = [bf16[0], torch.nn.Parameter(torch.randn(7)), *bf16[1:]]
+    optimizer = build_optimizer(weights, config)
+    train(optimizer, weights, 2)
+    state = optimizer.state_dict()
+    assert sorted(state["masters"]) == [0, 2, 3]
+    assert all(torch.equal(state["masters"][i], optimizer.masters[i].detach()) for i in (0, 2, 3))
+    older = {**state, "masters": [state["masters"][i] for i in (0, 2, 3)]}
+    for saved in (state, older):
+        resumed = build_optimizer([torch.nn.Parameter(w.detach().clone()) for w in weights], config)
+        resumed.load_state_dict(saved)
+        for master, expected in zip(resumed.masters, optimizer.masters, strict=True):
+            assert torch.equal(master.detach(), expected.detach())
+
+
 def micro_batch_losses(model, count=8, seed=1):
     """Losses of `count` micro-batches through a bf16 linear layer, and their gradients taken one by one (fp64)."""
     generator = torch.Generator().manual_seed(seed)
