@@ -147,17 +147,23 @@ class BestAdapter:
         return True
 
 
-def find_checkpoint(output_dir: Path, resume: str) -> Path:
-    if resume != "latest":
+NEWEST = ("latest", "auto")  # checkpoint.resume's names for output_dir's newest checkpoint
+
+
+def find_checkpoint(output_dir: Path, resume: str) -> Path | None:
+    """checkpoint.resume's checkpoint: a path, or output_dir's newest (latest: one must be there; auto: None when
+    none is, so the run starts, as axolotl's auto_resume_from_checkpoints: a command a requeued job reruns)."""
+    if resume not in NEWEST:
         path = Path(resume)
         if not (path / STATE_FILE).is_file():
             raise FileNotFoundError(f"checkpoint.resume: {path} is not a checkpoint (no {STATE_FILE})")
         return path
     candidates = sorted((output_dir / CHECKPOINTS).glob("step-*[0-9]"))
-    candidates = [c for c in candidates if (c / STATE_FILE).is_file()]
-    if not candidates:
-        raise FileNotFoundError(f"checkpoint.resume: latest requested but {output_dir / 'checkpoints'} has none")
-    return candidates[-1]
+    candidates = [c for c in candidates if (c / STATE_FILE).is_file()]  # a save cut short has none
+    if not candidates and resume == "latest":
+        raise FileNotFoundError(f"checkpoint.resume: latest requested but {output_dir / CHECKPOINTS} has none "
+                                "(auto starts the run when there is none)")
+    return candidates[-1] if candidates else None
 
 
 def load_checkpoint(path: Path, policy, optimizer, scheduler, prompts) -> tuple[int, dict | None]:

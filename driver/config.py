@@ -846,7 +846,9 @@ class LoggingConfig(Section):
 
 class CheckpointConfig(Section):
     every: int = Field(0, ge=0, description="save a checkpoint every N steps (0: only at the end)")
-    resume: str | None = Field(None, description="checkpoint directory to resume from, or 'latest'")
+    resume: str | None = Field(None, description="checkpoint directory to resume from, 'latest' (output_dir's "
+                               "newest), or 'auto' (its newest if there is one, else start: a command a requeued "
+                               "job can rerun, axolotl's auto_resume_from_checkpoints)")
     keep: int = Field(2, ge=1, description="checkpoints kept on disk")
     push_to_hub: bool = Field(False, description="upload the trained adapter (the model under full fine-tuning) "
                               "to a Hugging Face Hub repository, created at the start if missing (TRL's "

@@ -146,12 +146,23 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
     first_step = 0
     if config.checkpoint.resume:
         try:  # a missing checkpoint, or one another config wrote: the user's to fix, said in one line
-            checkpoint = find_checkpoint(output_dir, config.checkpoint.resume)
-            with startup.phase(f"resuming from {checkpoint}", lambda: f"resumed at step {step} from {checkpoint}"):
-                step, rollout_state = load_checkpoint(checkpoint, policy, optimizer, scheduler, prompts)
+            # rank 0's (with auto the ranks must agree whether there is one)
+            checkpoint = distributed.broadcast(find_checkpoint(output_dir, config.checkpoint.resume)
+                                               if world.is_main else None)
+            if checkpoint is None:
+                startup.print(f"checkpoint.resume: auto: no checkpoint in {output_dir / CHECKPOINTS}, starting at "
+                              "step 0")
+            else:
+                with startup.phase(f"resuming from {checkpoint}",
+                                   lambda: f"resumed at step {step} from {checkpoint}"):
+                    step, rollout_state = load_checkpoint(checkpoint, policy, optimizer, scheduler, prompts)
         except (FileNotFoundError, ValueError) as error:  # chained: run.log keeps where it came from
             raise ConfigError(str(error)) from error
         first_step = step
+        if step >= config.train.steps and not config.eval.only:  # before the engine starts: nothing to generate for
+            startup.print(f"the run is complete (step {step}, train.steps = {config.train.steps}): nothing to train; "
+                          "raise train.steps to train on")
+            return True
 
     sampling = algo.trainer_sampling(config)  # the trainer samples: no inference engine
     generator = None

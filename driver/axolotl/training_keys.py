@@ -254,9 +254,11 @@ class TrainingKeys(PendingKeys):
         if keep is not None:
             self.put("checkpoint.keep", keep)
         self.hub()
-        for key in ("resume_from_checkpoint", "auto_resume_from_checkpoints"):
-            if self.take(key):
-                self.refuse(key, "axolotl's checkpoints do not load here; resume ours with --checkpoint.resume")
+        if self.take("resume_from_checkpoint"):
+            self.refuse("resume_from_checkpoint", "axolotl's checkpoints do not load here; resume ours with "
+                        "--checkpoint.resume")
+        if self.take("auto_resume_from_checkpoints"):  # ours in output_dir: the newest if any, else the run starts
+            self.put("checkpoint.resume", "auto")
 
     def hub(self) -> None:
         """axolotl pushes to the Hub when hub_model_id names a repository (transformers' push_to_hub)."""

@@ -249,6 +249,8 @@ def test_num_epochs_without_max_steps_counts_steps_once_the_data_is_read(ratio):
      {"checkpoint.push_to_hub": True, "checkpoint.hub_model_id": "me/grpo-adapter",
       "checkpoint.hub_strategy": "every_save", "checkpoint.hub_private_repo": True}),
     ({"hub_strategy": "end"}, {"checkpoint.push_to_hub": False, "checkpoint.hub_strategy": "end"}),
+    ({"auto_resume_from_checkpoints": True}, {"checkpoint.resume": "auto"}),
+    ({"auto_resume_from_checkpoints": False}, {"checkpoint.resume": None}),
     ({"attn_implementation": "sdpa"}, {"model.attention": "sdpa"}),
     ({"adapter": None, "lora_r": None, "lora_alpha": None, "lora_target_linear": None,
       "trl": {"beta": 0.04, "sync_ref_model": True, "ref_model_sync_steps": 64}},

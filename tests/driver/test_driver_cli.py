@@ -158,7 +158,8 @@ def test_an_output_dir_that_cannot_be_written_is_named_before_anything_loads(tmp
 
 @pytest.mark.parametrize("resume, message", [
     ("/no/such/checkpoint", "checkpoint.resume: /no/such/checkpoint is not a checkpoint (no trainer_state.pt)"),
-    ("latest", "checkpoint.resume: latest requested but {output_dir}/checkpoints has none"),
+    ("latest", "checkpoint.resume: latest requested but {output_dir}/checkpoints has none (auto starts the run "
+               "when there is none)"),
 ])
 def test_a_checkpoint_that_is_not_there_is_named_in_one_line(tmp_path, capsys, resume, message):
     code, _, err = run_main(capsys, "examples/tiny-grpo.yaml", f"--logging.output_dir={tmp_path}",
