@@ -855,9 +855,11 @@ class CheckpointConfig(Section):
                               "push_to_hub); needs a token that can write: `hf auth login` or HF_TOKEN")
     hub_model_id: str | None = Field(None, description="with push_to_hub: the repository, user/name or org/name "
                                      "(a bare name: the token's user); null: output_dir's name, as TRL")
-    hub_strategy: Literal["end", "every_save"] = Field(
+    hub_strategy: Literal["end", "every_save", "checkpoint", "all_checkpoints"] = Field(
         "end", description="with push_to_hub: end uploads the final adapter (and eval.save_best's to best/) when "
-        "the run ends; every_save also uploads each checkpoint's as it is saved, in the background")
+        "the run ends; every_save also uploads each checkpoint's as it is saved, in the background; checkpoint "
+        "also the whole checkpoint to last-checkpoint/ (what a resume on another machine needs), all_checkpoints "
+        "each one to checkpoints/step-NNNNNN/ (TRL's names)")
     hub_private_repo: bool | None = Field(None, description="with push_to_hub: create the repository private "
                                           "(null: the Hub's default for the account)")
 

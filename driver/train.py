@@ -17,6 +17,7 @@ import os
 import sys
 import time
 from functools import partial
+from pathlib import Path
 
 import torch
 import yaml
@@ -180,6 +181,7 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
                                                    resume=step > 0))
               if world.is_main else SilentLogger())
     rollouts: BatchSource | None = None
+    final_checkpoint: Path | None = None
     best: BestAdapter | None = None
     try:
         if sampling:
@@ -228,11 +230,12 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
                 if config.checkpoint.every and step % config.checkpoint.every == 0:
                     saved = save_checkpoint(output_dir, step, policy, optimizer, scheduler, prompts,
                                             config.checkpoint.keep, rollouts.state_dict())
-                    if hub is not None and config.checkpoint.hub_strategy == "every_save":
-                        hub.push(trained_upload(config, hub.repo_id, saved / policy.trained_name, step))
+                    if hub is not None and config.checkpoint.hub_strategy != "end":
+                        hub.push(trained_upload(config, hub.repo_id, saved / policy.trained_name, step,
+                                                checkpoint=saved))
         if steps:
-            save_checkpoint(output_dir, step, policy, optimizer, scheduler, prompts, config.checkpoint.keep,
-                            rollouts.state_dict())
+            final_checkpoint = save_checkpoint(output_dir, step, policy, optimizer, scheduler, prompts,
+                                               config.checkpoint.keep, rollouts.state_dict())
             policy.save_trained(output_dir / policy.trained_name)
         interrupted = step < steps
     finally:
@@ -243,7 +246,8 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
             generator.close()
     if config.logging.plots and world.is_main and steps:
         plot_metrics(output_dir / "metrics.jsonl", output_dir)
-    hub_failures = push_final(hub, config, policy, best, step, interrupted, step > first_step, terminal.out)
+    hub_failures = push_final(hub, config, policy, best, step, interrupted, step > first_step, terminal.out,
+                              final_checkpoint)
     if world.is_main and not steps:
         print(evaluation_summary(output_dir, wall_seconds=time.perf_counter() - run_started,
                                  quiet=terminal.log_path is not None), file=terminal.out)
@@ -280,18 +284,22 @@ def open_hub(config: Config, world: distributed.World, startup: StartupPhases) -
     checkpoint = config.checkpoint
     if not (checkpoint.push_to_hub and world.is_main):
         return None
-    when = "each checkpoint and the end" if checkpoint.hub_strategy == "every_save" else "at the end"
+    when = {"end": "at the end", "every_save": "each checkpoint and the end",
+            "checkpoint": "each checkpoint, the checkpoint itself in last-checkpoint/, and the end",
+            "all_checkpoints": "each checkpoint, the checkpoint itself in checkpoints/, and the end"}[
+        checkpoint.hub_strategy]
     with startup.phase("finding or creating the Hugging Face Hub repository",
                        lambda: f"will upload to {hub.url} ({when})"):
         hub = HubUploader(create_repository(checkpoint, config.output_dir), config.output_dir,
-                          background=checkpoint.hub_strategy == "every_save")
+                          background=checkpoint.hub_strategy != "end")
     return hub
 
 
 def push_final(hub: HubUploader | None, config: Config, policy, best: BestAdapter | None, step: int,
-               interrupted: bool, trained: bool, out) -> list[str]:
+               interrupted: bool, trained: bool, out, checkpoint: Path | None = None) -> list[str]:
     """The end of push_to_hub: the background upload waited for, then the final adapter (with eval.save_best's in
-    best/) uploaded when this run trained to its last step, said on the terminal; what failed, a line each."""
+    best/, and the final checkpoint with hub_strategy checkpoint or all_checkpoints) uploaded when this run trained
+    to its last step, said on the terminal; what failed, a line each."""
     if hub is None:
         return []
     upload = None
@@ -299,7 +307,7 @@ def push_final(hub: HubUploader | None, config: Config, policy, best: BestAdapte
         print(f"not uploaded to {hub.url}: the run stopped early (continued to its end, it uploads)", file=out)
     elif trained:
         upload = trained_upload(config, hub.repo_id, config.output_dir / policy.trained_name, step,
-                                best.directory if best is not None and best.best else None)
+                                best.directory if best is not None and best.best else None, checkpoint)
         print(f"uploading the {policy.trained_name} to {hub.url} ...", file=out, flush=True)
     failures = hub.finish(upload)
     if hub.uploaded:

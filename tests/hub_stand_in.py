@@ -26,11 +26,14 @@ class Repository:
 
 
 class HubStandIn:
-    """`repos` holds what was created and committed; `fail_commits` answers that many commits with 503 first."""
+    """`repos` holds what was created and committed; `fail_commits` answers that many commits with 503 first;
+    `commits_open` cleared holds every commit until it is set again (an upload kept in flight)."""
 
     def __init__(self) -> None:
         self.repos: dict[str, Repository] = {}
         self.fail_commits = 0
+        self.commits_open = threading.Event()
+        self.commits_open.set()
         self.lock = threading.Lock()
         stand_in = self
 
@@ -39,6 +42,8 @@ class HubStandIn:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 if self.headers.get("authorization") != f"Bearer {TOKEN}":
                     return self.answer(401, {"error": "Invalid credentials in Authorization header"})
+                if "/commit/" in self.path:
+                    stand_in.commits_open.wait(timeout=60)
                 self.answer(*stand_in.respond(self.path.split("?")[0], body))
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)

@@ -270,10 +270,7 @@ class TrainingKeys(PendingKeys):
             return
         self.put("checkpoint.push_to_hub", True)
         self.put("checkpoint.hub_model_id", repository)
-        if strategy in ("checkpoint", "all_checkpoints"):
-            self.refuse("hub_strategy", f"{strategy}: checkpoints are not uploaded here; end or every_save (each "
-                        "checkpoint's adapter)")
-        elif strategy is not None:
+        if strategy is not None:
             self.put("checkpoint.hub_strategy", strategy)
         if private is not None:
             self.put("checkpoint.hub_private_repo", bool(private))

@@ -5,9 +5,14 @@ The repository is created (or found) before the model loads, so a missing token,
 token cannot write stops the run at its start, not after hours of training. hub_strategy end uploads the final
 adapter once the run ends (with eval.save_best, the best evaluation's adapter goes to best/ in the same commit);
 every_save also uploads each checkpoint's adapter as it is saved, from a background thread (training does not
-wait; a newer save replaces one still waiting). Each upload's README.md is a model card (model_card). A failed
-upload never costs the run: everything is on disk, and the message says how to upload it by hand. Only rank 0
-talks to the Hub.
+wait; a newer save folds in one still waiting, replacing what both upload). checkpoint and all_checkpoints (as
+transformers names them) upload the whole checkpoint with it, to last-checkpoint/ (each replacing the files of
+the one before: a checkpoint's names do not change within a run, and a leftover file of another run's, say a
+rank's optimizer shard, is one its resume does not read) or to checkpoints/step-NNNNNN/ as in output_dir: a run
+resumes from a download of it (`hf download REPO --include "last-checkpoint/*" --local-dir DIR`, then
+checkpoint.resume=DIR/last-checkpoint), on another machine once this one is gone. Each upload's README.md is a
+model card (model_card). A failed upload never costs the run: everything is on disk, and the message says how to
+upload it by hand. Only rank 0 talks to the Hub.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from driver.cli import ConfigError
 from driver.config import CheckpointConfig, Config, is_hub_id
 
 BEST_FOLDER = "best"  # where eval.save_best's adapter goes in the repository
+LAST_CHECKPOINT = "last-checkpoint"  # hub_strategy checkpoint's folder (transformers' name)
 STAGING_PREFIX = ".hub-upload-"  # the background uploads' staging directories in output_dir
 
 
@@ -92,9 +98,15 @@ def upload(repo_id: str, job: Upload) -> None:
     HfApi().create_commit(repo_id, operations, commit_message=job.message)
 
 
-def trained_upload(config: Config, repo_id: str, trained: Path, step: int, best: Path | None = None) -> Upload:
-    """The trained adapter (or model) at the repository's root with its model card, eval.save_best's in best/."""
+def trained_upload(config: Config, repo_id: str, trained: Path, step: int, best: Path | None = None,
+                   checkpoint: Path | None = None) -> Upload:
+    """The trained adapter (or model) at the repository's root with its model card, eval.save_best's in best/, and
+    with hub_strategy checkpoint or all_checkpoints the whole checkpoint (a directory of output_dir's) too."""
     folders = {"": trained, **({BEST_FOLDER: best} if best is not None else {})}
+    strategy = config.checkpoint.hub_strategy
+    if checkpoint is not None and strategy in ("checkpoint", "all_checkpoints"):
+        folder = LAST_CHECKPOINT if strategy == "checkpoint" else checkpoint.relative_to(config.output_dir).as_posix()
+        folders[folder] = checkpoint
     return Upload(folders, f"{trained.name} after step {step}",
                   {"README.md": model_card(config, repo_id, trained, step)})
 
@@ -155,7 +167,7 @@ class HubUploader:
         self.failures: list[str] = []
         self.uploaded = False  # finish's upload (the final adapter) reached the Hub
         self.condition = threading.Condition()
-        self.waiting: tuple[Upload, Path] | None = None  # staged, and its staging directory
+        self.waiting: tuple[Upload, list[Path]] | None = None  # staged, and its staging directories
         self.finishing = False
         for left in output_dir.glob(f"{STAGING_PREFIX}*"):  # a crashed run's staged upload: its hard links only
             shutil.rmtree(left, ignore_errors=True)
@@ -164,12 +176,17 @@ class HubUploader:
             self.thread.start()
 
     def push(self, job: Upload) -> None:
-        """Uploaded in the background; one still waiting is replaced by this newer one."""
-        staged = stage(job, self.output_dir)
+        """Uploaded in the background; one still waiting is folded into this newer one: what both upload (the
+        adapter, last-checkpoint/) is the newer's, and what the older alone uploads (all_checkpoints' checkpoint)
+        goes with it."""
+        staged, directory = stage(job, self.output_dir)
+        directories = [directory]
         with self.condition:
             if self.waiting is not None:
-                shutil.rmtree(self.waiting[1], ignore_errors=True)
-            self.waiting = staged
+                older, older_directories = self.waiting
+                staged = Upload({**older.folders, **staged.folders}, staged.message, {**older.files, **staged.files})
+                directories = older_directories + directories
+            self.waiting = staged, directories
             self.condition.notify()
 
     def finish(self, job: Upload | None) -> list[str]:
@@ -189,9 +206,10 @@ class HubUploader:
                 self.condition.wait_for(lambda: self.waiting is not None or self.finishing)
                 if self.waiting is None:
                     return
-                (job, directory), self.waiting = self.waiting, None
+                (job, directories), self.waiting = self.waiting, None
             self._attempt(job)
-            shutil.rmtree(directory, ignore_errors=True)
+            for directory in directories:
+                shutil.rmtree(directory, ignore_errors=True)
 
     def _attempt(self, job: Upload) -> bool:
         try:

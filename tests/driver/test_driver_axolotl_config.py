@@ -249,6 +249,7 @@ def test_num_epochs_without_max_steps_counts_steps_once_the_data_is_read(ratio):
      {"checkpoint.push_to_hub": True, "checkpoint.hub_model_id": "me/grpo-adapter",
       "checkpoint.hub_strategy": "every_save", "checkpoint.hub_private_repo": True}),
     ({"hub_strategy": "end"}, {"checkpoint.push_to_hub": False, "checkpoint.hub_strategy": "end"}),
+    ({"hub_model_id": "me/x", "hub_strategy": "checkpoint"}, {"checkpoint.hub_strategy": "checkpoint"}),
     ({"auto_resume_from_checkpoints": True}, {"checkpoint.resume": "auto"}),
     ({"auto_resume_from_checkpoints": False}, {"checkpoint.resume": None}),
     ({"attn_implementation": "sdpa"}, {"model.attention": "sdpa"}),
@@ -311,7 +312,6 @@ def test_keys_map_as_axolotl_runs_them(changes, expected):
     ({"vllm": {"dtype": "int4"}}, "vllm.dtype", "auto, bfloat16"),
     ({"resume_from_checkpoint": "./grpo-output/checkpoint-100"}, "resume_from_checkpoint", "--checkpoint.resume"),
     ({"plugins": ["axolotl.integrations.liger.LigerPlugin"]}, "plugins", "do not run here"),
-    ({"hub_model_id": "me/x", "hub_strategy": "all_checkpoints"}, "hub_strategy", "end or every_save"),
 ])
 def test_what_cannot_be_honoured_is_refused_with_its_reason(changes, key, reason):
     reasons = refused(quickstart(**changes))

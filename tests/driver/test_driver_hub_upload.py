@@ -1,10 +1,12 @@
 """checkpoint.push_to_hub (driver/data/hub_upload.py) through huggingface_hub's real client against a local
 stand-in for the Hub's write API (tests/hub_stand_in.py: the Hub cannot be reached here): the repository is created
 before training (a bare name under the token's user, private when asked) and problems stop the run there; a whole
-training run uploads its final adapter, every checkpoint's with every_save and eval.save_best's to best/; a failed
-upload loses nothing and says how to upload by hand."""
+training run uploads its final adapter, every checkpoint's with every_save and eval.save_best's to best/, and
+whole checkpoints with hub_strategy checkpoint / all_checkpoints (from which a run resumes as from its own); a
+failed upload loses nothing and says how to upload by hand."""
 
 import json
+import time
 
 import huggingface_hub.constants
 import pytest
@@ -66,7 +68,7 @@ def test_hub_keys_without_push_to_hub_and_push_to_hub_with_eval_only_are_refused
     with pytest.raises(ConfigError, match="checkpoint.push_to_hub with eval.only: nothing is trained"):
         load_config(None, {"checkpoint.push_to_hub": "true", "eval.only": "true", "eval.val_set_size": "4"})
     with pytest.raises(ConfigError, match="hub_strategy"):
-        load_config(None, {"checkpoint.push_to_hub": "true", "checkpoint.hub_strategy": "all_checkpoints"})
+        load_config(None, {"checkpoint.push_to_hub": "true", "checkpoint.hub_strategy": "every_checkpoint"})
 
 
 def test_background_uploads_survive_the_checkpoint_s_removal_and_the_newest_waiting_one_wins(hub, tmp_path):
@@ -92,11 +94,11 @@ def test_background_uploads_survive_the_checkpoint_s_removal_and_the_newest_wait
     assert not list(tmp_path.glob(".hub-upload-*"))  # the staged links are gone
 
 
-def tiny_run_argv(output_dir, *extra) -> list[str]:
+def tiny_run_argv(output_dir, *extra, push: bool = True) -> list[str]:
     return ["--rollout.backend=transformers", "--rollout.sampling.max_tokens=4", "--train.steps=4",
             "--train.prompts_per_step=2", "--algo.num_generations=2", "--logging.report_to=[]",
             "--logging.plots=false", "--logging.quiet=false", "--logging.progress=false",
-            f"--logging.output_dir={output_dir}", "--checkpoint.push_to_hub=true", *extra]
+            f"--logging.output_dir={output_dir}", *(["--checkpoint.push_to_hub=true"] if push else []), *extra]
 
 
 def test_a_run_uploads_each_checkpoint_and_its_final_and_best_adapters(hub, tmp_path, capsys):
@@ -173,3 +175,70 @@ def test_a_stopped_run_or_one_that_trained_nothing_uploads_nothing(hub, tmp_path
         assert driver.train.push_final(uploader, config, policy, None, 4, interrupted, trained, out) == []
         assert said in out.getvalue() and "uploading" not in out.getvalue()
     assert hub.repos[f"{USER}/{tmp_path.name}"].commits == []
+
+
+def test_a_waiting_upload_is_folded_into_the_next_and_what_only_it_uploads_goes_too(hub, tmp_path):
+    """all_checkpoints: a checkpoint whose upload still waits when the next is saved is not lost; the adapter both
+    carry is the newer's. The first upload is held in flight (the stand-in's commits closed) so the next two meet
+    waiting."""
+    create_repository(CheckpointConfig(push_to_hub=True, hub_model_id="me/x"), tmp_path)
+    uploader = HubUploader("me/x", tmp_path, background=True)
+    hub.commits_open.clear()
+
+    def push(step: int) -> None:
+        checkpoint = tmp_path / "checkpoints" / f"step-{step:06d}"
+        (checkpoint / "adapter").mkdir(parents=True)
+        (checkpoint / "adapter" / "adapter_model.safetensors").write_bytes(f"weights {step}".encode())
+        (checkpoint / "trainer_state.pt").write_bytes(f"state {step}".encode())
+        uploader.push(Upload({"": checkpoint / "adapter", f"checkpoints/{checkpoint.name}": checkpoint},
+                             f"adapter after step {step}"))
+
+    push(1)
+    while uploader.waiting is not None:  # until the worker took it: held at the stand-in
+        time.sleep(0.01)
+    push(2)
+    push(3)
+    hub.commits_open.set()
+    assert uploader.finish(None) == []
+    repository = hub.repos["me/x"]
+    assert repository.commits == ["adapter after step 1", "adapter after step 3"]
+    assert repository.files["adapter_model.safetensors"] == b"weights 3"
+    for step in (1, 2, 3):
+        assert repository.files[f"checkpoints/step-{step:06d}/trainer_state.pt"] == f"state {step}".encode()
+    assert not list(tmp_path.glob(".hub-upload-*"))
+
+
+@pytest.mark.parametrize("strategy", ["checkpoint", "all_checkpoints"])
+def test_whole_checkpoints_go_up_and_a_run_resumes_from_the_hub_s_copy_as_from_its_own(hub, tmp_path, capsys,
+                                                                                      strategy):
+    """hub_strategy checkpoint: each checkpoint to last-checkpoint/ (the newest, the final one at the end);
+    all_checkpoints: each to checkpoints/step-NNNNNN/, those checkpoint.keep rotated away locally included. The
+    oracle for what went up: a run resumed from a download of it trains what a run resumed from the local
+    checkpoint trains, bit for bit."""
+    output_dir = tmp_path / "run"
+    argv = tiny_run_argv(output_dir, "--checkpoint.every=1", "--checkpoint.keep=1", "--checkpoint.hub_model_id=me/c",
+                         f"--checkpoint.hub_strategy={strategy}")
+    assert driver.train.main(argv) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    files = hub.repos["me/c"].files
+    folder = "last-checkpoint" if strategy == "checkpoint" else "checkpoints/step-000004"
+    assert f"itself in {folder.split('/')[0]}/" in printed
+    if strategy == "all_checkpoints":  # every one, though only the newest is kept here
+        assert {name.split("/")[1] for name in files if name.startswith("checkpoints/")} == {
+            f"step-{step:06d}" for step in (1, 2, 3, 4)}
+    local = output_dir / CHECKPOINTS / "step-000004"
+    assert {name.removeprefix(folder + "/") for name in files if name.startswith(folder + "/")} == {
+        path.relative_to(local).as_posix() for path in local.rglob("*") if path.is_file()}
+    downloaded = tmp_path / "downloaded"  # what `hf download me/c --include "<folder>/*"` writes
+    for name, content in files.items():
+        if name.startswith(folder + "/"):
+            (downloaded / name).parent.mkdir(parents=True, exist_ok=True)
+            (downloaded / name).write_bytes(content)
+
+    resumed = {}
+    for source, checkpoint in (("hub", downloaded / folder), ("local", local)):
+        again = tmp_path / f"from-{source}"
+        assert driver.train.main(tiny_run_argv(again, f"--checkpoint.resume={checkpoint}", "--train.steps=6",
+                                               push=False)) == 0
+        resumed[source] = (again / "adapter" / "adapter_model.safetensors").read_bytes()
+    assert resumed["hub"] == resumed["local"]

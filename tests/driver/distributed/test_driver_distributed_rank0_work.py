@@ -55,8 +55,9 @@ def test_two_processes_sample_and_train_ebft_strided_as_one_process(tmp_path):
 def test_two_processes_train_ebft_strided_with_full_fine_tuning_as_one_process_and_push_it_to_the_hub(tmp_path):
     """model.adapter: none: every weight trains, and the features come from the frozen copy of the base, sharded
     as the policy is (a rank's padding chunk runs its forwards too). Measured: every metric equal to 7 digits.
-    The two ranks' run pushes to the Hub (checkpoint.push_to_hub, every_save; tests/hub_stand_in.py, the Hub
-    cannot be reached here): rank 0 uploads the gathered weights of the checkpoint and of the end."""
+    The two ranks' run pushes to the Hub (checkpoint.push_to_hub, hub_strategy checkpoint; tests/hub_stand_in.py,
+    the Hub cannot be reached here): rank 0 uploads the gathered weights of the checkpoint and of the end, and the
+    final checkpoint whole, every rank's optimizer shard in it."""
     one, two = tmp_path / "one", tmp_path / "two"
     strided = ["--train.prompts_per_step=6", "--train.micro_batch_size=16", "--ebft.ce_coef=0.1",
                "--algo.num_iterations=1", "--model.adapter=none", "--train.lr=1e-3"]
@@ -64,7 +65,7 @@ def test_two_processes_train_ebft_strided_with_full_fine_tuning_as_one_process_a
     hub = HubStandIn()
     try:
         train(two, None, *strided, "--checkpoint.push_to_hub=true", "--checkpoint.hub_model_id=me/full",
-              "--checkpoint.hub_strategy=every_save", "--checkpoint.every=2", processes=2, example=EBFT_STRIDED,
+              "--checkpoint.hub_strategy=checkpoint", "--checkpoint.every=2", processes=2, example=EBFT_STRIDED,
               env={"HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN, "HF_HUB_OFFLINE": "0"})
     finally:
         hub.close()
@@ -79,6 +80,12 @@ def test_two_processes_train_ebft_strided_with_full_fine_tuning_as_one_process_a
     for name in ("model.safetensors", "config.json"):
         assert repository.files[name] == (two / "model" / name).read_bytes(), name
     assert b"library_name: transformers" in repository.files["README.md"]
+    final = two / "checkpoints" / "step-000003"
+    uploaded = {name.removeprefix("last-checkpoint/"): content for name, content in repository.files.items()
+                if name.startswith("last-checkpoint/")}
+    assert {"optimizer/__0_0.distcp", "optimizer/__1_0.distcp", "trainer_state.pt"} <= uploaded.keys()
+    assert uploaded == {path.relative_to(final).as_posix(): path.read_bytes() for path in final.rglob("*")
+                        if path.is_file()}
 
 
 @pytest.mark.slow
