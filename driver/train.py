@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import time
 from functools import partial
@@ -56,12 +57,13 @@ from driver.update.loss_scale import LossScaleError, start_loss_scale
 from driver.update.optim import build_optimizer, build_scheduler
 from driver.update.step import optimize
 
-INTERRUPTED_EXIT_CODE = 130  # the shell's convention for a run stopped by SIGINT
+INTERRUPTED_EXIT_CODE = 130  # the shell's convention for a run stopped by SIGINT (128 + the signal's number)
 
 
-def run(config: Config) -> bool:
-    """Train; returns False when stopped early by Ctrl-C (after saving a checkpoint). Under torchrun
-    every rank runs this: rank 0 generates, logs and talks to vLLM; all ranks train their shard."""
+def run(config: Config) -> int | None:
+    """Train; returns None when the run ended, else the signal that stopped it early (Ctrl-C's SIGINT or SIGTERM,
+    after saving a checkpoint). Under torchrun every rank runs this: rank 0 generates, logs and talks to vLLM; all
+    ranks train their shard."""
     run_started = time.perf_counter()
     world = distributed.init_world()
     check_world(config, world)
@@ -103,7 +105,7 @@ def log_name(world: distributed.World) -> str:
     return LOG_FILE if world.is_main else f"run-rank{world.rank}.log"
 
 
-def train(config: Config, world: distributed.World, terminal: Terminal, run_started: float) -> bool:
+def train(config: Config, world: distributed.World, terminal: Terminal, run_started: float) -> int | None:
     output_dir = config.output_dir
     torch.manual_seed(config.train.seed)
     pykernels.backend.set_kernels(**kernel_modes(config))
@@ -163,7 +165,7 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
         if step >= config.train.steps and not config.eval.only:  # before the engine starts: nothing to generate for
             startup.print(f"the run is complete (step {step}, train.steps = {config.train.steps}): nothing to train; "
                           "raise train.steps to train on")
-            return True
+            return None
 
     sampling = algo.trainer_sampling(config)  # the trainer samples: no inference engine
     generator = None
@@ -262,7 +264,8 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
         trained = output_dir / policy.trained_name
         raise HubUploadError(f"uploading to {hub.url} failed ({'; '.join(hub_failures)}); everything is in "
                              f"{output_dir}: upload it with `hf upload {hub.repo_id} {trained}`")
-    return not interrupted
+    # A rank of torchrun's that received no signal itself stops with the others, said as Ctrl-C's.
+    return (interrupt.signal or signal.SIGINT) if interrupted else None
 
 
 def engine_phase(startup: StartupPhases, config: Config) -> contextlib.AbstractContextManager:
@@ -396,8 +399,10 @@ def main(argv: list[str] | None = None) -> int:
         exit_on_config_error(error)
     if config is None:
         return 0
+    previous = signal.signal(signal.SIGTERM, stop_as_ctrl_c)
     try:
-        return 0 if run(config) else INTERRUPTED_EXIT_CODE
+        stopped_by = run(config)
+        return 0 if stopped_by is None else 128 + stopped_by
     except ConfigError as error:  # found once the data is read (a missing column, a rejected row)
         exit_on_config_error(error)
     except (RolloutError, RewardError, HubUploadError, LossScaleError) as error:  # the run's failures, not bugs
@@ -408,6 +413,14 @@ def main(argv: list[str] | None = None) -> int:
         print("\ninterrupted: stopped without saving a checkpoint", file=sys.stderr)
         # Not the os._exit below: the interpreter's exit runs vLLM's handlers that stop a half-started engine.
         raise SystemExit(INTERRUPTED_EXIT_CODE) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def stop_as_ctrl_c(_signum, _frame) -> None:
+    """SIGTERM outside the training loop (loading, starting vLLM; GracefulInterrupt's own handler within it): stop
+    as Ctrl-C stops, rather than die at once without vLLM's exit handlers."""
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

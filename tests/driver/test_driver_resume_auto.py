@@ -1,7 +1,9 @@
 """checkpoint.resume: auto (axolotl's auto_resume_from_checkpoints): one command starts the run where output_dir
 holds no checkpoint and resumes the newest where it does, as a requeued job reruns it; a run already at
 train.steps stops before anything starts. The oracle: a run of the same steps uninterrupted, whose adapter the
-resumed one equals bit for bit (checkpoint.keep's two checkpoints are there: resuming the older would differ)."""
+resumed one equals bit for bit (checkpoint.keep's two checkpoints are there: resuming the older would differ).
+(The preemption that requeues it, SIGTERM: tests/driver/test_driver_interrupt.py, and end to end in
+tests/e2e/test_driver_e2e.py.)"""
 
 import json
 
@@ -43,3 +45,4 @@ def test_one_command_starts_resumes_the_newest_checkpoint_and_stops_once_complet
     assert "the run is complete (step 3, train.steps = 3): nothing to train; raise train.steps to train on" in \
         printed_by(capsys)
     assert trained_steps(requeued) == [1, 2, 3]
+

@@ -214,9 +214,11 @@ class TestTheDemoRun:
             row["reward"] for row in metrics(demo_dir)[CHECKPOINT_EVERY:2 * CHECKPOINT_EVERY]]
 
 
-@pytest.mark.parametrize("overrides", [[], ["--rollout.async_prefetch=true", "--rewards.reward_num_workers=1"]],
-                         ids=["sync", "async"])
-def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path, overrides, tiny_vllm_server):
+@pytest.mark.parametrize(("overrides", "signum"), [
+    ([], signal.SIGINT),
+    (["--rollout.async_prefetch=true", "--rewards.reward_num_workers=1"], signal.SIGTERM),  # docker stop, SLURM
+], ids=["sync-ctrl-c", "async-sigterm"])
+def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path, overrides, signum, tiny_vllm_server):
     output_dir = tmp_path / "run"
     command = [sys.executable, "-m", "driver.train", str(EXAMPLE), f"--logging.output_dir={output_dir}",
                "--train.steps=1000", *QUIET, *on_server(tiny_vllm_server), *overrides]
@@ -225,11 +227,12 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path, overrides, tiny_v
     while time.time() < deadline and not ((output_dir / "metrics.jsonl").exists()
                                           and len(metrics(output_dir)) >= 2):
         time.sleep(0.5)
-    process.send_signal(signal.SIGINT)
+    process.send_signal(signum)
     stdout, stderr = process.communicate(timeout=120)
-    assert process.returncode == 130, stderr[-3000:]
+    assert process.returncode == 128 + signum, stderr[-3000:]  # 130, 143: the shell's convention
     assert "Traceback" not in stderr
-    assert "interrupt: stopping after this step" in stdout and "resume:" in stdout
+    said = "interrupt" if signum == signal.SIGINT else "SIGTERM"
+    assert f"{said}: stopping after this step" in stdout and "resume:" in stdout
     checkpoints = sorted((output_dir / "checkpoints").iterdir())
     state = torch.load(checkpoints[-1] / "trainer_state.pt", weights_only=False)
     assert state["step"] == len(metrics(output_dir)) >= 2
