@@ -32,7 +32,8 @@ from driver.config import Config, eval_prefix, is_hub_id
 from driver.data.model_source import model_directory
 from driver.data.adapter_settings import adopt_adapter_settings
 from driver.data.eval_prompts import training_and_eval_prompts
-from driver.data.hub_upload import HubUploader, HubUploadError, create_repository, trained_upload
+from driver.data.hub_upload import (HubUploader, HubUploadError, Upload, checkpoint_folder, create_repository,
+                                    trained_upload)
 from driver.distributed import world as distributed
 from driver.distributed.fsdp import reshard_before_steps, shard_policy
 from driver.engine import RolloutError, make_generator
@@ -258,7 +259,8 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
                           wall_seconds=time.perf_counter() - run_started, quiet=terminal.log_path is not None,
                           plots=config.logging.plots, tensorboard=config.logging.tensorboard,
                           best=(best.directory, best.best) if best is not None and best.best else None,
-                          epochs=config.train.epochs, hub=hub.url if hub is not None and hub.uploaded else None),
+                          epochs=config.train.epochs,
+                          hub=hub.url if hub is not None and hub.uploaded and not interrupted else None),
               file=terminal.out)
     if hub_failures:  # last: everything is on disk and summarized
         trained = output_dir / policy.trained_name
@@ -302,11 +304,17 @@ def push_final(hub: HubUploader | None, config: Config, policy, best: BestAdapte
                interrupted: bool, trained: bool, out, checkpoint: Path | None = None) -> list[str]:
     """The end of push_to_hub: the background upload waited for, then the final adapter (with eval.save_best's in
     best/, and the final checkpoint with hub_strategy checkpoint or all_checkpoints) uploaded when this run trained
-    to its last step, said on the terminal; what failed, a line each."""
+    to its last step (stopped early, under those two strategies, its checkpoint alone), said on the terminal;
+    what failed, a line each."""
     if hub is None:
         return []
     upload = None
-    if interrupted:
+    folder = checkpoint_folder(config, checkpoint) if checkpoint is not None and trained else {}
+    if interrupted and folder:  # the checkpoint it stopped with, for a resume elsewhere; not the root's adapter
+        upload = Upload(folder, f"checkpoint after step {step} (stopped early)")
+        print(f"uploading the checkpoint to {hub.url} (the run stopped early: the {policy.trained_name} goes up at "
+              "its end) ...", file=out, flush=True)
+    elif interrupted:
         print(f"not uploaded to {hub.url}: the run stopped early (continued to its end, it uploads)", file=out)
     elif trained:
         upload = trained_upload(config, hub.repo_id, config.output_dir / policy.trained_name, step,

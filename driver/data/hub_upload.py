@@ -102,13 +102,21 @@ def trained_upload(config: Config, repo_id: str, trained: Path, step: int, best:
                    checkpoint: Path | None = None) -> Upload:
     """The trained adapter (or model) at the repository's root with its model card, eval.save_best's in best/, and
     with hub_strategy checkpoint or all_checkpoints the whole checkpoint (a directory of output_dir's) too."""
-    folders = {"": trained, **({BEST_FOLDER: best} if best is not None else {})}
-    strategy = config.checkpoint.hub_strategy
-    if checkpoint is not None and strategy in ("checkpoint", "all_checkpoints"):
-        folder = LAST_CHECKPOINT if strategy == "checkpoint" else checkpoint.relative_to(config.output_dir).as_posix()
-        folders[folder] = checkpoint
+    folders = {"": trained, **({BEST_FOLDER: best} if best is not None else {}),
+               **(checkpoint_folder(config, checkpoint) if checkpoint is not None else {})}
     return Upload(folders, f"{trained.name} after step {step}",
                   {"README.md": model_card(config, repo_id, trained, step)})
+
+
+def checkpoint_folder(config: Config, checkpoint: Path) -> dict[str, Path]:
+    """The checkpoint's folder in the repository under hub_strategy checkpoint (last-checkpoint/) or all_checkpoints
+    (where it sits in output_dir); none under end and every_save."""
+    strategy = config.checkpoint.hub_strategy
+    if strategy == "checkpoint":
+        return {LAST_CHECKPOINT: checkpoint}
+    if strategy == "all_checkpoints":
+        return {checkpoint.relative_to(config.output_dir).as_posix(): checkpoint}
+    return {}
 
 
 def model_card(config: Config, repo_id: str, trained: Path, step: int) -> bytes:

@@ -88,7 +88,8 @@ def test_background_uploads_survive_the_checkpoint_s_removal_and_the_newest_wait
             path.unlink() if path.is_file() else path.rmdir()
     assert uploader.finish(None) == []
     commits = hub.repos["me/x"].commits
-    assert commits[-1] == "adapter after step 3" and len(commits) in (2, 3)  # step 2 may have been replaced
+    # Steps 1 and 2 may have been folded into a later one while waiting (all of them, on a busy machine).
+    assert commits[-1] == "adapter after step 3" and len(set(commits)) == len(commits) <= 3
     assert hub.repos["me/x"].files["adapter_model.safetensors"] == b"weights 3"
     assert hub.repos["me/x"].files["README.md"] == b"card 3"  # the model card travels with a background upload
     assert not list(tmp_path.glob(".hub-upload-*"))  # the staged links are gone
@@ -175,6 +176,30 @@ def test_a_stopped_run_or_one_that_trained_nothing_uploads_nothing(hub, tmp_path
         assert driver.train.push_final(uploader, config, policy, None, 4, interrupted, trained, out) == []
         assert said in out.getvalue() and "uploading" not in out.getvalue()
     assert hub.repos[f"{USER}/{tmp_path.name}"].commits == []
+
+
+def test_a_run_stopped_early_uploads_its_checkpoint_alone_under_the_checkpoint_strategies(hub, tmp_path):
+    """hub_strategy checkpoint: the checkpoint saved at Ctrl-C or SIGTERM goes up (a resume elsewhere needs it), the
+    adapter at the repository's root waits for the run's end; a run that trained nothing uploads nothing."""
+    from io import StringIO
+    from types import SimpleNamespace
+
+    config = load_config(None, {"checkpoint.push_to_hub": "true", "checkpoint.hub_strategy": "checkpoint",
+                                "logging.output_dir": str(tmp_path)})
+    checkpoint = tmp_path / CHECKPOINTS / "step-000003"
+    (checkpoint / "adapter").mkdir(parents=True)
+    (checkpoint / "trainer_state.pt").write_bytes(b"state 3")
+    (checkpoint / "adapter" / "adapter_model.safetensors").write_bytes(b"weights 3")
+    policy = SimpleNamespace(trained_name="adapter")
+    for trained in (False, True):
+        out = StringIO()
+        uploader = HubUploader(create_repository(config.checkpoint, tmp_path), tmp_path, background=False)
+        assert driver.train.push_final(uploader, config, policy, None, 3, True, trained, out, checkpoint) == []
+    repository = hub.repos[f"{USER}/{tmp_path.name}"]
+    assert repository.commits == ["checkpoint after step 3 (stopped early)"]
+    assert repository.files == {"last-checkpoint/trainer_state.pt": b"state 3",
+                                "last-checkpoint/adapter/adapter_model.safetensors": b"weights 3"}
+    assert "uploading the checkpoint to" in out.getvalue() and "the adapter goes up at its end" in out.getvalue()
 
 
 def test_a_waiting_upload_is_folded_into_the_next_and_what_only_it_uploads_goes_too(hub, tmp_path):
