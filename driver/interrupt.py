@@ -1,7 +1,8 @@
 """Ctrl-C, or SIGTERM (what `docker stop`, Kubernetes and a SLURM preemption send first), finishes (or abandons)
 the current step, saves a checkpoint and exits cleanly, so `checkpoint.resume=auto` continues from there; the
-same signal again stops immediately. A step that outlasts the grace period before SIGKILL loses only that step:
-the checkpoint before it is whole (checkpoints are renamed into place once written)."""
+same signal again stops immediately. A run killed before it could save (a step that outlasts the grace period
+before SIGKILL) resumes from the checkpoint before, which is whole: checkpoints are renamed into place once
+written."""
 
 from __future__ import annotations
 
