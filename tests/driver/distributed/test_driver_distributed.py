@@ -10,6 +10,7 @@ passes run) and 2 optimizer passes per batch (the old-logprob pass is padded too
 """
 
 import json
+import shutil
 
 import pytest
 from safetensors.torch import load_file
@@ -30,7 +31,7 @@ EVALUATED = ["--eval.val_set_size=8", "--eval.steps=1", "--eval.save_best=true"]
 def test_two_processes_train_what_one_trains_and_resume_at_any_world_size(tmp_path, tiny_vllm_server):
     one, two = tmp_path / "one", tmp_path / "two"
     train(one, tiny_vllm_server, "--checkpoint.every=1", *EVALUATED)
-    train(two, tiny_vllm_server, "--checkpoint.every=1", *EVALUATED, processes=2)
+    train(two, tiny_vllm_server, "--checkpoint.every=1", "--checkpoint.resume=auto", *EVALUATED, processes=2)  # none
     rows_one, rows_two = trained_steps(one), trained_steps(two)
     assert len(rows_one) == len(rows_two) == 3
     evaluations = [row for row in metrics(two) if "eval/version" in row]
@@ -64,10 +65,11 @@ def test_two_processes_train_what_one_trains_and_resume_at_any_world_size(tmp_pa
     assert_same_weights(adapter(resumed_two), adapter(two), atol=1e-6)
     train(resumed_one, tiny_vllm_server, checkpoint, *EVALUATED)  # the sharded optimizer state loads in one process
     assert_same_weights(adapter(resumed_one), adapter(two), atol=1e-4)
-    # and one process's checkpoint (its optimizer state whole, keyed by position) under torchrun
+    # and one process's checkpoint (its optimizer state whole, keyed by position) under torchrun, found by auto (rank
+    # 0 finds it and tells rank 1) in the output_dir it was copied to
     from_one = tmp_path / "two-from-one"
-    train(from_one, tiny_vllm_server, f"--checkpoint.resume={one / 'checkpoints' / 'step-000002'}", *EVALUATED,
-          processes=2)
+    shutil.copytree(one / "checkpoints" / "step-000002", from_one / "checkpoints" / "step-000002")
+    train(from_one, tiny_vllm_server, "--checkpoint.resume=auto", *EVALUATED, processes=2)
     assert trained_steps(from_one)[0]["reward"] == rows_one[2]["reward"]
     assert_same_weights(adapter(from_one), adapter(one), atol=1e-4)
 
