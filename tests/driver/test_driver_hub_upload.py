@@ -219,8 +219,10 @@ def test_a_waiting_upload_is_folded_into_the_next_and_what_only_it_uploads_goes_
                              f"adapter after step {step}"))
 
     push(1)
-    while uploader.waiting is not None:  # until the worker took it: held at the stand-in
+    deadline = time.monotonic() + 30
+    while uploader.waiting is not None and time.monotonic() < deadline:  # the worker took it: held at the stand-in
         time.sleep(0.01)
+    assert uploader.waiting is None
     push(2)
     push(3)
     hub.commits_open.set()
