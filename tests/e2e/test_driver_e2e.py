@@ -218,7 +218,7 @@ class TestTheDemoRun:
     ([], signal.SIGINT),
     (["--rollout.async_prefetch=true", "--rewards.reward_num_workers=1"], signal.SIGTERM),  # docker stop, SLURM
 ], ids=["sync-ctrl-c", "async-sigterm"])
-def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path, overrides, signum, tiny_vllm_server):
+def test_ctrl_c_or_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path, overrides, signum, tiny_vllm_server):
     output_dir = tmp_path / "run"
     command = [sys.executable, "-m", "driver.train", str(EXAMPLE), f"--logging.output_dir={output_dir}",
                "--train.steps=1000", *QUIET, *on_server(tiny_vllm_server), *overrides]
