@@ -309,7 +309,7 @@ def push_final(hub: HubUploader | None, config: Config, policy, best: BestAdapte
     if hub is None:
         return []
     upload = None
-    folder = checkpoint_folder(config, checkpoint) if checkpoint is not None and trained else {}
+    folder = checkpoint_folder(config, checkpoint) if trained else {}
     if interrupted and folder:  # the checkpoint it stopped with, for a resume elsewhere; not the root's adapter
         upload = Upload(folder, f"checkpoint after step {step} (stopped early)")
         print(f"uploading the checkpoint to {hub.url} (the run stopped early: the {policy.trained_name} goes up at "

@@ -103,15 +103,17 @@ def trained_upload(config: Config, repo_id: str, trained: Path, step: int, best:
     """The trained adapter (or model) at the repository's root with its model card, eval.save_best's in best/, and
     with hub_strategy checkpoint or all_checkpoints the whole checkpoint (a directory of output_dir's) too."""
     folders = {"": trained, **({BEST_FOLDER: best} if best is not None else {}),
-               **(checkpoint_folder(config, checkpoint) if checkpoint is not None else {})}
+               **checkpoint_folder(config, checkpoint)}
     return Upload(folders, f"{trained.name} after step {step}",
                   {"README.md": model_card(config, repo_id, trained, step)})
 
 
-def checkpoint_folder(config: Config, checkpoint: Path) -> dict[str, Path]:
+def checkpoint_folder(config: Config, checkpoint: Path | None) -> dict[str, Path]:
     """The checkpoint's folder in the repository under hub_strategy checkpoint (last-checkpoint/) or all_checkpoints
-    (where it sits in output_dir); none under end and every_save."""
+    (where it sits in output_dir); none under end and every_save, or without a checkpoint."""
     strategy = config.checkpoint.hub_strategy
+    if checkpoint is None:
+        return {}
     if strategy == "checkpoint":
         return {LAST_CHECKPOINT: checkpoint}
     if strategy == "all_checkpoints":

@@ -20,6 +20,7 @@ from torch import nn
 from driver.config import Config, LoraSettings, is_hub_id
 from driver.data.model_source import adapter_directory, model_directory
 from driver.distributed.world import world
+from driver.policy.logprobs import causal_lm_of
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Layers never quantized for QLoRA: the output head and MoE routers stay in full precision, as in
@@ -45,7 +46,7 @@ class Policy:
 
     @property
     def causal_lm(self) -> nn.Module:
-        return self.model.get_base_model() if self.has_adapter else self.model
+        return causal_lm_of(self.model)
 
     @property
     def device(self) -> torch.device:

@@ -47,6 +47,7 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         self.model_parameters = list(parameters)
         self.masters = [torch.nn.Parameter(p.detach().float()) if p.dtype in SIXTEEN_BIT else p
                         for p in self.model_parameters]
+        self.copied = [index for index, p in enumerate(self.model_parameters) if p.dtype in SIXTEEN_BIT]  # positions
         self.inner = build(self.masters)
         super().__init__(self.masters, self.inner.defaults)
         self._share_inner()
@@ -61,7 +62,7 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         self.state = self.inner.state
 
     def _copies(self):
-        return ((p, master) for p, master in zip(self.model_parameters, self.masters, strict=True) if master is not p)
+        return ((self.model_parameters[index], self.masters[index]) for index in self.copied)
 
     @contextlib.contextmanager
     def in_place_of_weights(self, model: torch.nn.Module):
@@ -115,22 +116,18 @@ class MasterWeightsOptimizer(torch.optim.Optimizer):
         resume, whose weights are all fp32, could not tell from a list which weights they copy:
         driver/distributed/fsdp.py load_unsharded_optimizer)."""
         return {"inner": self.inner.state_dict(),
-                "masters": {index: self.masters[index].detach() for index in self._copy_positions()}}
+                "masters": {index: self.masters[index].detach() for index in self.copied}}
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict) -> None:
         """A state without master weights (a checkpoint of a run without them) takes the model's weights."""
         masters = state_dict.get("masters")
         if isinstance(masters, list):  # written before they were keyed: one for each 16-bit weight, in order
-            masters = dict(zip(self._copy_positions(), masters, strict=True))
+            masters = dict(zip(self.copied, masters, strict=True))
         self.inner.load_state_dict(state_dict["inner"] if "inner" in state_dict else state_dict)
         self._share_inner()
-        for index in self._copy_positions():
+        for index in self.copied:
             self.masters[index].copy_(masters[index] if masters is not None else self.model_parameters[index].float())
-
-    def _copy_positions(self) -> list[int]:
-        return [index for index, (parameter, master) in enumerate(zip(self.model_parameters, self.masters, strict=True))
-                if master is not parameter]
 
 
 def _add_into_master(parameter: torch.Tensor) -> None:
