@@ -6,6 +6,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -203,6 +204,21 @@ def test_lease_script_skips_what_the_deadline_leaves_no_time_for(tmp_path, monke
     assert result.returncode == 1, result.stdout + result.stderr
     assert "build: skipped, " in result.stdout and "test:" not in result.stdout  # nothing runs without a build
     assert not (tmp_path / "build.log").exists() and "(last lines)" not in result.stdout
+
+
+def test_lease_script_gives_a_stage_its_limit_and_the_driver_stage_its_arguments(tmp_path):
+    """A stage keeps the lease's limit for it less 10 s itself (GPU_STAGE_BUDGET_S, read by .ci/gpu/stage.py), so
+    it stops with its table and wall-time line before the lease's timeout kills it (on the 2026-11-29 lease
+    the driver stage, limited to 240 s, kept its own 480 s); DRIVER_ARGS reach .ci/gpu/driver_runs.py. Here
+    a dry run of one driver run on the CPU under this python."""
+    env = {**os.environ, "OUT": str(tmp_path), "STAGES": "driver", "GPU_PYTHON": sys.executable, "DEADLINE_S": "100",
+           "DRIVER_ARGS": "--dry-run --device cpu --runs lora --steps 3"}
+    result = subprocess.run(["bash", str(GPU_DIR / "lease.sh")], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=120)
+    log = (tmp_path / "driver.log").read_text()
+    assert result.returncode == 0, result.stdout + log
+    assert re.search(r"gpu-driver-runs: dry run ok, wall time [0-9.]+ s \(budget (89|90) s\)", log), log
+    assert "driver runs (" in log and ": lora\n" in log and "--train.steps=3" in log
 
 
 def test_lease_script_benchmarks_judge_one_run_of_the_selected_cases(tmp_path, monkeypatch):

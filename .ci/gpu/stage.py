@@ -21,7 +21,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD_DIR = ROOT / "build"
-STAGE_BUDGET_S = 480  # each stage must end inside 8 minutes on a 16-core H100 node
+# each stage must end inside 8 minutes on a 16-core H100 node; a lease's shorter limit for the stage
+# (.ci/gpu/lease.sh sets GPU_STAGE_BUDGET_S) is kept by the stage itself, so it ends with its table and
+# wall-time line instead of being killed by the lease's timeout
+STAGE_BUDGET_S = float(os.environ.get("GPU_STAGE_BUDGET_S") or 480)
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -25,6 +25,21 @@
 
 namespace pykernels::moe::sm90 {
 
+// (m, n) from the tile's corner of each of a thread's epilogue registers, indexed as the visitor's
+// fragments are: (register, subtile row, subtile column). Not the collective's ConsumerStoreArgs::tCcD:
+// it makes that from the layout of the thread's partition alone, so it counts from the thread's first
+// register (its residue_tCcD likewise), and a thread placing its pairs by it writes them as if they began
+// at row 0, column 0 (seen on the first GPU run: every fused test off by O(1) or NaN, D itself right).
+// The same partition of the tile's identity tensor keeps the thread's offset, as CUTLASS's own store
+// nodes partition their global tensors. Host-checked against the collective's absolute coordinates:
+// tests/kernels/moe/test_gated_act_coords.py.
+template <bool ReferenceSrc, class TileShapeMNK, class EpilogueTile, class TiledCopy>
+CUTLASS_HOST_DEVICE auto tile_register_coords(TileShapeMNK tile_shape_mnk, EpilogueTile epi_tile,
+                                              TiledCopy tiled_copy, int thread_idx) {
+  return cutlass::epilogue::fusion::detail::sm90_partition_for_epilogue<ReferenceSrc>(
+      cute::make_identity_tensor(cute::take<0, 2>(tile_shape_mnk)), epi_tile, tiled_copy, thread_idx);
+}
+
 template <class ElementOut>
 struct Sm90GatedActStore : gemm::Sm90StoreNode {
   struct Arguments {
@@ -46,12 +61,12 @@ struct Sm90GatedActStore : gemm::Sm90StoreNode {
 
   template <class CoordTensor, class Residue>
   struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::EmptyConsumerStoreCallbacks {
-    CUTLASS_DEVICE ConsumerStoreCallbacks(CoordTensor tCcD, Residue residue, ElementOut* rows, int n0,
+    CUTLASS_DEVICE ConsumerStoreCallbacks(CoordTensor tile_coords, Residue residue, ElementOut* rows, int n0,
                                           Params const& params)
-        : tCcD(tCcD), residue(residue), rows(rows), n0(n0), params(params) {}
+        : tile_coords(tile_coords), residue(residue), rows(rows), n0(n0), params(params) {}
 
-    CoordTensor tCcD;  // (m, n) relative to the tile's corner, per register
-    Residue residue;   // the problem's (M, N) relative to the same corner
+    CoordTensor tile_coords;  // (m, n) from the tile's corner, per register
+    Residue residue;   // the problem's (M, N) from the same corner
     ElementOut* rows;  // act_out's row of the group's (and tile's) first row
     int n0;            // the tile's first column of D
     Params const& params;
@@ -62,7 +77,7 @@ struct Sm90GatedActStore : gemm::Sm90StoreNode {
       static_assert(FragmentSize % 2 == 0, "the gated epilogue needs column pairs in every fragment");
       cutlass::NumericArrayConverter<ElementOut, ElementInput, FragmentSize> to_out;
       const cutlass::Array<ElementOut, FragmentSize> out = to_out(frg_input);
-      cute::Tensor coord_mn = tCcD(cute::_, cute::_, cute::_, epi_m, epi_n);
+      cute::Tensor coord_mn = tile_coords(cute::_, cute::_, cute::_, epi_m, epi_n);
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < FragmentSize; i += 2) {
         const int v = epi_v * FragmentSize + i;
@@ -86,8 +101,10 @@ struct Sm90GatedActStore : gemm::Sm90StoreNode {
     const SlotRange group = gemm::group_slots(params.expert_offsets, params.experts, params.slots, int64_t(l));
     ElementOut* rows =
         static_cast<ElementOut*>(params.act_out) + (group.begin + int64_t(m) * tile_m) * params.inner;
-    return ConsumerStoreCallbacks<decltype(args.tCcD), decltype(args.residue_tCcD)>(
-        args.tCcD, args.residue_tCcD, rows, static_cast<int>(n) * tile_n, params);
+    auto tile_coords = tile_register_coords<ReferenceSrc>(args.tile_shape_mnk, args.epi_tile, args.tiled_copy,
+                                                          args.thread_idx);
+    return ConsumerStoreCallbacks<decltype(tile_coords), decltype(args.residue_cD)>(
+        tile_coords, args.residue_cD, rows, static_cast<int>(n) * tile_n, params);
   }
 };
 
