@@ -33,7 +33,7 @@ from driver.data.model_source import model_directory
 from driver.data.adapter_settings import adopt_adapter_settings
 from driver.data.eval_prompts import training_and_eval_prompts
 from driver.data.hub_upload import (HubUploader, HubUploadError, Upload, checkpoint_folder, create_repository,
-                                    trained_upload)
+                                    trained_upload, upload_commands)
 from driver.distributed import world as distributed
 from driver.distributed.fsdp import reshard_before_steps, shard_policy
 from driver.engine import RolloutError, make_generator
@@ -263,9 +263,9 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
                           hub=hub.url if hub is not None and hub.uploaded and not interrupted else None),
               file=terminal.out)
     if hub_failures:  # last: everything is on disk and summarized
-        trained = output_dir / policy.trained_name
+        unsent = hub.unsent or Upload({"": output_dir / policy.trained_name}, "")  # else a background one failed
         raise HubUploadError(f"uploading to {hub.url} failed ({'; '.join(hub_failures)}); everything is in "
-                             f"{output_dir}: upload it with `hf upload {hub.repo_id} {trained}`")
+                             f"{output_dir}: upload it with {upload_commands(hub.repo_id, unsent)}")
     # A rank of torchrun's that received no signal itself stops with the others, said as Ctrl-C's.
     return (interrupt.signal or signal.SIGINT) if interrupted else None
 

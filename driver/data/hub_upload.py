@@ -98,6 +98,12 @@ def upload(repo_id: str, job: Upload) -> None:
     HfApi().create_commit(repo_id, operations, commit_message=job.message)
 
 
+def upload_commands(repo_id: str, job: Upload) -> str:
+    """How to upload job's folders by hand, an `hf upload` each (into its folder of the repository)."""
+    return " and ".join(f"`hf upload {repo_id} {local}{' ' + folder if folder else ''}`"
+                        for folder, local in job.folders.items())
+
+
 def trained_upload(config: Config, repo_id: str, trained: Path, step: int, best: Path | None = None,
                    checkpoint: Path | None = None) -> Upload:
     """The trained adapter (or model) at the repository's root with its model card, eval.save_best's in best/, and
@@ -176,6 +182,7 @@ class HubUploader:
         self.output_dir = output_dir
         self.failures: list[str] = []
         self.uploaded = False  # finish's upload (the final adapter) reached the Hub
+        self.unsent: Upload | None = None  # finish's upload, when it failed: what to upload by hand
         self.condition = threading.Condition()
         self.waiting: tuple[Upload, list[Path]] | None = None  # staged, and its staging directories
         self.finishing = False
@@ -208,6 +215,7 @@ class HubUploader:
             self.thread.join()
         if job is not None:
             self.uploaded = self._attempt(job)
+            self.unsent = None if self.uploaded else job
         return self.failures
 
     def _work(self) -> None:

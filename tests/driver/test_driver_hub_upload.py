@@ -17,7 +17,7 @@ import driver.train
 from driver.checkpoint import CHECKPOINTS
 from driver.cli import ConfigError, load_config
 from driver.config import CheckpointConfig
-from driver.data.hub_upload import HubUploader, Upload, create_repository
+from driver.data.hub_upload import HubUploader, Upload, create_repository, upload_commands
 from tests.hub_stand_in import TOKEN, USER, HubStandIn
 
 
@@ -200,6 +200,11 @@ def test_a_run_stopped_early_uploads_its_checkpoint_alone_under_the_checkpoint_s
     assert repository.files == {"last-checkpoint/trainer_state.pt": b"state 3",
                                 "last-checkpoint/adapter/adapter_model.safetensors": b"weights 3"}
     assert "uploading the checkpoint to" in out.getvalue() and "the adapter goes up at its end" in out.getvalue()
+    hub.fail_commits = 1  # then the message's command uploads that checkpoint, where a resume looks for it
+    uploader = HubUploader(create_repository(config.checkpoint, tmp_path), tmp_path, background=False)
+    assert driver.train.push_final(uploader, config, policy, None, 3, True, True, StringIO(), checkpoint)
+    assert (upload_commands(uploader.repo_id, uploader.unsent)
+            == f"`hf upload {USER}/{tmp_path.name} {checkpoint} last-checkpoint`")
 
 
 def test_a_waiting_upload_is_folded_into_the_next_and_what_only_it_uploads_goes_too(hub, tmp_path):

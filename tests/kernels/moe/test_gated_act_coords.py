@@ -76,12 +76,13 @@ def cutlass_include() -> str:
 def test_the_gated_epilogue_writes_each_register_at_its_place_in_the_tile(tmp_path):
     source, program = tmp_path / "coords.cu", tmp_path / "coords"
     source.write_text(PROGRAM)
-    subprocess.run([NVCC, "-std=c++17", f"-I{ROOT / 'csrc'}", f"-I{cutlass_include()}", str(source), "-o", str(program)],
-                   check=True, capture_output=True, text=True, timeout=300)
+    includes = [f"-I{ROOT / 'csrc'}", f"-I{cutlass_include()}"]
+    subprocess.run([NVCC, "-std=c++17", *includes, str(source), "-o", str(program)], check=True, capture_output=True,
+                   text=True, timeout=300)
     lines = subprocess.run([str(program)], check=True, capture_output=True, text=True, timeout=60).stdout.splitlines()
     assert len(lines) == 4, lines
     for line in lines:
-        name, *fields = line.split()
+        _, *fields = line.split()
         counts = {key: int(value) for key, value in (field.split("=") for field in fields)}
         assert counts["ours_off"] == 0 and counts["covered_once"] == 1, line
         # the collective's tCcD is right only where a thread's first register sits at the tile's corner
