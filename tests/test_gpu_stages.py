@@ -436,7 +436,8 @@ def driver_rows(rewards, loss=0.5):
 def test_driver_stage_checks_each_run_and_times_the_speed_runs_after_their_first_calls():
     """.ci/gpu/driver_runs.py's verdict on a run's metrics.jsonl rows: every step there, loss and grad_norm
     finite, the reward of the last 10 steps above the first 10's (EBFT: its feature-matching loss below);
-    the speed runs' medians leave out the first two steps (the kernels' first calls: 5 s here)."""
+    the speed runs' medians leave out the first two steps (the kernels' first calls: 5 s each here), which the
+    table shows apart."""
     driver = load("driver_runs")
     learnt = [0.1] * 10 + [0.5] * 10 + [0.9] * 10
     lora, ebft = driver.RUNS["lora"], driver.RUNS["ebft"]
@@ -457,7 +458,7 @@ def test_driver_stage_checks_each_run_and_times_the_speed_runs_after_their_first
     assert ours["time/update"] == 0.05
     torch_run["time/update"] = 0.08
     table = driver.table({"speed-ours": (20.0, ours), "speed-torch": (21.0, torch_run)})
-    assert "| speed-ours | 20 | 200.0 | 100.0 | 50.0 | 1.50 | reward 0.000 -> 0.000 |" in table
+    assert "| speed-ours | 20 | 200.0 | 100.0 | 50.0 | 10.0 | 1.50 | reward 0.000 -> 0.000 |" in table
     assert table.endswith("torch / ours = 1.60x")
 
 

@@ -9,12 +9,15 @@ trainer's model (rollout.backend: transformers: the lent nodes have no vLLM).
   mean reward of the last 10 steps above the first 10's (EBFT: its feature-matching loss below). The tiny
   task is learnt inside 40 steps: on CPU in float32 the LoRA run goes from 0.05 to 1.00.
 - speed-ours, speed-torch: a few steps of a model with Qwen2.5-1.5B's layer shapes and 4 of its layers,
-  our kernels against torch's (PEFT's LoRA, torch's logprobs): the medians of time/update after the first
-  two steps (the kernels' first calls) are the driver's end-to-end speed-up of the update.
+  our kernels against torch's (PEFT's LoRA, torch's logprobs), completions of up to 256 tokens (~10k tokens a
+  step: at the examples' 16, on an H200 on 2026-11-29, launches and host work decided the update, 0.97x): the
+  medians of time/update after the first two steps (the kernels' first calls) are the driver's end-to-end
+  speed-up of the update; the table's "first updates" column has those two steps' time (ours took ~15 s
+  more than torch's there).
 - lora-fp16: the LoRA run in float16 (dynamic loss scaling; the others are bfloat16).
 
-A table per run (wall time, medians of time/step, time/generation, time/update, the update's peak memory,
-reward first -> last 10 steps) ends the stage; outputs stay in build/gpu-driver/<run>.
+A table per run (wall time, medians of time/step, time/generation, time/update, the first two steps' time/update,
+the update's peak memory, reward first -> last 10 steps) ends the stage; outputs stay in build/gpu-driver/<run>.
 
     python .ci/gpu/driver_runs.py [--dry-run] [--runs lora,qlora,...] [--steps 40] [--device cuda]
 """
@@ -37,6 +40,7 @@ EXAMPLES = stage.ROOT / "examples"
 LEARNT_OVER = 10  # steps averaged at each end of a run for the learning check
 WARM_STEPS = 2  # steps of a speed run left out of its medians: the kernels' first calls
 SPEED_SHAPE, SPEED_LAYERS, SPEED_STEPS = "qwen2.5-1.5b", 4, 8
+SPEED_TOKENS = "--rollout.sampling.max_tokens=256"  # the tiny tokenizer's 384 tokens: most run to the limit
 
 
 class Run(NamedTuple):
@@ -57,8 +61,8 @@ RUNS = {
     "full": Run("tiny-grpo.yaml", ("--model.adapter=none", "--train.lr=1.0e-3")),  # bf16 on CPU: 0.08 -> 1.00
     # zero_advantage keep: every step trains all its completions (a random model's groups of equal rewards
     # would otherwise leave steps with nothing to update, and medians of nothing)
-    "speed-ours": Run("tiny-grpo.yaml", ("--algo.zero_advantage=keep",), speed=True),
-    "speed-torch": Run("tiny-grpo.yaml", ("--algo.zero_advantage=keep",), kernels="torch", speed=True),
+    "speed-ours": Run("tiny-grpo.yaml", ("--algo.zero_advantage=keep", SPEED_TOKENS), speed=True),
+    "speed-torch": Run("tiny-grpo.yaml", ("--algo.zero_advantage=keep", SPEED_TOKENS), kernels="torch", speed=True),
     # float16 with its loss scale (driver/update/loss_scale.py) through our kernels' fp16 paths; last, so a short
     # lease spends its time on the bf16 runs first
     "lora-fp16": Run("tiny-grpo.yaml", ("--model.dtype=float16",)),
@@ -96,16 +100,17 @@ def check_run(rows: list[dict], steps: int, run: Run) -> tuple[list[str], dict[s
     timed = rows[WARM_STEPS:] if run.speed else rows
     row = {key: medians(timed, key) for key in ("time/step", "time/generation", "time/update")}
     row |= {"memory/update_peak_gib": medians(rows, "memory/update_peak_gib"), "learnt": run.learnt, "first": first,
-            "last": last}
+            "last": last, "first_updates": sum(step.get("time/update", math.nan) for step in rows[:WARM_STEPS])}
     return problems, row
 
 
 def table(results: dict[str, tuple[float, dict[str, float]]]) -> str:
-    lines = ["| run | wall s | step ms | generation ms | update ms | update peak GiB | "
-             f"first -> last {LEARNT_OVER} steps |", "|---|---|---|---|---|---|---|"]
+    lines = [f"| run | wall s | step ms | generation ms | update ms | first {WARM_STEPS} updates s | update peak GiB | "
+             f"first -> last {LEARNT_OVER} steps |", "|---|---|---|---|---|---|---|---|"]
     for name, (wall, row) in results.items():
         ms = [f"{1e3 * row[key]:.1f}" for key in ("time/step", "time/generation", "time/update")]
-        lines.append(f"| {name} | {wall:.0f} | {' | '.join(ms)} | {row['memory/update_peak_gib']:.2f} | "
+        lines.append(f"| {name} | {wall:.0f} | {' | '.join(ms)} | {row['first_updates']:.1f} | "
+                     f"{row['memory/update_peak_gib']:.2f} | "
                      f"{row['learnt']} {row['first']:.3f} -> {row['last']:.3f} |")
     ours, torch_ = results.get("speed-ours"), results.get("speed-torch")
     if ours and torch_:
