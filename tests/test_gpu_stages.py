@@ -172,6 +172,21 @@ def test_build_stage_fails_an_sm90a_build_without_the_hopper_gemm_core():
     assert not [p for p in build.check_families(info) if "Hopper" in p]
 
 
+def test_the_wheels_budget_is_what_a_call_carries_beside_the_checkout(tmp_path):
+    """The device tool carries the checkout's files (tracked, and untracked ones git does not ignore) and the
+    wheelhouse together, 64 MiB at most: the bundle's budget is what the checkout leaves, less 1 MiB."""
+    wheels = load("wheels")
+    assert wheels.BUDGET_BYTES == wheels.CARRY_BYTES - wheels.checkout_bytes() - wheels.MARGIN_BYTES
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / ".gitignore").write_text("wheelhouse/\n")
+    (tmp_path / "tracked.py").write_bytes(b"x" * 1000)
+    subprocess.run(["git", "add", "tracked.py", ".gitignore"], cwd=tmp_path, check=True)
+    (tmp_path / "untracked.md").write_bytes(b"y" * 500)
+    (tmp_path / "wheelhouse").mkdir()
+    (tmp_path / "wheelhouse" / "big.whl").write_bytes(b"z" * 10_000)  # carried as the call's `carry`, not here
+    assert wheels.checkout_bytes(tmp_path) == 1000 + 500 + len("wheelhouse/\n")
+
+
 def run_lease(tmp_path, stages: str) -> subprocess.CompletedProcess:
     """lease.sh with a python that does not exist: nothing is installed or built here."""
     env = {**os.environ, "OUT": str(tmp_path), "STAGES": stages, "GPU_PYTHON": str(tmp_path / "no-python")}
