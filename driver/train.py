@@ -263,7 +263,8 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
                           hub=hub.url if hub is not None and hub.uploaded and not interrupted else None),
               file=terminal.out)
     if hub_failures:  # last: everything is on disk and summarized
-        unsent = hub.unsent or Upload({"": output_dir / policy.trained_name}, "")  # else a background one failed
+        # the final upload's folders, else (a background upload failed) the trained adapter's
+        unsent = hub.unsent.folders if hub.unsent else {"": output_dir / policy.trained_name}
         raise HubUploadError(f"uploading to {hub.url} failed ({'; '.join(hub_failures)}); everything is in "
                              f"{output_dir}: upload it with {upload_commands(hub.repo_id, unsent)}")
     # A rank of torchrun's that received no signal itself stops with the others, said as Ctrl-C's.

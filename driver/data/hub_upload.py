@@ -98,10 +98,10 @@ def upload(repo_id: str, job: Upload) -> None:
     HfApi().create_commit(repo_id, operations, commit_message=job.message)
 
 
-def upload_commands(repo_id: str, job: Upload) -> str:
-    """How to upload job's folders by hand, an `hf upload` each (into its folder of the repository)."""
+def upload_commands(repo_id: str, folders: dict[str, Path]) -> str:
+    """How to upload an Upload's folders by hand, an `hf upload` each (into its folder of the repository)."""
     return " and ".join(f"`hf upload {repo_id} {local}{' ' + folder if folder else ''}`"
-                        for folder, local in job.folders.items())
+                        for folder, local in folders.items())
 
 
 def trained_upload(config: Config, repo_id: str, trained: Path, step: int, best: Path | None = None,

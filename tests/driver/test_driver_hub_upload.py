@@ -203,7 +203,7 @@ def test_a_run_stopped_early_uploads_its_checkpoint_alone_under_the_checkpoint_s
     hub.fail_commits = 1  # then the message's command uploads that checkpoint, where a resume looks for it
     uploader = HubUploader(create_repository(config.checkpoint, tmp_path), tmp_path, background=False)
     assert driver.train.push_final(uploader, config, policy, None, 3, True, True, StringIO(), checkpoint)
-    assert (upload_commands(uploader.repo_id, uploader.unsent)
+    assert (upload_commands(uploader.repo_id, uploader.unsent.folders)
             == f"`hf upload {USER}/{tmp_path.name} {checkpoint} last-checkpoint`")
 
 
