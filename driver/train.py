@@ -233,7 +233,7 @@ def train(config: Config, world: distributed.World, terminal: Terminal, run_star
                 if config.checkpoint.every and step % config.checkpoint.every == 0:
                     saved = save_checkpoint(output_dir, step, policy, optimizer, scheduler, prompts,
                                             config.checkpoint.keep, rollouts.state_dict())
-                    if hub is not None and config.checkpoint.hub_strategy != "end":
+                    if hub is not None and hub.each_save:
                         hub.push(trained_upload(config, hub.repo_id, saved / policy.trained_name, step,
                                                 checkpoint=saved))
         if steps:
@@ -297,7 +297,7 @@ def open_hub(config: Config, world: distributed.World, startup: StartupPhases) -
     with startup.phase("finding or creating the Hugging Face Hub repository",
                        lambda: f"will upload to {hub.url} ({when})"):
         hub = HubUploader(create_repository(checkpoint, config.output_dir), config.output_dir,
-                          background=checkpoint.hub_strategy != "end")
+                          each_save=checkpoint.hub_strategy != "end")
     return hub
 
 

@@ -1,16 +1,19 @@
-"""A local stand-in for the Hugging Face Hub's write API (the Hub cannot be reached from these machines): the four
-endpoints huggingface_hub's create_repo and create_commit call, answered as the Hub answers them, so the real
-client's requests (auth header, preupload, the NDJSON commit with base64 file contents) are what is tested.
-Every file is asked to come as a regular (inline) upload; the real Hub sends large ones through LFS / Xet."""
+"""A local stand-in for the Hugging Face Hub's write API (the Hub cannot be reached from these machines): the
+endpoints huggingface_hub's create_repo, create_commit and list_repo_tree call, answered as the Hub answers them, so
+the real client's requests (auth header, preupload, the NDJSON commit with base64 file contents and deleted files,
+the tree of a folder) are what is tested. Every file is asked to come as a regular (inline) upload; the real Hub
+sends large ones through LFS / Xet. The tree comes in one page (the Hub's hold up to 1000 entries)."""
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import re
 import threading
 from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
+from urllib.parse import unquote
 
 from tests.json_stand_in import JSONHandler
 
@@ -38,6 +41,11 @@ class HubStandIn:
         stand_in = self
 
         class Handler(JSONHandler):
+            def do_GET(self) -> None:
+                if self.headers.get("authorization") != f"Bearer {TOKEN}":
+                    return self.answer(401, {"error": "Invalid credentials in Authorization header"})
+                self.answer(*stand_in.tree(self.path.split("?")[0]))
+
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 if self.headers.get("authorization") != f"Bearer {TOKEN}":
@@ -83,5 +91,21 @@ class HubStandIn:
                     repository.commits.append(line["value"]["summary"])
                 elif line["key"] == "file":
                     repository.files[line["value"]["path"]] = base64.b64decode(line["value"]["content"])
+                elif line["key"] == "deletedFile":
+                    del repository.files[line["value"]["path"]]  # the Hub refuses a missing one: so does this
             return 200, {"commitUrl": f"{self.url}/{match[1]}/commit/{len(repository.commits)}",
                          "commitOid": f"{len(repository.commits):040x}", "pullRequestUrl": None}
+
+    def tree(self, path: str) -> tuple[int, dict | list]:
+        """GET /api/models/{repo}/tree/{revision}/{folder}, recursive: the folder's files (the Hub's fields that
+        huggingface_hub's RepoFile reads); 404 EntryNotFound for a folder holding none."""
+        with self.lock:
+            match = re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/main(?:/(.+))?", path)
+            if match is None or match[1] not in self.repos:
+                return 404, {"error": "Repository not found"}
+            prefix = f"{unquote(match[2]).rstrip('/')}/" if match[2] else ""  # the client quotes the folder's /
+            files = {name: data for name, data in self.repos[match[1]].files.items() if name.startswith(prefix)}
+            if prefix and not files:
+                return 404, {"error": "Entry not found"}
+            return 200, [{"type": "file", "path": name, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
+                         for name, data in sorted(files.items())]

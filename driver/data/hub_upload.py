@@ -7,8 +7,8 @@ adapter once the run ends (with eval.save_best, the best evaluation's adapter go
 every_save also uploads each checkpoint's adapter as it is saved, from a background thread (training does not
 wait; a newer save folds in one still waiting, replacing what both upload). checkpoint and all_checkpoints (as
 transformers names them) upload the whole checkpoint with it, to last-checkpoint/ (each replacing the files of
-the one before: a checkpoint's names do not change within a run, and a leftover file of another run's, say a
-rank's optimizer shard, is one its resume does not read) or to checkpoints/step-NNNNNN/ as in output_dir: a run
+the one before, and deleting what the newer one lacks, say a rank's optimizer shard of a run at another world
+size, so a download is the checkpoint as saved) or to checkpoints/step-NNNNNN/ as in output_dir: a run
 resumes from a download of it (`hf download REPO --include "last-checkpoint/*" --local-dir DIR`, then
 checkpoint.resume=DIR/last-checkpoint), on another machine once this one is gone. Each upload's README.md is a
 model card (model_card). A failed upload never costs the run: everything is on disk, and the message says how to
@@ -31,6 +31,9 @@ from driver.config import CheckpointConfig, Config, is_hub_id
 
 BEST_FOLDER = "best"  # where eval.save_best's adapter goes in the repository
 LAST_CHECKPOINT = "last-checkpoint"  # hub_strategy checkpoint's folder (transformers' name)
+# Folders that hold a copy of one local directory, replaced at each upload: a file the newer copy lacks (an earlier
+# checkpoint's replay state, a shard of a run at another world size) would otherwise stay there and be resumed from.
+MIRRORED = (BEST_FOLDER, LAST_CHECKPOINT)
 STAGING_PREFIX = ".hub-upload-"  # the background uploads' staging directories in output_dir
 
 
@@ -88,14 +91,33 @@ def hub_reason(error: Exception) -> str:
 
 
 def upload(repo_id: str, job: Upload) -> None:
-    """One commit with every file of job's folders."""
-    from huggingface_hub import CommitOperationAdd, HfApi
+    """One commit with every file of job's folders; in a mirrored folder (last-checkpoint/, best/) it also deletes
+    what an earlier upload left there and this one lacks."""
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
 
+    api = HfApi()
     files = {"/".join(filter(None, (folder, path.relative_to(local).as_posix()))): str(path)
              for folder, local in job.folders.items() for path in sorted(local.rglob("*")) if path.is_file()}
     files.update(job.files)
-    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=content) for name, content in files.items()]
-    HfApi().create_commit(repo_id, operations, commit_message=job.message)
+    stale = [path for folder in job.folders if folder in MIRRORED for path in remote_files(api, repo_id, folder)
+             if path not in files]
+    operations = [*(CommitOperationDelete(path_in_repo=path) for path in stale),
+                  *(CommitOperationAdd(path_in_repo=name, path_or_fileobj=content) for name, content in files.items())]
+    api.create_commit(repo_id, operations, commit_message=job.message)
+
+
+def remote_files(api, repo_id: str, folder: str) -> list[str]:
+    """The files under folder in the repository (its path from the root); none before the first upload there."""
+    from huggingface_hub import RepoFile
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        return [entry.path for entry in api.list_repo_tree(repo_id, path_in_repo=folder, recursive=True)
+                if isinstance(entry, RepoFile)]
+    except HfHubHTTPError as error:
+        if error.response is not None and error.response.status_code == 404:  # no such folder yet
+            return []
+        raise
 
 
 def upload_commands(repo_id: str, folders: dict[str, Path]) -> str:
@@ -174,7 +196,8 @@ class HubUploader:
     as hard links, so a checkpoint rotated away meanwhile is still whole), `finish` waits for it, uploads the
     final adapter and returns what failed."""
 
-    def __init__(self, repo_id: str, output_dir: Path, background: bool) -> None:
+    def __init__(self, repo_id: str, output_dir: Path, each_save: bool) -> None:
+        """each_save: every hub_strategy but end, whose one upload is finish's."""
         from huggingface_hub import constants
 
         self.repo_id = repo_id
@@ -188,7 +211,8 @@ class HubUploader:
         self.finishing = False
         for left in output_dir.glob(f"{STAGING_PREFIX}*"):  # a crashed run's staged upload: its hard links only
             shutil.rmtree(left, ignore_errors=True)
-        self.thread = threading.Thread(target=self._work, name="hub-upload", daemon=True) if background else None
+        self.each_save = each_save  # the training loop pushes each checkpoint
+        self.thread = threading.Thread(target=self._work, name="hub-upload", daemon=True) if each_save else None
         if self.thread is not None:
             self.thread.start()
 

@@ -17,7 +17,7 @@ import driver.train
 from driver.checkpoint import CHECKPOINTS
 from driver.cli import ConfigError, load_config
 from driver.config import CheckpointConfig
-from driver.data.hub_upload import HubUploader, Upload, create_repository, upload_commands
+from driver.data.hub_upload import HubUploader, Upload, create_repository, upload, upload_commands
 from tests.hub_stand_in import TOKEN, USER, HubStandIn
 
 
@@ -77,7 +77,7 @@ def test_background_uploads_survive_the_checkpoint_s_removal_and_the_newest_wait
     crashed = tmp_path / ".hub-upload-k3j2"  # a crashed run's staged upload
     (crashed / "0").mkdir(parents=True)
     (crashed / "0" / "adapter_model.safetensors").write_bytes(b"old")
-    uploader = HubUploader("me/x", tmp_path, background=True)
+    uploader = HubUploader("me/x", tmp_path, each_save=True)
     assert not crashed.exists()
     for step in (1, 2, 3):
         adapter = tmp_path / f"step-{step}" / "adapter"
@@ -172,7 +172,7 @@ def test_a_stopped_run_or_one_that_trained_nothing_uploads_nothing(hub, tmp_path
     for interrupted, trained, said in ((True, True, "the run stopped early (continued to its end, it uploads)"),
                                        (False, False, "")):  # a resume of a finished run: nothing new
         out = StringIO()
-        uploader = HubUploader(create_repository(config.checkpoint, tmp_path), tmp_path, background=False)
+        uploader = HubUploader(create_repository(config.checkpoint, tmp_path), tmp_path, each_save=False)
         assert driver.train.push_final(uploader, config, policy, None, 4, interrupted, trained, out) == []
         assert said in out.getvalue() and "uploading" not in out.getvalue()
     assert hub.repos[f"{USER}/{tmp_path.name}"].commits == []
@@ -193,7 +193,7 @@ def test_a_run_stopped_early_uploads_its_checkpoint_alone_under_the_checkpoint_s
     policy = SimpleNamespace(trained_name="adapter")
     for trained in (False, True):
         out = StringIO()
-        uploader = HubUploader(create_repository(config.checkpoint, tmp_path), tmp_path, background=False)
+        uploader = HubUploader(create_repository(config.checkpoint, tmp_path), tmp_path, each_save=False)
         assert driver.train.push_final(uploader, config, policy, None, 3, True, trained, out, checkpoint) == []
     repository = hub.repos[f"{USER}/{tmp_path.name}"]
     assert repository.commits == ["checkpoint after step 3 (stopped early)"]
@@ -201,10 +201,38 @@ def test_a_run_stopped_early_uploads_its_checkpoint_alone_under_the_checkpoint_s
                                 "last-checkpoint/adapter/adapter_model.safetensors": b"weights 3"}
     assert "uploading the checkpoint to" in out.getvalue() and "the adapter goes up at its end" in out.getvalue()
     hub.fail_commits = 1  # then the message's command uploads that checkpoint, where a resume looks for it
-    uploader = HubUploader(create_repository(config.checkpoint, tmp_path), tmp_path, background=False)
+    uploader = HubUploader(create_repository(config.checkpoint, tmp_path), tmp_path, each_save=False)
     assert driver.train.push_final(uploader, config, policy, None, 3, True, True, StringIO(), checkpoint)
     assert (upload_commands(uploader.repo_id, uploader.unsent.folders)
             == f"`hf upload {USER}/{tmp_path.name} {checkpoint} last-checkpoint`")
+
+
+def test_last_checkpoint_and_best_hold_the_newest_copy_alone_and_the_rest_of_the_repository_stays(hub, tmp_path):
+    """A mirrored folder's files the newer copy lacks (a rank's optimizer shard of a run at another world size) are
+    deleted in the same commit; a download of last-checkpoint/ is then the checkpoint as saved. Files outside the
+    mirrored folders (the adapter at the root, all_checkpoints' folders) stay."""
+    create_repository(CheckpointConfig(push_to_hub=True, hub_model_id="me/m"), tmp_path)
+    files = hub.repos["me/m"].files
+
+    def saved(name: str, contents: dict[str, bytes]):
+        for path, data in contents.items():
+            (tmp_path / name / path).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name / path).write_bytes(data)
+        return tmp_path / name
+
+    two_ranks = saved("step-2", {"optimizer/__0_0.distcp": b"a", "optimizer/__1_0.distcp": b"b", "state.pt": b"2"})
+    one_rank = saved("step-3", {"optimizer/__0_0.distcp": b"c", "state.pt": b"3"})
+    adapter = saved("adapter", {"adapter_model.safetensors": b"w"})
+    upload("me/m", Upload({"": adapter, "last-checkpoint": two_ranks, "best": two_ranks,
+                           "checkpoints/step-000002": two_ranks}, "step 2"))
+    assert len(files) == 10
+    upload("me/m", Upload({"last-checkpoint": one_rank, "best": one_rank}, "step 3"))
+    for mirrored in ("last-checkpoint", "best"):
+        assert {name: data for name, data in files.items() if name.startswith(mirrored + "/")} == {
+            f"{mirrored}/optimizer/__0_0.distcp": b"c", f"{mirrored}/state.pt": b"3"}
+    assert files["adapter_model.safetensors"] == b"w"
+    assert files["checkpoints/step-000002/optimizer/__1_0.distcp"] == b"b"
+    assert hub.repos["me/m"].commits == ["step 2", "step 3"]
 
 
 def test_a_waiting_upload_is_folded_into_the_next_and_what_only_it_uploads_goes_too(hub, tmp_path):
@@ -212,7 +240,7 @@ def test_a_waiting_upload_is_folded_into_the_next_and_what_only_it_uploads_goes_
     carry is the newer's. The first upload is held in flight (the stand-in's commits closed) so the next two meet
     waiting."""
     create_repository(CheckpointConfig(push_to_hub=True, hub_model_id="me/x"), tmp_path)
-    uploader = HubUploader("me/x", tmp_path, background=True)
+    uploader = HubUploader("me/x", tmp_path, each_save=True)
     hub.commits_open.clear()
 
     def push(step: int) -> None:
