@@ -276,13 +276,13 @@ def body(args, started: float) -> int:
     print("objects: " + check_links(objects, args.build_dir))
     size = pack(objects, args.build_dir, key, out)
     total = size + wheels_bytes(args.dest)
-    if total > wheels.BUDGET_BYTES:
+    if total > wheels.budget_bytes():
         out.unlink()
         raise stage.StageError(f"the wheels and the kernels ({size / 2**20:.1f} MiB) take {total / 2**20:.1f} MiB, "
-                               f"over the {wheels.BUDGET_BYTES / 2**20:.0f} MiB budget: no bundle written "
+                               f"over the {wheels.budget_bytes() / 2**20:.0f} MiB budget: no bundle written "
                                "(gpu-build compiles the kernels on the node)")
     print(f"{out}: {len(objects)} objects, {size / 2**20:.1f} MiB; with the wheels {total / 2**20:.1f} MiB "
-          f"(budget {wheels.BUDGET_BYTES / 2**20:.0f} MiB)")
+          f"(budget {wheels.budget_bytes() / 2**20:.0f} MiB)")
     return 0
 
 

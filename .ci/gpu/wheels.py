@@ -13,6 +13,7 @@ of torch and transformers is dropped, and the rest is downloaded with exact pins
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -46,8 +47,11 @@ def checkout_bytes(root: Path = stage.ROOT) -> int:
     return sum(path.stat().st_size for path in paths if path.is_file() and not path.is_symlink())
 
 
-# the wheels and prebuilt kernels fit beside the checkout in one call (60 MiB while the checkout was 3.7 MiB)
-BUDGET_BYTES = CARRY_BYTES - checkout_bytes() - MARGIN_BYTES
+@functools.cache
+def budget_bytes() -> int:
+    """What the wheels and prebuilt kernels may take beside the checkout in one call (60 MiB while the checkout
+    was 3.7 MiB). Asked when needed, once: importing this module runs no git."""
+    return CARRY_BYTES - checkout_bytes() - MARGIN_BYTES
 ON_IMAGE = ("torch", "transformers")  # with everything they require: a CUDA torch image has them
 LEFT_OUT = {  # pyproject requirements the GPU stages do not import
     "ruff": "lint runs on the CPU machines",
@@ -151,7 +155,7 @@ def write_manifest(wheel_dir: Path) -> dict:
 
 def over_budget(manifest: dict) -> str:
     largest = sorted(manifest["wheels"], key=lambda wheel: -wheel["size"])[:5]
-    return (f"the wheels take {manifest['total_bytes'] / 2**20:.1f} MiB, over the {BUDGET_BYTES / 2**20:.0f} MiB "
+    return (f"the wheels take {manifest['total_bytes'] / 2**20:.1f} MiB, over the {budget_bytes() / 2**20:.0f} MiB "
             "budget; largest: " + ", ".join(f"{w['file']} ({w['size'] / 2**20:.1f} MiB)" for w in largest))
 
 
@@ -197,21 +201,21 @@ def body(args, started: float) -> int:
     print("left out: " + "; ".join(f"{name} ({why})" for name, why in left_out.items()))
     manifest = download(resolve(bundle, image, args.dry_run), args.dest, args.dry_run)
     for name in OPTIONAL:
-        if manifest is not None and manifest["total_bytes"] > BUDGET_BYTES and name in {w["name"] for w in
-                                                                                         manifest["wheels"]}:
+        if (manifest is not None and manifest["total_bytes"] > budget_bytes()
+                and name in {w["name"] for w in manifest["wheels"]}):
             print(f"note: {over_budget(manifest)}: leaving out {name}")
             bundle = [req for req in bundle if requirement_name(req) != name]
             manifest = download(resolve(bundle, image, False), args.dest, False)
     if manifest is None:
         return 0
-    if manifest["total_bytes"] > BUDGET_BYTES:
+    if manifest["total_bytes"] > budget_bytes():
         raise stage.StageError(over_budget(manifest))
     for wheel in manifest["wheels"]:
         print(f"  {wheel['size'] / 2**20:6.2f} MiB  {wheel['file']}")
     print(f"{args.dest}: {manifest['count']} wheels, {manifest['total_bytes'] / 2**20:.1f} MiB "
-          f"(budget {BUDGET_BYTES / 2**20:.0f} MiB), manifest {args.dest / 'MANIFEST.json'}")
+          f"(budget {budget_bytes() / 2**20:.0f} MiB), manifest {args.dest / 'MANIFEST.json'}")
     kernel_bytes = sum(path.stat().st_size for path in (args.dest / kernels.BUNDLE_DIR).glob("*.tar.xz"))
-    if manifest["total_bytes"] + kernel_bytes > BUDGET_BYTES:  # the budget is what a lease can carry
+    if manifest["total_bytes"] + kernel_bytes > budget_bytes():  # the budget is what a lease can carry
         print(f"note: with the prebuilt kernels ({kernel_bytes / 2**20:.1f} MiB) the wheelhouse is over the budget: "
               "`make gpu-kernels` again leaves them out (gpu-build then compiles them on the node)")
     return 0
