@@ -11,7 +11,7 @@ experts' LoRA products (PYKERNELS_SM90_MOE_LORA, moe/moe.h: extra K of the base 
 GEMMs), both ways of reading the QLoRA forward's NF4 weight (PYKERNELS_SM90_NF4,
 nf4/nf4_gemm_sm90.h: dequantized chunks for cuBLAS, or decoded in the GEMM's mainloop) and both NF4
 dequantize kernels (PYKERNELS_NF4_DEQUANT, nf4/nf4.h: a warp per 1024 values with 16-byte loads,
-or a thread per store unit; the benchmarks' shapes, in GB/s beside a copy of the same output) and the
+or a thread per store unit; the benchmarks' shapes, in GB/s beside a copy and a zeroing of the same output) and the
 QLoRA GEMMs' chunks of W (PYKERNELS_NF4_CHUNK_MIB, lora/nf4_chunks.h: grown until a chunk's GEMM fills
 the GPU, or 16 MiB), both ways of running the experts' gated activation (PYKERNELS_SM90_MOE_ACT,
 pykernels/ops/moe.py: its own pass after the gate_up GEMM, or in that GEMM's epilogue,
@@ -219,6 +219,9 @@ def nf4_dequant_cases():
         out = torch.empty_like(x)
         yield (f"copy of the bf16 output {shape_name} (reference: bytes read + written)",
                lambda out=out, x=x: out.copy_(x), 2 * x.numel() * 2)
+        # The dequantize writes 4 bytes for each it reads: whether writes alone reach the copy's rate says whether
+        # issue 20's 85% of copy is this traffic's to reach (a memset: the card's write ceiling).
+        yield (f"zeroing of the bf16 output {shape_name} (reference: bytes written)", out.zero_, x.numel() * 2)
         yield (f"nf4 dequantize {shape_name} bf16, blocksize 64, double-quantized",
                lambda w=weight: nf4.dequantize(w), moved)
 
