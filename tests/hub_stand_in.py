@@ -86,19 +86,23 @@ class HubStandIn:
                 self.fail_commits -= 1
                 return 503, {"error": "Service Unavailable"}
             lines = [json.loads(line) for line in body.splitlines() if line.strip()]
+            missing = [line["value"]["path"] for line in lines
+                       if line["key"] == "deletedFile" and line["value"]["path"] not in repository.files]
+            if missing:  # the Hub refuses the whole commit
+                return 404, {"error": f"File not found: {missing[0]}"}
             for line in lines:
                 if line["key"] == "header":
                     repository.commits.append(line["value"]["summary"])
                 elif line["key"] == "file":
                     repository.files[line["value"]["path"]] = base64.b64decode(line["value"]["content"])
                 elif line["key"] == "deletedFile":
-                    del repository.files[line["value"]["path"]]  # the Hub refuses a missing one: so does this
+                    del repository.files[line["value"]["path"]]
             return 200, {"commitUrl": f"{self.url}/{match[1]}/commit/{len(repository.commits)}",
                          "commitOid": f"{len(repository.commits):040x}", "pullRequestUrl": None}
 
     def tree(self, path: str) -> tuple[int, dict | list]:
         """GET /api/models/{repo}/tree/{revision}/{folder}, recursive: the folder's files (the Hub's fields that
-        huggingface_hub's RepoFile reads); 404 EntryNotFound for a folder holding none."""
+        huggingface_hub's RepoFile reads); 404 for a folder holding none."""
         with self.lock:
             match = re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/main(?:/(.+))?", path)
             if match is None or match[1] not in self.repos:

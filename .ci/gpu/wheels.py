@@ -52,6 +52,8 @@ def budget_bytes() -> int:
     """What the wheels and prebuilt kernels may take beside the checkout in one call (60 MiB while the checkout
     was 3.7 MiB). Asked when needed, once: importing this module runs no git."""
     return CARRY_BYTES - checkout_bytes() - MARGIN_BYTES
+
+
 ON_IMAGE = ("torch", "transformers")  # with everything they require: a CUDA torch image has them
 LEFT_OUT = {  # pyproject requirements the GPU stages do not import
     "ruff": "lint runs on the CPU machines",
