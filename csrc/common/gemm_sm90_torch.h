@@ -36,9 +36,6 @@ inline at::Tensor sm90_workspace(int64_t bytes, int device) {
   return at::empty({bytes}, at::TensorOptions().device(at::kCUDA, device).dtype(at::kByte));
 }
 
-// Runs g on the tile PYKERNELS_SM90_TILE names and in the tile order PYKERNELS_SM90_RASTER names
-// (both read on every call, so one process can time every choice: benchmarks/tile_sweep.py), else
-// the defaults (common/sm90_tiles.h, common/sm90_tile_order.h).
 // The tile PYKERNELS_SM90_TILE names for g, else the default's rule.
 inline Sm90Tile sm90_tile_of(const GroupedGemmSm90Params& g) {
   Sm90Tile tile = Sm90Tile::k128x128;
@@ -47,7 +44,10 @@ inline Sm90Tile sm90_tile_of(const GroupedGemmSm90Params& g) {
   return tile;
 }
 
-// keep_tile: run on g.tile as given (a caller that had to choose, the gated GEMM).
+// Runs g on the tile PYKERNELS_SM90_TILE names and in the tile order PYKERNELS_SM90_RASTER names
+// (both read on every call, so one process can time every choice: benchmarks/tile_sweep.py), else
+// the defaults (common/sm90_tiles.h, common/sm90_tile_order.h). keep_tile: run on g.tile as given (a
+// caller that had to choose, the gated GEMM).
 inline void run_grouped_gemm_sm90(GroupedGemmSm90Params g, int device, cudaStream_t stream, bool keep_tile = false) {
   if (!keep_tile) g.tile = sm90_tile_of(g);
   const char* order_error = sm90_tile_order_for(std::getenv("PYKERNELS_SM90_RASTER"), &g.order);
