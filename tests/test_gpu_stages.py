@@ -232,7 +232,11 @@ def test_lease_script_gives_a_stage_its_limit_and_the_driver_stage_its_arguments
                             timeout=120)
     log = (tmp_path / "driver.log").read_text()
     assert result.returncode == 0, result.stdout + log
-    assert re.search(r"gpu-driver-runs: dry run ok, wall time [0-9.]+ s \(budget (89|90) s\)", log), log
+    # The limit is what the 100 s deadline leaves once the script is up (a second or two on a loaded machine: CI
+    # saw 98); the stage's budget is that limit less 10 s, whatever it was.
+    limit = re.search(r"== driver \(limit ([0-9]+) s\)", log)
+    budget = re.search(r"gpu-driver-runs: dry run ok, wall time [0-9.]+ s \(budget ([0-9]+) s\)", log)
+    assert limit and budget and 90 <= int(limit[1]) <= 100 and int(budget[1]) == int(limit[1]) - 10, log
     assert "driver runs (" in log and ": lora\n" in log and "--train.steps=3" in log
 
 
