@@ -211,10 +211,14 @@ class HubUploader:
         self.finishing = False
         for left in output_dir.glob(f"{STAGING_PREFIX}*"):  # a crashed run's staged upload: its hard links only
             shutil.rmtree(left, ignore_errors=True)
-        self.each_save = each_save  # the training loop pushes each checkpoint
         self.thread = threading.Thread(target=self._work, name="hub-upload", daemon=True) if each_save else None
         if self.thread is not None:
             self.thread.start()
+
+    @property
+    def each_save(self) -> bool:
+        """The training loop pushes each checkpoint (to the background thread, which only each_save has)."""
+        return self.thread is not None
 
     def push(self, job: Upload) -> None:
         """Uploaded in the background; one still waiting is folded into this newer one: what both upload (the
