@@ -6,7 +6,10 @@ cuBLAS's base GEMM with the LoRA term as its C operand) and the backward's grad_
 (PYKERNELS_SM90_LORA_GRAD_X: cuBLAS's dy W plus the rank term, or one extra-K GEMM), the rank products
 with fp32 adapters (PYKERNELS_LORA_RANK_GEMM, lora/lora_rank_pieces.h: bf16 pieces on tensor cores, or
 SIMT fp32; r 16 and 64), the core's tile orders (PYKERNELS_SM90_RASTER, common/sm90_tile_order.h:
-raster direction and swizzle, on MoE and the LoRA forward), both of the
+raster direction and swizzle, on MoE and the LoRA forward), the core's two kernels for a dense GEMM
+(PYKERNELS_SM90_DENSE, common/sm90_dense_plain.h: the ptr-array kernel with one group, or CUTLASS's plain
+one-problem kernel; on the LoRA forward's cases, where the MoE op's row runs grouped, the same under
+both), both of the
 experts' LoRA products (PYKERNELS_SM90_MOE_LORA, moe/moe.h: extra K of the base GEMM, or their own
 GEMMs), both ways of reading the QLoRA forward's NF4 weight (PYKERNELS_SM90_NF4,
 nf4/nf4_gemm_sm90.h: dequantized chunks for cuBLAS, or decoded in the GEMM's mainloop) and both NF4
@@ -73,6 +76,7 @@ LORA_FORWARDS = ("extended_k", "cublas", "extended_k@128x128", "extended_k@128x2
 LORA_GRAD_XS = ("cublas", "extended_k")  # the first is the default (lora/lora_extended_k.h)
 LORA_RANK_GEMMS = ("tensor_core", "simt")  # the first is the default (lora/lora_rank_pieces.h)
 RASTERS = ("m1", "m2", "m4", "m8", "n1", "n2", "n4", "n8")  # the first is the default (common/sm90_tile_order.h)
+DENSES = ("array", "plain")  # the first is the default (common/sm90_dense_plain.h)
 MOE_LORAS = ("extra_k", "separate")  # the first is the default (moe/moe.h)
 MOE_ACTS = ("separate", "epilogue")  # the first is the default (pykernels/ops/moe.py)
 MOE_GATHERS = ("pass", "mainloop")  # the first is the default (moe/moe.h)
@@ -276,6 +280,7 @@ CASES = {"moe": (moe_cases, "PYKERNELS_SM90_TILE", "tiles"), "lora": (lora_cases
          "lora_grad_x": (lora_cases, "PYKERNELS_SM90_LORA_GRAD_X", "lora_grad_xs"),
          "lora_rank": (lora_rank_cases, "PYKERNELS_LORA_RANK_GEMM", "lora_rank_gemms"),
          "raster": (raster_cases, "PYKERNELS_SM90_RASTER", "rasters"),
+         "dense": (lora_forward_cases, "PYKERNELS_SM90_DENSE", "denses"),
          "moe_lora": (moe_lora_cases, "PYKERNELS_SM90_MOE_LORA", "moe_loras"),
          "moe_act": (moe_cases, "PYKERNELS_SM90_MOE_ACT", "moe_acts"),
          "moe_gather": (moe_epilogue_act_cases, "PYKERNELS_SM90_MOE_GATHER", "moe_gathers"),
@@ -340,6 +345,7 @@ CHOICE_ARGS = {"tiles": (TILES, "the GEMM core's tiles"),
                "lora_grad_xs": (LORA_GRAD_XS, "the LoRA backward's ways of computing grad_x"),
                "lora_rank_gemms": (LORA_RANK_GEMMS, "the LoRA rank products' ways with fp32 factors"),
                "rasters": (RASTERS, "the GEMM core's tile orders"),
+               "denses": (DENSES, "the GEMM core's kernels for a dense GEMM (the LoRA forward's)"),
                "moe_loras": (MOE_LORAS, "the experts' LoRA products' ways"),
                "moe_acts": (MOE_ACTS, "the experts' gated activation's ways"),
                "moe_gathers": (MOE_GATHERS, "the experts' ways of reading rows by token"),

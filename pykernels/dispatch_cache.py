@@ -73,6 +73,7 @@ KERNEL_KNOBS = {
     "sm90_logprobs_tile": "PYKERNELS_SM90_LOGPROBS_TILE",  # the lm_head GEMMs' (logprobs/logprobs_sm90.h)
     "sm90_logprobs_fold": "PYKERNELS_SM90_LOGPROBS_FOLD",  # their statistics epilogue's (the same file)
     "sm90_raster": "PYKERNELS_SM90_RASTER",  # the core's tile order (common/sm90_tile_order.h)
+    "sm90_dense": "PYKERNELS_SM90_DENSE",  # the core's kernel for a dense GEMM (common/sm90_dense_plain.h)
     "sm90_lora_forward": "PYKERNELS_SM90_LORA",  # the LoRA forward's GEMM (lora/lora_extended_k.h)
     "sm90_lora_grad_x": "PYKERNELS_SM90_LORA_GRAD_X",  # its grad_x's (lora/lora_extended_k.h)
     "lora_rank_gemm": "PYKERNELS_LORA_RANK_GEMM",  # its rank products (lora/lora_rank_pieces.h)

@@ -289,8 +289,9 @@ def test_tile_sweep_names_what_it_needs(monkeypatch):
     assert refusal("--nf4-forwards", "fused") == "unknown choice fused: --nf4-forwards takes dequantize, mainloop"
     assert refusal("--lora-rank-gemms", "tf32") == "unknown choice tf32: --lora-rank-gemms takes tensor_core, simt"
     assert refusal("--rasters", "m1,m3") == "unknown choice m3: --rasters takes m1, m2, m4, m8, n1, n2, n4, n8"
+    assert refusal("--denses", "cublas") == "unknown choice cublas: --denses takes array, plain"
     assert refusal("--ops", "moe,mlp") == ("unknown op mlp: moe, lora, logprobs, logprobs_fold, lora_forward, "
-                                           "lora_grad_x, lora_rank, raster, moe_lora, moe_act, moe_gather, "
+                                           "lora_grad_x, lora_rank, raster, dense, moe_lora, moe_act, moe_gather, "
                                            "qlora_forward, nf4_dequant, nf4_chunks")
     assert refusal("--nf4-dequants", "threads") == "unknown choice threads: --nf4-dequants takes warps, units"
     assert refusal("--nf4-chunks", "auto,64") == "unknown choice 64: --nf4-chunks takes auto, 16"
@@ -390,7 +391,7 @@ def test_prebuilt_kernels_are_unpacked_for_a_build_of_the_same_sources(tmp_path)
     ("cutlass", "3.9.2", "built for CUTLASS version 3.9.2"),
     ("files", {"csrc/moe/moe.h": "0" * 64}, "built from other sources: csrc/moe/moe.h differ"),
     ("files", {"csrc/moe/gone.cuh": "0" * 64}, "built from other sources: csrc/moe/gone.cuh differ"),
-    ("kernel_sources", ["csrc/moe/moe_gemm.cu"], "built from other kernel files: csrc/common/gemm_sm80.cu"),
+    ("kernel_sources", ["csrc/moe/moe_gemm.cu"], "built from other kernel files: csrc/common/dense_gemm_plain_sm90.cu"),
 ])
 def test_prebuilt_kernels_of_other_sources_or_tools_are_compiled_again(tmp_path, field, value, reason):
     """A bundle compiled from another version of a file its objects include (a header edited, or gone,

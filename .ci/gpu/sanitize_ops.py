@@ -144,9 +144,23 @@ def run_moe_act(device: str) -> None:
             os.environ[name] = value
 
 
+def run_lora_on_the_wide_tile(device: str) -> None:
+    """run_lora with the core's 128x256 tile forced (its few rows pick 128x128): the tile the plain dense
+    kernel (PYKERNELS_SM90_DENSE=plain, common/sm90_dense_plain.h) is built on."""
+    saved = os.environ.get("PYKERNELS_SM90_TILE")
+    os.environ["PYKERNELS_SM90_TILE"] = "128x256"
+    try:
+        run_lora(device)
+    finally:
+        if saved is None:
+            os.environ.pop("PYKERNELS_SM90_TILE")
+        else:
+            os.environ["PYKERNELS_SM90_TILE"] = saved
+
+
 FAMILIES = {"nf4": run_nf4, "lora": run_lora, "logprobs": run_logprobs, "moe": run_moe}
 # Families that run only under one of OTHER_SETTINGS (their default is another family's run).
-SETTING_FAMILIES = {"moe_act": run_moe_act}
+SETTING_FAMILIES = {"moe_act": run_moe_act, "lora_wide": run_lora_on_the_wide_tile}
 
 
 # The Hopper kernels' other settings, each with the family it runs: every core tile forced (the default
@@ -157,7 +171,8 @@ SETTING_FAMILIES = {"moe_act": run_moe_act}
 # (moe/moe.h), the NF4 dequantize by store units (nf4/nf4.h), the logprobs statistics folded on a
 # lazy reference (logprobs/logprobs_sm90.h), the experts' activation in the gated gate_up GEMM's
 # epilogue on each tile (common/paired_rows.h), and the experts' rows gathered in the GEMMs' mainloop
-# (moe/moe.h), under both activation settings.
+# (moe/moe.h), under both activation settings; and the LoRA forward on the plain dense kernel
+# (common/sm90_dense_plain.h).
 OTHER_SETTINGS = [("PYKERNELS_SM90_TILE", tile, "moe") for tile in _C.host_logic.gemm_sm90_tiles] + [
     ("PYKERNELS_SM90_LOGPROBS_TILE", tile, "logprobs") for tile in _C.host_logic.logprobs_sm90_tiles[1:]] + [
     ("PYKERNELS_SM90_LORA", "cublas", "lora"), ("PYKERNELS_SM90_LORA_GRAD_X", "extended_k", "lora"),
@@ -165,7 +180,7 @@ OTHER_SETTINGS = [("PYKERNELS_SM90_TILE", tile, "moe") for tile in _C.host_logic
     ("PYKERNELS_SM90_NF4", "mainloop", "lora"), ("PYKERNELS_SM90_MOE_LORA", "separate", "moe"),
     ("PYKERNELS_NF4_DEQUANT", "units", "nf4"), ("PYKERNELS_SM90_LOGPROBS_FOLD", "lazy_max", "logprobs")] + [
     ("PYKERNELS_SM90_MOE_ACT", "epilogue", "moe_act"), ("PYKERNELS_SM90_MOE_GATHER", "mainloop", "moe_act"),
-    ("PYKERNELS_SM90_MOE_GATHER", "mainloop", "moe")]
+    ("PYKERNELS_SM90_MOE_GATHER", "mainloop", "moe"), ("PYKERNELS_SM90_DENSE", "plain", "lora_wide")]
 
 
 def run_family(family: str, device: str, setting: str = "") -> None:

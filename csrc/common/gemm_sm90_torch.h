@@ -17,6 +17,7 @@
 
 #include "common/gemm_sm90_dense.h"
 #include "common/grouped_gemm_sm90.h"
+#include "common/sm90_dense_plain.h"
 #include "common/gemm_sm80.h"
 
 namespace pykernels::gemm {
@@ -44,14 +45,17 @@ inline Sm90Tile sm90_tile_of(const GroupedGemmSm90Params& g) {
   return tile;
 }
 
-// Runs g on the tile PYKERNELS_SM90_TILE names and in the tile order PYKERNELS_SM90_RASTER names
-// (both read on every call, so one process can time every choice: benchmarks/tile_sweep.py), else
-// the defaults (common/sm90_tiles.h, common/sm90_tile_order.h). keep_tile: run on g.tile as given (a
-// caller that had to choose, the gated GEMM).
+// Runs g on the tile PYKERNELS_SM90_TILE names, in the tile order PYKERNELS_SM90_RASTER names and, for
+// a dense GEMM, on the kernel PYKERNELS_SM90_DENSE names (each read on every call, so one process can
+// time every choice: benchmarks/tile_sweep.py), else the defaults (common/sm90_tiles.h,
+// common/sm90_tile_order.h, common/sm90_dense_plain.h). keep_tile: run on g.tile as given (a caller
+// that had to choose, the gated GEMM).
 inline void run_grouped_gemm_sm90(GroupedGemmSm90Params g, int device, cudaStream_t stream, bool keep_tile = false) {
   if (!keep_tile) g.tile = sm90_tile_of(g);
   const char* order_error = sm90_tile_order_for(std::getenv("PYKERNELS_SM90_RASTER"), &g.order);
   TORCH_CHECK_VALUE(order_error == nullptr, order_error);
+  const char* dense_error = sm90_dense_plain_for(std::getenv("PYKERNELS_SM90_DENSE"), &g.plain);
+  TORCH_CHECK_VALUE(dense_error == nullptr, dense_error);
   const at::Tensor workspace = sm90_workspace(grouped_gemm_sm90_workspace_bytes(g, device), device);
   const char* error = launch_grouped_gemm_sm90(g, workspace.data_ptr(), device, stream);
   TORCH_CHECK(error == nullptr, error);

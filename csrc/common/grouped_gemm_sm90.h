@@ -71,6 +71,7 @@ struct GroupedGemmSm90Params {
   void* act_out;                  // gated: bf16 [slots, n / 2], or null (not gated)
   moe::GatedActSpec act_spec;
   const int64_t* a_rows;          // gathered A: a's row of each slot, or null (a in slot order)
+  bool plain;                     // a dense GEMM asks for the plain kernel (common/sm90_dense_plain.h)
 };
 
 // The mean group's M, for the tile rule (sm90_tile_for): a rows GEMM's slots per group, a weight

@@ -21,6 +21,7 @@
 
 #include "common/gemm_groups.h"
 #include "common/gemm_sm90_dense.h"
+#include "common/sm90_dense_plain.h"
 #include "common/grouped_gemm_sm90.h"
 #include "common/online_softmax.h"
 #include "common/tails.h"
@@ -90,6 +91,30 @@ py::object gemm_sm90_dense(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t
   const char* error = gemm::grouped_gemm_sm90_error(g);
   return py::make_tuple(kind_name(g.kind), g.slots, g.m, g.n, g.k,
                         error ? py::object(py::str(error)) : py::object(py::none()));
+}
+
+// common/sm90_dense_plain.h: whether the plain kernel takes a 256 x 256 x 256 GEMM of the LoRA and logprobs
+// ops (through dense_gemm_as_group) run on `tile`, with extra K, as a grouped (MoE) call, gated or gathered.
+bool gemm_sm90_plain_takes(bool a_transposed, bool b_transposed, const std::string& d_dtype, const std::string& tile,
+                           bool extra_k, bool grouped, bool gated, bool gathered) {
+  static const int64_t offsets[3] = {0, 128, 256};
+  gemm::GemmParams p{};
+  p.m = p.n = p.k = p.lda = p.ldb = p.ldd = p.ldc = 256;
+  p.a = fake_address(0, false), p.b = fake_address(1, false), p.d = const_cast<void*>(fake_address(2, false));
+  p.a_transposed = a_transposed, p.b_transposed = b_transposed;
+  p.ab_dtype = DType::kBFloat16, p.d_dtype = dtype_named(d_dtype), p.alpha = 1.0f;
+  gemm::GroupedGemmSm90Params g{};
+  if (!gemm::dense_gemm_as_group(p, g)) return false;
+  bool named = false;
+  for (const gemm::Sm90Tile candidate : gemm::kSm90Tiles) {
+    if (tile == gemm::sm90_tile_name(candidate)) g.tile = candidate, named = true;
+  }
+  require(named, "tile must be one of gemm_sm90_tiles");
+  if (extra_k) g.a2 = fake_address(3, false), g.b2 = fake_address(4, false), g.k2 = 64;
+  if (grouped) g.expert_offsets = offsets, g.experts = 2;
+  if (gated) g.act_out = const_cast<void*>(fake_address(5, false));
+  if (gathered) g.a_rows = offsets;
+  return gemm::sm90_plain_takes(g);
 }
 
 // The launcher's parameter check on a grouped call (MoE: expert_offsets given) or a dense one.
@@ -710,6 +735,10 @@ void define_host_logic(py::module_& m) {
   m.def("gemm_sm90_dense", &gemm_sm90_dense, py::arg("m"), py::arg("n"), py::arg("k"), py::arg("lda"),
         py::arg("ldb"), py::arg("ldd"), py::arg("a_transposed"), py::arg("b_transposed"), py::arg("ab_dtype"),
         py::arg("d_dtype"), py::arg("accumulate"), py::arg("misaligned") = false);
+  m.def("gemm_sm90_plain_takes", &gemm_sm90_plain_takes, py::arg("a_transposed"), py::arg("b_transposed"),
+        py::arg("d_dtype"), py::arg("tile"), py::arg("extra_k") = false, py::arg("grouped") = false,
+        py::arg("gated") = false, py::arg("gathered") = false);
+  def_two_way_knob(m, "gemm_sm90_dense_kernel", &gemm::sm90_dense_plain_for, "plain", "array");
   m.def("gemm_sm90_gated_error", &gemm_sm90_gated_error, py::arg("kind"), py::arg("n"), py::arg("k"), py::arg("tile"),
         py::arg("d_dtype") = "bf16", py::arg("accumulate") = false, py::arg("k2") = 0);
   m.def("gemm_paired_rows_tile", &gemm_paired_rows_tile, py::arg("inner"), py::arg("k"), py::arg("ldb"),

@@ -354,6 +354,28 @@ def test_sm90_tile_order_choice():
             H.gemm_sm90_tile_order(refused)
 
 
+def test_sm90_dense_kernel_choice():
+    """PYKERNELS_SM90_DENSE (common/sm90_dense_plain.h): the ptr-array kernel unless plain is named; anything
+    else is refused naming the choices. The sweep times both, the default first."""
+    from benchmarks.tile_sweep import DENSES
+
+    assert [H.gemm_sm90_dense_kernel(s) for s in (None, "", *DENSES)] == ["array", "array", "array", "plain"]
+    for refused in ("Plain", "cublas", "grouped"):
+        with pytest.raises(ValueError, match=r"PYKERNELS_SM90_DENSE must be array \(the default\) or plain"):
+            H.gemm_sm90_dense_kernel(refused)
+
+
+def test_the_plain_kernel_takes_the_lora_forwards_gemm_alone():
+    """The plain kernel is built for x W^T with bf16 D on the 128x256 tile, with or without extra K (the LoRA
+    forward); every other GEMM the core runs stays on the ptr-array kernel even when plain is asked for."""
+    x_w_t = {"a_transposed": False, "b_transposed": True, "d_dtype": "bf16", "tile": "128x256"}
+    assert H.gemm_sm90_plain_takes(**x_w_t) and H.gemm_sm90_plain_takes(**x_w_t, extra_k=True)
+    others = [{"b_transposed": False}, {"a_transposed": True, "b_transposed": False}, {"d_dtype": "fp32"},
+              {"tile": "128x128"}, {"grouped": True}, {"gated": True}, {"gathered": True}]
+    for other in others:
+        assert not H.gemm_sm90_plain_takes(**{**x_w_t, **other}), other
+
+
 @FAST
 @given(offsets=st.lists(st.integers(-5, 60), min_size=2, max_size=12), slots=st.integers(0, 50))
 def test_sm90_groups_with_malformed_offsets_stay_in_bounds(offsets, slots):

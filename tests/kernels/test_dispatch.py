@@ -226,8 +226,9 @@ def test_the_cache_survives_a_restart_without_re_timing(isolated, timings):
 
 # A setting of each kernel knob other than its default (pykernels/dispatch_cache.py KERNEL_KNOBS).
 OTHER_KERNELS = {
-    "sm90_tile": "128x256", "sm90_logprobs_tile": "128x128", "sm90_raster": "n8", "sm90_lora_forward": "cublas",
-    "sm90_lora_grad_x": "extended_k", "lora_rank_gemm": "simt", "nf4_chunk_mib": "16", "sm90_nf4_forward": "mainloop",
+    "sm90_tile": "128x256", "sm90_logprobs_tile": "128x128", "sm90_raster": "n8", "sm90_dense": "plain",
+    "sm90_lora_forward": "cublas", "sm90_lora_grad_x": "extended_k", "lora_rank_gemm": "simt", "nf4_chunk_mib": "16",
+    "sm90_nf4_forward": "mainloop",
     "sm90_moe_lora": "separate", "nf4_dequantize": "units", "sm90_logprobs_fold": "lazy_max",
     "sm90_moe_act": "epilogue", "sm90_moe_gather": "mainloop"}
 

@@ -159,6 +159,26 @@ def test_hopper_gemm_core_is_wgmma_fed_by_tma(tmp_path, tile):
 
 
 @pytest.mark.hopper_ptx
+def test_hopper_plain_dense_gemms_keep_their_descriptors_as_parameters(tmp_path):
+    """PYKERNELS_SM90_DENSE=plain's kernels (common/dense_gemm_plain_sm90.cu): x W^T on CUTLASS's one-problem
+    cooperative kernel, without and with extra K (extended_k_mainloop_sm90.cuh), 128x256 wgmma fed by TMA.
+    Their descriptors are kernel parameters, never rewritten (what sets them apart from the ptr-array
+    kernels); the extra-K kernel prefetches two more (A2 and B2): a mainloop that lost its second pair would
+    load the LoRA term through the first pair's descriptors and still compile."""
+    kernels = sm90_kernels_ptx("common/dense_gemm_plain_sm90.cu", tmp_path)
+    gemms = {name: ptx for name, ptx in kernels.items() if "GemmUniversal" in name}
+    assert len(gemms) == 2, list(kernels)
+    for name, ptx in gemms.items():
+        assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16", ptx), name
+        assert "cp.async.bulk.tensor" in ptx and "mma.sync" not in ptx, name
+        assert "tensormap.replace" not in ptx, f"{name}: rewrites a descriptor"
+    (extended,) = [name for name in gemms if "ExtendedKMainloop" in name]
+    (base,) = set(gemms) - {extended}
+    prefetches = {name: len(re.findall(r"prefetch\.tensormap", ptx)) for name, ptx in gemms.items()}
+    assert prefetches[extended] == prefetches[base] + 2, prefetches
+
+
+@pytest.mark.hopper_ptx
 @pytest.mark.parametrize("tile", SM90_CORE_TILES)
 def test_hopper_gated_gemm_reads_the_weight_paired_and_writes_the_activation(tmp_path, tile):
     """The experts' gated gate_up GEMM (common/paired_rows.h): B comes through a 3-D TMA descriptor,

@@ -206,24 +206,42 @@ def ran_kernel(fn, name: str) -> bool:
     return any(name in event.key for event in profile.key_averages())
 
 
+def check_extended_k_forward(case, weight_kind, kernel: str, monkeypatch) -> tuple[dict, dict]:
+    """The Hopper forward's default (PYKERNELS_SM90_LORA unset: extended_k), NF4 weights in several chunks at
+    N 4096, within the cuBLAS path's budgets, and the GEMM whose kernel name holds `kernel` must have run.
+    Returns the inputs and the CUDA outputs."""
+    monkeypatch.delenv("PYKERNELS_SM90_LORA", raising=False)
+    monkeypatch.setenv("PYKERNELS_NF4_CHUNK_MIB", "16")
+    t = make_inputs(case, torch.bfloat16, seed=EXTENDED_K_CASES.index(case))
+    weight, dense = weight_for(weight_kind, t["weight"])
+    outputs = {}
+    assert ran_kernel(lambda: outputs.update(run_ops(t, weight, "cuda")), kernel)
+    check_outputs(outputs, run_ops(t, weight, "cpu"), torch_math(t, dense, torch.float64),
+                  torch_math(t, dense, torch.bfloat16), OUTPUTS, HALF_ULP[torch.bfloat16], depth=max(case[:3]))
+    return t, outputs
+
+
+@pytest.mark.skipif(not HOPPER, reason="the extended-K GEMMs run on compute capability 9.0")
+@pytest.mark.parametrize("weight_kind", ["dense", "nf4"])
+@pytest.mark.parametrize("case", EXTENDED_K_CASES, ids=case_id)
+def test_cuda_extended_k_on_the_plain_kernel_matches_fp64_and_cpu(case, weight_kind, monkeypatch):
+    """PYKERNELS_SM90_DENSE=plain: the extended-K forward on CUTLASS's one-problem kernel
+    (common/dense_gemm_plain_sm90.cu, extended_k_mainloop_sm90.cuh; the 128x256 tile it is built on forced)."""
+    monkeypatch.setenv("PYKERNELS_SM90_DENSE", "plain")
+    monkeypatch.setenv("PYKERNELS_SM90_TILE", "128x256")
+    check_extended_k_forward(case, weight_kind, "ExtendedKMainloop", monkeypatch)
+
+
 @pytest.mark.skipif(not HOPPER, reason="the extended-K GEMMs run on compute capability 9.0")
 @pytest.mark.parametrize("weight_kind", WEIGHTS)
 @pytest.mark.parametrize("case", EXTENDED_K_CASES, ids=case_id)
 def test_cuda_extended_k_matches_fp64_and_cpu(case, weight_kind, monkeypatch):
-    """The Hopper forward's default (PYKERNELS_SM90_LORA unset: extended_k): one GEMM with the LoRA
-    term and bias as extra K (lora/lora_extended_k.h, one group of the Hopper core), dense and NF4
-    (several chunks of W at N 4096), and under PYKERNELS_SM90_LORA_GRAD_X=extended_k with a dense W
-    and no x_lora the backward's grad_x = dy W + dxa A as one GEMM too, within the same budgets as the
-    cuBLAS path; and it must be those GEMMs that ran."""
-    monkeypatch.delenv("PYKERNELS_SM90_LORA", raising=False)
+    """One GEMM with the LoRA term and bias as extra K (lora/lora_extended_k.h, one group of the Hopper
+    core), dense and NF4, and under PYKERNELS_SM90_LORA_GRAD_X=extended_k with a dense W and no x_lora the
+    backward's grad_x = dy W + dxa A as one GEMM too, within the same budgets as the cuBLAS path; and it must
+    be those GEMMs that ran."""
     monkeypatch.setenv("PYKERNELS_SM90_LORA_GRAD_X", "extended_k")
-    monkeypatch.setenv("PYKERNELS_NF4_CHUNK_MIB", "16")  # several chunks of an NF4 W at N 4096
-    t = make_inputs(case, torch.bfloat16, seed=EXTENDED_K_CASES.index(case))
-    weight, dense = weight_for(weight_kind, t["weight"])
-    outputs = {}
-    assert ran_kernel(lambda: outputs.update(run_ops(t, weight, "cuda")), "ExtendedKArrayMainloop")
-    check_outputs(outputs, run_ops(t, weight, "cpu"), torch_math(t, dense, torch.float64),
-                  torch_math(t, dense, torch.bfloat16), OUTPUTS, HALF_ULP[torch.bfloat16], depth=max(case[:3]))
+    t, outputs = check_extended_k_forward(case, weight_kind, "ExtendedKArrayMainloop", monkeypatch)
     if weight_kind == "dense" and t["x_lora"] is None:
         c = {name: v.cuda() if v is not None else None for name, v in t.items()}
 
