@@ -1,10 +1,10 @@
-// The Hopper GEMM core's dense GEMMs on CUTLASS's plain (one problem) kernel, PYKERNELS_SM90_DENSE=plain
+// The LoRA forward's GEMM on CUTLASS's plain (one problem) kernel, PYKERNELS_SM90_DENSE=plain
 // (common/sm90_dense_plain.h says which calls it takes): D[s, :n] = alpha (A[s, :k] B^T + A2[s, :k2] B2^T)
-// + beta C[s], B [n, k] (K-major), bf16 operands and D, fp32 accumulation, on the core's 128x256x64
-// cooperative tile with a 2x1 cluster. Two kernels: without extra K (CUTLASS's mainloop as built) and
-// with it (extended_k_mainloop_sm90.cuh). The problem's shape is known on the host, so CUTLASS's
-// persistent scheduler sizes the grid to it; its walk over the tiles is p.order's (PYKERNELS_SM90_RASTER),
-// as on the array kernel, so the two compare on the same walk. No workspace beyond CUTLASS's own.
+// + beta C[s], B and B2 K-major ([n, k], [n, k2]), bf16 operands and D, fp32 accumulation, on the core's
+// 128x256x64 cooperative tile with a 2x1 cluster, K over both pairs (extended_k_mainloop_sm90.cuh). The
+// problem's shape is known on the host, so CUTLASS's persistent scheduler sizes the grid to it; its walk
+// over the tiles is p.order's (PYKERNELS_SM90_RASTER), as on the array kernel, so the two compare on the
+// same walk. No workspace beyond CUTLASS's own.
 #ifdef PYKERNELS_SM90A_GEMM
 
 #include <cuda_runtime.h>
@@ -45,37 +45,29 @@ using BaseMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
     cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
 
-template <bool kExtended>
-struct DenseGemm {
-  static constexpr bool kExtraK = kExtended;
-  using Mainloop = cute::conditional_t<kExtended, ExtendedKMainloop<BaseMainloop>, BaseMainloop>;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-};
+using Mainloop = ExtendedKMainloop<BaseMainloop>;
+using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
+using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
 constexpr int kBlockK = size<2>(TileShape{});
 int k_in_whole_tiles(int64_t k) { return static_cast<int>((k + kBlockK - 1) / kBlockK) * kBlockK; }
 
-template <class G>
-typename G::Gemm::Arguments arguments(const GroupedGemmSm90Params& p, int device) {
-  using Kernel = typename G::Kernel;
+typename Gemm::Arguments arguments(const GroupedGemmSm90Params& p, int device) {
   const auto dD = leading_stride<typename Kernel::StrideD>(p.ldd);
-  typename G::Gemm::Arguments args{};
+  typename Gemm::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
-  const int k = G::kExtraK ? k_in_whole_tiles(p.k) + k_in_whole_tiles(p.k2) : static_cast<int>(p.k);
+  const int k = k_in_whole_tiles(p.k) + k_in_whole_tiles(p.k2);  // both pairs in whole k tiles
   args.problem_shape = {static_cast<int>(p.slots), static_cast<int>(p.n), k, 1};
   args.mainloop.ptr_A = static_cast<const Element*>(p.a);
   args.mainloop.dA = leading_stride<typename Kernel::StrideA>(p.lda);
   args.mainloop.ptr_B = static_cast<const Element*>(p.b);
   args.mainloop.dB = leading_stride<typename Kernel::StrideB>(p.ldb);
-  if constexpr (G::kExtraK) {
-    args.mainloop.ptr_A2 = static_cast<const Element*>(p.a2);
-    args.mainloop.dA2 = leading_stride<typename Kernel::StrideA>(p.lda2);
-    args.mainloop.ptr_B2 = static_cast<const Element*>(p.b2);
-    args.mainloop.dB2 = leading_stride<typename Kernel::StrideB>(p.ldb2);
-    args.mainloop.k1 = static_cast<int>(p.k);
-    args.mainloop.k2 = static_cast<int>(p.k2);
-  }
+  args.mainloop.ptr_A2 = static_cast<const Element*>(p.a2);
+  args.mainloop.dA2 = leading_stride<typename Kernel::StrideA>(p.lda2);
+  args.mainloop.ptr_B2 = static_cast<const Element*>(p.b2);
+  args.mainloop.dB2 = leading_stride<typename Kernel::StrideB>(p.ldb2);
+  args.mainloop.k1 = static_cast<int>(p.k);
+  args.mainloop.k2 = static_cast<int>(p.k2);
   auto& fusion = args.epilogue.thread;
   fusion.alpha = p.alpha;
   fusion.beta = p.beta;
@@ -92,27 +84,16 @@ typename G::Gemm::Arguments arguments(const GroupedGemmSm90Params& p, int device
   return args;
 }
 
-template <class F>
-auto with_kernel(const GroupedGemmSm90Params& p, F&& f) {
-  return p.a2 != nullptr ? f(DenseGemm<true>{}) : f(DenseGemm<false>{});
-}
-
 }  // namespace
 
 // The dispatcher (grouped_gemm_sm90.cu) has checked p and that sm90_runs_plain(p).
 extern const Sm90TileKernels kSm90DensePlain = {
     [](const GroupedGemmSm90Params& p, int device) {
-      return with_kernel(p, [&](auto g) {
-        using G = decltype(g);
-        return static_cast<int64_t>(G::Gemm::get_workspace_size(arguments<G>(p, device)));
-      });
+      return static_cast<int64_t>(Gemm::get_workspace_size(arguments(p, device)));
     },
-    [](const GroupedGemmSm90Params& p, void* workspace, int device, cudaStream_t stream) {
-      return with_kernel(p, [&](auto g) -> const char* {
-        using G = decltype(g);
-        const std::string error = run_cutlass_gemm<typename G::Gemm>(arguments<G>(p, device), workspace, stream);
-        return error.empty() ? nullptr : sm90_failure("plain kernel: " + error);
-      });
+    [](const GroupedGemmSm90Params& p, void* workspace, int device, cudaStream_t stream) -> const char* {
+      const std::string error = run_cutlass_gemm<Gemm>(arguments(p, device), workspace, stream);
+      return error.empty() ? nullptr : sm90_failure("plain kernel: " + error);
     },
 };
 

@@ -366,12 +366,12 @@ def test_sm90_dense_kernel_choice():
 
 
 def test_the_plain_kernel_takes_the_lora_forwards_gemm_alone():
-    """The plain kernel is built for x W^T with bf16 D on the 128x256 tile, with or without extra K (the LoRA
-    forward); every other GEMM the core runs stays on the ptr-array kernel even when plain is asked for."""
-    x_w_t = {"a_transposed": False, "b_transposed": True, "d_dtype": "bf16", "tile": "128x256"}
-    assert H.gemm_sm90_plain_takes(**x_w_t) and H.gemm_sm90_plain_takes(**x_w_t, extra_k=True)
-    others = [{"b_transposed": False}, {"a_transposed": True, "b_transposed": False}, {"d_dtype": "fp32"},
-              {"tile": "128x128"}, {"grouped": True}, {"gated": True}, {"gathered": True}]
+    """The plain kernel is built for x W^T with extra K and bf16 D on the 128x256 tile (the LoRA forward); every
+    other GEMM the core runs stays on the ptr-array kernel even when plain is asked for."""
+    x_w_t = {"a_transposed": False, "b_transposed": True, "d_dtype": "bf16", "tile": "128x256", "extra_k": True}
+    assert H.gemm_sm90_plain_takes(**x_w_t)
+    others = [{"extra_k": False}, {"b_transposed": False}, {"a_transposed": True, "b_transposed": False},
+              {"d_dtype": "fp32"}, {"tile": "128x128"}, {"grouped": True}, {"gated": True}, {"gathered": True}]
     for other in others:
         assert not H.gemm_sm90_plain_takes(**{**x_w_t, **other}), other
 
