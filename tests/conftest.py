@@ -63,9 +63,10 @@ def gemm_cpu_isa(request):
     yield from _forced_cpu_isa(request.param)
 
 
-def launch_tiny_vllm_server(directory):
-    """A vLLM OpenAI server for the tiny fp32 Qwen2 (a LaunchedServer: .url, .stop()), launched by the driver's own
-    launcher with the flags a run would use; its output under directory. Skips where vLLM is missing."""
+def launch_tiny_vllm_server(directory, model: str = "tiny://qwen2"):
+    """A vLLM OpenAI server for the tiny fp32 Qwen2, or another model (a LaunchedServer: .url, .stop()), launched
+    by the driver's own launcher with the flags a run would use; its output under directory. Skips where vLLM is
+    missing."""
     from importlib.util import find_spec
 
     if find_spec("vllm") is None:
@@ -78,7 +79,7 @@ def launch_tiny_vllm_server(directory):
     config.logging.output_dir = str(directory)
     config.rollout.server_timeout = 300.0
     config.rollout.enforce_eager = True  # vLLM's torch.compile of the tiny model: ~7 s a start, nothing gained
-    return LaunchedServer(config, resolve_model_path("tiny://qwen2"))
+    return LaunchedServer(config, resolve_model_path(model))
 
 
 @pytest.fixture(scope="session")
@@ -100,9 +101,9 @@ E2E_LONGEST_FIRST = (
     "tests/driver/distributed/test_driver_distributed_rank0_work.py",  # 250 s (EBFT full fine-tuning +20 s: 11-29)
     "tests/e2e/test_ebft_e2e.py",  # 160 s (EBFT full fine-tuning +30 s: 11-29)
     "tests/e2e/test_nemo_gym_agent_e2e.py",  # 125 s
-    "tests/driver/distributed/test_driver_full_finetuning_tied.py",  # 110 s (2026-11-29)
     "tests/e2e/test_driver_e2e.py::TestBf16",  # 103 s
     "tests/e2e/test_driver_e2e.py::test_",  # its module-level tests, 113 s
+    "tests/driver/distributed/test_driver_full_finetuning_tied.py",  # 80 s (one server for both runs: 11-30)
     "tests/driver/distributed/test_driver_distributed_full_finetuning.py",  # 73 s (2026-11-29)
     "tests/e2e/test_environments_e2e.py",  # 56 s
     "tests/driver/distributed/test_driver_distributed.py",  # 52 s

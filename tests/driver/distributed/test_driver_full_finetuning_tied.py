@@ -3,7 +3,9 @@
 after loading, which a weight reload left stale (the head receives no weight of its own), and every run failed
 its first sync probe (driver/engine/weight_sync.py refresh_shared_weights). Colocated in one process (the
 in-process reload) and under torchrun with a launched server (the worker extension's reload), where the tied
-weight is one FSDP parameter of the root unit, gathered, saved without its second name, and resumed.
+weight is one FSDP parameter of the root unit, gathered, saved without its second name, and resumed. The server is
+the module's own (a full fine-tuning run reloads its weights), launched once for both torchrun runs: the resumed
+run pushes its checkpoint's weights before it generates.
 """
 
 import json
@@ -15,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from driver.data.tiny_model import resolve_model_path
+from tests.conftest import launch_tiny_vllm_server
 from tests.torchrun_runs import assert_same_weights, metrics, model, train
 
 TRAINED = ["--model.adapter=none", "--train.lr=1e-3", "--train.steps=2"]
@@ -32,6 +35,13 @@ def tied_model(tmp_path_factory) -> Path:
     del weights["lm_head.weight"]
     save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
+
+
+@pytest.fixture(scope="module")
+def tied_server(tmp_path_factory, tied_model) -> str:
+    server = launch_tiny_vllm_server(tmp_path_factory.mktemp("tied-server"), str(tied_model))
+    yield server.url
+    server.stop()
 
 
 def assert_synced(output_dir: Path, steps: int) -> list[dict]:
@@ -52,12 +62,12 @@ def test_a_tied_model_syncs_into_the_colocated_engine(tmp_path, tied_model):
 
 
 @pytest.mark.slow
-def test_two_processes_fine_tune_a_tied_model_through_a_server_and_resume(tmp_path, tied_model):
+def test_two_processes_fine_tune_a_tied_model_through_a_server_and_resume(tmp_path, tied_model, tied_server):
     two, resumed = tmp_path / "two", tmp_path / "resumed"
-    flags = [*TRAINED, f"--model.path={tied_model}", "--rollout.backend=server", "--checkpoint.every=1"]
-    train(two, None, *flags, processes=2)
+    flags = [*TRAINED, f"--model.path={tied_model}", "--checkpoint.every=1"]
+    train(two, tied_server, *flags, processes=2)
     rows = assert_synced(two, 2)
-    train(resumed, None, *flags, f"--checkpoint.resume={two / 'checkpoints' / 'step-000001'}", processes=2)
+    train(resumed, tied_server, *flags, f"--checkpoint.resume={two / 'checkpoints' / 'step-000001'}", processes=2)
     assert metrics(resumed)[0]["reward"] == rows[1]["reward"]
     final, again = (model(run) for run in (two, resumed))
     assert final.keys() == again.keys() == {name for name in load_file(tied_model / "model.safetensors")}
