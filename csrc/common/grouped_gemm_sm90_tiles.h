@@ -1,6 +1,7 @@
 // Between the Hopper GEMM core's dispatcher (grouped_gemm_sm90.cu) and its per-tile files
 // (grouped_gemm_tile_*_sm90.cu, each built from grouped_gemm_sm90_kernels.cuh, and the plain dense
-// kernel's, dense_gemm_plain_sm90.cu): what each file defines. Only sm_90a builds (PYKERNELS_SM90A_GEMM) define them.
+// kernel's, dense_gemm_plain_sm90.cu): what each file defines. Only sm_90a builds (PYKERNELS_SM90A_GEMM)
+// define them.
 #pragma once
 
 #include <cstdint>

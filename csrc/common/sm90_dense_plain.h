@@ -7,10 +7,10 @@
 // On the H200 the LoRA forward ran 12-20% over cuBLAS's bare x W^T and ~4% over the core's own x W^T
 // (benchmarks/results/h200.md): the core's GEMM, not the LoRA term, is most of the gap to issue 20's 5%. The
 // plain kernel tells the ptr-array kernel's cost on one group from the core's configuration; it has not run
-// on a GPU yet, so it is not the default. It takes what the LoRA forward runs and nothing else (one kernel:
-// ~40 s of every CI's compile check each): rows of A times B^T (kRowsKMajorB) with extra K, one group, bf16
-// D, on the 128x256 tile; every other call stays on the array kernel. Torch- and CUDA-free: host-tested
-// through pykernels._C.host_logic.
+// on a GPU yet, so it is not the default. It takes what the LoRA forward runs and nothing else (a kernel
+// costs every CI's compile check tens of seconds): rows of A times B^T (kRowsKMajorB) with extra K, one
+// group, bf16 D, on the 128x256 tile; every other call stays on the array kernel. Torch- and CUDA-free:
+// host-tested through pykernels._C.host_logic.
 #pragma once
 
 #include "common/grouped_gemm_sm90.h"
