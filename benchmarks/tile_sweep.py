@@ -8,8 +8,8 @@ with fp32 adapters (PYKERNELS_LORA_RANK_GEMM, lora/lora_rank_pieces.h: bf16 piec
 SIMT fp32; r 16 and 64), the core's tile orders (PYKERNELS_SM90_RASTER, common/sm90_tile_order.h:
 raster direction and swizzle, on MoE and the LoRA forward), the core's two kernels for a dense GEMM
 (PYKERNELS_SM90_DENSE, common/sm90_dense_plain.h: the ptr-array kernel with one group, or CUTLASS's plain
-one-problem kernel; on the LoRA forward's cases, where the MoE op's row runs grouped, the same under
-both), both of the
+one-problem kernel, also walking along N; on the LoRA forward's cases, where the MoE op's row runs grouped,
+the same under each), both of the
 experts' LoRA products (PYKERNELS_SM90_MOE_LORA, moe/moe.h: extra K of the base GEMM, or their own
 GEMMs), both ways of reading the QLoRA forward's NF4 weight (PYKERNELS_SM90_NF4,
 nf4/nf4_gemm_sm90.h: dequantized chunks for cuBLAS, or decoded in the GEMM's mainloop) and both NF4
@@ -76,7 +76,9 @@ LORA_FORWARDS = ("extended_k", "cublas", "extended_k@128x128", "extended_k@128x2
 LORA_GRAD_XS = ("cublas", "extended_k")  # the first is the default (lora/lora_extended_k.h)
 LORA_RANK_GEMMS = ("tensor_core", "simt")  # the first is the default (lora/lora_rank_pieces.h)
 RASTERS = ("m1", "m2", "m4", "m8", "n1", "n2", "n4", "n8")  # the first is the default (common/sm90_tile_order.h)
-DENSES = ("array", "plain")  # the first is the default (common/sm90_dense_plain.h)
+# the first is the default (common/sm90_dense_plain.h); plain@n1: walking along N, CUTLASS's own order for a
+# dense GEMM of more row tiles than column tiles (the LoRA forward's 64 x 56 at 4096 x 14336)
+DENSES = ("array", "plain", "plain@n1")
 MOE_LORAS = ("extra_k", "separate")  # the first is the default (moe/moe.h)
 MOE_ACTS = ("separate", "epilogue")  # the first is the default (pykernels/ops/moe.py)
 MOE_GATHERS = ("pass", "mainloop")  # the first is the default (moe/moe.h)
@@ -307,17 +309,18 @@ def per_call_ms(fn, rounds: int) -> float:
 
 def sweep(cases, variable: str, tiles: list[str], rounds: int, unit: tuple[str, float] = TFLOPS) -> None:
     """Each case under each choice; a choice "value@tile" also sets the core's tile (PYKERNELS_SM90_TILE:
-    the extended-K LoRA forward runs on the core)."""
+    the extended-K LoRA forward runs on the core), "value@order" its tile order (PYKERNELS_SM90_RASTER)."""
     for name, fn, flops in cases:
         times = {}
         for tile in tiles:
-            value, _, core_tile = tile.partition("@")
+            value, _, core = tile.partition("@")
+            core_variable = "PYKERNELS_SM90_RASTER" if core in RASTERS else "PYKERNELS_SM90_TILE"
             os.environ[variable] = value
-            if core_tile:
-                os.environ["PYKERNELS_SM90_TILE"] = core_tile
+            if core:
+                os.environ[core_variable] = core
             times[tile] = per_call_ms(fn, rounds)
-            if core_tile:
-                os.environ.pop("PYKERNELS_SM90_TILE")
+            if core:
+                os.environ.pop(core_variable)
         os.environ.pop(variable)
         print(row_line(name, times, flops, tiles, unit), flush=True)
 

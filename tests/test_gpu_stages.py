@@ -289,7 +289,7 @@ def test_tile_sweep_names_what_it_needs(monkeypatch):
     assert refusal("--nf4-forwards", "fused") == "unknown choice fused: --nf4-forwards takes dequantize, mainloop"
     assert refusal("--lora-rank-gemms", "tf32") == "unknown choice tf32: --lora-rank-gemms takes tensor_core, simt"
     assert refusal("--rasters", "m1,m3") == "unknown choice m3: --rasters takes m1, m2, m4, m8, n1, n2, n4, n8"
-    assert refusal("--denses", "cublas") == "unknown choice cublas: --denses takes array, plain"
+    assert refusal("--denses", "cublas") == "unknown choice cublas: --denses takes array, plain, plain@n1"
     assert refusal("--ops", "moe,mlp") == ("unknown op mlp: moe, lora, logprobs, logprobs_fold, lora_forward, "
                                            "lora_grad_x, lora_rank, raster, dense, moe_lora, moe_act, moe_gather, "
                                            "qlora_forward, nf4_dequant, nf4_chunks")

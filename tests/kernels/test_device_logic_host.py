@@ -359,7 +359,11 @@ def test_sm90_dense_kernel_choice():
     else is refused naming the choices. The sweep times both, the default first."""
     from benchmarks.tile_sweep import DENSES
 
-    assert [H.gemm_sm90_dense_kernel(s) for s in (None, "", *DENSES)] == ["array", "array", "array", "plain"]
+    assert [H.gemm_sm90_dense_kernel(s) for s in (None, "", "array", "plain")] == ["array", "array", "array", "plain"]
+    for choice in DENSES:  # "value@order": the knob's value walking the core's tiles in that order
+        value, _, order = choice.partition("@")
+        assert H.gemm_sm90_dense_kernel(value) == value and order in ("", *H.gemm_sm90_tile_orders)
+    assert DENSES[0] == "array"
     for refused in ("Plain", "cublas", "grouped"):
         with pytest.raises(ValueError, match=r"PYKERNELS_SM90_DENSE must be array \(the default\) or plain"):
             H.gemm_sm90_dense_kernel(refused)
