@@ -14,6 +14,7 @@
 
 #include "common/cutlass_sm90.cuh"
 #include "common/extended_k_mainloop_sm90.cuh"
+#include "common/gemm_groups.h"
 #include "common/grouped_gemm_sm90.h"
 #include "common/grouped_gemm_sm90_tiles.h"
 #include "cute/tensor.hpp"
@@ -49,15 +50,13 @@ using Mainloop = ExtendedKMainloop<BaseMainloop>;
 using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
 using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
-constexpr int kBlockK = size<2>(TileShape{});
-int k_in_whole_tiles(int64_t k) { return static_cast<int>((k + kBlockK - 1) / kBlockK) * kBlockK; }
-
 typename Gemm::Arguments arguments(const GroupedGemmSm90Params& p, int device) {
   const auto dD = leading_stride<typename Kernel::StrideD>(p.ldd);
   typename Gemm::Arguments args{};
   args.mode = cutlass::gemm::GemmUniversalMode::kGemm;
-  const int k = k_in_whole_tiles(p.k) + k_in_whole_tiles(p.k2);  // both pairs in whole k tiles
-  args.problem_shape = {static_cast<int>(p.slots), static_cast<int>(p.n), k, 1};
+  // both pairs in whole k tiles, as the array kernel's one group gets them (host-tested there)
+  const int64_t k = extra_k_group(nullptr, 1, p.slots, 0, p.k, p.k2, p.lda2, 0, size<2>(TileShape{})).k;
+  args.problem_shape = {static_cast<int>(p.slots), static_cast<int>(p.n), static_cast<int>(k), 1};
   args.mainloop.ptr_A = static_cast<const Element*>(p.a);
   args.mainloop.dA = leading_stride<typename Kernel::StrideA>(p.lda);
   args.mainloop.ptr_B = static_cast<const Element*>(p.b);
