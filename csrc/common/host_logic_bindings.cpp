@@ -1,7 +1,8 @@
 // pykernels._C.host_logic: the __host__ __device__ index/tile arithmetic of the CUDA kernels
 // (common/tails.h, common/online_softmax.h, nf4/nf4_layout.h, moe/moe_schedule.h,
-// common/gemm_groups.h, common/gemm_sm90_dense.h, logprobs/vocab_chunks.h, logprobs/logit_grad.h,
-// logprobs/logprobs_sm90.h, lora/lora.h's split-k plan, nf4/nf4_decode_bf16.h, nf4/nf4_gemm_sm90.h),
+// common/gemm_groups.h, common/gemm_sm90_dense.h, common/sm90_dense_plain.h, logprobs/vocab_chunks.h,
+// logprobs/logit_grad.h, logprobs/logprobs_sm90.h, lora/lora.h's split-k plan, nf4/nf4_decode_bf16.h,
+// nf4/nf4_gemm_sm90.h),
 // compiled for the host and exposed with plain ints, floats and lists so that
 // tests/kernels/test_device_logic_host.py (and the family tests beside it) check it against direct
 // Python / fp64 computations on a machine without a GPU. Test-only: no op, no torch tensor; where a
@@ -21,9 +22,9 @@
 
 #include "common/gemm_groups.h"
 #include "common/gemm_sm90_dense.h"
-#include "common/sm90_dense_plain.h"
 #include "common/grouped_gemm_sm90.h"
 #include "common/online_softmax.h"
+#include "common/sm90_dense_plain.h"
 #include "common/tails.h"
 #include "logprobs/logit_grad.h"
 #include "lora/lora.h"

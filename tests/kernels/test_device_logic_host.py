@@ -356,7 +356,7 @@ def test_sm90_tile_order_choice():
 
 def test_sm90_dense_kernel_choice():
     """PYKERNELS_SM90_DENSE (common/sm90_dense_plain.h): the ptr-array kernel unless plain is named; anything
-    else is refused naming the choices. The sweep times both, the default first."""
+    else is refused naming the choices. The sweep times each (plain also walking along N), the default first."""
     from benchmarks.tile_sweep import DENSES
 
     assert [H.gemm_sm90_dense_kernel(s) for s in (None, "", "array", "plain")] == ["array", "array", "array", "plain"]
