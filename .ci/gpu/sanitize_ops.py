@@ -24,6 +24,7 @@ On CPU (the dry run) the same calls check that this script still matches the ops
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -116,46 +117,47 @@ def run_moe(device: str) -> None:
     out.float().square().sum().backward()
 
 
+@contextlib.contextmanager
+def environment(**values: str):
+    """The variables set to values inside the block, then as the caller had them."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
+
+
 def run_moe_act(device: str) -> None:
     """The gated gate_up GEMM (PYKERNELS_SM90_MOE_ACT=epilogue, set here too): intermediate 64 (whole
     pairs on the 128x128 tile only), then 128 on each tile (the rule picks 128x128 at these few rows),
     with and without LoRA, one assignment dropped."""
-    saved = {name: os.environ.get(name) for name in ("PYKERNELS_SM90_MOE_ACT", "PYKERNELS_SM90_TILE")}
-    os.environ["PYKERNELS_SM90_MOE_ACT"] = "epilogue"
     tokens, hidden_size, experts, top_k, rank = 7, 64, 4, 2, 3
     hidden = randn(tokens, hidden_size, device=device, grad=True)
     top_k_weights, top_k_index = moe.route(randn(tokens, experts, device=device).float(), top_k)
     top_k_index = top_k_index.clone()
     top_k_index[0, 0] = experts
     for intermediate, tile in ((64, "auto"), (128, "auto"), (128, "128x256")):
-        os.environ["PYKERNELS_SM90_TILE"] = tile
         gate_up, down = randn(experts, 2 * intermediate, hidden_size, device=device), randn(
             experts, hidden_size, intermediate, device=device)
         adapters = {"gate_up_proj": moe.LoRAFactors(randn(rank * experts, hidden_size, device=device, grad=True),
                                                     randn(2 * intermediate, rank * experts, device=device, grad=True),
                                                     2.0)}
-        for factors in (None, adapters):
-            out = moe.experts_forward(hidden, top_k_index, top_k_weights.to(DTYPE), gate_up, down, lora=factors)
-            out.float().square().sum().backward()
-    for name, value in saved.items():  # as the caller had them
-        if value is None:
-            os.environ.pop(name)
-        else:
-            os.environ[name] = value
+        with environment(PYKERNELS_SM90_MOE_ACT="epilogue", PYKERNELS_SM90_TILE=tile):
+            for factors in (None, adapters):
+                out = moe.experts_forward(hidden, top_k_index, top_k_weights.to(DTYPE), gate_up, down, lora=factors)
+                out.float().square().sum().backward()
 
 
 def run_lora_on_the_wide_tile(device: str) -> None:
     """run_lora with the core's 128x256 tile forced (its few rows pick 128x128): the tile the plain dense
     kernel (PYKERNELS_SM90_DENSE=plain, common/sm90_dense_plain.h) is built on."""
-    saved = os.environ.get("PYKERNELS_SM90_TILE")
-    os.environ["PYKERNELS_SM90_TILE"] = "128x256"
-    try:
+    with environment(PYKERNELS_SM90_TILE="128x256"):
         run_lora(device)
-    finally:
-        if saved is None:
-            os.environ.pop("PYKERNELS_SM90_TILE")
-        else:
-            os.environ["PYKERNELS_SM90_TILE"] = saved
 
 
 FAMILIES = {"nf4": run_nf4, "lora": run_lora, "logprobs": run_logprobs, "moe": run_moe}
