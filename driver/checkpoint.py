@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from driver.distributed import world as distributed
+from driver.distributed.no_decay_group import split_saved_group
 
 STATE_FILE = "trainer_state.pt"
 REFERENCE_FILE = "reference.safetensors"  # algo.sync_ref_model's moved KL reference
@@ -177,12 +178,13 @@ def load_checkpoint(path: Path, policy, optimizer, scheduler, prompts) -> tuple[
     policy.load_trained(path / policy.trained_name)
     state = load_state(path / STATE_FILE)
     if "optimizer" in state:
+        saved = split_saved_group(state["optimizer"], optimizer, policy.trainable_parameters())
         if distributed.world().distributed:  # one process's state, whole: each rank keeps its shards
             from driver.distributed.fsdp import load_unsharded_optimizer
 
-            load_unsharded_optimizer(policy.model, optimizer, state["optimizer"], policy.trainable_parameters())
+            load_unsharded_optimizer(policy.model, optimizer, saved, policy.trainable_parameters())
         else:
-            optimizer.load_state_dict(state["optimizer"])
+            optimizer.load_state_dict(saved)
     else:  # torchrun's sharded state: loads at any world size, one process included
         from driver.distributed.fsdp import load_optimizer
 

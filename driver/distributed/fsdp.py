@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from driver.distributed.no_decay_group import merged_groups, predates_no_decay_group, split_loaded_group
+
 OPTIMIZER_DIR = "optimizer"  # the DCP checkpoint of the sharded optimizer state, one file per rank
 
 
@@ -188,8 +190,16 @@ def load_optimizer(directory: Path, model, optimizer, with_weights: bool = False
     options = StateDictOptions(ignore_frozen_params=True, strict=False)  # strict: every frozen weight "missing"
     reshard(model)
     weights, optimizer_state = get_state_dict(model, optimizer, options=options)
+    groups = optimizer_state["param_groups"]
+    saved_keys = dcp.FileSystemReader(str(directory / OPTIMIZER_DIR)).read_metadata().state_dict_metadata
+    saved_groups = {key.split(".")[2] for key in saved_keys if key.startswith("optimizer.param_groups.")}
+    split = predates_no_decay_group(len(saved_groups), groups)
+    if split:  # loaded as the one group it was saved as
+        optimizer_state["param_groups"] = merged_groups(groups)
     state = {"optimizer": optimizer_state, **({"model": weights} if with_weights else {})}
     dcp.load(state, checkpoint_id=str(directory / OPTIMIZER_DIR))
+    if split:
+        optimizer_state["param_groups"] = split_loaded_group(optimizer_state["param_groups"], groups)
     set_state_dict(model, optimizer, model_state_dict=state.get("model", {}), optim_state_dict=state["optimizer"],
                    options=options)
 
