@@ -45,7 +45,7 @@ adapters, after the bare bf16 base GEMM.
                                            raster,moe_lora,moe_act,moe_gather,qlora_forward,nf4_dequant,
                                            nf4_chunks]
                                     [--tiles auto,128x128,128x256]
-                                    [--logprobs-tiles 256x128,128x128,128x128_pingpong]
+                                    [--logprobs-tiles 256x128,128x128]
                                     [--logprobs-folds running_max,lazy_max]
                                     [--lora-forwards extended_k,cublas,extended_k@128x128,extended_k@128x256]
                                     [--lora-grad-xs cublas,extended_k] [--lora-rank-gemms simt,tensor_core]
@@ -70,7 +70,7 @@ import math
 from pykernels.dispatch import cuda_timer
 
 TILES = ("auto", "128x128", "128x256")  # the first is the default (common/sm90_tiles.h)
-LOGPROBS_TILES = ("256x128", "128x128", "128x128_pingpong")  # the first is the default (logprobs/logprobs_sm90.h)
+LOGPROBS_TILES = ("256x128", "128x128")  # the first is the default (logprobs/logprobs_sm90.h)
 # the first is the default (lora/lora_extended_k.h); extended_k runs on the core's tile (@: which)
 LORA_FORWARDS = ("extended_k", "cublas", "extended_k@128x128", "extended_k@128x256")
 LORA_GRAD_XS = ("cublas", "extended_k")  # the first is the default (lora/lora_extended_k.h)

@@ -277,8 +277,7 @@ def test_tile_sweep_names_what_it_needs(monkeypatch):
         return str(exited.value.code)
 
     assert refusal("--tiles", "128x128,64x128") == "unknown choice 64x128: --tiles takes auto, 128x128, 128x256"
-    assert refusal("--logprobs-tiles", "128x256") == ("unknown choice 128x256: --logprobs-tiles takes 256x128, "
-                                                      "128x128, 128x128_pingpong")
+    assert refusal("--logprobs-tiles", "128x256") == "unknown choice 128x256: --logprobs-tiles takes 256x128, 128x128"
     assert refusal("--logprobs-folds", "lazy") == "unknown choice lazy: --logprobs-folds takes running_max, lazy_max"
     assert refusal("--lora-forwards", "cublas,fused") == ("unknown choice fused: --lora-forwards takes extended_k, "
                                                            "cublas, extended_k@128x128, extended_k@128x256")

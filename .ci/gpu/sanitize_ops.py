@@ -4,8 +4,8 @@ GEMMs a Hopper GPU runs on the sm_90a core (multiples of 8: csrc/common/gemm_sm9
 LoRA on its experts and a dropped assignment, GPT-OSS' expert layout, and the logprobs backward of a
 frozen lm_head over two token chunks; the MoE calls then run again on each tile of the Hopper GEMM core
 forced (PYKERNELS_SM90_TILE, csrc/common/sm90_tiles.h; the default picks by shape), the logprobs calls
-on the lm_head GEMMs' other tiles (PYKERNELS_SM90_LOGPROBS_TILE, csrc/logprobs/logprobs_sm90.h: 128x128
-cooperative and ping-pong) and with the statistics folded on a lazy reference
+on the lm_head GEMMs' other tile (PYKERNELS_SM90_LOGPROBS_TILE, csrc/logprobs/logprobs_sm90.h: 128x128)
+and with the statistics folded on a lazy reference
 (PYKERNELS_SM90_LOGPROBS_FOLD=lazy_max), the LoRA calls with the forward on cuBLAS
 (PYKERNELS_SM90_LORA=cublas), with grad_x as one extended-K GEMM (PYKERNELS_SM90_LORA_GRAD_X=extended_k,
 csrc/lora/lora_extended_k.h), with the rank products as SIMT fp32 (PYKERNELS_LORA_RANK_GEMM=simt,

@@ -25,7 +25,6 @@ const LogprobsSm90TileKernels& kernels_of(LogprobsSm90Tile tile) {
   switch (tile) {
     case LogprobsSm90Tile::k256x128: return kLogprobsTile256x128;
     case LogprobsSm90Tile::k128x128: return kLogprobsTile128x128;
-    case LogprobsSm90Tile::k128x128Pingpong: return kLogprobsTile128x128Pingpong;
   }
   return kLogprobsTile256x128;
 }

@@ -13,19 +13,17 @@
 //                     (logprobs.h): an epilogue element does not know its column.
 // Both: bf16 h [tokens, H] and W_c [rows, H], row-major, H % 8 == 0, 16-byte aligned (TMA), a
 // CUTLASS 3.x warp-specialized kernel (TMA loads, wgmma, the tile scheduler walking the output tiles)
-// on one of three tiles and schedules, each its own file (logprobs_tile_*_sm90.cu), picked per call
-// by PYKERNELS_SM90_LOGPROBS_TILE:
+// on one of two tiles, each its own file (logprobs_tile_*_sm90.cu), picked per call by
+// PYKERNELS_SM90_LOGPROBS_TILE:
 //   256x128           256x128x64 on a 2x1 cluster (each vocabulary tile loaded once by TMA multicast
 //                     for two CTAs of tokens), cooperative (both consumer warpgroups on one tile, the
 //                     epilogue after the mainloop): the default, 1.01-1.06x faster than 128x128 on an
 //                     H100 (forward+backward at H 4096, V 151936, N 4096 and 16384, trainable and
 //                     frozen: benchmarks/results/h100.md)
 //   128x128           128x128x64 on a 1x1 cluster, cooperative
-//   128x128_pingpong  128x128x64 on a 2x1 cluster, ping-pong: each consumer warpgroup owns a tile and
-//                     runs its epilogue while the other's wgmma run. Not yet timed: on an H100 the
-//                     statistics GEMM (softmax fold in the epilogue) ran at 505 TFLOP/s where the
-//                     same GEMM with the lighter logit-grad epilogue ran 680 (h100.md, second lease),
-//                     the gap this schedule is for
+// (A 128x128 ping-pong schedule, each consumer warpgroup's epilogue under the other's wgmma, for the
+// statistics epilogue's cost, ran 0.99x of 256x128 on an H200 in all four cases, h200.md: removed, with
+// its ~100 s of every CI's compile check.)
 // All keep 128 vocabulary entries per tile (a partial per (token, 128 entries) whatever the tile).
 // Built only when the archs include sm_90a (cmake/sm90_sources.cmake); the GEMM core's
 // grouped_gemm_sm90_available says where they run.
@@ -42,15 +40,13 @@ typedef struct CUstream_st* cudaStream_t;
 namespace pykernels::logprobs {
 
 // The default first: a value-initialized LogitsGemmSm90 runs it.
-enum class LogprobsSm90Tile { k256x128, k128x128, k128x128Pingpong };
-constexpr LogprobsSm90Tile kLogprobsSm90Tiles[] = {LogprobsSm90Tile::k256x128, LogprobsSm90Tile::k128x128,
-                                                   LogprobsSm90Tile::k128x128Pingpong};
+enum class LogprobsSm90Tile { k256x128, k128x128 };
+constexpr LogprobsSm90Tile kLogprobsSm90Tiles[] = {LogprobsSm90Tile::k256x128, LogprobsSm90Tile::k128x128};
 
 inline const char* logprobs_sm90_tile_name(LogprobsSm90Tile tile) {
   switch (tile) {
     case LogprobsSm90Tile::k256x128: return "256x128";
     case LogprobsSm90Tile::k128x128: return "128x128";
-    case LogprobsSm90Tile::k128x128Pingpong: return "128x128_pingpong";
   }
   return "256x128";
 }
@@ -66,7 +62,7 @@ inline const char* logprobs_sm90_tile_for(const char* setting, LogprobsSm90Tile*
       return nullptr;
     }
   }
-  return "PYKERNELS_SM90_LOGPROBS_TILE must be 256x128 (the default), 128x128 or 128x128_pingpong";
+  return "PYKERNELS_SM90_LOGPROBS_TILE must be 256x128 (the default) or 128x128";
 }
 
 // PYKERNELS_SM90_LOGPROBS_FOLD picks how the statistics epilogue folds a row's logits (`setting`; null

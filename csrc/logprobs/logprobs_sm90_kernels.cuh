@@ -1,21 +1,19 @@
 // The Hopper lm_head GEMMs of the fused token logprobs for one tile (what they compute:
 // logprobs_sm90.h): each logprobs_tile_*_sm90.cu defines the tile's macros and includes this file
 // once, defining that tile's LogprobsSm90TileKernels (logprobs_sm90_tiles.h); logprobs_sm90.cu
-// dispatches. CUTLASS 3.x warp-specialized kernels (TMA loads, two consumer warpgroups issuing wgmma,
-// fp32 accumulators) whose epilogues are visitor trees (EVT):
+// dispatches. CUTLASS 3.x warp-specialized cooperative kernels (TMA loads, two consumer warpgroups
+// issuing wgmma on one tile, fp32 accumulators, the epilogue after the mainloop) whose epilogues are
+// visitor trees (EVT):
 //   softmax partials  AccFetch -> Sm90SoftmaxPartials (softmax_partials_visitor_sm90.cuh), no D
 //   logit grad        AccFetch, 4 per-row broadcasts -> LogitGrad -> bf16 D by TMA store
 //
 //   PYKERNELS_LOGPROBS_TILE_SHAPE    cute Shape<M, _128, K>: M tokens (dividing kSm90RowPad) by 128
 //                                    vocabulary entries
 //   PYKERNELS_LOGPROBS_CLUSTER_SHAPE cute Shape<M, 1, 1> of the thread-block cluster
-//   PYKERNELS_LOGPROBS_PINGPONG      1: the ping-pong schedule (each consumer warpgroup its own tile, one's
-//                                    epilogue under the other's mainloop); 0: cooperative (both
-//                                    warpgroups on one tile, the epilogue after its mainloop)
 //   PYKERNELS_LOGPROBS_TILE_KERNELS  the LogprobsSm90TileKernels this file defines
 #pragma once
 
-#if !defined(PYKERNELS_LOGPROBS_TILE_KERNELS) || !defined(PYKERNELS_LOGPROBS_PINGPONG)
+#ifndef PYKERNELS_LOGPROBS_TILE_KERNELS
 #error "define the tile's macros before including logprobs_sm90_kernels.cuh"
 #endif
 
@@ -47,13 +45,8 @@ namespace fusion = cutlass::epilogue::fusion;
 using Element = cutlass::bfloat16_t;
 using TileShape = PYKERNELS_LOGPROBS_TILE_SHAPE;
 using ClusterShape = PYKERNELS_LOGPROBS_CLUSTER_SHAPE;
-#if PYKERNELS_LOGPROBS_PINGPONG
-using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
-using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecialized;
-#else
 using KernelSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
 using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
-#endif
 constexpr int kTileRows = size<0>(TileShape{});
 static_assert(size<1>(TileShape{}) == kSm90Tile && kSm90RowPad % kTileRows == 0,
               "vocab_chunks.h's partial planes assume 128 vocabulary entries a tile and rows padded to kSm90RowPad");

@@ -21,7 +21,6 @@ struct LogprobsSm90TileKernels {
 
 extern const LogprobsSm90TileKernels kLogprobsTile128x128;  // logprobs_tile_128x128_sm90.cu
 extern const LogprobsSm90TileKernels kLogprobsTile256x128;  // logprobs_tile_256x128_sm90.cu
-extern const LogprobsSm90TileKernels kLogprobsTile128x128Pingpong;  // logprobs_tile_128x128_pingpong_sm90.cu
 
 // "token_logprobs (sm_90a): " + message, kept until the thread's next failure.
 const char* logprobs_sm90_failure(std::string message);

@@ -36,8 +36,7 @@ HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9,
 # logprobs/logprobs_sm90.h), paired: (the GEMM core's PYKERNELS_SM90_TILE, the lm_head GEMMs'
 # PYKERNELS_SM90_LOGPROBS_TILE).
 OTHER_TILES = {"sm90_tiles_128x128_128x128": ("128x128", "128x128"),
-               "sm90_tiles_128x256_256x128": ("128x256", "256x128"),
-               "sm90_tiles_auto_128x128_pingpong": ("auto", "128x128_pingpong")}
+               "sm90_tiles_128x256_256x128": ("128x256", "256x128")}
 
 
 @pytest.fixture(params=["sm90_core", *OTHER_TILES, "sm80_kernels"])
