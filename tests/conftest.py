@@ -1,3 +1,4 @@
+import contextlib
 import os
 
 import pytest
@@ -42,7 +43,9 @@ def cpu_isas(gemm: bool = False) -> list[str]:
     return ["scalar", detected] if detected != "scalar" else ["scalar"]
 
 
-def _forced_cpu_isa(name: str):
+@contextlib.contextmanager
+def forced_cpu_isa(name: str):
+    """The CPU kernels on one of cpu_isas() inside, the detected one again after."""
     from pykernels import _C
 
     _C.set_cpu_isa(name)
@@ -52,15 +55,29 @@ def _forced_cpu_isa(name: str):
         _C.set_cpu_isa("auto")
 
 
+_last_oracle: list = [None, None]  # [key, value]
+
+
+def oracle_once(key: tuple, compute):
+    """compute(), kept until another key is asked for: a case's fp64 oracle, shared by the tests that run that case
+    one after another (parametrized with the CPU path innermost) instead of computed again by each."""
+    if _last_oracle[0] != key:
+        _last_oracle[:] = [None, None]  # the previous case's tensors freed before the next is computed
+        _last_oracle[:] = [key, compute()]
+    return _last_oracle[1]
+
+
 @pytest.fixture(params=cpu_isas())
 def cpu_isa(request):
-    yield from _forced_cpu_isa(request.param)
+    with forced_cpu_isa(request.param) as name:
+        yield name
 
 
 @pytest.fixture(params=cpu_isas(gemm=True))
 def gemm_cpu_isa(request):
     """cpu_isa for the ops whose CPU kernels run the bf16 GEMM: AVX-512's and AMX's both."""
-    yield from _forced_cpu_isa(request.param)
+    with forced_cpu_isa(request.param) as name:
+        yield name
 
 
 def launch_tiny_vllm_server(directory, model: str = "tiny://qwen2"):

@@ -7,6 +7,7 @@ import torch
 from pykernels import backend
 from pykernels.logprobs import IGNORE_INDEX, token_logprobs
 from pykernels.reference import logprobs as reference
+from tests.conftest import cpu_isas, forced_cpu_isa, oracle_once
 
 ops = torch.ops.pykernels
 
@@ -57,29 +58,41 @@ CASES = [  # (n, h, v): N = 1, 7, 4099; vocabularies that are not multiples of a
 ]
 
 
-@pytest.mark.parametrize("frozen", [False, True], ids=["trainable_weight", "frozen_weight"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
-@pytest.mark.parametrize("n,h,v", CASES)
-def test_against_fp64(n, h, v, dtype, temperature, frozen, gemm_cpu_isa):
-    """frozen_weight takes the forward that also computes d(logprob, entropy)/d hidden."""
+def oracles(n, h, v, dtype, temperature):
+    """A case's inputs and gradient weights, and its fp64 oracle's and torch's low-precision results: the same for
+    every ISA and weight mode, and most of each test's time (the [n, v] fp64 logits and their gradients)."""
     hidden, weight, targets = make(n, h, v, dtype, seed=n + v)
     generator = torch.Generator().manual_seed(1)
     grad_lp, grad_ent = torch.randn(n, generator=generator), torch.randn(n, generator=generator)
     lp64, ent64, h64, w64 = fp64_oracle(hidden, weight, targets, temperature)
     (lp64 * grad_lp.double() + ent64 * grad_ent.double()).sum().backward()
-    t_lp, t_ent, t_gh, t_gw = torch_lowprec(hidden, weight, targets, temperature, grad_lp, grad_ent)
+    oracle = (lp64.detach(), ent64.detach(), h64.grad, w64.grad)
+    return (hidden, weight, targets, grad_lp, grad_ent), oracle, torch_lowprec(hidden, weight, targets, temperature,
+                                                                                grad_lp, grad_ent)
+
+
+@pytest.mark.parametrize("isa", cpu_isas(gemm=True))
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable_weight", "frozen_weight"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
+@pytest.mark.parametrize("n,h,v", CASES)
+def test_against_fp64(n, h, v, dtype, temperature, frozen, isa):
+    """frozen_weight takes the forward that also computes d(logprob, entropy)/d hidden. Every CPU SIMD path with
+    its bf16 GEMM (tests/conftest.py's gemm_cpu_isa, here innermost so that a case's oracles are computed once)."""
+    (hidden, weight, targets, grad_lp, grad_ent), (lp64, ent64, h64_grad, w64_grad), (t_lp, t_ent, t_gh, t_gw) = \
+        oracle_once(("logprobs", n, h, v, dtype, temperature), lambda: oracles(n, h, v, dtype, temperature))
 
     hid, wt = hidden.clone().requires_grad_(), weight.clone().requires_grad_(not frozen)
-    lp, ent = token_logprobs(hid, wt, targets, temperature, return_entropy=True)
-    (lp * grad_lp + ent * grad_ent).sum().backward()
+    with forced_cpu_isa(isa):
+        lp, ent = token_logprobs(hid, wt, targets, temperature, return_entropy=True)
+        (lp * grad_lp + ent * grad_ent).sum().backward()
     assert lp.dtype == ent.dtype == torch.float32 and hid.grad.dtype == dtype
 
     tol = 2e-5  # fp32 summation noise over V terms
-    assert max_err(lp, lp64.detach()) <= max_err(t_lp, lp64.detach()) + tol
-    assert max_err(ent, ent64.detach()) <= max_err(t_ent, ent64.detach()) + tol
+    assert max_err(lp, lp64) <= max_err(t_lp, lp64) + tol
+    assert max_err(ent, ent64) <= max_err(t_ent, ent64) + tol
     # Gradients: no worse than torch's own path in this dtype, plus one rounding of the result.
-    grads = [(hid.grad, t_gh, h64.grad)] + ([] if frozen else [(wt.grad, t_gw, w64.grad)])
+    grads = [(hid.grad, t_gh, h64_grad)] + ([] if frozen else [(wt.grad, t_gw, w64_grad)])
     for ours, theirs, oracle in grads:
         scale = oracle.abs().max().item()
         rounding = scale * (2**-8 if dtype == torch.bfloat16 else 1e-5)

@@ -17,6 +17,7 @@ from pykernels import backend, moe
 from pykernels._extension import ops
 from pykernels.reference import moe as reference
 from test_moe_ops import direct_grouped_linear
+from tests.conftest import cpu_isas, forced_cpu_isa, oracle_once
 
 # (tokens, hidden, inter, experts, top_k): odd token counts and feature sizes, one expert unrouted
 # in the largest case, k = 1.
@@ -180,11 +181,12 @@ def test_bad_layout_arguments_name_the_argument():
 FLAGS = list(itertools.product([False, True], [False, True], [False, True], [False, True]))
 
 
+@pytest.mark.parametrize("isa", cpu_isas(gemm=True))  # innermost: the fp64 oracle is computed once a case
 @pytest.mark.parametrize(("grouped_in", "grouped_out", "with_gates", "with_lora"), FLAGS,
                          ids=[f"in{int(a)}-out{int(b)}-gates{int(c)}-lora{int(d)}" for a, b, c, d in FLAGS])
 @pytest.mark.parametrize("trainable_weight", [False, True], ids=["frozen", "trainable"])
-def test_grouped_linear_on_transposed_weights_on_every_cpu_path(gemm_cpu_isa, grouped_in, grouped_out, with_gates,
-                                                                with_lora, trainable_weight):
+def test_grouped_linear_on_transposed_weights_on_every_cpu_path(isa, grouped_in, grouped_out, with_gates, with_lora,
+                                                                trainable_weight):
     """weight [E, out, in] as a transposed view of [E, in, out] (GPT-OSS' storage): bf16 forward and
     gradients against fp64 on the same bf16 inputs. > 256 slots for some experts, out 300: three
     column blocks, the last partial; in 77 odd."""
@@ -207,10 +209,12 @@ def test_grouped_linear_on_transposed_weights_on_every_cpu_path(gemm_cpu_isa, gr
         grad_out = torch.randn(y.shape, generator=torch.Generator().manual_seed(13)).to(dtype)
         return [y, *torch.autograd.grad(y, [t for t, n in zip(leaves, need) if n], grad_out)]
 
-    ours = run(torch.bfloat16, lambda xx, ww, gg, ff: moe.grouped_linear(
-        xx, ww, *routing, grouped_in=grouped_in, grouped_out=grouped_out, gates=gg, lora=ff))
-    exact = run(torch.float64, lambda xx, ww, gg, ff: direct_grouped_linear(xx, ww, index, grouped_in, grouped_out,
-                                                                            gg, ff))
+    with forced_cpu_isa(isa):
+        ours = run(torch.bfloat16, lambda xx, ww, gg, ff: moe.grouped_linear(
+            xx, ww, *routing, grouped_in=grouped_in, grouped_out=grouped_out, gates=gg, lora=ff))
+    exact = oracle_once(("transposed weights", grouped_in, grouped_out, with_gates, with_lora, trainable_weight),
+                        lambda: run(torch.float64, lambda xx, ww, gg, ff: direct_grouped_linear(
+                            xx, ww, index, grouped_in, grouped_out, gg, ff)))
     for a, b in zip(ours, exact):
         assert a.dtype == torch.bfloat16 and a.shape == b.shape
         assert (a.double() - b).abs().max() <= 2**-7 * b.abs().max()

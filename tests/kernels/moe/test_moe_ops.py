@@ -10,6 +10,7 @@ import torch
 from pykernels import moe
 from pykernels._extension import ops
 from pykernels.reference import moe as reference
+from tests.conftest import cpu_isas, forced_cpu_isa, oracle_once
 
 
 def direct_grouped_linear(x, weight, top_k_index, grouped_in, grouped_out, gates, lora):
@@ -245,11 +246,11 @@ def test_bf16_forward_on_every_cpu_path(gemm_cpu_isa, grouped_in, grouped_out, w
     assert (ours.double() - exact).abs().max() <= 2**-7 * exact.abs().max()
 
 
+@pytest.mark.parametrize("isa", cpu_isas(gemm=True))  # innermost: the fp64 oracle is computed once a case
 @pytest.mark.parametrize(("grouped_in", "grouped_out", "with_gates", "with_lora"), FLAGS,
                          ids=[f"in{int(a)}-out{int(b)}-gates{int(c)}-lora{int(d)}" for a, b, c, d in FLAGS])
 @pytest.mark.parametrize("trainable_weight", [False, True], ids=["frozen", "trainable"])
-def test_bf16_gradients_on_every_cpu_path(gemm_cpu_isa, grouped_in, grouped_out, with_gates, with_lora,
-                                          trainable_weight):
+def test_bf16_gradients_on_every_cpu_path(isa, grouped_in, grouped_out, with_gates, with_lora, trainable_weight):
     """bf16 gradients of x, gates, LoRA (and the weight when it is trainable) against fp64 on the
     same bf16 inputs, on the AVX-512 BF16 kernels (frozen weight; their GEMMs on AVX-512 and on AMX
     tiles) and the portable path."""
@@ -274,10 +275,12 @@ def test_bf16_gradients_on_every_cpu_path(gemm_cpu_isa, grouped_in, grouped_out,
         grads = torch.autograd.grad(y, [t for t, need in zip(leaves, used) if need], grad_out)
         return grads
 
-    ours = run(torch.bfloat16, lambda xx, ww, gg, ff: moe.grouped_linear(
-        xx, ww, *routing, grouped_in=grouped_in, grouped_out=grouped_out, gates=gg, lora=ff))
-    exact = run(torch.float64, lambda xx, ww, gg, ff: direct_grouped_linear(xx, ww, idx, grouped_in, grouped_out, gg,
-                                                                            ff))
+    with forced_cpu_isa(isa):
+        ours = run(torch.bfloat16, lambda xx, ww, gg, ff: moe.grouped_linear(
+            xx, ww, *routing, grouped_in=grouped_in, grouped_out=grouped_out, gates=gg, lora=ff))
+    exact = oracle_once(("moe_ops bf16 gradients", grouped_in, grouped_out, with_gates, with_lora, trainable_weight),
+                        lambda: run(torch.float64, lambda xx, ww, gg, ff: direct_grouped_linear(
+                            xx, ww, idx, grouped_in, grouped_out, gg, ff)))
     for a, b in zip(ours, exact):
         assert a.dtype == torch.bfloat16 and a.shape == b.shape
         assert (a.double() - b).abs().max() <= 2**-7 * b.abs().max()
