@@ -16,8 +16,8 @@ import pykernels.nf4 as nf4
 from pykernels import backend, moe
 from pykernels._extension import ops
 from pykernels.reference import moe as reference
-from test_moe_ops import direct_grouped_linear
-from tests.conftest import cpu_isas, forced_cpu_isa, oracle_once
+from test_moe_ops import assert_bf16_matches_fp64
+from tests.conftest import cpu_isas
 
 # (tokens, hidden, inter, experts, top_k): odd token counts and feature sizes, one expert unrouted
 # in the largest case, k = 1.
@@ -209,15 +209,8 @@ def test_grouped_linear_on_transposed_weights_on_every_cpu_path(isa, grouped_in,
         grad_out = torch.randn(y.shape, generator=torch.Generator().manual_seed(13)).to(dtype)
         return [y, *torch.autograd.grad(y, [t for t, n in zip(leaves, need) if n], grad_out)]
 
-    with forced_cpu_isa(isa):
-        ours = run(torch.bfloat16, lambda xx, ww, gg, ff: moe.grouped_linear(
-            xx, ww, *routing, grouped_in=grouped_in, grouped_out=grouped_out, gates=gg, lora=ff))
-    exact = oracle_once(("transposed weights", grouped_in, grouped_out, with_gates, with_lora, trainable_weight),
-                        lambda: run(torch.float64, lambda xx, ww, gg, ff: direct_grouped_linear(
-                            xx, ww, index, grouped_in, grouped_out, gg, ff)))
-    for a, b in zip(ours, exact):
-        assert a.dtype == torch.bfloat16 and a.shape == b.shape
-        assert (a.double() - b).abs().max() <= 2**-7 * b.abs().max()
+    assert_bf16_matches_fp64(run, routing, index, grouped_in, grouped_out, isa,
+                             case=("transposed weights", with_gates, with_lora, trainable_weight))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -275,12 +275,20 @@ def test_bf16_gradients_on_every_cpu_path(isa, grouped_in, grouped_out, with_gat
         grads = torch.autograd.grad(y, [t for t, need in zip(leaves, used) if need], grad_out)
         return grads
 
+    assert_bf16_matches_fp64(run, routing, idx, grouped_in, grouped_out, isa,
+                             case=("moe_ops bf16 gradients", with_gates, with_lora, trainable_weight))
+
+
+def assert_bf16_matches_fp64(run, routing, top_k_index, grouped_in, grouped_out, isa, case: tuple):
+    """run(dtype, fn): a case's tensors (fn(x, weight, gates, lora) and its gradients) in dtype. Ours in bf16 on the
+    CPU path `isa` against direct_grouped_linear in fp64, computed once for the case's CPU paths (oracle_once; `case`
+    with grouped_in and grouped_out names it): within bf16 output rounding plus LoRA's bf16 intermediate and the
+    per-token sum."""
     with forced_cpu_isa(isa):
         ours = run(torch.bfloat16, lambda xx, ww, gg, ff: moe.grouped_linear(
             xx, ww, *routing, grouped_in=grouped_in, grouped_out=grouped_out, gates=gg, lora=ff))
-    exact = oracle_once(("moe_ops bf16 gradients", grouped_in, grouped_out, with_gates, with_lora, trainable_weight),
-                        lambda: run(torch.float64, lambda xx, ww, gg, ff: direct_grouped_linear(
-                            xx, ww, idx, grouped_in, grouped_out, gg, ff)))
+    exact = oracle_once((*case, grouped_in, grouped_out), lambda: run(torch.float64, lambda xx, ww, gg, ff: (
+        direct_grouped_linear(xx, ww, top_k_index, grouped_in, grouped_out, gg, ff))))
     for a, b in zip(ours, exact):
         assert a.dtype == torch.bfloat16 and a.shape == b.shape
         assert (a.double() - b).abs().max() <= 2**-7 * b.abs().max()
