@@ -1,12 +1,12 @@
 """Where an op's GPU time goes: torch.profiler's per-kernel CUDA time for one forward+backward of the
-LoRA, logprobs and MoE ops at a size users train at, and for the LoRA and QLoRA forwards alone (issue
-20's forward targets: <= 5% over the bare base GEMM at T 8192, >= 1.5x PEFT's QLoRA at T 1024), on
-the default path and with the Hopper GEMM core switched off (PYKERNELS_SM90=0), beside the torch
-baseline the gate compares with. For choosing
-what to tune during a short GPU lease (e.g. the core's tile, README "On a GPU machine"); the timings
-that count are the benchmarks' (pytest --benchmark).
+LoRA, logprobs and MoE ops (Qwen3-30B-A3B's experts bare and with LoRA r 16) at a size users train at,
+and for the LoRA and QLoRA forwards alone (issue 20's forward targets: <= 5% over the bare base GEMM at
+T 8192, >= 1.5x PEFT's QLoRA at T 1024), on the default path and with the Hopper GEMM core switched off
+(PYKERNELS_SM90=0), beside the torch baseline the gate compares with. For choosing what to tune during a
+short GPU lease (e.g. the core's tile, README "On a GPU machine"); the timings that count are the
+benchmarks' (pytest --benchmark).
 
-    python -m benchmarks.kernel_breakdown [--top 12] [--ops lora,lora_forward,qlora_forward,logprobs,moe]
+    python -m benchmarks.kernel_breakdown [--top 12] [--ops lora,lora_forward,qlora_forward,logprobs,moe,moe_lora]
 """
 
 from __future__ import annotations
@@ -63,23 +63,29 @@ def logprobs_case():
             "torch_materialized": lambda: torch_materialized(hidden, weight, targets).sum().backward()}
 
 
-def moe_case():
-    from benchmarks.test_bench_moe import make_block, routed_tokens
+def moe_case(lora: bool, device: str = "cuda", tokens: int = 16384):
+    """Qwen3-30B-A3B's experts, frozen, with PEFT's LoRA r 16 on both projections or without."""
 
-    block, config = make_block("qwen3-30b-a3b", lora=False, device=torch.device("cuda"))
-    x, index, weights = routed_tokens("qwen3-30b-a3b", 16384, torch.device("cuda"), requires_grad=True)
+    def case():
+        from benchmarks.test_bench_moe import make_block, routed_tokens
 
-    def run(implementation: str):
-        def call():
-            config._experts_implementation = implementation
-            block.experts(x, index, weights).float().square().mean().backward()
-        return call
+        block, config = make_block("qwen3-30b-a3b", lora=lora, device=torch.device(device))
+        x, index, weights = routed_tokens("qwen3-30b-a3b", tokens, torch.device(device), requires_grad=True)
 
-    return {"ours": run("pykernels"), "grouped_mm": run("grouped_mm")}
+        def run(implementation: str):
+            def call():
+                config._experts_implementation = implementation
+                block.experts(x, index, weights).float().square().mean().backward()
+            return call
+
+        return {"ours": run("pykernels"), "grouped_mm": run("grouped_mm")}
+
+    return case
 
 
 CASES = {"lora": lora_case, "lora_forward": forward_case("bf16", 8192, "base_matmul"),
-         "qlora_forward": forward_case("nf4", 1024, "peft"), "logprobs": logprobs_case, "moe": moe_case}
+         "qlora_forward": forward_case("nf4", 1024, "peft"), "logprobs": logprobs_case, "moe": moe_case(lora=False),
+         "moe_lora": moe_case(lora=True)}
 
 
 def breakdown(fn, top: int) -> str:

@@ -26,8 +26,9 @@
 // products on the base's rows (u B^T, v A) as extra K of the same GEMMs (no second pass over the
 // rows). The gather of x / dy into slot order, the scatter and
 // the gate gradient's dots are separate passes around them, and the gates ride on the per-token
-// sum (the sm80 kernels fuse all of it; the sm_90a epilogues do not yet). PYKERNELS_SM90=0 keeps
-// the sm80 kernels on Hopper.
+// sum (the sm80 kernels fuse the gather, gates and dots; the sm_90a epilogues do not). The per-token
+// sum stays a pass on both: in an epilogue it would take fp32 atomics, run-to-run rounding and no
+// fewer bytes (README, "On a GPU machine"). PYKERNELS_SM90=0 keeps the sm80 kernels on Hopper.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -531,22 +532,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> grouped_l
       check_launch(launch_gate_grad(gg, p.stream));
     }
   }
-  if ((compute_grad_weight && !sm90) || compute_grad_lora) {
+  if (compute_grad_weight && !sm90) {
     at::Tensor gated_dy_storage;
-    const SlotRows gated_dy = gated(p, dy_rows, gated_dy_storage);  // g_s dy_s
-    if (compute_grad_weight && !sm90) {
-      grad_weight = at::empty(p.weight.sizes(), p.weight.options());
-      weight_grad_gemm(p, gated_dy, p.x_rows(), z.out, z.in, grad_weight, z.out * z.in, z.in, 1);
-    }
-    if (compute_grad_lora) {
-      const at::Tensor u = lora_u(p);
-      grad_b = at::empty(p.lora_b.sizes(), p.lora_b.options());  // dB_e = columns e, e + E, ...
-      weight_grad_gemm(p, gated_dy, slot_rows(u), z.out, z.rank, grad_b, 1, z.rank * z.experts, z.experts);
-      at::Tensor gated_v_storage;
-      grad_a = at::empty(p.lora_a.sizes(), p.lora_a.options());  // dA_e = rows e r .. e r + r - 1
-      weight_grad_gemm(p, gated(p, slot_rows(v), gated_v_storage), p.x_rows(), z.rank, z.in, grad_a,
-                       z.rank * z.in, z.in, 1);
-    }
+    grad_weight = at::empty(p.weight.sizes(), p.weight.options());
+    weight_grad_gemm(p, gated(p, dy_rows, gated_dy_storage), p.x_rows(), z.out, z.in, grad_weight, z.out * z.in,
+                     z.in, 1);  // dW_e = sum g_s dy_s^T x_s
+  }
+  if (compute_grad_lora) {
+    // The gate rides on the rank-r operand of each product (g_s u_s, g_s v_s: r8 columns), not on dy:
+    // a gated copy of dy would be [slots, out] (512 MiB at Qwen3-30B-A3B's down projection, T 16384),
+    // written and read again for the same sums.
+    at::Tensor gated_u_storage, gated_v_storage;
+    const at::Tensor u = lora_u(p);
+    grad_b = at::empty(p.lora_b.sizes(), p.lora_b.options());  // dB_e = columns e, e + E, ...
+    weight_grad_gemm(p, dy_rows, gated(p, slot_rows(u), gated_u_storage), z.out, z.rank, grad_b, 1,
+                     z.rank * z.experts, z.experts);
+    grad_a = at::empty(p.lora_a.sizes(), p.lora_a.options());  // dA_e = rows e r .. e r + r - 1
+    weight_grad_gemm(p, gated(p, slot_rows(v), gated_v_storage), p.x_rows(), z.rank, z.in, grad_a,
+                     z.rank * z.in, z.in, 1);
   }
   return {grad_x, grad_weight, grad_gates, grad_a, grad_b};
 }
