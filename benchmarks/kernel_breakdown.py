@@ -63,14 +63,14 @@ def logprobs_case():
             "torch_materialized": lambda: torch_materialized(hidden, weight, targets).sum().backward()}
 
 
-def moe_case(lora: bool, device: str = "cuda", tokens: int = 16384):
-    """Qwen3-30B-A3B's experts, frozen, with PEFT's LoRA r 16 on both projections or without."""
+def moe_case(lora: bool):
+    """Qwen3-30B-A3B's experts at T 16384, frozen, with PEFT's LoRA r 16 on both projections or without."""
 
     def case():
         from benchmarks.test_bench_moe import make_block, routed_tokens
 
-        block, config = make_block("qwen3-30b-a3b", lora=lora, device=torch.device(device))
-        x, index, weights = routed_tokens("qwen3-30b-a3b", tokens, torch.device(device), requires_grad=True)
+        block, config = make_block("qwen3-30b-a3b", lora=lora, device=torch.device("cuda"))
+        x, index, weights = routed_tokens("qwen3-30b-a3b", 16384, torch.device("cuda"), requires_grad=True)
 
         def run(implementation: str):
             def call():
