@@ -20,7 +20,9 @@ the GPU, or 16 MiB), both ways of running the experts' gated activation (PYKERNE
 pykernels/ops/moe.py: its own pass after the gate_up GEMM, or in that GEMM's epilogue,
 common/paired_rows.h; on the MoE cases), both ways of reading the experts' rows by token
 (PYKERNELS_SM90_MOE_GATHER, moe/moe.h: a gather pass, or the GEMM's producer warp copying them; on the
-MoE cases with the activation in the epilogue, where the gate_up GEMM gathers too), and both folds of
+MoE cases with the activation in the epilogue, where the gate_up GEMM gathers too), both tiles of the
+experts' LoRA rank-r products (PYKERNELS_MOE_RANK_TILE, moe/moe.h: 128 x 128, or 128 x 32 for the rank
+side; on the MoE cases with LoRA), and both folds of
 the logprobs statistics epilogue (PYKERNELS_SM90_LOGPROBS_FOLD, logprobs/logprobs_sm90.h: on the running
 max, or on a lazy reference). All are
 read on every call, so a lent GPU measures them all without rebuilding (~3 minutes of a 15-minute
@@ -42,8 +44,8 @@ Hopper core alone (the MoE op, one expert) as the second. QLoRA forward: NF4
 adapters, after the bare bf16 base GEMM.
 
     python -m benchmarks.tile_sweep [--ops moe,lora,logprobs,logprobs_fold,lora_forward,lora_grad_x,lora_rank,
-                                           raster,moe_lora,moe_act,moe_gather,qlora_forward,nf4_dequant,
-                                           nf4_chunks]
+                                           raster,moe_lora,moe_act,moe_gather,moe_rank_tile,qlora_forward,
+                                           nf4_dequant,nf4_chunks]
                                     [--tiles auto,128x128,128x256]
                                     [--logprobs-tiles 256x128,128x128]
                                     [--logprobs-folds running_max,lazy_max]
@@ -51,7 +53,7 @@ adapters, after the bare bf16 base GEMM.
                                     [--lora-grad-xs cublas,extended_k] [--lora-rank-gemms simt,tensor_core]
                                     [--rasters m1,m2,m4,m8,n1,n2,n4,n8]
                                     [--moe-loras extra_k,separate] [--moe-acts separate,epilogue]
-                                    [--moe-gathers pass,mainloop]
+                                    [--moe-gathers pass,mainloop] [--moe-rank-tiles wide,narrow]
                                     [--nf4-forwards dequantize,mainloop] [--nf4-dequants warps,units]
                                     [--nf4-chunks auto,16]
                                     [--rounds 10]
@@ -82,6 +84,7 @@ DENSES = ("array", "plain", "plain@n1")
 MOE_LORAS = ("extra_k", "separate")  # the first is the default (moe/moe.h)
 MOE_ACTS = ("separate", "epilogue")  # the first is the default (pykernels/ops/moe.py)
 MOE_GATHERS = ("pass", "mainloop")  # the first is the default (moe/moe.h)
+MOE_RANK_TILES = ("wide", "narrow")  # the first is the default (moe/moe.h)
 NF4_FORWARDS = ("dequantize", "mainloop")  # the first is the default (nf4/nf4_gemm_sm90.h)
 NF4_DEQUANTS = ("warps", "units")  # the first is the default (nf4/nf4.h)
 NF4_CHUNKS = ("auto", "16")  # the first is the default (lora/nf4_chunks.h)
@@ -286,6 +289,7 @@ CASES = {"moe": (moe_cases, "PYKERNELS_SM90_TILE", "tiles"), "lora": (lora_cases
          "moe_lora": (moe_lora_cases, "PYKERNELS_SM90_MOE_LORA", "moe_loras"),
          "moe_act": (moe_cases, "PYKERNELS_SM90_MOE_ACT", "moe_acts"),
          "moe_gather": (moe_epilogue_act_cases, "PYKERNELS_SM90_MOE_GATHER", "moe_gathers"),
+         "moe_rank_tile": (moe_lora_cases, "PYKERNELS_MOE_RANK_TILE", "moe_rank_tiles"),
          "qlora_forward": (qlora_forward_cases, "PYKERNELS_SM90_NF4", "nf4_forwards"),
          "nf4_dequant": (nf4_dequant_cases, "PYKERNELS_NF4_DEQUANT", "nf4_dequants"),
          "nf4_chunks": (qlora_forward_cases, "PYKERNELS_NF4_CHUNK_MIB", "nf4_chunks")}
@@ -352,6 +356,7 @@ CHOICE_ARGS = {"tiles": (TILES, "the GEMM core's tiles"),
                "moe_loras": (MOE_LORAS, "the experts' LoRA products' ways"),
                "moe_acts": (MOE_ACTS, "the experts' gated activation's ways"),
                "moe_gathers": (MOE_GATHERS, "the experts' ways of reading rows by token"),
+               "moe_rank_tiles": (MOE_RANK_TILES, "the experts' LoRA rank products' tiles"),
                "nf4_forwards": (NF4_FORWARDS, "the QLoRA forward's ways of reading NF4"),
                "nf4_dequants": (NF4_DEQUANTS, "the NF4 dequantize's kernels"),
                "nf4_chunks": (NF4_CHUNKS, "the QLoRA GEMMs' chunks of NF4 W (MiB, or auto)")}

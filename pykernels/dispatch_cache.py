@@ -82,6 +82,7 @@ KERNEL_KNOBS = {
     "sm90_moe_lora": "PYKERNELS_SM90_MOE_LORA",  # the experts' LoRA products (moe/moe.h)
     "sm90_moe_act": "PYKERNELS_SM90_MOE_ACT",  # the experts' activation (pykernels/ops/moe.py)
     "sm90_moe_gather": "PYKERNELS_SM90_MOE_GATHER",  # their rows by token (moe/moe.h)
+    "moe_rank_tile": "PYKERNELS_MOE_RANK_TILE",  # their LoRA rank products' tile (moe/moe.h)
     "nf4_dequantize": "PYKERNELS_NF4_DEQUANT",  # the NF4 dequantize kernel (nf4/nf4.h)
 }
 

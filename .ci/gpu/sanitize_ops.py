@@ -13,7 +13,8 @@ csrc/lora/lora_rank_pieces.h) and with the NF4 weight decoded in the GEMM's main
 (PYKERNELS_SM90_NF4=mainloop, csrc/nf4/nf4_gemm_sm90.h), and the MoE calls with the experts' LoRA
 products as their own GEMMs (PYKERNELS_SM90_MOE_LORA=separate, csrc/moe/moe.h) and with the gated
 activation in the gate_up GEMM's epilogue (PYKERNELS_SM90_MOE_ACT=epilogue, on intermediate sizes the
-gated GEMM takes on each tile: csrc/common/paired_rows.h), and the NF4 calls with
+gated GEMM takes on each tile: csrc/common/paired_rows.h) and with the LoRA rank products on the narrow
+tile (PYKERNELS_MOE_RANK_TILE=narrow, csrc/moe/moe.h), and the NF4 calls with
 the dequantize by store units (PYKERNELS_NF4_DEQUANT=units, csrc/nf4/nf4.h; the default, by warp chunks,
 stages codes in shared memory: racecheck's case).
 On CPU (the dry run) the same calls check that this script still matches the ops' signatures.
@@ -173,8 +174,8 @@ SETTING_FAMILIES = {"moe_act": run_moe_act, "lora_wide": run_lora_on_the_wide_ti
 # (moe/moe.h), the NF4 dequantize by store units (nf4/nf4.h), the logprobs statistics folded on a
 # lazy reference (logprobs/logprobs_sm90.h), the experts' activation in the gated gate_up GEMM's
 # epilogue on each tile (common/paired_rows.h), and the experts' rows gathered in the GEMMs' mainloop
-# (moe/moe.h), under both activation settings; and the LoRA forward on the plain dense kernel
-# (common/sm90_dense_plain.h).
+# (moe/moe.h), under both activation settings; the experts' rank products on the 128 x 32 tile (moe/moe.h);
+# and the LoRA forward on the plain dense kernel (common/sm90_dense_plain.h).
 OTHER_SETTINGS = [("PYKERNELS_SM90_TILE", tile, "moe") for tile in _C.host_logic.gemm_sm90_tiles] + [
     ("PYKERNELS_SM90_LOGPROBS_TILE", tile, "logprobs") for tile in _C.host_logic.logprobs_sm90_tiles[1:]] + [
     ("PYKERNELS_SM90_LORA", "cublas", "lora"), ("PYKERNELS_SM90_LORA_GRAD_X", "extended_k", "lora"),
@@ -182,7 +183,8 @@ OTHER_SETTINGS = [("PYKERNELS_SM90_TILE", tile, "moe") for tile in _C.host_logic
     ("PYKERNELS_SM90_NF4", "mainloop", "lora"), ("PYKERNELS_SM90_MOE_LORA", "separate", "moe"),
     ("PYKERNELS_NF4_DEQUANT", "units", "nf4"), ("PYKERNELS_SM90_LOGPROBS_FOLD", "lazy_max", "logprobs")] + [
     ("PYKERNELS_SM90_MOE_ACT", "epilogue", "moe_act"), ("PYKERNELS_SM90_MOE_GATHER", "mainloop", "moe_act"),
-    ("PYKERNELS_SM90_MOE_GATHER", "mainloop", "moe"), ("PYKERNELS_SM90_DENSE", "plain", "lora_wide")]
+    ("PYKERNELS_SM90_MOE_GATHER", "mainloop", "moe"), ("PYKERNELS_MOE_RANK_TILE", "narrow", "moe"),
+    ("PYKERNELS_SM90_DENSE", "plain", "lora_wide")]
 
 
 def run_family(family: str, device: str, setting: str = "") -> None:

@@ -763,6 +763,7 @@ void define_host_logic(py::module_& m) {
         py::arg("k2"), py::arg("lda2"), py::arg("b2_expert_stride"), py::arg("block_k"));
   def_two_way_knob(m, "moe_sm90_lora", &moe::moe_lora_separate_for, "separate", "extra_k");
   def_two_way_knob(m, "moe_sm90_gather", &moe::moe_gather_in_mainloop_for, "mainloop", "pass");
+  def_two_way_knob(m, "moe_rank_tile", &moe::moe_rank_tile_narrow_for, "narrow", "wide");
   m.def(
       "gemm_sm90_tile_order",
       [](const std::optional<std::string>& setting) {

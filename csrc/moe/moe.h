@@ -45,6 +45,19 @@ inline const char* moe_gather_in_mainloop_for(const char* setting, bool* mainloo
                         mainloop);
 }
 
+// PYKERNELS_MOE_RANK_TILE picks the output tile of the sm80 tensor-op GEMMs (on Hopper too) whose one
+// side is a LoRA rank of at most kNarrowRankColumns (r padded to 8): u = x A_e^T, v = dy B_e, dB_e, dA_e:
+//   wide    128 x 128, as every other product (the default): r 16 fills 16 of its 128 columns, so
+//           those four products issue 8x the MMAs they need
+//   narrow  128 x 32: a quarter of the MMAs for the same bytes read (dA_e [r, in] as its transpose)
+// Read on every call (benchmarks/tile_sweep.py times both); sets *narrow. Null on success, else a
+// message naming the choices.
+inline constexpr int64_t kNarrowRankColumns = 32;
+inline const char* moe_rank_tile_narrow_for(const char* setting, bool* narrow) {
+  return two_way_choice(setting, "wide", "narrow", "PYKERNELS_MOE_RANK_TILE must be wide (the default) or narrow",
+                        narrow);
+}
+
 // ------------------------------------------------------------------ sort
 // Stable counting sort of the assignments by expert; the same three outputs as the CPU op.
 struct SortParams {
@@ -111,6 +124,7 @@ struct GroupedRowsParams {
   const int64_t* out_map;         // [slots] or null
   float* dgate_partial;           // [grouped_rows_column_tiles(p), slots] or null
   SlotRows dot_rows;              // read when dgate_partial is set
+  bool narrow_rank_tile;          // PYKERNELS_MOE_RANK_TILE=narrow: n_cols <= kNarrowRankColumns on 128 x 32
 };
 int64_t grouped_rows_column_tiles(const GroupedRowsParams& p);
 int64_t grouped_rows_workspace_bytes(const GroupedRowsParams& p);
@@ -128,6 +142,7 @@ struct GroupedWeightGradParams {
   float alpha;
   void* out;
   int64_t expert_stride, ld_m, ld_n;
+  bool narrow_rank_tile;          // PYKERNELS_MOE_RANK_TILE=narrow: m_rows or n_cols <= kNarrowRankColumns
 };
 const char* launch_grouped_weight_grad(const GroupedWeightGradParams& p, cudaStream_t stream);
 

@@ -123,6 +123,14 @@ Problem make_problem(const Sizes& size, const at::Tensor& x, const at::Tensor& w
   return p;
 }
 
+// Whether the rank-r products take the sm80 kernels' narrow tile (PYKERNELS_MOE_RANK_TILE, moe.h).
+bool narrow_rank_tile() {
+  bool narrow = false;
+  const char* error = moe_rank_tile_narrow_for(std::getenv("PYKERNELS_MOE_RANK_TILE"), &narrow);
+  TORCH_CHECK_VALUE(error == nullptr, error);
+  return narrow;
+}
+
 // A rows GEMM over every slot with n_cols output columns; the caller fills in operands and output.
 GroupedRowsParams rows_gemm(const Problem& p, int64_t n_cols) {
   GroupedRowsParams g{};
@@ -133,6 +141,7 @@ GroupedRowsParams rows_gemm(const Problem& p, int64_t n_cols) {
   g.expert_offsets = p.expert_offsets.data_ptr<int64_t>();
   g.alpha = 1.0f;
   g.out_rows = p.size.slots;
+  g.narrow_rank_tile = narrow_rank_tile();
   return g;
 }
 
@@ -146,7 +155,7 @@ void weight_grad_gemm(const Problem& p, SlotRows a, SlotRows b, int64_t m_rows, 
                       int64_t expert_stride, int64_t ld_m, int64_t ld_n) {
   GroupedWeightGradParams g{dtype_of(p.x), p.size.slots, p.size.experts, m_rows, n_cols,
                             p.expert_offsets.data_ptr<int64_t>(), a, b, 1.0f, out.data_ptr(), expert_stride,
-                            ld_m, ld_n};
+                            ld_m, ld_n, narrow_rank_tile()};
   check_launch(launch_grouped_weight_grad(g, p.stream));
 }
 

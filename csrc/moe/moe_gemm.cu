@@ -14,13 +14,16 @@
 // configs   sm80 tensor cores (mma.sync m16n8k16, fp32 accumulation; CuTe TiledMMA, ldmatrix,
 //           cp.async) for bf16 / fp16 when every operand allows 16-byte copies; a SIMT kernel with
 //           element-wise loads otherwise (fp32: true fp32 FMA, no TF32; 16-bit with odd sizes).
-//           Both are sm80 kernels and also run on sm90 (no wgmma path yet).
+//           Both are sm80 kernels; on Hopper they run the LoRA rank-r products (u, v, dA, dB: the
+//           sm_90a core takes the rest) and everything under PYKERNELS_SM90=0. The tensor-op tile is
+//           128 x 128, or 128 x 32 for a rank-r side under PYKERNELS_MOE_RANK_TILE=narrow (moe.h).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cute/tensor.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <mutex>
 #include <set>
@@ -119,23 +122,27 @@ template <> struct Types<__nv_bfloat16> {
   using MmaAtom = SM80_16x8x16_F32BF16BF16F32_TN;
 };
 
-// 128 x 128 outputs per CTA, 4 warps of 64 x 64, K in steps of 32 through a 3-stage cp.async
-// pipeline (CUTLASS's sm80 128x128_32x3 tensor-op shape). Operand tiles are K-major (rows of x,
-// weight [E, N, K]: ldmatrix) or MN-major (weight [E, K, N], slot rows along K: ldmatrix.trans),
-// with the swizzles CUTLASS's sm80 defaults use for conflict-free 16-byte stores and ldmatrix.
-template <typename T>
+// kTileM x kTileN outputs per CTA (128 x 128: 4 warps of 64 x 64; 128 x 32, the rank-r products'
+// narrow tile: 4 warps of 64 x 16), K in steps of 32 through a 3-stage cp.async pipeline (CUTLASS's
+// sm80 128x128_32x3 tensor-op shape). Operand tiles are K-major (rows of x, weight [E, N, K]:
+// ldmatrix) or MN-major (weight [E, K, N], slot rows along K: ldmatrix.trans), with the swizzles
+// CUTLASS's sm80 defaults use for conflict-free 16-byte stores and ldmatrix (64 or 32 rows wide).
+template <typename T, int kTileM = 128, int kTileN = 128>
 struct Config {
   using Element = typename Types<T>::Element;
-  static constexpr int kM = 128, kN = 128, kK = 32, kStages = 3, kThreads = 128;
+  static constexpr int kM = kTileM, kN = kTileN, kK = 32, kStages = 3, kThreads = 128;
+  static_assert(kM % 32 == 0 && kN % 32 == 0, "whole 32 x 32 tiles of the tiled MMA");
   static constexpr int kChunk = 8;       // elements per 16-byte cp.async
   static constexpr int kWarpsM = 2;      // warp w covers rows (w % 2) and columns (w / 2)
   using TiledMma = decltype(make_tiled_mma(typename Types<T>::MmaAtom{}, Layout<Shape<_2, _2, _1>>{},
                                            Tile<_32, _32, _16>{}));
   using KMajorAtom = decltype(composition(Swizzle<2, 3, 3>{}, Layout<Shape<_8, _32>, Stride<_32, _1>>{}));
-  using MNMajorAtom = decltype(composition(Swizzle<3, 3, 3>{}, Layout<Shape<_64, _8>, Stride<_1, _64>>{}));
+  using MNMajorAtom64 = decltype(composition(Swizzle<3, 3, 3>{}, Layout<Shape<_64, _8>, Stride<_1, _64>>{}));
+  using MNMajorAtom32 = decltype(composition(Swizzle<2, 3, 3>{}, Layout<Shape<_32, _8>, Stride<_1, _32>>{}));
   template <bool kKMajor, int kRows>  // (rows, k, stage)
-  using Smem = decltype(tile_to_shape(std::conditional_t<kKMajor, KMajorAtom, MNMajorAtom>{},
-                                      Shape<Int<kRows>, Int<kK>, Int<kStages>>{}));
+  using Smem = decltype(tile_to_shape(
+      std::conditional_t<kKMajor, KMajorAtom, std::conditional_t<kRows % 64 == 0, MNMajorAtom64, MNMajorAtom32>>{},
+      Shape<Int<kRows>, Int<kK>, Int<kStages>>{}));
   template <bool kKMajor>
   using SmemCopy = Copy_Atom<std::conditional_t<kKMajor, SM75_U32x4_LDSM_N, SM75_U16x8_LDSM_T>, Element>;
 };
@@ -248,10 +255,10 @@ __device__ void rows_epilogue(const GroupedRowsParams& p, const RowTile& tile, i
   }
 }
 
-// One row tile x one column tile (row_tile).
-template <typename T, bool kBKMajor>
+// One row tile x one column tile (row_tile) of kTileN columns.
+template <typename T, bool kBKMajor, int kTileN>
 __global__ void __launch_bounds__(Config<T>::kThreads) rows_kernel(const GroupedRowsParams p, const int2* tiles) {
-  using Cfg = Config<T>;
+  using Cfg = Config<T, 128, kTileN>;
   using E = typename Cfg::Element;
   constexpr int kM = Cfg::kM, kN = Cfg::kN, kK = Cfg::kK, kC = Cfg::kChunk;
   RowTile tile;
@@ -298,9 +305,9 @@ __global__ void __launch_bounds__(Config<T>::kThreads) rows_kernel(const Grouped
 }
 
 // One (m, n) output tile of expert blockIdx.z; K runs over the expert's slots.
-template <typename T>
+template <typename T, int kTileN>
 __global__ void __launch_bounds__(Config<T>::kThreads) weight_grad_kernel(const GroupedWeightGradParams p) {
-  using Cfg = Config<T>;
+  using Cfg = Config<T, 128, kTileN>;
   using E = typename Cfg::Element;
   constexpr int kM = Cfg::kM, kN = Cfg::kN, kK = Cfg::kK, kC = Cfg::kChunk;
   using Pipe = Pipeline<Cfg, false, false>;
@@ -309,10 +316,12 @@ __global__ void __launch_bounds__(Config<T>::kThreads) weight_grad_kernel(const 
   Tensor sB = make_tensor(make_smem_ptr(smem.b.data()), typename Pipe::LayoutB{});  // (n, k, stage)
   const int64_t expert = blockIdx.z, m0 = int64_t(blockIdx.x) * kM, n0 = int64_t(blockIdx.y) * kN;
   const SlotRange slots = bucket_slots(p.expert_offsets, p.experts, p.slots, expert);
-  // Both operands are slot rows along K: a chunk is 8 consecutive m (or n) of one slot's row.
-  auto load_rows = [&](const SlotRows& op, int64_t c0, int64_t s0, auto& smem_tile, int stage) {
-    for (int c = threadIdx.x; c < kM * kK / kC; c += Cfg::kThreads) {
-      const int k = c / (kM / kC), col = c % (kM / kC) * kC;
+  // Both operands are slot rows along K: a chunk is 8 consecutive m (or n) of one slot's row; width
+  // (Int<kM> or Int<kN>) is the tile's extent along them.
+  auto load_rows = [&](const SlotRows& op, int64_t c0, int64_t s0, auto& smem_tile, int stage, auto width) {
+    constexpr int kW = decltype(width)::value;
+    for (int c = threadIdx.x; c < kW * kK / kC; c += Cfg::kThreads) {
+      const int k = c / (kW / kC), col = c % (kW / kC) * kC;
       const E* src = s0 + k < slots.end ? slot_row<E>(op, s0 + k) : nullptr;
       const bool valid = src != nullptr && c0 + col < op.cols;
       copy_16_bytes(valid ? src + c0 + col : static_cast<const E*>(op.data), &smem_tile(col, k, stage), valid);
@@ -320,10 +329,9 @@ __global__ void __launch_bounds__(Config<T>::kThreads) weight_grad_kernel(const 
   };
   auto load = [&](int kt, int stage) {
     const int64_t s0 = slots.begin + int64_t(kt) * kK;
-    load_rows(p.a, m0, s0, sA, stage);
-    load_rows(p.b, n0, s0, sB, stage);
+    load_rows(p.a, m0, s0, sA, stage, Int<kM>{});
+    load_rows(p.b, n0, s0, sB, stage, Int<kN>{});
   };
-  static_assert(kM == kN, "load_rows tiles both operands alike");
   Tensor acc = partition_fragment_C(typename Cfg::TiledMma{}, Shape<Int<kM>, Int<kN>>{});
   clear(acc);
   mainloop<Cfg, false, false>(static_cast<int>(ceil_div(slots.end - slots.begin, kK)), sA, sB, acc, load);
@@ -495,6 +503,12 @@ bool tensor_op_weight_grad(const GroupedWeightGradParams& p) {
 
 int rows_per_tile(const GroupedRowsParams& p) { return tensor_op_rows(p) ? 128 : simt::kM; }
 
+// Columns per tile: the narrow tile for a rank-r output under PYKERNELS_MOE_RANK_TILE=narrow (moe.h).
+int rows_tile_columns(const GroupedRowsParams& p) {
+  if (!tensor_op_rows(p)) return simt::kN;
+  return p.narrow_rank_tile && p.n_cols <= kNarrowRankColumns ? kNarrowRankColumns : 128;
+}
+
 int64_t row_tile_grid(const GroupedRowsParams& p) { return max_row_tiles(p.slots, p.experts, rows_per_tile(p)); }
 
 // Opts a kernel into `smem` bytes of dynamic shared memory (over the 48 KiB static limit) once per
@@ -525,16 +539,23 @@ const char* launch_with_smem(Kernel kernel, dim3 grid, int threads, size_t smem,
   return launch_status("moe: grouped GEMM launch failed");
 }
 
+template <typename T, bool kBKMajor, int kTileN>
+const char* launch_tensor_op_rows(const GroupedRowsParams& p, const int2* tiles, dim3 grid, cudaStream_t stream) {
+  using Cfg = tensor_op::Config<T, 128, kTileN>;
+  return launch_with_smem(tensor_op::rows_kernel<T, kBKMajor, kTileN>, grid, Cfg::kThreads,
+                          sizeof(tensor_op::RowsSmem<Cfg, kBKMajor>), stream, p, tiles);
+}
+
 template <typename T>
 const char* launch_rows_kernel(const GroupedRowsParams& p, const int2* tiles, dim3 grid, cudaStream_t stream) {
   if constexpr (!std::is_same_v<T, float>) {
     if (tensor_op_rows(p)) {
-      using Cfg = tensor_op::Config<T>;
-      if (p.b.ld_k == 1)
-        return launch_with_smem(tensor_op::rows_kernel<T, true>, grid, Cfg::kThreads,
-                                sizeof(tensor_op::RowsSmem<Cfg, true>), stream, p, tiles);
-      return launch_with_smem(tensor_op::rows_kernel<T, false>, grid, Cfg::kThreads,
-                              sizeof(tensor_op::RowsSmem<Cfg, false>), stream, p, tiles);
+      const bool k_major = p.b.ld_k == 1;
+      if (rows_tile_columns(p) == kNarrowRankColumns)
+        return k_major ? launch_tensor_op_rows<T, true, kNarrowRankColumns>(p, tiles, grid, stream)
+                       : launch_tensor_op_rows<T, false, kNarrowRankColumns>(p, tiles, grid, stream);
+      return k_major ? launch_tensor_op_rows<T, true, 128>(p, tiles, grid, stream)
+                     : launch_tensor_op_rows<T, false, 128>(p, tiles, grid, stream);
     }
   }
   simt::rows_kernel<T><<<grid, simt::kThreads, 0, stream>>>(p, tiles);
@@ -553,9 +574,7 @@ const char* check_rows_operands(const GroupedRowsParams& p) {
 }  // namespace
 
 // ------------------------------------------------------------------ launchers
-int64_t grouped_rows_column_tiles(const GroupedRowsParams& p) {
-  return ceil_div(p.n_cols, tensor_op_rows(p) ? 128 : simt::kN);
-}
+int64_t grouped_rows_column_tiles(const GroupedRowsParams& p) { return ceil_div(p.n_cols, rows_tile_columns(p)); }
 
 int64_t grouped_rows_workspace_bytes(const GroupedRowsParams& p) {
   return (p.experts + 2) * int64_t(sizeof(int64_t)) + row_tile_grid(p) * int64_t(sizeof(int2));
@@ -578,20 +597,34 @@ const char* launch_grouped_rows(const GroupedRowsParams& p, void* workspace, cud
   });
 }
 
-const char* launch_grouped_weight_grad(const GroupedWeightGradParams& p, cudaStream_t stream) {
+const char* launch_grouped_weight_grad(const GroupedWeightGradParams& params, cudaStream_t stream) {
+  GroupedWeightGradParams p = params;
   if (p.m_rows == 0 || p.n_cols == 0 || p.experts == 0) return nullptr;
   const bool tensor_op = tensor_op_weight_grad(p);
+  // The narrow tile (PYKERNELS_MOE_RANK_TILE=narrow, moe.h) puts the rank side on its 32 columns: dB_e
+  // [out, r] as it is, dA_e [r, in] as its transpose (the operands and output strides swapped).
+  const bool narrow = tensor_op && p.narrow_rank_tile && std::min(p.m_rows, p.n_cols) <= kNarrowRankColumns;
+  if (narrow && p.n_cols > p.m_rows) {
+    std::swap(p.a, p.b);
+    std::swap(p.m_rows, p.n_cols);
+    std::swap(p.ld_m, p.ld_n);
+  }
   const int64_t tile = tensor_op ? 128 : simt::kM;
-  const int64_t m_tiles = ceil_div(p.m_rows, tile), n_tiles = ceil_div(p.n_cols, tile);
+  const int64_t m_tiles = ceil_div(p.m_rows, tile), n_tiles = ceil_div(p.n_cols, narrow ? kNarrowRankColumns : tile);
   if (m_tiles > INT32_MAX || n_tiles > 65535 || p.experts > 65535)
     return "moe weight grad: output too large for one launch";
   const dim3 grid(static_cast<unsigned>(m_tiles), static_cast<unsigned>(n_tiles), static_cast<unsigned>(p.experts));
   return with_element(p.dtype, [&](auto element) -> const char* {
     using T = decltype(element);
     if constexpr (!std::is_same_v<T, float>) {
+      if (tensor_op && narrow) {
+        using Cfg = tensor_op::Config<T, 128, kNarrowRankColumns>;
+        return launch_with_smem(tensor_op::weight_grad_kernel<T, kNarrowRankColumns>, grid, Cfg::kThreads,
+                                sizeof(tensor_op::Pipeline<Cfg, false, false>), stream, p);
+      }
       if (tensor_op) {
         using Cfg = tensor_op::Config<T>;
-        return launch_with_smem(tensor_op::weight_grad_kernel<T>, grid, Cfg::kThreads,
+        return launch_with_smem(tensor_op::weight_grad_kernel<T, 128>, grid, Cfg::kThreads,
                                 sizeof(tensor_op::Pipeline<Cfg, false, false>), stream, p);
       }
     }

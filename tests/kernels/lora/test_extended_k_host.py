@@ -137,3 +137,13 @@ def test_moe_gather_knob_and_the_sweep():
     assert [H.moe_sm90_gather(s) for s in (None, "", *MOE_GATHERS)] == ["pass", "pass", *MOE_GATHERS]
     with pytest.raises(ValueError, match="pass .the default. or mainloop"):
         H.moe_sm90_gather("tma")
+
+
+def test_moe_rank_tile_knob_and_the_sweep():
+    """PYKERNELS_MOE_RANK_TILE (moe/moe.h): the experts' rank-r products on the 128 x 128 tile by default,
+    else on 128 x 32; the sweep times both."""
+    from benchmarks.tile_sweep import MOE_RANK_TILES
+
+    assert [H.moe_rank_tile(s) for s in (None, "", *MOE_RANK_TILES)] == ["wide", "wide", *MOE_RANK_TILES]
+    with pytest.raises(ValueError, match="wide .the default. or narrow"):
+        H.moe_rank_tile("32")

@@ -211,6 +211,30 @@ def test_hopper_experts_lora_both_ways(shape, moe_lora, monkeypatch):
     check_against_oracles(case, False, False, torch.bfloat16)
 
 
+LORA_FLAGS = [flags for flags in FLAGS if flags[3]]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(("grouped_in", "grouped_out", "with_gates", "with_lora"), LORA_FLAGS,
+                         ids=[FLAG_IDS[FLAGS.index(flags)] for flags in LORA_FLAGS])
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[2], (300, 4, 8, 256, 128, 32)], ids=shape_id)
+def test_rank_products_on_the_narrow_tile(shape, grouped_in, grouped_out, with_gates, with_lora, dtype, monkeypatch):
+    """PYKERNELS_MOE_RANK_TILE=narrow (moe/moe.h): u, v, dB and dA on the 128 x 32 tile (r 5 padded to
+    8, 16 over 512 mostly empty experts, 32 filling it), on Hopper beside the sm_90a core (bf16) and
+    alone (fp16): against fp64 and the CPU, and bit for bit the wide tile's results (each output is
+    the same MMAs along K in the same order), but for dA, whose operands the narrow tile swaps."""
+    monkeypatch.setenv("PYKERNELS_MOE_RANK_TILE", "narrow")
+    case = make_case(shape, grouped_in, with_gates, with_lora, dtype, seed=5)
+    check_against_oracles(case, grouped_in, grouped_out, dtype)
+    dy = torch.randn(grad_rows(case, grouped_out), shape[4], generator=torch.Generator().manual_seed(6)).to(dtype)
+    narrow = run_ops(case, grouped_in, grouped_out, dy, "cuda")
+    monkeypatch.setenv("PYKERNELS_MOE_RANK_TILE", "wide")
+    wide = run_ops(case, grouped_in, grouped_out, dy, "cuda")
+    for name in OUTPUTS:
+        if name != "grad_lora_a":
+            assert torch.equal(narrow[name], wide[name]), name
+
+
 @pytest.mark.skipif(not HOPPER, reason="the Hopper GEMM core runs on compute capability 9.0")
 @pytest.mark.parametrize(("grouped_in", "grouped_out", "with_gates", "with_lora"), FLAGS, ids=FLAG_IDS)
 def test_hopper_grad_x_gathering_dy_in_its_mainloop(grouped_in, grouped_out, with_gates, with_lora, monkeypatch):
