@@ -291,7 +291,8 @@ def test_tile_sweep_names_what_it_needs(monkeypatch):
     assert refusal("--denses", "cublas") == "unknown choice cublas: --denses takes array, plain, plain@n1"
     assert refusal("--ops", "moe,mlp") == ("unknown op mlp: moe, lora, logprobs, logprobs_fold, lora_forward, "
                                            "lora_grad_x, lora_rank, raster, dense, moe_lora, moe_act, moe_gather, "
-                                           "qlora_forward, nf4_dequant, nf4_chunks")
+                                           "moe_rank_tile, qlora_forward, nf4_dequant, nf4_chunks")
+    assert refusal("--moe-rank-tiles", "64") == "unknown choice 64: --moe-rank-tiles takes wide, narrow"
     assert refusal("--nf4-dequants", "threads") == "unknown choice threads: --nf4-dequants takes warps, units"
     assert refusal("--nf4-chunks", "auto,64") == "unknown choice 64: --nf4-chunks takes auto, 16"
     if not torch.cuda.is_available():

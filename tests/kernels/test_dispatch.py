@@ -230,7 +230,7 @@ OTHER_KERNELS = {
     "sm90_lora_forward": "cublas", "sm90_lora_grad_x": "extended_k", "lora_rank_gemm": "simt", "nf4_chunk_mib": "16",
     "sm90_nf4_forward": "mainloop",
     "sm90_moe_lora": "separate", "nf4_dequantize": "units", "sm90_logprobs_fold": "lazy_max",
-    "sm90_moe_act": "epilogue", "sm90_moe_gather": "mainloop"}
+    "sm90_moe_act": "epilogue", "sm90_moe_gather": "mainloop", "moe_rank_tile": "narrow"}
 
 
 def test_every_kernel_knob_has_another_setting_here():
