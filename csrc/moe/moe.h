@@ -45,8 +45,9 @@ inline const char* moe_gather_in_mainloop_for(const char* setting, bool* mainloo
                         mainloop);
 }
 
-// PYKERNELS_MOE_RANK_TILE picks the output tile of the sm80 tensor-op GEMMs (on Hopper too) whose one
-// side is a LoRA rank of at most kNarrowRankColumns (r padded to 8): u = x A_e^T, v = dy B_e, dB_e, dA_e:
+// PYKERNELS_MOE_RANK_TILE picks the output tile of the sm80 tensor-op GEMMs (on Hopper too) with one
+// side of at most kNarrowRankColumns: the LoRA rank-r products u = x A_e^T, v = dy B_e, dB_e and dA_e
+// (r padded to 8), and any other product that narrow (tiny models):
 //   wide    128 x 128, as every other product (the default): r 16 fills 16 of its 128 columns, so
 //           those four products issue 8x the MMAs they need
 //   narrow  128 x 32: a quarter of the MMAs for the same bytes read (dA_e [r, in] as its transpose)
