@@ -1,5 +1,6 @@
 """The Makefile's uv installs get pip's package sources (.ci/uv_options.py): without them uv would
-resolve from PyPI alone on a machine whose pip is pointed at local wheels or capped by constraints."""
+resolve from PyPI alone on a machine whose pip is pointed at local wheels or capped by constraints.
+And both installs (torch and the build tools, then the rest) follow one resolution."""
 
 import importlib.util
 import shlex
@@ -47,3 +48,21 @@ def test_the_script_prints_options_uv_parses_for_this_machine_s_pip():
     words = shlex.split(result.stdout)
     flags = [w for w in words if w.startswith("--")]
     assert set(flags) <= {"--find-links", "--extra-index-url", "--constraint", "--index-url", "--no-index"}, words
+
+
+def test_both_installs_take_one_resolution_as_constraints(tmp_path):
+    """make test compiles (cuda-check imports torch) while the second install runs: that install must not
+    move a package the first put in (it once replaced numpy under cmake's `import torch`). Both take the
+    pins one `uv pip compile` of everything wrote, the tools' and the rest's requirements together."""
+    venv = tmp_path / "venv"
+    result = subprocess.run(["make", "-n", f"VENV={venv}", f"{venv}/.installed"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60, check=True)
+    commands = result.stdout.replace("\\\n", " ").splitlines()
+    pins, tools, rest = venv / "pins.txt", venv / "tools.txt", venv / "requirements.txt"
+    [compile_line] = [c for c in commands if "uv pip compile" in c]
+    assert f"-o {pins}" in compile_line and f"{rest} {tools}" in compile_line
+    installs = [c for c in commands if "uv pip install" in c]
+    assert [f"-r {tools}" in c for c in installs] == [True, False]
+    assert [f"-r {rest}" in c for c in installs] == [False, True]
+    assert all(f"--constraint {pins}" in c for c in installs)
+    assert commands.index(compile_line) < commands.index(installs[0])
