@@ -122,16 +122,16 @@ template <> struct Types<__nv_bfloat16> {
   using MmaAtom = SM80_16x8x16_F32BF16BF16F32_TN;
 };
 
-// kTileM x kTileN outputs per CTA (128 x 128: 4 warps of 64 x 64; 128 x 32, the rank-r products'
+// 128 x kTileN outputs per CTA (128 x 128: 4 warps of 64 x 64; 128 x 32, the rank-r products'
 // narrow tile: 4 warps of 64 x 16), K in steps of 32 through a 3-stage cp.async pipeline (CUTLASS's
 // sm80 128x128_32x3 tensor-op shape). Operand tiles are K-major (rows of x, weight [E, N, K]:
 // ldmatrix) or MN-major (weight [E, K, N], slot rows along K: ldmatrix.trans), with the swizzles
 // CUTLASS's sm80 defaults use for conflict-free 16-byte stores and ldmatrix (64 or 32 rows wide).
-template <typename T, int kTileM = 128, int kTileN = 128>
+template <typename T, int kTileN = 128>
 struct Config {
   using Element = typename Types<T>::Element;
-  static constexpr int kM = kTileM, kN = kTileN, kK = 32, kStages = 3, kThreads = 128;
-  static_assert(kM % 32 == 0 && kN % 32 == 0, "whole 32 x 32 tiles of the tiled MMA");
+  static constexpr int kM = 128, kN = kTileN, kK = 32, kStages = 3, kThreads = 128;
+  static_assert(kN % 32 == 0, "whole 32 x 32 tiles of the tiled MMA");
   static constexpr int kChunk = 8;       // elements per 16-byte cp.async
   static constexpr int kWarpsM = 2;      // warp w covers rows (w % 2) and columns (w / 2)
   using TiledMma = decltype(make_tiled_mma(typename Types<T>::MmaAtom{}, Layout<Shape<_2, _2, _1>>{},
@@ -258,7 +258,7 @@ __device__ void rows_epilogue(const GroupedRowsParams& p, const RowTile& tile, i
 // One row tile x one column tile (row_tile) of kTileN columns.
 template <typename T, bool kBKMajor, int kTileN>
 __global__ void __launch_bounds__(Config<T>::kThreads) rows_kernel(const GroupedRowsParams p, const int2* tiles) {
-  using Cfg = Config<T, 128, kTileN>;
+  using Cfg = Config<T, kTileN>;
   using E = typename Cfg::Element;
   constexpr int kM = Cfg::kM, kN = Cfg::kN, kK = Cfg::kK, kC = Cfg::kChunk;
   RowTile tile;
@@ -307,7 +307,7 @@ __global__ void __launch_bounds__(Config<T>::kThreads) rows_kernel(const Grouped
 // One (m, n) output tile of expert blockIdx.z; K runs over the expert's slots.
 template <typename T, int kTileN>
 __global__ void __launch_bounds__(Config<T>::kThreads) weight_grad_kernel(const GroupedWeightGradParams p) {
-  using Cfg = Config<T, 128, kTileN>;
+  using Cfg = Config<T, kTileN>;
   using E = typename Cfg::Element;
   constexpr int kM = Cfg::kM, kN = Cfg::kN, kK = Cfg::kK, kC = Cfg::kChunk;
   using Pipe = Pipeline<Cfg, false, false>;
@@ -541,7 +541,7 @@ const char* launch_with_smem(Kernel kernel, dim3 grid, int threads, size_t smem,
 
 template <typename T, bool kBKMajor, int kTileN>
 const char* launch_tensor_op_rows(const GroupedRowsParams& p, const int2* tiles, dim3 grid, cudaStream_t stream) {
-  using Cfg = tensor_op::Config<T, 128, kTileN>;
+  using Cfg = tensor_op::Config<T, kTileN>;
   return launch_with_smem(tensor_op::rows_kernel<T, kBKMajor, kTileN>, grid, Cfg::kThreads,
                           sizeof(tensor_op::RowsSmem<Cfg, kBKMajor>), stream, p, tiles);
 }
@@ -617,8 +617,8 @@ const char* launch_grouped_weight_grad(const GroupedWeightGradParams& params, cu
   return with_element(p.dtype, [&](auto element) -> const char* {
     using T = decltype(element);
     if constexpr (!std::is_same_v<T, float>) {
-      if (tensor_op && narrow) {
-        using Cfg = tensor_op::Config<T, 128, kNarrowRankColumns>;
+      if (narrow) {  // tensor_op too
+        using Cfg = tensor_op::Config<T, kNarrowRankColumns>;
         return launch_with_smem(tensor_op::weight_grad_kernel<T, kNarrowRankColumns>, grid, Cfg::kThreads,
                                 sizeof(tensor_op::Pipeline<Cfg, false, false>), stream, p);
       }
