@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "common/env_knob.h"
 #include "common/gemm_sm90_dense.h"
 #include "common/grouped_gemm_sm90.h"
 #include "common/sm90_dense_plain.h"
@@ -39,10 +40,9 @@ inline at::Tensor sm90_workspace(int64_t bytes, int device) {
 
 // The tile PYKERNELS_SM90_TILE names for g, else the default's rule.
 inline Sm90Tile sm90_tile_of(const GroupedGemmSm90Params& g) {
-  Sm90Tile tile = Sm90Tile::k128x128;
-  const char* tile_error = sm90_tile_for(std::getenv("PYKERNELS_SM90_TILE"), mean_group_rows(g), g.n, &tile);
-  TORCH_CHECK_VALUE(tile_error == nullptr, tile_error);
-  return tile;
+  return env_knob<Sm90Tile>("PYKERNELS_SM90_TILE", [&](const char* setting, Sm90Tile* tile) {
+    return sm90_tile_for(setting, mean_group_rows(g), g.n, tile);
+  });
 }
 
 // Runs g on the tile PYKERNELS_SM90_TILE names, in the tile order PYKERNELS_SM90_RASTER names and, for
@@ -52,10 +52,8 @@ inline Sm90Tile sm90_tile_of(const GroupedGemmSm90Params& g) {
 // that had to choose, the gated GEMM).
 inline void run_grouped_gemm_sm90(GroupedGemmSm90Params g, int device, cudaStream_t stream, bool keep_tile = false) {
   if (!keep_tile) g.tile = sm90_tile_of(g);
-  const char* order_error = sm90_tile_order_for(std::getenv("PYKERNELS_SM90_RASTER"), &g.order);
-  TORCH_CHECK_VALUE(order_error == nullptr, order_error);
-  const char* dense_error = sm90_dense_plain_for(std::getenv("PYKERNELS_SM90_DENSE"), &g.plain);
-  TORCH_CHECK_VALUE(dense_error == nullptr, dense_error);
+  g.order = env_knob<Sm90TileOrder>("PYKERNELS_SM90_RASTER", sm90_tile_order_for);
+  g.plain = env_knob<bool>("PYKERNELS_SM90_DENSE", sm90_dense_plain_for);
   const at::Tensor workspace = sm90_workspace(grouped_gemm_sm90_workspace_bytes(g, device), device);
   const char* error = launch_grouped_gemm_sm90(g, workspace.data_ptr(), device, stream);
   TORCH_CHECK(error == nullptr, error);

@@ -35,6 +35,7 @@
 #include <limits>
 #include <optional>
 
+#include "common/env_knob.h"
 #include "common/gemm_sm90_torch.h"
 #include "common/online_softmax.h"
 #include "logprobs/logprobs.h"
@@ -180,18 +181,12 @@ at::Tensor fold_stats(const at::Tensor& hidden, const at::Tensor& weight, const 
 // The Hopper lm_head GEMMs' tile: PYKERNELS_SM90_LOGPROBS_TILE (read on every call, so one process
 // can time both: benchmarks/tile_sweep.py), else the default (logprobs_sm90.h).
 LogprobsSm90Tile sm90_tile() {
-  LogprobsSm90Tile tile{};
-  const char* error = logprobs_sm90_tile_for(std::getenv("PYKERNELS_SM90_LOGPROBS_TILE"), &tile);
-  TORCH_CHECK(error == nullptr, error);
-  return tile;
+  return env_knob<LogprobsSm90Tile>("PYKERNELS_SM90_LOGPROBS_TILE", logprobs_sm90_tile_for);
 }
 
 // The statistics epilogue's slack (PYKERNELS_SM90_LOGPROBS_FOLD, read on every call like the tile).
 float sm90_fold_slack() {
-  bool lazy = false;
-  const char* error = logprobs_sm90_lazy_fold_for(std::getenv("PYKERNELS_SM90_LOGPROBS_FOLD"), &lazy);
-  TORCH_CHECK_VALUE(error == nullptr, error);
-  return lazy ? kLazyMaxSlack : 0.0f;
+  return env_knob<bool>("PYKERNELS_SM90_LOGPROBS_FOLD", logprobs_sm90_lazy_fold_for) ? kLazyMaxSlack : 0.0f;
 }
 
 // The same on Hopper: per (vocab chunk, token chunk) the partials GEMM and the fold of its

@@ -36,10 +36,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <optional>
 #include <vector>
 
+#include "common/env_knob.h"
 #include "common/gemm_sm90_torch.h"
 #include "lora/lora.h"
 #include "lora/lora_extended_k.h"
@@ -129,9 +129,7 @@ class Nf4RowChunks {
       : weight_(weight), k_(k) {
     const bool nested = weight.scales.absmax == nullptr;
     group_ = weight.blocksize * (nested ? weight.scales.nested_blocksize : 1);
-    int64_t cap_bytes = 0;
-    const char* error = nf4_chunk_cap_for(std::getenv("PYKERNELS_NF4_CHUNK_MIB"), &cap_bytes);
-    TORCH_CHECK_VALUE(error == nullptr, error);
+    const int64_t cap_bytes = env_knob<int64_t>("PYKERNELS_NF4_CHUNK_MIB", nf4_chunk_cap_for);
     const int64_t m = x.numel() / k;  // x [..., k]: the tokens of the GEMM
     rows_per_chunk_ = nf4_chunk_rows(n, k, m, x.element_size(), device_multiprocessors(x.get_device()), cap_bytes);
     buffer_ = at::empty({rows_per_chunk_ * k + group_}, x.options());
@@ -197,9 +195,7 @@ void rank_gemm(int64_t m, int64_t n, int64_t k, RankOperand a, RankOperand b, at
 // With bf16 x and PYKERNELS_LORA_RANK_GEMM=tensor_core (the default) the rank products that meet an
 // fp32 factor run as bf16 pieces on the tensor-core GEMM (lora_rank_pieces.h) instead of rank_gemm.
 bool rank_on_tensor_cores(const at::Tensor& x) {
-  bool simt = false;
-  const char* error = lora_rank_gemm_for(std::getenv("PYKERNELS_LORA_RANK_GEMM"), &simt);
-  TORCH_CHECK_VALUE(error == nullptr, error);
+  const bool simt = env_knob<bool>("PYKERNELS_LORA_RANK_GEMM", lora_rank_gemm_for);
   return !simt && x.scalar_type() == at::kBFloat16;
 }
 
@@ -286,16 +282,9 @@ class ExtendedKGemm {
   enum class Use { kForward, kGradX };
 
   static std::optional<ExtendedKGemm> make(const at::Tensor& x, const Shapes& s, Use use) {
-    bool wanted = false;
-    if (use == Use::kForward) {
-      bool cublas = false;
-      const char* error = lora_sm90_forward_for(std::getenv("PYKERNELS_SM90_LORA"), &cublas);
-      TORCH_CHECK_VALUE(error == nullptr, error);
-      wanted = !cublas;
-    } else {
-      const char* error = lora_sm90_grad_x_for(std::getenv("PYKERNELS_SM90_LORA_GRAD_X"), &wanted);
-      TORCH_CHECK_VALUE(error == nullptr, error);
-    }
+    const bool wanted = use == Use::kForward
+                            ? !env_knob<bool>("PYKERNELS_SM90_LORA", lora_sm90_forward_for)  // true: cuBLAS
+                            : env_knob<bool>("PYKERNELS_SM90_LORA_GRAD_X", lora_sm90_grad_x_for);
     if (!wanted || x.scalar_type() != at::kBFloat16 || s.m < 1 || s.k < 1 || s.n < 1 || s.k % 8 != 0 ||
         s.n % 8 != 0 || !gemm::sm90_usable(x.get_device()) || !is_aligned(x.data_ptr(), 16))
       return std::nullopt;
@@ -388,9 +377,7 @@ class Nf4MainloopForward {
  public:
   static std::optional<Nf4MainloopForward> make(const at::Tensor& x, const at::Tensor& packed, int64_t blocksize,
                                                 const Shapes& s) {
-    bool wanted = false;
-    const char* error = nf4::nf4_sm90_forward_for(std::getenv("PYKERNELS_SM90_NF4"), &wanted);
-    TORCH_CHECK_VALUE(error == nullptr, error);
+    const bool wanted = env_knob<bool>("PYKERNELS_SM90_NF4", nf4::nf4_sm90_forward_for);
     if (!wanted || x.scalar_type() != at::kBFloat16 || !nf4::nf4_gemm_sm90_built() ||
         !gemm::sm90_usable(x.get_device()))
       return std::nullopt;

@@ -35,11 +35,11 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <initializer_list>
 #include <optional>
 #include <tuple>
 
+#include "common/env_knob.h"
 #include "common/gemm_sm90_torch.h"
 #include "common/tails.h"
 #include "moe/gate_up_act.h"
@@ -124,12 +124,7 @@ Problem make_problem(const Sizes& size, const at::Tensor& x, const at::Tensor& w
 }
 
 // Whether the rank-r products take the sm80 kernels' narrow tile (PYKERNELS_MOE_RANK_TILE, moe.h).
-bool narrow_rank_tile() {
-  bool narrow = false;
-  const char* error = moe_rank_tile_narrow_for(std::getenv("PYKERNELS_MOE_RANK_TILE"), &narrow);
-  TORCH_CHECK_VALUE(error == nullptr, error);
-  return narrow;
-}
+bool narrow_rank_tile() { return env_knob<bool>("PYKERNELS_MOE_RANK_TILE", moe_rank_tile_narrow_for); }
 
 // A rows GEMM over every slot with n_cols output columns; the caller fills in operands and output.
 GroupedRowsParams rows_gemm(const Problem& p, int64_t n_cols) {
@@ -242,20 +237,10 @@ struct ExtraK {
 };
 
 // Whether the LoRA products ride as extra K (PYKERNELS_SM90_MOE_LORA, moe.h).
-bool lora_as_extra_k() {
-  bool separate = false;
-  const char* error = moe_lora_separate_for(std::getenv("PYKERNELS_SM90_MOE_LORA"), &separate);
-  TORCH_CHECK_VALUE(error == nullptr, error);
-  return !separate;
-}
+bool lora_as_extra_k() { return !env_knob<bool>("PYKERNELS_SM90_MOE_LORA", moe_lora_separate_for); }
 
 // Whether the rows GEMMs that can gather their A rows do so in their mainloop (PYKERNELS_SM90_MOE_GATHER).
-bool gather_in_mainloop() {
-  bool mainloop = false;
-  const char* error = moe_gather_in_mainloop_for(std::getenv("PYKERNELS_SM90_MOE_GATHER"), &mainloop);
-  TORCH_CHECK_VALUE(error == nullptr, error);
-  return mainloop;
-}
+bool gather_in_mainloop() { return env_knob<bool>("PYKERNELS_SM90_MOE_GATHER", moe_gather_in_mainloop_for); }
 
 // D[s] (+)= A[s] B_e^T (B_e [n, k] with row stride ldb) or A[s] B_e (B_e [k, n]) for the slots of
 // each expert, + A2[s] op(B2_e) in the same accumulation with extra K (or, under
