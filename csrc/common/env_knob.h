@@ -5,7 +5,7 @@
 // names the choices.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 
 #include <cstdlib>
 
