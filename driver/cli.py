@@ -1,13 +1,17 @@
 """Command line: `python -m driver.train [cfg.yaml] [--from axolotl] [--section.key=value ...] [--help]`.
 
 Every config mistake (unknown key, wrong type, missing file, unimportable function) becomes one
-message naming the key and exits with status 2 — no traceback. An axolotl config (recognized by its
-keys, or named so with --from axolotl) is translated first (driver/axolotl/) and the
-translation printed; overrides then apply to the translation.
+message naming the key and exits with status 2 — no traceback. An unknown key's message says where it
+probably belongs: a near spelling in its section, the same key in another section, or our name for
+TRL's (GRPOConfig's flat names: TRL_NAMES; docs/coming-from-trl.md has the whole table, which a test
+keeps in step with it). An axolotl config (recognized by its keys, or named so with --from axolotl)
+is translated first (driver/axolotl/) and the translation printed; overrides then apply to the
+translation.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 import sys
@@ -79,13 +83,120 @@ def apply_override(data: dict[str, Any], dotted_key: str, raw_value: str) -> Non
         node[parts[-1]] = raw_value
 
 
+# GRPOConfig's names (and TRL's vllm-serve's) whose key here is named otherwise. A TRL name that is also
+# ours (beta, epsilon, num_generations, temperature, seed, ...) needs no entry: it is found by name in
+# whichever section holds it.
+TRL_NAMES = {
+    "learning_rate": "train.lr",
+    "max_steps": "train.steps",
+    "num_train_epochs": "train.epochs",
+    "per_device_train_batch_size": "train.micro_batch_size",
+    "generation_batch_size": "train.prompts_per_step",
+    "lr_scheduler_type": "train.schedule",
+    "max_completion_length": "rollout.sampling.max_tokens",
+    "use_vllm": "rollout.backend",
+    "vllm_mode": "rollout.backend",
+    "vllm_server_base_url": "rollout.server_url",
+    "vllm_server_host": "rollout.server_url",
+    "vllm_server_port": "rollout.server_url",
+    "vllm_server_timeout": "rollout.server_timeout",
+    "vllm_gpu_memory_utilization": "rollout.gpu_memory_utilization",
+    "vllm_max_model_length": "rollout.max_model_len",
+    "vllm_tensor_parallel_size": "rollout.tensor_parallel_size",
+    "vllm_enable_sleep_mode": "rollout.enable_sleep_mode",
+    "vllm_structured_outputs_regex": "rollout.sampling.structured_outputs",
+    "vllm_importance_sampling_correction": "algo.importance_sampling.level",
+    "vllm_importance_sampling_mode": "algo.importance_sampling.mode",
+    "vllm_importance_sampling_clip_max": "algo.importance_sampling.cap",
+    "vllm_importance_sampling_clip_min": "algo.importance_sampling.cap_min",
+    "reward_funcs": "rewards.functions",
+    "reward_weights": "rewards.functions",
+    "multi_objective_aggregation": "rewards.aggregation",
+    "shuffle_dataset": "data.shuffle",
+    "bf16": "model.dtype",
+    "fp16": "model.dtype",
+    "model_revision": "model.revision",
+    "max_tool_calling_iterations": "environment.max_turns",
+    "num_completions_to_print": "logging.log_completions",
+    "save_steps": "checkpoint.every",
+    "save_total_limit": "checkpoint.keep",
+    "resume_from_checkpoint": "checkpoint.resume",
+    "load_best_model_at_end": "eval.save_best",
+    "metric_for_best_model": "eval.best_metric",
+    "eval_dataset": "eval.source",
+    "eval_steps": "eval.steps",
+    "eval_on_start": "eval.on_start",
+    "num_generations_eval": "eval.num_generations",
+}
+
+
+def _nested_model(annotation) -> type[BaseModel] | None:
+    """The pydantic model a field holds: itself, or inside Optional / list / dict."""
+    for candidate in (annotation, *get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def section_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every dotted key of model's plain sections (not inside a list or dict of them), sections included."""
+    keys = []
+    for name, field in model.model_fields.items():
+        keys.append(prefix + name)
+        nested = _nested_model(field.annotation)
+        if nested is not None and get_origin(field.annotation) not in (list, dict):
+            keys += section_keys(nested, prefix + name + ".")
+    return keys
+
+
+def _model_at(root: type[BaseModel], path: tuple) -> type[BaseModel] | None:
+    """The model that holds the keys at pydantic's error location `path` (list indices and dict keys
+    skipped), or None where the path leaves the models."""
+    model, inside_dict = root, False
+    for part in path:
+        if isinstance(part, int) or inside_dict or (model is not None and part == model.__name__):
+            inside_dict = False
+            continue
+        field = model.model_fields.get(part) if model is not None else None
+        if field is None:
+            return None
+        model, inside_dict = _nested_model(field.annotation), get_origin(field.annotation) is dict
+    return model
+
+
+def unknown_key_hint(root: type[BaseModel], location: tuple) -> str:
+    """Where the unknown key at `location` (pydantic's error loc, the key last) probably belongs, as
+    ': did you mean x?' or ": TRL's y is x here", or '' when nothing is close. In that order: TRL's name,
+    the same name in another section, a near spelling in its own section, then in any section."""
+    name, parent = location[-1], location[:-1]
+    if not isinstance(name, str):
+        return ""
+    if name in TRL_NAMES:
+        return f": TRL's {name} is {TRL_NAMES[name]} here"
+    prefix = "".join(f"{part}." for part in parent)
+    keys = section_keys(root)
+    candidates = [key for key in keys if key.rsplit(".", 1)[-1] == name and key != prefix + name]
+    if not candidates:
+        model = _model_at(root, parent)
+        close = difflib.get_close_matches(name, list(model.model_fields), n=2, cutoff=0.75) if model else []
+        candidates = [prefix + key for key in close]
+    if not candidates:
+        by_name: dict[str, list[str]] = {}
+        for key in keys:
+            by_name.setdefault(key.rsplit(".", 1)[-1], []).append(key)
+        close = difflib.get_close_matches(name, list(by_name), n=2, cutoff=0.8)
+        candidates = [key for match in close for key in by_name[match]]
+    return f": did you mean {' or '.join(candidates)}?" if candidates else ""
+
+
 def format_validation_error(error: ValidationError) -> str:
     lines = []
     for problem in error.errors():
         key = ".".join(str(part) for part in problem["loc"]) or "config"
         message = problem["msg"]
         if problem["type"] == "extra_forbidden":
-            message = "unknown key (see `python -m driver.train --help` for the keys)"
+            message = (f"unknown key{unknown_key_hint(Config, tuple(problem['loc']))} (see `python -m driver.train "
+                       "--help` for the keys)")
         elif "input" in problem and problem["type"] not in ("missing",):
             message += f" (got {problem['input']!r})"
         lines.append(f"  {key}: {message}")
@@ -232,14 +343,6 @@ def _markdown_row(entry: str) -> str:
     head, _, meaning = entry.partition("\n")
     key, _, default = head.strip().partition(" = ")
     return f"| `{key}` | `{default}` | {meaning.strip().replace('|', '/')} |"
-
-
-def _nested_model(annotation) -> type[BaseModel] | None:
-    candidates = (annotation, *get_args(annotation))
-    for candidate in candidates:
-        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
-            return candidate
-    return None
 
 
 def config_from_argv(argv: list[str]) -> Config | None:
