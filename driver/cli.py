@@ -84,9 +84,13 @@ def apply_override(data: dict[str, Any], dotted_key: str, raw_value: str) -> Non
 
 
 # GRPOConfig's names (and TRL's vllm-serve's) whose key here is named otherwise. A TRL name that is also
-# ours (beta, epsilon, num_generations, temperature, seed, ...) needs no entry: it is found by name in
-# whichever section holds it.
+# ours (beta, epsilon, ...) needs no entry, it is found by name, unless ours is in several sections: then the
+# entry says which one TRL's means (a flat TRL file's map uses it; an unknown key's hint lists them all).
 TRL_NAMES = {
+    "seed": "train.seed",
+    "temperature": "rollout.sampling.temperature",
+    "num_generations": "algo.num_generations",
+    "dtype": "model.dtype",
     "learning_rate": "train.lr",
     "max_steps": "train.steps",
     "num_train_epochs": "train.epochs",
@@ -127,7 +131,28 @@ TRL_NAMES = {
     "eval_steps": "eval.steps",
     "eval_on_start": "eval.on_start",
     "num_generations_eval": "eval.num_generations",
+    # ModelConfig's and ScriptArguments' (trl grpo --config files hold them beside GRPOConfig's)
+    "model_name_or_path": "model.path",
+    "torch_dtype": "model.dtype",
+    "use_peft": "model.adapter",
+    "load_in_4bit": "model.qlora",
+    "lora_r": "lora.r",
+    "lora_alpha": "lora.alpha",
+    "lora_dropout": "lora.dropout",
+    "lora_target_modules": "lora.targets",
+    "use_rslora": "lora.rslora",
+    "dataset_name": "data.source",
+    "dataset_config": "data.name",
+    "dataset_train_split": "data.split",
+    "dataset_test_split": "eval.split",
 }
+# Top-level keys of a `trl grpo --config` file that an axolotl config keeps elsewhere (under trl:, or as
+# base_model, datasets, adapter): one of them, none of our sections and none of axolotl's own keys make a
+# flat file TRL's. The keys both put at the top are TRL_AND_AXOLOTL.
+TRL_MARKERS = frozenset({"model_name_or_path", "dataset_name", "reward_funcs", "use_vllm", "vllm_mode", "use_peft",
+                         "per_device_train_batch_size", "num_generations", "max_completion_length", "beta",
+                         "loss_type"})
+TRL_AND_AXOLOTL = frozenset({"learning_rate", "max_steps", "gradient_accumulation_steps", "lora_r"})
 
 
 def _nested_model(annotation) -> type[BaseModel] | None:
@@ -171,10 +196,10 @@ def unknown_key_hint(root: type[BaseModel], location: tuple) -> str:
     name, parent = location[-1], location[:-1]
     if not isinstance(name, str):
         return ""
-    if name in TRL_NAMES:
+    keys = section_keys(root)
+    if name in TRL_NAMES and not any(key.rsplit(".", 1)[-1] == name for key in keys):
         return f": TRL's {name} is {TRL_NAMES[name]} here"
     prefix = "".join(f"{part}." for part in parent)
-    keys = section_keys(root)
     candidates = [key for key in keys if key.rsplit(".", 1)[-1] == name and key != prefix + name]
     if not candidates:
         model = _model_at(root, parent)
@@ -187,6 +212,24 @@ def unknown_key_hint(root: type[BaseModel], location: tuple) -> str:
         close = difflib.get_close_matches(name, list(by_name), n=2, cutoff=0.8)
         candidates = [key for match in close for key in by_name[match]]
     return f": did you mean {' or '.join(candidates)}?" if candidates else ""
+
+
+def is_trl_config(data: dict) -> bool:
+    """TRL's flat keys, and none of our sections or of axolotl's own keys."""
+    return (bool(data.keys() & TRL_MARKERS) and not data.keys() & (AXOLOTL_MARKERS - TRL_AND_AXOLOTL)
+            and not data.keys() & Config.model_fields.keys())
+
+
+def trl_config_error(data: dict, path: Path | None) -> ConfigError:
+    """Nothing is translated from TRL (as from axolotl): the error names where each of its keys goes here."""
+    keys = section_keys(Config)
+    lines = []
+    for name in data:
+        same = [key for key in keys if key.rsplit(".", 1)[-1] == name]
+        lines.append(f"  {name} -> {TRL_NAMES.get(name) or ' or '.join(same) or 'nothing here by that name'}")
+    return ConfigError(f"{path or 'the config'} holds TRL's flat keys (a `trl grpo --config` file); ours are in "
+                       "sections, and a TRL file is not translated. Where each key goes (docs/coming-from-trl.md "
+                       "has the table, and says where a value means something else here):\n" + "\n".join(lines))
 
 
 def format_validation_error(error: ValidationError) -> str:
@@ -274,6 +317,8 @@ def check_references(config: Config) -> None:
 
 def load_config(path: Path | None, overrides: dict[str, str], source_format: str | None = None) -> Config:
     data = read_yaml(path) if path is not None else {}
+    if source_format is None and is_trl_config(data):
+        raise trl_config_error(data, path)
     axolotl = source_format == "axolotl" or (source_format is None and is_axolotl_config(data))
     axolotl_keys = [] if axolotl else sorted(data.keys() & AXOLOTL_MARKERS)
     if axolotl:

@@ -1,14 +1,16 @@
 """An unknown config key's message says where it probably belongs (driver/cli.py): a near spelling,
-the same key in another section, or our name for TRL's; TRL_NAMES agrees with the config and the docs."""
+the same key in another section, or our name for TRL's; a flat `trl grpo --config` file is refused with
+where each of its keys goes (not taken for axolotl's); TRL_NAMES agrees with the config and the docs."""
 
 import re
 from pathlib import Path
 
 import pytest
+import yaml
 
-from driver.cli import ConfigError, load_config
+from driver.axolotl import is_axolotl_config
+from driver.cli import TRL_NAMES, ConfigError, is_trl_config, load_config, section_keys
 from driver.config import Config
-from driver.cli import TRL_NAMES, section_keys
 
 TRL_DOC = Path(__file__).resolve().parents[2] / "docs" / "coming-from-trl.md"
 
@@ -35,12 +37,13 @@ def test_an_unknown_key_names_where_it_probably_belongs(overrides, message):
     assert message in str(error.value)
 
 
-def test_trl_names_lead_to_keys_that_exist_and_are_not_ours():
-    keys = set(section_keys(Config))
-    ours = {key.rsplit(".", 1)[-1] for key in keys}
+def test_trl_names_lead_to_keys_that_exist():
+    keys = section_keys(Config)
     assert {target for target in TRL_NAMES.values() if target not in keys} == set()
-    # a TRL name that is also one of ours is found by name: an entry for it would hide where it is
-    assert sorted(name for name in TRL_NAMES if name in ours) == []
+    # a TRL name that is also ours is found by name; an entry says which of several places it means
+    for name, target in TRL_NAMES.items():
+        places = [key for key in keys if key.rsplit(".", 1)[-1] == name]
+        assert not places or (len(places) > 1 and target in places), (name, target, places)
 
 
 def trl_table_rows() -> list[tuple[str, str]]:
@@ -59,7 +62,51 @@ def trl_table_rows() -> list[tuple[str, str]]:
 @pytest.mark.parametrize("name", sorted(TRL_NAMES))
 def test_the_trl_table_in_the_docs_says_what_trl_names_says(name):
     target = TRL_NAMES[name]
-    rows = [here for trl, here in trl_table_rows() if re.search(rf"\b{name}\b", trl)]
+    # `--name` is a flag of TRL's vllm-serve, another key's row
+    rows = [here for trl, here in trl_table_rows() if re.search(rf"(?<![-\w]){name}\b", trl)]
     assert rows, f"docs/coming-from-trl.md's TRL table has no row for {name}"
-    last = target.rsplit(".", 1)[-1]
-    assert all(target in here or f"`.{last}`" in here for here in rows), (name, target, rows)
+    section, _, last = target.rpartition(".")
+    # the cell names the key whole, as `.key` after another of its section, or as `section.` + same name
+    named = [target in here or f"`.{last}`" in here or (name == last and f"`{section}.` + same name" in here)
+             for here in rows]
+    assert all(named), (name, target, rows)
+
+
+TRL_FILE = """
+model_name_or_path: Qwen/Qwen2.5-0.5B-Instruct
+dataset_name: trl-lib/tldr
+learning_rate: 1.0e-5
+num_generations: 8
+beta: 0.0
+seed: 7
+use_vllm: true
+reward_funcs: [think_format_reward]
+push_to_hub_organization: me
+"""
+
+
+def test_a_trl_file_is_refused_with_where_each_of_its_keys_goes(tmp_path):
+    path = tmp_path / "grpo.yaml"
+    path.write_text(TRL_FILE)
+    with pytest.raises(ConfigError) as error:
+        load_config(path, {})
+    message = str(error.value)
+    assert "holds TRL's flat keys (a `trl grpo --config` file)" in message and "not an axolotl" not in message
+    for line in ["model_name_or_path -> model.path", "dataset_name -> data.source", "learning_rate -> train.lr",
+                 "num_generations -> algo.num_generations\n", "beta -> algo.beta", "seed -> train.seed",
+                 "use_vllm -> rollout.backend", "reward_funcs -> rewards.functions",
+                 "push_to_hub_organization -> nothing here by that name"]:
+        assert f"  {line}" in message + "\n", line
+
+
+@pytest.mark.parametrize("config", sorted((Path(__file__).parent / "axolotl_configs").glob("*.yaml")),
+                         ids=lambda path: path.stem)
+def test_axolotl_files_are_not_taken_for_trl_ones(config):
+    data = yaml.safe_load(config.read_text())
+    assert is_axolotl_config(data) and not is_trl_config(data)
+
+
+def test_a_trl_key_beside_our_sections_is_our_config_with_a_hint():
+    assert not is_trl_config({"train": {"steps": 3}, "beta": 0.1})
+    with pytest.raises(ConfigError, match="beta: unknown key: did you mean algo.beta"):
+        load_config(None, {"train.steps": "3", "beta": "0.1"})
