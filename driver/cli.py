@@ -365,7 +365,11 @@ def _describe(model: type[BaseModel], prefix: str, lines: list[str]) -> None:
         default = field.get_default(call_default_factory=True)
         if isinstance(default, list) and default and isinstance(default[0], BaseModel):
             default = [item.model_dump(exclude_none=True) for item in default]
-        lines.append(f"    {key} = {default!r}\n        {field.description}")
+        # TRL's names for it where they are not its own, unless its help says them already
+        trl = [trl_name for trl_name, target in TRL_NAMES.items()
+               if target == key and trl_name != name and trl_name not in field.description]
+        trl_note = f" (TRL: {', '.join(trl)})" if trl else ""
+        lines.append(f"    {key} = {default!r}\n        {field.description}{trl_note}")
         if nested is not None:
             for sub_name, sub_field in nested.model_fields.items():
                 lines.append(f"        - {sub_name}: {sub_field.description}")

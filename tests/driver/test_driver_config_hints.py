@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from driver.axolotl import is_axolotl_config
-from driver.cli import TRL_NAMES, ConfigError, is_trl_config, load_config, section_keys
+from driver.cli import TRL_NAMES, ConfigError, help_text, is_trl_config, load_config, section_keys
 from driver.config import Config
 
 TRL_DOC = Path(__file__).resolve().parents[2] / "docs" / "coming-from-trl.md"
@@ -110,3 +110,10 @@ def test_a_trl_key_beside_our_sections_is_our_config_with_a_hint():
     assert not is_trl_config({"train": {"steps": 3}, "beta": 0.1})
     with pytest.raises(ConfigError, match="beta: unknown key: did you mean algo.beta"):
         load_config(None, {"train.steps": "3", "beta": "0.1"})
+
+
+def test_help_and_the_config_reference_give_trls_names_where_they_differ():
+    text = help_text()
+    assert "train.lr = " in text and "(TRL: learning_rate)" in text
+    assert "(TRL: reward_funcs, reward_weights)" in text
+    assert "(TRL: num_generations)" not in text  # the same name: nothing to add
