@@ -1,6 +1,7 @@
 """A local HTTP server that answers JSON, scripted request by request: the stand-in for NeMo Gym's servers
 (the resources server's POST /verify in tests/driver/rewards/test_nemo_gym.py; the agent server's POST /run and
-a head server's GET /global_config_dict_yaml in tests/driver/rollouts/test_agent_runs.py)."""
+a head server's GET /global_config_dict_yaml in tests/driver/rollouts/test_agent_runs.py) and for TRL's
+vllm-serve (tests/driver/engine/test_server_is_vllm.py)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class ScriptedJSONServer:
     """POST: answered by `answer(body)`, after `delay` s, unless `script` (a list, consumed one request at a time)
     names the next answer: an HTTP status code, "drop" (close the connection unanswered) or a dict (answered as
     it is). `requests` keeps every POST body; `most_in_flight` the most requests being answered at once. GET:
-    `get(path)` as JSON."""
+    `get(path)` as JSON, or a (status, payload) pair."""
 
     def __init__(self, answer: Callable[[dict], dict], get: Callable[[str], object] = lambda path: {"status": "ok"}):
         self.requests: list[dict] = []
@@ -48,7 +49,8 @@ class ScriptedJSONServer:
 
         class Handler(JSONHandler):
             def do_GET(self) -> None:
-                self.answer(200, get(self.path))
+                answer = get(self.path)
+                self.answer(*(answer if isinstance(answer, tuple) else (200, answer)))
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))

@@ -42,6 +42,7 @@ ALREADY_LOADED = "has already been loaded"  # vLLM's answer (HTTP 400) to a seco
 # (Qwen2.5 ships repetition_penalty 1.05, for one), which would silently change the distribution we
 # sample from; the colocated engine uses these neutral values, so every request states them.
 NEUTRAL_SAMPLING = dict(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_p=0.0)
+TRL_SERVER_ROUTE = "/get_world_size/"  # TRL's vllm-serve answers it (and axolotl's, which mirrors it); vLLM's not
 
 def server_sampling(sampling: SamplingConfig) -> dict:
     """The sampling fields of a /v1/completions request (vLLM's extra parameters beside OpenAI's), every
@@ -113,13 +114,28 @@ class ServerGenerator:
                 future.result()
 
     def _base_model_name(self, url: str) -> str:
-        models = self._json(url, "GET", "/v1/models")["data"]
+        answer = self._client.request(url, "GET", "/v1/models", allowed=(404,))
+        if answer.status_code == 404:
+            raise ServerError(self._not_vllm(url))
+        models = answer.json()["data"]
         bases = [model for model in models if not model.get("parent")]  # adapters name a parent
         if not bases:
             raise ServerError(f"the vLLM server at {url} lists no base model in /v1/models: {models}")
         if bases[0].get("root"):
             self._roots[url] = bases[0]["root"]
         return bases[0]["id"]
+
+    def _not_vllm(self, url: str) -> str:
+        """Why the server at url, which has no /v1/models, cannot serve this driver: most often it is TRL's."""
+        try:
+            trl = self._client.request(url, "GET", TRL_SERVER_ROUTE, allowed=(404,), retries=0).status_code == 200
+        except ServerError:
+            trl = False
+        what = ("TRL's `trl vllm-serve` (or axolotl's, which mirrors it): it answers /get_world_size/ and speaks TRL's "
+                "own API" if trl else "not vLLM's OpenAI server: it has no /v1/models")
+        return (f"the server at {url} (rollout.server_url) is {what}, and this driver speaks vLLM's OpenAI API. Start "
+                "`python -m driver.vllm_serve <this config>` there instead (the server the run would launch: "
+                "docs/coming-from-trl.md), or leave rollout.server_url empty for the run to launch it")
 
     def _check_processed_logprobs(self, url: str) -> None:
         """Refuse a server that reports sampling logprobs before temperature (vLLM's default
