@@ -6,7 +6,8 @@ probably belongs: a near spelling in its section, the same key in another sectio
 TRL's (GRPOConfig's flat names: TRL_NAMES; docs/coming-from-trl.md has the whole table, which a test
 keeps in step with it). An axolotl config (recognized by its keys, or named so with --from axolotl)
 is translated first (driver/axolotl/) and the translation printed; overrides then apply to the
-translation.
+translation. A `trl grpo --config` file (TRL's flat keys) is not translated: it is refused with where
+each of its keys goes here.
 """
 
 from __future__ import annotations
@@ -87,10 +88,12 @@ def apply_override(data: dict[str, Any], dotted_key: str, raw_value: str) -> Non
 # ours (beta, epsilon, ...) needs no entry, it is found by name, unless ours is in several sections: then the
 # entry says which one TRL's means (a flat TRL file's map uses it; an unknown key's hint lists them all).
 TRL_NAMES = {
+    # ours in several sections: TRL's is
     "seed": "train.seed",
     "temperature": "rollout.sampling.temperature",
     "num_generations": "algo.num_generations",
     "dtype": "model.dtype",
+    # named otherwise here
     "learning_rate": "train.lr",
     "max_steps": "train.steps",
     "num_train_epochs": "train.epochs",
@@ -221,7 +224,7 @@ def is_trl_config(data: dict) -> bool:
 
 
 def trl_config_error(data: dict, path: Path | None) -> ConfigError:
-    """Nothing is translated from TRL (as from axolotl): the error names where each of its keys goes here."""
+    """A TRL file is not translated (an axolotl one is): the error names where each of its keys goes here."""
     keys = section_keys(Config)
     lines = []
     for name in data:
