@@ -15,8 +15,9 @@ token count changes every step (packed sequences), and kernel-vs-torch speed cha
 it, so a power of two bounds the decisions to ~log2(max tokens) per weight shape.
 
 The decision is made on the forward under no_grad. The public function then runs whole on the
-chosen side (pykernels.backend.forced), so its autograd (our registered backward or torch's) is
-the one the graph records: one op never mixes our forward with torch's backward.
+chosen side (torch's under pykernels.backend.forced; ours is the op's unforced path), so its autograd
+(our registered backward or torch's) is the one the graph records: one op never mixes our forward
+with torch's backward.
 """
 
 from __future__ import annotations
@@ -191,10 +192,9 @@ def dispatched(op: str, fn: Callable, bucket: Callable, torch_fn: Callable | Non
         with backend.forced(op, "torch"):
             return fn(*args, **kwargs)
 
-    def run_ours(*args, **kwargs):
-        with backend.forced(op, "ours"):
-            return fn(*args, **kwargs)
-
+    # Our side is fn itself, unforced: it takes our kernels unless the op is forced or configured to torch,
+    # neither of which holds when ours was picked (a context manager per call costs a small layer's kernel
+    # launch in host time, and every LoRA projection comes here).
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         if torch.compiler.is_compiling():  # traced: no timing, no thread state; the configured side
@@ -202,9 +202,12 @@ def dispatched(op: str, fn: Callable, bucket: Callable, torch_fn: Callable | Non
         side = backend.forced_side(op) or backend.mode(op)
         if side == "auto":
             side = _auto_side(args, kwargs)
-        return run_torch(*args, **kwargs) if side == "torch" else run_ours(*args, **kwargs)
+        return run_torch(*args, **kwargs) if side == "torch" else fn(*args, **kwargs)
 
     def _auto_side(args, kwargs) -> str:
+        first = args[0] if args else None
+        if isinstance(first, torch.Tensor) and not _decides_on(first.device):
+            return "ours"  # decided without the bucket: nothing to look up on a CPU
         try:
             device, dtype, description = bucket(*args, **kwargs)
         except Exception:  # noqa: BLE001 - malformed arguments: let the op raise its own clear error
@@ -214,8 +217,9 @@ def dispatched(op: str, fn: Callable, bucket: Callable, torch_fn: Callable | Non
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
             bound.arguments.update(probe or {})
-            return (lambda *a: run_ours(*a, **bound.kwargs), lambda *a: run_torch(*a, **bound.kwargs), bound.args)
+            return (lambda *a: fn(*a, **bound.kwargs), lambda *a: run_torch(*a, **bound.kwargs), bound.args)
 
-        return choose(op, torch.device(device), dtype, description, prepare)
+        return choose(op, device if isinstance(device, torch.device) else torch.device(device), dtype, description,
+                      prepare)
 
     return wrapper
