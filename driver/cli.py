@@ -13,6 +13,7 @@ each of its keys goes here.
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import os
 import sys
@@ -177,6 +178,15 @@ def section_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     return keys
 
 
+@functools.cache
+def keys_by_name(root: type[BaseModel]) -> dict[str, list[str]]:
+    """section_keys(root) by their last part (train.lr under lr), in the config's order."""
+    places: dict[str, list[str]] = {}
+    for key in section_keys(root):
+        places.setdefault(key.rsplit(".", 1)[-1], []).append(key)
+    return places
+
+
 def _model_at(root: type[BaseModel], path: tuple) -> type[BaseModel] | None:
     """The model that holds the keys at pydantic's error location `path` (list indices and dict keys
     skipped), or None where the path leaves the models."""
@@ -199,19 +209,16 @@ def unknown_key_hint(root: type[BaseModel], location: tuple) -> str:
     name, parent = location[-1], location[:-1]
     if not isinstance(name, str):
         return ""
-    keys = section_keys(root)
-    if name in TRL_NAMES and not any(key.rsplit(".", 1)[-1] == name for key in keys):
+    by_name = keys_by_name(root)
+    if name in TRL_NAMES and name not in by_name:
         return f": TRL's {name} is {TRL_NAMES[name]} here"
     prefix = "".join(f"{part}." for part in parent)
-    candidates = [key for key in keys if key.rsplit(".", 1)[-1] == name and key != prefix + name]
+    candidates = [key for key in by_name.get(name, []) if key != prefix + name]
     if not candidates:
         model = _model_at(root, parent)
         close = difflib.get_close_matches(name, list(model.model_fields), n=2, cutoff=0.75) if model else []
         candidates = [prefix + key for key in close]
     if not candidates:
-        by_name: dict[str, list[str]] = {}
-        for key in keys:
-            by_name.setdefault(key.rsplit(".", 1)[-1], []).append(key)
         close = difflib.get_close_matches(name, list(by_name), n=2, cutoff=0.8)
         candidates = [key for match in close for key in by_name[match]]
     return f": did you mean {' or '.join(candidates)}?" if candidates else ""
@@ -225,11 +232,9 @@ def is_trl_config(data: dict) -> bool:
 
 def trl_config_error(data: dict, path: Path | None) -> ConfigError:
     """A TRL file is not translated (an axolotl one is): the error names where each of its keys goes here."""
-    keys = section_keys(Config)
-    lines = []
-    for name in data:
-        same = [key for key in keys if key.rsplit(".", 1)[-1] == name]
-        lines.append(f"  {name} -> {TRL_NAMES.get(name) or ' or '.join(same) or 'nothing here by that name'}")
+    places = keys_by_name(Config)
+    lines = [f"  {name} -> {TRL_NAMES.get(name) or ' or '.join(places.get(name, [])) or 'nothing here by that name'}"
+             for name in data]
     return ConfigError(f"{path or 'the config'} holds TRL's flat keys (a `trl grpo --config` file); ours are in "
                        "sections, and a TRL file is not translated. Where each key goes (docs/coming-from-trl.md "
                        "has the table, and says where a value means something else here):\n" + "\n".join(lines))

@@ -7,21 +7,13 @@ The servers are stand-ins (tests/json_stand_in.py): TRL is not installed here. T
 
 import pytest
 
-from driver.config import Config
 from driver.engine.launch import ServerError
 from driver.engine.server import ServerGenerator
+from tests.driver.engine.test_server_retries import make_config
 from tests.json_stand_in import ScriptedJSONServer
 
 NOT_FOUND = (404, {"detail": "Not Found"})
 TRL_ROUTES = {"/health/": {"status": "ok"}, "/get_world_size/": {"world_size": 1}}
-
-
-def server_config(url: str) -> Config:
-    config = Config()
-    config.rollout.backend = "server"
-    config.rollout.server_url = url
-    config.rollout.retry_backoff = 0.0
-    return config
 
 
 @pytest.fixture
@@ -37,6 +29,6 @@ def stand_in(request):
 ], indirect=["stand_in"], ids=["trl-vllm-serve", "another-server"])
 def test_a_server_that_is_not_vllms_is_named_and_what_to_start_instead(stand_in, message):
     with pytest.raises(ServerError) as error:
-        ServerGenerator(server_config(stand_in.url), "unused")
+        ServerGenerator(make_config(stand_in.url), "unused")
     assert message in str(error.value) and "python -m driver.vllm_serve" in str(error.value)
     assert stand_in.url in str(error.value)
