@@ -4,8 +4,15 @@ Shapes come from real models: a 4096x4096 attention projection, a 4096x14336 MLP
 (Llama-3-8B / Mistral-7B) and the stacked down_proj experts of Qwen3-30B-A3B (128 experts of
 2048x768; 32 experts on CPU so one case stays within seconds; 8, and no 4096x14336, on a CPU
 without AVX-512). Inputs are bf16, blocksize 64 with double quantization: what QLoRA uses.
-On a GPU the dequantize also runs beside `copy`, a device copy moving the same bytes (half read,
-half written): the bandwidth ceiling issue 20's ">= 85% of copy bandwidth" is measured against.
+The dequantize is timed as a loop would run it: ours writes into one output allocated before
+timing (`out=`), and so does bitsandbytes on a GPU; its CPU op has no out variant (0.50 registers
+`dequantize_4bit.out` for CUDA only), so there it allocates, as its users' calls do. A fresh output
+on a CPU is timed with its page faults, which on a VM whose balloon reports free memory to the host
+swing several-fold: the 2 MiB pages ours asks for (MADV_HUGEPAGE) come from blocks the host took
+back, so after other work a call ran at a ninth of its speed (4096x14336, AMX: 198 ms against its
+usual 22: 0.24x bitsandbytes, under the 1.0x floor). On a GPU the dequantize also runs beside `copy`, a
+device copy moving the same bytes (half read, half written): the bandwidth ceiling issue 20's
+">= 85% of copy bandwidth" is measured against.
 """
 
 from __future__ import annotations
@@ -55,12 +62,16 @@ def quantize_fn(impl: str, x: torch.Tensor):
 
 
 def dequantize_fn(impl: str, x: torch.Tensor):
+    out = torch.zeros_like(x)  # written here, so its pages are in before any timed call
     if impl == "ours":
         weight = nf4.quantize(x, BLOCKSIZE, double_quant=True)
-        return lambda: nf4.dequantize(weight)
+        return lambda: nf4.dequantize(weight, out=out)
     if impl == "bitsandbytes":
         packed, state = bnb_functional.quantize_4bit(x, blocksize=BLOCKSIZE, compress_statistics=True, quant_type="nf4")
-        return lambda: bnb_functional.dequantize_4bit(packed, state)
+        if not x.is_cuda:
+            return lambda: bnb_functional.dequantize_4bit(packed, state)
+        return lambda: bnb_functional.dequantize_4bit(packed, state, out=out)
+    # The reference has no out: it allocates its intermediates (and output) whatever it is given.
     weight = nf4.quantize(x, BLOCKSIZE, double_quant=True)
     code = weight.nested_code
 

@@ -19,6 +19,13 @@ TORCH_LIBRARY(pykernels, m) {
       "Tensor? nested_absmax=None, Tensor? nested_code=None, Tensor? nested_offset=None, "
       "int nested_blocksize=256) -> Tensor");
 
+  // The same written into out (contiguous, on packed's device; its dtype and numel are the output's):
+  // a caller that dequantizes each step reuses one buffer instead of faulting in fresh pages.
+  m.def(
+      "nf4_dequantize_into(Tensor packed, Tensor absmax, int blocksize, Tensor(a!) out, "
+      "Tensor? nested_absmax=None, Tensor? nested_code=None, Tensor? nested_offset=None, "
+      "int nested_blocksize=256) -> ()");
+
   // bitsandbytes' 8-bit blockwise quantization of fp32 (x - offset) with a 256-entry code (double
   // quantization of absmax): q uint8 [numel], absmax fp32 [ceil(numel/blocksize)].
   // https://arxiv.org/abs/1511.04561

@@ -15,11 +15,12 @@ from pykernels.ops import nf4 as _ops
 from pykernels.ops.nf4 import quantize
 
 
-def _bucket(weight, dtype=None):
+def _bucket(weight, dtype=None, *, out=None):
     layout = f"shape={tuple(weight.shape)} blocksize={weight.blocksize}{' double_quant' if weight.double_quant else ''}"
-    return weight.packed.device, dtype or weight.dtype, layout
+    return weight.packed.device, dtype or (out.dtype if out is not None else weight.dtype), layout
 
 
-dequantize = dispatch.dispatched("nf4", _ops.dequantize, _bucket)
+# The decision runs both sides into fresh outputs (into one shared out, each would be compared with itself).
+dequantize = dispatch.dispatched("nf4", _ops.dequantize, _bucket, probe={"out": None})
 
 __all__ = ["NF4Weight", "dequantize", "quantize"]

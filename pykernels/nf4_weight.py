@@ -95,10 +95,10 @@ class NF4Weight:
     def to(self, device: torch.device | str) -> NF4Weight:
         return replace(self, **{name: t.to(device) for name, t in self.tensors().items()})
 
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def dequantize(self, dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
         from pykernels.nf4 import dequantize  # dispatched (pykernels/dispatch.py)
 
-        return dequantize(self, dtype)
+        return dequantize(self, dtype, out=out)
 
     # ------------------------------------------------------------------ bitsandbytes format
     def to_bnb_state_dict(self, prefix: str = "weight") -> dict[str, torch.Tensor]:

@@ -56,6 +56,7 @@ def run_nf4(device: str) -> None:
         packed = nf4.quantize(weight, 64, double_quant=double_quant)
         for dtype in (torch.float32, torch.bfloat16):  # 4 and 8 values per 16-byte store
             assert nf4.dequantize(packed, dtype).shape == weight.shape
+            nf4.dequantize(packed, out=torch.empty(weight.shape, dtype=dtype, device=device))
 
 
 def run_lora(device: str) -> None:

@@ -28,6 +28,18 @@ std::tuple<at::Tensor, at::Tensor> nf4_quantize_cpu(const at::Tensor& x, int64_t
   return {packed, absmax};
 }
 
+void nf4_dequantize_into_cpu(const at::Tensor& packed, const at::Tensor& absmax, int64_t blocksize,
+                             const at::Tensor& out, const std::optional<at::Tensor>& nested_absmax,
+                             const std::optional<at::Tensor>& nested_code,
+                             const std::optional<at::Tensor>& nested_offset, int64_t nested_blocksize) {
+  check_out(out, packed);
+  at::Tensor target = out;
+  const DequantizeParams p = dequantize_params(packed, absmax, blocksize, out.numel(), nested_absmax,
+                                               nested_code, nested_offset, nested_blocksize, target);
+  at::parallel_for(0, num_blocks(p.numel, blocksize), grain_blocks(blocksize),
+                   [&](int64_t begin, int64_t end) { cpu::dequantize_blocks(p, begin, end); });
+}
+
 at::Tensor nf4_dequantize_cpu(const at::Tensor& packed, const at::Tensor& absmax, int64_t blocksize,
                               at::IntArrayRef shape, at::ScalarType dtype,
                               const std::optional<at::Tensor>& nested_absmax,
@@ -35,11 +47,9 @@ at::Tensor nf4_dequantize_cpu(const at::Tensor& packed, const at::Tensor& absmax
                               const std::optional<at::Tensor>& nested_offset, int64_t nested_blocksize) {
   float_dtype(dtype, "dtype");
   at::Tensor out = at::empty(shape, packed.options().dtype(dtype));
-  advise_huge_pages(out.data_ptr(), out.nbytes());
-  const DequantizeParams p = dequantize_params(packed, absmax, blocksize, out.numel(), nested_absmax,
-                                               nested_code, nested_offset, nested_blocksize, out);
-  at::parallel_for(0, num_blocks(p.numel, blocksize), grain_blocks(blocksize),
-                   [&](int64_t begin, int64_t end) { cpu::dequantize_blocks(p, begin, end); });
+  advise_huge_pages(out.data_ptr(), out.nbytes());  // fresh pages: fault them in 2 MiB at a time
+  nf4_dequantize_into_cpu(packed, absmax, blocksize, out, nested_absmax, nested_code, nested_offset,
+                          nested_blocksize);
   return out;
 }
 
@@ -69,6 +79,7 @@ at::Tensor dynamic8_dequantize_cpu(const at::Tensor& q, const at::Tensor& absmax
 TORCH_LIBRARY_IMPL(pykernels, CPU, m) {
   m.impl("nf4_quantize", &nf4_quantize_cpu);
   m.impl("nf4_dequantize", &nf4_dequantize_cpu);
+  m.impl("nf4_dequantize_into", &nf4_dequantize_into_cpu);
   m.impl("dynamic8_quantize", &dynamic8_quantize_cpu);
   m.impl("dynamic8_dequantize", &dynamic8_dequantize_cpu);
 }

@@ -29,17 +29,27 @@ std::tuple<at::Tensor, at::Tensor> nf4_quantize_cuda(const at::Tensor& x, int64_
   return {packed, absmax};
 }
 
+void nf4_dequantize_into_cuda(const at::Tensor& packed, const at::Tensor& absmax, int64_t blocksize,
+                              const at::Tensor& out, const std::optional<at::Tensor>& nested_absmax,
+                              const std::optional<at::Tensor>& nested_code,
+                              const std::optional<at::Tensor>& nested_offset, int64_t nested_blocksize) {
+  check_out(out, packed);
+  const c10::cuda::CUDAGuard guard(packed.device());
+  at::Tensor target = out;
+  const DequantizeParams p = dequantize_params(packed, absmax, blocksize, out.numel(), nested_absmax,
+                                               nested_code, nested_offset, nested_blocksize, target);
+  check_launch(launch_dequantize(p, current_stream(packed)));
+}
+
 at::Tensor nf4_dequantize_cuda(const at::Tensor& packed, const at::Tensor& absmax, int64_t blocksize,
                                at::IntArrayRef shape, at::ScalarType dtype,
                                const std::optional<at::Tensor>& nested_absmax,
                                const std::optional<at::Tensor>& nested_code,
                                const std::optional<at::Tensor>& nested_offset, int64_t nested_blocksize) {
   float_dtype(dtype, "dtype");
-  const c10::cuda::CUDAGuard guard(packed.device());
   at::Tensor out = at::empty(shape, packed.options().dtype(dtype));
-  const DequantizeParams p = dequantize_params(packed, absmax, blocksize, out.numel(), nested_absmax,
-                                               nested_code, nested_offset, nested_blocksize, out);
-  check_launch(launch_dequantize(p, current_stream(packed)));
+  nf4_dequantize_into_cuda(packed, absmax, blocksize, out, nested_absmax, nested_code, nested_offset,
+                           nested_blocksize);
   return out;
 }
 
@@ -67,6 +77,7 @@ at::Tensor dynamic8_dequantize_cuda(const at::Tensor& q, const at::Tensor& absma
 TORCH_LIBRARY_IMPL(pykernels, CUDA, m) {
   m.impl("nf4_quantize", &nf4_quantize_cuda);
   m.impl("nf4_dequantize", &nf4_dequantize_cuda);
+  m.impl("nf4_dequantize_into", &nf4_dequantize_into_cuda);
   m.impl("dynamic8_quantize", &dynamic8_quantize_cuda);
   m.impl("dynamic8_dequantize", &dynamic8_dequantize_cuda);
 }

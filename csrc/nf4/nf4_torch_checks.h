@@ -33,6 +33,14 @@ inline void check_input(const at::Tensor& x, const char* name) {
   TORCH_CHECK_VALUE(x.is_contiguous(), name, " must be contiguous (call .contiguous() first)");
 }
 
+// A caller's output tensor for nf4_dequantize_into (its numel is checked against packed's).
+inline void check_out(const at::Tensor& out, const at::Tensor& packed) {
+  float_dtype(out.scalar_type(), "out");
+  TORCH_CHECK_VALUE(out.device() == packed.device(), "out must be on ", packed.device(), " like packed, got ",
+                    out.device());
+  TORCH_CHECK_VALUE(out.is_contiguous(), "out must be contiguous");
+}
+
 // Builds and checks the dequantize params; `out` must already have the output dtype and numel.
 inline DequantizeParams dequantize_params(const at::Tensor& packed, const at::Tensor& absmax,
                                           int64_t blocksize, int64_t numel,

@@ -42,6 +42,14 @@ def _nf4_dequantize_fake(
     return packed.new_empty(shape, dtype=dtype)
 
 
+@torch.library.register_fake("pykernels::nf4_dequantize_into")
+def _nf4_dequantize_into_fake(
+    packed, absmax, blocksize, out, nested_absmax=None, nested_code=None, nested_offset=None,
+    nested_blocksize=NESTED_BLOCKSIZE,
+) -> None:
+    torch._check(packed.numel() == (out.numel() + 1) // 2, lambda: "packed must have ceil(out.numel() / 2) elements")
+
+
 @torch.library.register_fake("pykernels::dynamic8_quantize")
 def _dynamic8_quantize_fake(x, code, blocksize, offset=None):
     numel = x.numel()
@@ -92,25 +100,56 @@ def quantize(x: torch.Tensor, blocksize: int = 64, double_quant: bool = False) -
     )
 
 
-def dequantize(weight: NF4Weight, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The tensor ``weight`` approximates, in ``dtype`` (default: the original dtype).
+def dequantize(weight: NF4Weight, dtype: torch.dtype | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensor ``weight`` approximates, in ``dtype`` (default: the original dtype, or ``out``'s).
 
     Bit-exact with ``bitsandbytes.functional.dequantize_4bit`` on CPU: each value is
-    ``code[nibble] * absmax[block]`` in fp32, rounded once to ``dtype``.
+    ``code[nibble] * absmax[block]`` in fp32, rounded once to ``dtype``. ``out``: a contiguous
+    tensor of ``weight.shape`` on its device to write into and return, as bitsandbytes' ``out=``
+    (a loop that dequantizes every step reuses one buffer instead of allocating).
+
+    Example:
+        >>> w = pykernels.nf4.quantize(torch.randn(64, 128), double_quant=True)
+        >>> buffer = torch.empty(64, 128, dtype=torch.bfloat16)
+        >>> pykernels.nf4.dequantize(w, out=buffer) is buffer
+        True
     """
     if not isinstance(weight, NF4Weight):
         raise TypeError(f"weight must be an NF4Weight, got {type(weight).__name__}")
     check_device(weight.packed, "weight")
+    if out is not None:
+        dtype = _check_out(weight, dtype, out)
     dtype = weight.dtype if dtype is None else dtype
     if dtype not in _FLOAT_DTYPES:
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
     if backend.use_reference("nf4"):
-        return _dequantize_reference(weight, dtype)
+        result = _dequantize_reference(weight, dtype)
+        return result if out is None else out.copy_(result)
     absmax = weight.absmax_q if weight.double_quant else weight.absmax
-    return ops.nf4_dequantize(
-        weight.packed, absmax, weight.blocksize, list(weight.shape), dtype,
-        weight.nested_absmax, weight.nested_code, weight.nested_offset, weight.nested_blocksize,
-    )
+    nested = (weight.nested_absmax, weight.nested_code, weight.nested_offset, weight.nested_blocksize)
+    if out is None:
+        return ops.nf4_dequantize(weight.packed, absmax, weight.blocksize, list(weight.shape), dtype, *nested)
+    ops.nf4_dequantize_into(weight.packed, absmax, weight.blocksize, out, *nested)
+    return out
+
+
+def _check_out(weight: NF4Weight, dtype: torch.dtype | None, out) -> torch.dtype:
+    """out's dtype, once out is a tensor the dequantized weight can be written into."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(weight.shape):
+        raise ValueError(f"out must have the weight's shape {tuple(weight.shape)}, got {tuple(out.shape)}")
+    if dtype is not None and out.dtype != dtype:
+        raise ValueError(f"out is {out.dtype} but dtype {dtype} was asked for: give one of them, or both alike")
+    if out.device != weight.packed.device:
+        raise ValueError(f"out must be on the weight's device {weight.packed.device}, got {out.device}")
+    if out.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"out must be float32, float16 or bfloat16, got {out.dtype}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    if out.requires_grad:
+        raise ValueError("out must not require grad: the dequantized weight is a constant")
+    return out.dtype
 
 
 def _quantize_reference(x: torch.Tensor, blocksize: int, double_quant: bool) -> NF4Weight:

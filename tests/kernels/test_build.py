@@ -8,7 +8,7 @@ from benchmarks.conftest import cpu_flags
 from pykernels import _C
 
 OPS_BY_FAMILY = {
-    "nf4": ["nf4_quantize", "nf4_dequantize", "dynamic8_quantize", "dynamic8_dequantize"],
+    "nf4": ["nf4_quantize", "nf4_dequantize", "nf4_dequantize_into", "dynamic8_quantize", "dynamic8_dequantize"],
     "lora": ["lora_linear", "lora_linear_nf4", "lora_linear_backward", "lora_linear_nf4_backward"],
     "logprobs": ["token_logprobs", "token_logprobs_backward"],
     "moe": ["moe_sort_tokens", "moe_grouped_linear", "moe_grouped_linear_backward"],

@@ -165,6 +165,17 @@ def test_a_wrong_kernel_is_disabled_for_its_op_only_with_one_warning(monkeypatch
     assert any(key.startswith("lora float32 tokens<=16 in=83 out=40 r=4 dense") for key in decisions["decisions"])
 
 
+def test_a_call_into_out_decides_on_fresh_outputs(monkeypatch, isolated, timings):
+    """Both sides writing into the caller's one buffer would each be compared with itself and a wrong
+    kernel would pass: the decision runs into fresh outputs, and the call then fills the buffer."""
+    real = ops_nf4.ops
+    monkeypatch.setattr(ops_nf4, "ops", Planted(real, nf4_dequantize=lambda *a: real.nf4_dequantize(*a) + 1))
+    weight, buffer = _nf4_weight(), torch.zeros(64, 128)
+    with pytest.warns(RuntimeWarning, match="disabling our nf4 kernel"):
+        assert pykernels.nf4.dequantize(weight, out=buffer) is buffer
+    torch.testing.assert_close(buffer, ops_nf4._dequantize_reference(weight, torch.float32), rtol=0, atol=0)
+
+
 def test_the_chosen_side_runs_the_whole_op_including_backward(monkeypatch):
     real = ops_lora.ops
 

@@ -32,8 +32,10 @@ def assert_matches_bitsandbytes(x: torch.Tensor, blocksize: int, double_quant: b
     else:
         assert_bits_equal(ours.absmax, state.absmax, "absmax")
     for dtype in DTYPES:
-        assert_bits_equal(nf4.dequantize(ours, dtype), bnb_oracle.dequantize(packed, state, dtype),
-                          f"dequantize {dtype}")
+        expected = bnb_oracle.dequantize(packed, state, dtype)
+        assert_bits_equal(nf4.dequantize(ours, dtype), expected, f"dequantize {dtype}")
+        buffer = torch.full(x.shape, float("nan"), dtype=dtype)  # every value must be written over
+        assert_bits_equal(nf4.dequantize(ours, out=buffer), expected, f"dequantize into out {dtype}")
     if bnb_oracle.native_dequantize_is_correct(x.shape, blocksize):
         expected = bnb_oracle.dequantize_public(packed.reshape(-1, 1), state)
         assert_bits_equal(nf4.dequantize(ours), expected, "dequantize vs bitsandbytes' native kernel")

@@ -107,8 +107,21 @@ def test_cuda_opcheck():
     w = nf4.quantize(x, 64, double_quant=True)
     torch.library.opcheck(ops.nf4_dequantize, (w.packed, w.absmax_q, 64, [3, 769], torch.bfloat16,
                                                w.nested_absmax, w.nested_code, w.nested_offset, 256))
+    torch.library.opcheck(ops.nf4_dequantize_into, (w.packed, w.absmax_q, 64, torch.empty_like(x), w.nested_absmax,
+                                                    w.nested_code, w.nested_offset, 256))
     code = reference.dynamic_map("cuda")
     torch.library.opcheck(ops.dynamic8_quantize, (torch.randn(1000, device="cuda"), code, 256))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_dequantize_into_out_matches_cpu(dtype, dequantize_kernel):
+    x = torch.randn(7, 769, dtype=torch.bfloat16)
+    w = nf4.quantize(x, 64, double_quant=True)
+    buffer = torch.full((7, 769), float("nan"), dtype=dtype, device="cuda")
+    assert nf4.dequantize(w.to("cuda"), out=buffer) is buffer
+    assert torch.equal(buffer.cpu(), nf4.dequantize(w, dtype))
+    with pytest.raises(ValueError, match="out must be on the weight's device cuda:0, got cpu"):
+        nf4.dequantize(w.to("cuda"), out=torch.empty(7, 769))
 
 
 def test_cuda_compile():

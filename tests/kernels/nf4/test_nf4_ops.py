@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import pykernels.backend
 import pykernels.nf4 as nf4
 from pykernels import _extension
 from pykernels._extension import ops
@@ -34,6 +35,16 @@ def test_opcheck_dequantize(shape, double_quant):
     torch.library.opcheck(ops.nf4_dequantize, args)
 
 
+@pytest.mark.parametrize("shape", OPCHECK_SHAPES)
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_opcheck_dequantize_into(shape, double_quant):
+    w = sample_weight(shape, double_quant=double_quant)
+    absmax = w.absmax_q if double_quant else w.absmax
+    args = (w.packed, absmax, w.blocksize, torch.empty(shape, dtype=torch.float16),
+            w.nested_absmax, w.nested_code, w.nested_offset, w.nested_blocksize)
+    torch.library.opcheck(ops.nf4_dequantize_into, args)
+
+
 def test_opcheck_dynamic8():
     code = dynamic_map()
     x = torch.randn(1000)
@@ -56,6 +67,36 @@ def test_compile_quantize_and_dequantize(double_quant):
     actual, actual_packed = compiled(x)
     assert torch.equal(actual_packed, expected_packed)
     assert torch.equal(actual, expected)
+
+
+def test_compile_dequantize_into_a_buffer():
+    torch._dynamo.reset()
+
+    def into(w, buffer):
+        nf4.dequantize(w, out=buffer)
+        return buffer * 2
+
+    w = sample_weight((5, 769), double_quant=True)
+    compiled, buffer = torch.compile(into, fullgraph=True), torch.zeros(5, 769)
+    assert torch.equal(compiled(w, buffer), nf4.dequantize(w, torch.float32) * 2)
+    assert torch.equal(buffer, nf4.dequantize(w, torch.float32))  # the caller's buffer holds the weight
+
+
+def test_dequantize_into_out_returns_out_and_takes_its_dtype():
+    w = sample_weight((7, 769), dtype=torch.float32, double_quant=True)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        buffer = torch.full((7, 769), float("nan"), dtype=dtype)
+        assert nf4.dequantize(w, out=buffer) is buffer
+        assert torch.equal(buffer, nf4.dequantize(w, dtype))
+        assert w.dequantize(dtype, out=buffer) is buffer
+
+
+def test_dequantize_into_out_on_the_reference_backend():
+    w = sample_weight((3, 769), double_quant=True)
+    buffer = torch.zeros(3, 769, dtype=torch.bfloat16)
+    with pykernels.backend.forced("nf4", "torch"):
+        assert nf4.dequantize(w, out=buffer) is buffer
+    assert torch.equal(buffer, nf4.dequantize(w))
 
 
 def test_compile_dequantize_with_dynamic_shapes():
@@ -122,6 +163,31 @@ def test_dequantize_op_requires_all_nested_tensors():
 def test_dequantize_rejects_dtype():
     with pytest.raises(ValueError, match="dtype must be float32, float16 or bfloat16"):
         nf4.dequantize(sample_weight(), torch.int8)
+
+
+@pytest.mark.parametrize(("out", "dtype", "error", "match"), [
+    ([0.0] * 4, None, TypeError, "out must be a torch.Tensor, got list"),
+    (torch.empty(4, 255), None, ValueError, r"out must have the weight's shape \(4, 256\), got \(4, 255\)"),
+    (torch.empty(1024), None, ValueError, r"out must have the weight's shape \(4, 256\), got \(1024,\)"),
+    (torch.empty(4, 256), torch.float16, ValueError, "out is torch.float32 but dtype torch.float16 was asked for"),
+    (torch.empty(256, 4).t(), None, ValueError, "out must be contiguous"),
+    (torch.empty(4, 256, requires_grad=True), None, ValueError, "out must not require grad"),
+    (torch.empty(4, 256, dtype=torch.int32), None, ValueError,
+     "out must be float32, float16 or bfloat16, got torch.int32"),
+])
+def test_dequantize_rejects_bad_out(out, dtype, error, match):
+    with pytest.raises(error, match=match):
+        nf4.dequantize(sample_weight((4, 256)), dtype, out=out)
+
+
+def test_dequantize_into_op_names_a_bad_out():
+    w = sample_weight((4, 256))
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        ops.nf4_dequantize_into(w.packed, w.absmax, 64, torch.empty(256, 4).t())
+    with pytest.raises(ValueError, match="out must be float32, float16 or bfloat16"):
+        ops.nf4_dequantize_into(w.packed, w.absmax, 64, torch.empty(4, 256, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"packed must have 256 elements, got 512"):
+        ops.nf4_dequantize_into(w.packed, w.absmax, 64, torch.empty(2, 256))
 
 
 def test_dequantize_rejects_non_weight():
