@@ -28,8 +28,9 @@ driver.ebft.transforms.last_turn_answer_only
 driver.axolotl.transforms.ebft_opencode
 driver.axolotl.transforms.ebft_strided_structured
 driver.axolotl.transforms.ebft_pretrain
-# Factories of built-in rewards: named by rewards.functions[].path (with kwargs) in YAML (docs/rewards.md).
+# Built-in rewards and their factories: named by rewards.functions[].path in YAML (docs/rewards.md).
 driver.rewards.builtin.get_soft_overlong_punishment
+driver.rewards.builtin.think_format_reward
 # The toy tool-calling task's tool and reward, and the environment's reward: named by path in YAML
 # (examples/tiny-tools-grpo.yaml, docs/environments.md).
 driver.environments.toy.add

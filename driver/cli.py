@@ -260,10 +260,27 @@ MOVED_MODULES = {"driver.reward_functions": "driver.data.gsm8k", "driver.toy_tas
                  "driver.data.axolotl_transforms": "driver.axolotl.transforms"}
 
 
+# TRL's built-in rewards (trl.rewards) by the name a TRL script passes: ours where we have it, else what to
+# do. A bare name in a path, or trl.rewards.<name> without trl installed, gets this in its error.
+TRL_REWARDS = {
+    "think_format_reward": "driver.rewards.builtin.think_format_reward",
+    "get_soft_overlong_punishment": "driver.rewards.builtin.get_soft_overlong_punishment (with its kwargs)",
+    **dict.fromkeys(("accuracy_reward", "reasoning_accuracy_reward", "get_cosine_scaled_reward"),
+                    "not built in here: trl.rewards.{name} itself, with trl and math-verify installed, or "
+                    "driver.data.gsm8k.gsm8k_correct for GSM8K's answers"),
+}
+
+
+def trl_reward_hint(path: str) -> str:
+    name = path.removeprefix("trl.rewards.")
+    hint = TRL_REWARDS.get(name)
+    return "" if hint is None else f" (TRL's {name} is {hint.format(name=name)})"
+
+
 def import_dotted(path: str, what: str):
     module_name, _, attribute = path.rpartition(".")
     if not module_name:
-        raise ConfigError(f"{what}: {path!r} must be a dotted path like package.module.function")
+        raise ConfigError(f"{what}: {path!r} must be a dotted path like package.module.function{trl_reward_hint(path)}")
     if module_name in MOVED_MODULES:
         module_name = MOVED_MODULES[module_name]
         warnings.warn(f"{what}: {path} is now {module_name}.{attribute} (the old name will go away)", FutureWarning,
@@ -271,7 +288,7 @@ def import_dotted(path: str, what: str):
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        raise ConfigError(f"{what}: cannot import module '{module_name}' ({error})") from None
+        raise ConfigError(f"{what}: cannot import module '{module_name}' ({error}){trl_reward_hint(path)}") from None
     if not hasattr(module, attribute):
         raise ConfigError(f"{what}: module '{module_name}' has no '{attribute}'")
     function = getattr(module, attribute)

@@ -1,16 +1,31 @@
 """Reward functions that come with the driver and fit any task (the task-specific ones live with their
-data: driver/data/toy_tasks.py, driver/data/gsm8k.py). Each is TRL's reward of the same name: a
-factory `get_<name>(settings) -> reward`, the reward a picklable callable (reward workers may receive
-it by pickle, as TRL's async workers do) whose `__name__` is TRL's, so `rewards/<name>/*` in the logs
-match a TRL run's.
-
-A rewards.functions entry names the factory with its arguments in `kwargs` (docs/rewards.md):
+data: driver/data/toy_tasks.py, driver/data/gsm8k.py). Each is TRL's reward of the same name, with
+TRL's values and its name in the logs (`rewards/<name>/*` match a TRL run's): a function
+(`{path: driver.rewards.builtin.think_format_reward}`), or a factory `get_<name>(settings) -> reward`
+named with its arguments in `kwargs` (docs/rewards.md), whose reward is a picklable callable (reward
+workers may receive it by pickle, as TRL's async workers do):
 `{path: driver.rewards.builtin.get_soft_overlong_punishment, kwargs: {max_completion_len: 256, soft_punish_cache: 64}}`.
 
 Standard library only: a reward worker that imports it loads no torch.
 """
 
 from __future__ import annotations
+
+import re
+
+from driver.data.conversation import completion_text
+
+# TRL's pattern: the completion opens with <think>, closes it once, and holds no second <think>.
+_THINK_FORMAT = re.compile(r"^<think>(?!.*<think>)(.*?)</think>.*$", re.DOTALL | re.MULTILINE)
+
+
+def think_format_reward(completions: list, **columns) -> list[float]:
+    """1.0 where the completion's reasoning is enclosed in one leading `<think>...</think>`, else 0.0
+    (TRL's trl.rewards.think_format_reward). A completion is its text, or for chat data the one
+    assistant message the driver passes (TRL reads its first message, we its last: the same one).
+    A chat template that opens the think block in the prompt (DeepSeek-R1's) leaves `<think>` out of
+    every completion: each scores 0, as in TRL."""
+    return [1.0 if _THINK_FORMAT.match(completion_text(completion)) else 0.0 for completion in completions]
 
 
 def get_soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int) -> SoftOverlongPunishment:

@@ -1,15 +1,18 @@
 """driver.rewards.builtin: DAPO's soft overlong punishment against its formula (hand-computed values at
 the boundaries) and against TRL's get_soft_overlong_punishment (transcribed below: trl is not a
-dependency), counting the completion's tokens as the driver passes them to rewards."""
+dependency), counting the completion's tokens as the driver passes them to rewards; think_format_reward
+against TRL's (transcribed) and its docstring's example; TRL's reward names in a config's errors."""
 
 import pickle
+import re
+import sys
 
 import pytest
 
 from driver.config import RewardFunction, RewardsConfig
 from driver.data.prompts import Prompt
 from driver.data.records import Group, Sample
-from driver.rewards.builtin import get_soft_overlong_punishment
+from driver.rewards.builtin import get_soft_overlong_punishment, think_format_reward
 from driver.rewards.calling import call_rewards
 from driver.rewards.functions import RewardFunctions, group_call, reward_table
 
@@ -113,3 +116,62 @@ def test_the_yaml_entry_makes_it_in_reward_workers_too(tmp_path):
         check_references(bad)
     with pytest.raises(ValueError, match="a reward model takes none"):
         RewardFunction(model="org/reward", kwargs={"x": 1})
+
+
+def trl_think_format_reward(completions, **kwargs):
+    """TRL's think_format_reward (trl/rewards/format_rewards.py at 05dc6bd), as written there."""
+    pattern = r"^<think>(?!.*<think>)(.*?)</think>.*$"
+    completion_contents = [completion[0]["content"] for completion in completions]
+    matches = [re.match(pattern, content, re.DOTALL | re.MULTILINE) for content in completion_contents]
+    return [1.0 if match else 0.0 for match in matches]
+
+
+THINK_TEXTS = [
+    "<think>\nThis is my reasoning.\n</think>\nThis is my answer.",  # TRL's docstring: 1.0
+    "<think>\nThis is my reasoning.\nThis is my answer.",  # and 0.0
+    "<think></think>", "<think>a</think>", "<think>a</think><think>b</think>", "<think><think>a</think>",
+    "<think>a</think>\n<think>", " <think>a</think>", "answer first\n<think>a</think>", "</think>", "",
+    "<think>\n\nmulti\nline\n\n</think>\n\n\\boxed{4}", "<THINK>a</THINK>", "<think>a</think >",
+    "<think>a\n</think>tail\n</think>",
+]
+
+
+def test_think_format_equals_trl_on_text_and_chat_completions():
+    expected = trl_think_format_reward([[{"role": "assistant", "content": text}] for text in THINK_TEXTS])
+    assert expected[:2] == [1.0, 0.0] and sum(expected) == 5  # the oracle itself: its docstring, then ours' cases
+    assert think_format_reward(THINK_TEXTS) == expected
+    assert think_format_reward([[{"role": "assistant", "content": text}] for text in THINK_TEXTS]) == expected
+
+
+def test_think_format_through_the_configured_reward_call():
+    path = "driver.rewards.builtin.think_format_reward"
+    functions = RewardFunctions(RewardsConfig(functions=[RewardFunction(path=path)]))
+    assert functions.names == ["think_format_reward"]  # TRL's name in the logs
+    samples = [Sample(token_ids=[5, 6], logprobs=[-1.0, -1.0], finish_reason="stop") for _ in range(3)]
+    group = Group(group_id=0, prompt=Prompt(index=0, text="q", token_ids=[1], columns={}), samples=samples)
+    kwargs = group_call(group, ["<think>a</think>b", "b", "<think>a"])
+    table = reward_table(functions.names, call_rewards(functions.functions, kwargs), kwargs["completions"])
+    assert table[:, 0].tolist() == [1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("path,message", [
+    ("think_format_reward", r"'think_format_reward' must be a dotted path like package.module.function \(TRL's "
+                            r"think_format_reward is driver.rewards.builtin.think_format_reward\)"),
+    ("get_soft_overlong_punishment", r"TRL's get_soft_overlong_punishment is driver.rewards.builtin."
+                                     r"get_soft_overlong_punishment \(with its kwargs\)"),
+    ("accuracy_reward", r"TRL's accuracy_reward is not built in here: trl.rewards.accuracy_reward itself, with trl "
+                        r"and math-verify installed, or driver.data.gsm8k.gsm8k_correct"),
+    ("trl.rewards.think_format_reward", r"cannot import module 'trl.rewards' .*\(TRL's think_format_reward is "
+                                        r"driver.rewards.builtin.think_format_reward\)"),
+    ("trl.rewards.get_cosine_scaled_reward", r"cannot import module 'trl.rewards' .*TRL's get_cosine_scaled_reward "
+                                             r"is not built in here: trl.rewards.get_cosine_scaled_reward itself"),
+    ("my_reward", r"'my_reward' must be a dotted path like package.module.function$"),
+])
+def test_trl_reward_names_say_where_they_are_here(monkeypatch, path, message):
+    from driver.cli import ConfigError, check_references
+    from driver.config import Config
+
+    monkeypatch.setitem(sys.modules, "trl", None)  # as without trl installed (it is not a dependency)
+    config = Config.model_validate({"rewards": {"functions": [{"path": path}]}})
+    with pytest.raises(ConfigError, match=r"rewards.functions\[0\].path: .*" + message):
+        check_references(config)
