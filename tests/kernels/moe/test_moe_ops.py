@@ -220,8 +220,9 @@ def test_bad_inputs_name_the_argument():
 @pytest.mark.parametrize(("grouped_in", "grouped_out", "with_gates", "with_lora"), FLAGS,
                          ids=[f"in{int(a)}-out{int(b)}-gates{int(c)}-lora{int(d)}" for a, b, c, d in FLAGS])
 @pytest.mark.parametrize(("tokens", "top_k", "num_experts", "in_f", "out_f", "rank"),
-                         [(37, 3, 5, 33, 70, 1), (600, 2, 3, 64, 600, 16)],  # odd in; > 256 slots and > 512 rows
-                         ids=["small-odd", "chunked"])
+                         # odd in; > 256 slots and > 512 rows; <= 8 slots an expert (portable: rowwise_bf16)
+                         [(37, 3, 5, 33, 70, 1), (600, 2, 3, 64, 600, 16), (9, 2, 7, 33, 70, 2)],
+                         ids=["small-odd", "chunked", "few-slots"])
 def test_bf16_forward_on_every_cpu_path(gemm_cpu_isa, grouped_in, grouped_out, with_gates, with_lora, tokens, top_k,
                                         num_experts, in_f, out_f, rank):
     """bf16 in, bf16 out: within bf16 rounding of the fp64 result of the same bf16 inputs, on the
