@@ -263,8 +263,7 @@ at::Tensor grouped_linear_cpu(const at::Tensor& x, const at::Tensor& weight, con
                                  grouped_out, gates, lora_a, lora_b, lora_scaling);
   if (use_bf16_kernels(p)) return forward_bf16(p);
   at::Tensor y = at::zeros({p.size.slots, p.size.out}, x.options().dtype(p.compute));
-  const bool rowwise = p.x.scalar_type() == at::kBFloat16 && p.weight.scalar_type() == at::kBFloat16 &&
-                       !p.weight_n_major && p.compute == at::kFloat;
+  const bool rowwise = p.x.scalar_type() == at::kBFloat16 && !p.weight_n_major;  // weight: x's dtype (checked)
   at::parallel_for(0, p.size.experts, 1, [&](int64_t e0, int64_t e1) {
     const BelowAutograd below_autograd;
     for (int64_t e = e0; e < e1; ++e) {

@@ -33,9 +33,8 @@ void nf4_dequantize_into_cpu(const at::Tensor& packed, const at::Tensor& absmax,
                              const std::optional<at::Tensor>& nested_code,
                              const std::optional<at::Tensor>& nested_offset, int64_t nested_blocksize) {
   check_out(out, packed);
-  at::Tensor target = out;
   const DequantizeParams p = dequantize_params(packed, absmax, blocksize, out.numel(), nested_absmax,
-                                               nested_code, nested_offset, nested_blocksize, target);
+                                               nested_code, nested_offset, nested_blocksize, out);
   at::parallel_for(0, num_blocks(p.numel, blocksize), grain_blocks(blocksize),
                    [&](int64_t begin, int64_t end) { cpu::dequantize_blocks(p, begin, end); });
 }

@@ -35,9 +35,8 @@ void nf4_dequantize_into_cuda(const at::Tensor& packed, const at::Tensor& absmax
                               const std::optional<at::Tensor>& nested_offset, int64_t nested_blocksize) {
   check_out(out, packed);
   const c10::cuda::CUDAGuard guard(packed.device());
-  at::Tensor target = out;
   const DequantizeParams p = dequantize_params(packed, absmax, blocksize, out.numel(), nested_absmax,
-                                               nested_code, nested_offset, nested_blocksize, target);
+                                               nested_code, nested_offset, nested_blocksize, out);
   check_launch(launch_dequantize(p, current_stream(packed)));
 }
 

@@ -47,7 +47,7 @@ inline DequantizeParams dequantize_params(const at::Tensor& packed, const at::Te
                                           const std::optional<at::Tensor>& nested_absmax,
                                           const std::optional<at::Tensor>& nested_code,
                                           const std::optional<at::Tensor>& nested_offset,
-                                          int64_t nested_blocksize, at::Tensor& out) {
+                                          int64_t nested_blocksize, const at::Tensor& out) {
   check_blocksize(blocksize, "blocksize");
   TORCH_CHECK_VALUE(numel > 0, "shape must have at least one element, got numel ", numel);
   const at::Device device = packed.device();
