@@ -31,6 +31,10 @@ driver.axolotl.transforms.ebft_pretrain
 # Built-in rewards and their factories: named by rewards.functions[].path in YAML (docs/rewards.md).
 driver.rewards.builtin.get_soft_overlong_punishment
 driver.rewards.builtin.think_format_reward
+driver.rewards.builtin.accuracy_reward
+driver.rewards.builtin.reasoning_accuracy_reward
+driver.rewards.builtin.get_cosine_scaled_reward
+driver.rewards.builtin.get_repetition_penalty_reward
 # The toy tool-calling task's tool and reward, and the environment's reward: named by path in YAML
 # (examples/tiny-tools-grpo.yaml, docs/environments.md).
 driver.environments.toy.add

@@ -260,21 +260,18 @@ MOVED_MODULES = {"driver.reward_functions": "driver.data.gsm8k", "driver.toy_tas
                  "driver.data.axolotl_transforms": "driver.axolotl.transforms"}
 
 
-# TRL's built-in rewards (trl.rewards) by the name a TRL script passes: ours where we have it, else what to
-# do. A bare name in a path, or trl.rewards.<name> without trl installed, gets this in its error.
-TRL_REWARDS = {
-    "think_format_reward": "driver.rewards.builtin.think_format_reward",
-    "get_soft_overlong_punishment": "driver.rewards.builtin.get_soft_overlong_punishment (with its kwargs)",
-    **dict.fromkeys(("accuracy_reward", "reasoning_accuracy_reward", "get_cosine_scaled_reward"),
-                    "not built in here: trl.rewards.{name} itself, with trl and math-verify installed, or "
-                    "driver.data.gsm8k.gsm8k_correct for GSM8K's answers"),
-}
+# TRL's built-in rewards (trl.rewards) by the name a TRL script passes, and ours of that name. A bare name in a
+# path, or trl.rewards.<name> without trl installed, gets this in its error.
+TRL_REWARDS = {name: f"driver.rewards.builtin.{name}" for name in (
+    "think_format_reward", "accuracy_reward", "reasoning_accuracy_reward")}
+TRL_REWARDS.update({name: f"driver.rewards.builtin.{name} (with its kwargs)" for name in (
+    "get_soft_overlong_punishment", "get_cosine_scaled_reward", "get_repetition_penalty_reward")})
 
 
 def trl_reward_hint(path: str) -> str:
     name = path.removeprefix("trl.rewards.")
     hint = TRL_REWARDS.get(name)
-    return "" if hint is None else f" (TRL's {name} is {hint.format(name=name)})"
+    return "" if hint is None else f" (TRL's {name} is {hint})"
 
 
 def import_dotted(path: str, what: str):

@@ -65,6 +65,8 @@ LEFT_OUT = {  # pyproject requirements the GPU stages do not import
     "wandb": "training logs only (tested offline on the CPU machines); 19 MiB that left bitsandbytes out",
     "mlflow-skinny": "training logs only (tested offline on the CPU machines)",
     "reasoning-gym": "training data only; needs cellpylib, which has no wheel for the node",
+    "math-verify": "the math rewards, tested on the CPU machines",
+    "trl": "the rewards' oracle, on the CPU machines",
 }
 # Dropped in this order, with a message, while the bundle is over budget: the CUDA images we are lent
 # carry CMake (/work/.library/device KINDS.md), and gpu-install checks that the node has one; bitsandbytes

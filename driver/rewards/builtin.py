@@ -6,12 +6,18 @@ named with its arguments in `kwargs` (docs/rewards.md), whose reward is a pickla
 workers may receive it by pickle, as TRL's async workers do):
 `{path: driver.rewards.builtin.get_soft_overlong_punishment, kwargs: {max_completion_len: 256, soft_punish_cache: 64}}`.
 
-Standard library only: a reward worker that imports it loads no torch.
+Standard library only at import: a reward worker that imports it loads no torch. The math rewards
+(accuracy_reward, reasoning_accuracy_reward, get_cosine_scaled_reward) import math-verify on their
+first call (the `math` extra: `pip install math-verify==0.9.0`).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import math
 import re
+import threading
 
 from driver.data.conversation import completion_text
 
@@ -70,3 +76,186 @@ class SoftOverlongPunishment:
             else:
                 rewards.append(-1.0)
         return rewards
+
+
+
+def get_repetition_penalty_reward(ngram_size: int = 3, max_penalty: float = -1.0) -> RepetitionPenalty:
+    """A penalty for repeating oneself (arXiv 2502.03373, App. C.2; TRL's trl.rewards function of this
+    name): max_penalty times the fraction of a completion's token n-grams that repeat an earlier one,
+
+        (1 - distinct n-grams / n-grams) * max_penalty
+
+    0 for a completion without a repeated n-gram (or shorter than ngram_size tokens), max_penalty * (1 -
+    1/k) for one n-gram k times over. N-grams of `completion_ids`, the sampled tokens: whatever the
+    language, and a degenerate loop is caught however the tokenizer spells it."""
+    if isinstance(ngram_size, bool) or not isinstance(ngram_size, int) or ngram_size < 1:
+        raise ValueError(f"ngram_size must be a positive number of tokens, got {ngram_size!r}")
+    if isinstance(max_penalty, bool) or not isinstance(max_penalty, (int, float)) or not -math.inf < max_penalty <= 0:
+        raise ValueError(f"max_penalty must be a finite number <= 0 (a penalty), got {max_penalty!r}")
+    return RepetitionPenalty(ngram_size, float(max_penalty))
+
+
+class RepetitionPenalty:
+    """The reward get_repetition_penalty_reward returns: a class, not a closure, so that it pickles."""
+
+    __name__ = "repetition_penalty_reward"  # TRL's: the reward's name in the logs
+
+    def __init__(self, ngram_size: int, max_penalty: float) -> None:
+        self.ngram_size = ngram_size
+        self.max_penalty = max_penalty
+
+    def __call__(self, completion_ids: list[list[int]], **columns) -> list[float]:
+        """One penalty in [max_penalty, 0] per completion; prompts, completions and dataset columns are ignored."""
+        rewards = []
+        for ids in completion_ids:
+            count = len(ids) - self.ngram_size + 1
+            if count < 1:
+                rewards.append(0.0)
+                continue
+            distinct = len({tuple(ids[start:start + self.ngram_size]) for start in range(count)})
+            rewards.append((1.0 - distinct / count) * self.max_penalty if distinct < count else 0.0)
+        return rewards
+
+# TRL's math-verify limits (seconds): the gold solution's and the completion's parse, then their comparison.
+PARSE_TIMEOUT_S = 10
+VERIFY_TIMEOUT_S = 5
+
+
+def accuracy_reward(completions: list, solution: list | None = None, **columns) -> list[float | None]:
+    """1.0 where the completion's answer is mathematically equal to the `solution` column's, else 0.0;
+    None (not scored) where math-verify cannot parse the solution. TRL's trl.rewards.accuracy_reward:
+    the answer is LaTeX, a \\boxed{} one before any other, else one in $...$ after "the final answer is";
+    a bare 42 in the prose, or $42$ without that phrase, is none (0.0), and so are two boxed answers.
+    Units are normalised away; equality is math-verify's (0.5 = \\frac{2}{4}, (x+1)^2 = x^2+2x+1, sets,
+    intervals)."""
+    return [None if gold is None else _answer_is(gold, text) for gold, text in _gold_and_texts(
+        "accuracy_reward", completions, solution, columns)]
+
+
+_REASONING_END = "</think>"  # TRL's default reasoning delimiter
+
+
+def reasoning_accuracy_reward(completions: list, solution: list | None = None,
+                              **columns) -> list[float | None]:
+    """accuracy_reward on what follows the completion's reasoning: the text after its last
+    `</think>`; 0.0 for a completion that never closes its reasoning (TRL's
+    trl.rewards.reasoning_accuracy_reward with its default delimiter: an answer inside the reasoning
+    earns nothing)."""
+    rewards = []
+    for gold, text in _gold_and_texts("reasoning_accuracy_reward", completions, solution, columns):
+        if _REASONING_END not in text:
+            rewards.append(0.0)
+        else:
+            rewards.append(None if gold is None else _answer_is(gold, text.split(_REASONING_END)[-1]))
+    return rewards
+
+
+def get_cosine_scaled_reward(max_len: int, min_value_wrong: float = -1.0, max_value_wrong: float = -0.5,
+                             min_value_correct: float = 0.5, max_value_correct: float = 1.0) -> CosineScaledReward:
+    """accuracy_reward scaled by the completion's length in tokens on a cosine schedule (arXiv 2502.03373,
+    App. C.1; TRL's trl.rewards.get_cosine_scaled_reward). With p = min(L / max_len, 1) for a completion
+    of L tokens (`completion_ids`):
+
+        correct: min_value_correct + (max_value_correct - min_value_correct) * (1 + cos(pi p)) / 2
+        wrong:   max_value_wrong + (min_value_wrong - max_value_wrong) * (1 + cos(pi p)) / 2
+
+    A short correct answer earns max_value_correct, a long one min_value_correct; a short wrong one
+    costs min_value_wrong, a long one only max_value_wrong (long wrong attempts are punished less:
+    exploration). None where the solution does not parse, as accuracy_reward."""
+    if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 1:
+        raise ValueError(f"max_len must be a positive number of tokens, got {max_len!r}")
+    values = {"min_value_wrong": min_value_wrong, "max_value_wrong": max_value_wrong,
+              "min_value_correct": min_value_correct, "max_value_correct": max_value_correct}
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return CosineScaledReward(max_len, **{name: float(value) for name, value in values.items()})
+
+
+class CosineScaledReward:
+    """The reward get_cosine_scaled_reward returns: a class, not a closure, so that it pickles."""
+
+    __name__ = "cosine_scaled_reward"  # TRL's: the reward's name in the logs
+
+    def __init__(self, max_len: int, min_value_wrong: float, max_value_wrong: float, min_value_correct: float,
+                 max_value_correct: float) -> None:
+        self.max_len = max_len
+        # (value at length 0, value at max_len and beyond) for correct and for wrong answers
+        self.correct = (max_value_correct, min_value_correct)
+        self.wrong = (min_value_wrong, max_value_wrong)
+
+    def __call__(self, completions: list, completion_ids: list[list[int]], solution: list | None = None,
+                 **columns) -> list[float | None]:
+        rewards = []
+        for correct, ids in zip(accuracy_reward(completions, solution, **columns), completion_ids, strict=True):
+            if correct is None:
+                rewards.append(None)
+                continue
+            short, long = self.correct if correct else self.wrong
+            # Past max_len the schedule stays at its end: cos would climb back up.
+            weight = (1.0 + math.cos(math.pi * min(len(ids) / self.max_len, 1.0))) / 2
+            rewards.append(long + (short - long) * weight)
+        return rewards
+
+
+def _gold_and_texts(reward: str, completions: list, solution: list | None,
+                    columns: dict) -> list[tuple[object | None, str]]:
+    """(the solution parsed by math-verify, or None where it does not parse; the completion's text) per
+    completion."""
+    if solution is None:
+        data_columns = sorted(set(columns) - _CALL_ARGUMENTS)
+        raise ValueError(f"{reward} needs a `solution` column (each prompt's reference answer, as in TRL): the "
+                         f"data's columns are {', '.join(data_columns) or 'none but the prompt'}")
+    if len(solution) != len(completions):
+        raise ValueError(f"{reward}: {len(solution)} solutions for {len(completions)} completions")
+    parse = _math_verify().parse
+    timeout = _timeout(PARSE_TIMEOUT_S)
+    pairs = []
+    for reference, completion in zip(solution, completions):
+        gold = parse("" if reference is None else str(reference), parsing_timeout=timeout)
+        pairs.append((gold if gold else None, completion_text(completion)))
+    return pairs
+
+
+# What a reward call passes beside the completions and the data's columns (driver/rewards/functions.py).
+_CALL_ARGUMENTS = {"prompts", "completion_ids", "trainer_state", "environment_reward"}
+
+
+def _answer_is(gold, text: str) -> float:
+    """1.0 when the text's answer, extracted as TRL extracts it, equals the parsed solution, else 0.0."""
+    math_verify = _math_verify()
+    answer = math_verify.parse(text, extraction_config=[math_verify.answer_extraction], extraction_mode="first_match",
+                               parsing_timeout=_timeout(PARSE_TIMEOUT_S))
+    return float(math_verify.verify(gold, answer, timeout_seconds=_timeout(VERIFY_TIMEOUT_S)))
+
+
+class _MathVerify:
+    """math-verify's functions, and the extraction TRL's math rewards use on completions: LaTeX only,
+    \\boxed{} answers first, none without an anchor (TRL's comment: an answer in correct LaTeX)."""
+
+    def __init__(self) -> None:
+        try:
+            from latex2sympy2_extended import NormalizationConfig
+            from math_verify import LatexExtractionConfig, parse, verify
+        except ImportError as error:
+            raise ImportError(f"the math rewards need math-verify ({error}): pip install math-verify==0.9.0, "
+                              f"or pykernels' `math` extra") from None
+        self.parse, self.verify = parse, verify
+        self.answer_extraction = LatexExtractionConfig(normalization_config=NormalizationConfig(units=True),
+                                                       boxed_match_priority=0, try_extract_without_anchor=False)
+
+
+@functools.cache
+def _math_verify() -> _MathVerify:
+    return _MathVerify()
+
+
+def _timeout(seconds: int) -> int | None:
+    """math-verify times itself with signal.alarm, which only the main thread may set: elsewhere (a
+    reward called from a thread, with reward_num_workers 0) it runs without a limit, as in TRL, and its
+    warning that it does is silenced. Reward workers call in their main thread: limited."""
+    if threading.current_thread() is threading.main_thread():
+        return seconds
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    return None

@@ -1,18 +1,23 @@
-"""driver.rewards.builtin: DAPO's soft overlong punishment against its formula (hand-computed values at
-the boundaries) and against TRL's get_soft_overlong_punishment (transcribed below: trl is not a
-dependency), counting the completion's tokens as the driver passes them to rewards; think_format_reward
-against TRL's (transcribed) and its docstring's example; TRL's reward names in a config's errors."""
+"""driver.rewards.builtin's rewards that need no math-verify: DAPO's soft overlong punishment against its
+formula (hand-computed values at the boundaries) and against TRL's get_soft_overlong_punishment (trl.rewards
+of trl 1.16.0, in the test extra), counting the completion's tokens as the driver passes them to rewards;
+the repetition penalty against TRL's and its formula; think_format_reward against TRL's and its
+docstring's example; TRL's reward names in a config's errors. The math rewards:
+test_driver_math_rewards.py."""
 
 import pickle
-import re
+import random
 import sys
 
 import pytest
+from trl.rewards import get_repetition_penalty_reward as trl_get_repetition_penalty_reward
+from trl.rewards import get_soft_overlong_punishment as trl_get_soft_overlong_punishment
+from trl.rewards import think_format_reward as trl_think_format_reward
 
 from driver.config import RewardFunction, RewardsConfig
 from driver.data.prompts import Prompt
 from driver.data.records import Group, Sample
-from driver.rewards.builtin import get_soft_overlong_punishment, think_format_reward
+from driver.rewards.builtin import get_repetition_penalty_reward, get_soft_overlong_punishment, think_format_reward
 from driver.rewards.calling import call_rewards
 from driver.rewards.functions import RewardFunctions, group_call, reward_table
 
@@ -21,20 +26,6 @@ SETTINGS_8_4 = {"max_completion_len": 8, "soft_punish_cache": 4}
 
 # (L_max, L_cache): odd sizes, no cache, the whole length as cache, a one-token completion limit.
 SETTINGS = [(100, 20), (7, 3), (83, 1), (16, 0), (5, 5), (1, 1), (769, 257)]
-
-
-def trl_soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int, completion_ids) -> list[float]:
-    """TRL's _SoftOverlongPunishment.__call__ (trl/rewards/other_rewards.py at f2cd577), as written there."""
-    rewards = []
-    for ids in completion_ids:
-        completion_length = len(ids)
-        if completion_length <= max_completion_len - soft_punish_cache:
-            rewards.append(0.0)
-        elif max_completion_len - soft_punish_cache < completion_length <= max_completion_len:
-            rewards.append((max_completion_len - soft_punish_cache - completion_length) / soft_punish_cache)
-        else:
-            rewards.append(-1.0)
-    return rewards
 
 
 def completions_of(lengths: list[int]) -> list[list[int]]:
@@ -59,7 +50,7 @@ def test_the_formula_at_its_boundaries(settings, lengths, expected):
 def test_equals_trl_at_every_length(settings):
     lengths = list(range(settings[0] + 3))  # every length up to past L_max
     ours = get_soft_overlong_punishment(*settings)(completion_ids=completions_of(lengths))
-    assert ours == trl_soft_overlong_punishment(*settings, completions_of(lengths))  # the same arithmetic: exact
+    assert ours == trl_get_soft_overlong_punishment(*settings)(completions_of(lengths))  # the same arithmetic: exact
 
 
 def test_named_as_trl_and_picklable():
@@ -118,14 +109,6 @@ def test_the_yaml_entry_makes_it_in_reward_workers_too(tmp_path):
         RewardFunction(model="org/reward", kwargs={"x": 1})
 
 
-def trl_think_format_reward(completions, **kwargs):
-    """TRL's think_format_reward (trl/rewards/format_rewards.py at 05dc6bd), as written there."""
-    pattern = r"^<think>(?!.*<think>)(.*?)</think>.*$"
-    completion_contents = [completion[0]["content"] for completion in completions]
-    matches = [re.match(pattern, content, re.DOTALL | re.MULTILINE) for content in completion_contents]
-    return [1.0 if match else 0.0 for match in matches]
-
-
 THINK_TEXTS = [
     "<think>\nThis is my reasoning.\n</think>\nThis is my answer.",  # TRL's docstring: 1.0
     "<think>\nThis is my reasoning.\nThis is my answer.",  # and 0.0
@@ -159,19 +142,67 @@ def test_think_format_through_the_configured_reward_call():
                             r"think_format_reward is driver.rewards.builtin.think_format_reward\)"),
     ("get_soft_overlong_punishment", r"TRL's get_soft_overlong_punishment is driver.rewards.builtin."
                                      r"get_soft_overlong_punishment \(with its kwargs\)"),
-    ("accuracy_reward", r"TRL's accuracy_reward is not built in here: trl.rewards.accuracy_reward itself, with trl "
-                        r"and math-verify installed, or driver.data.gsm8k.gsm8k_correct"),
+    ("accuracy_reward", r"TRL's accuracy_reward is driver.rewards.builtin.accuracy_reward\)$"),
     ("trl.rewards.think_format_reward", r"cannot import module 'trl.rewards' .*\(TRL's think_format_reward is "
                                         r"driver.rewards.builtin.think_format_reward\)"),
     ("trl.rewards.get_cosine_scaled_reward", r"cannot import module 'trl.rewards' .*TRL's get_cosine_scaled_reward "
-                                             r"is not built in here: trl.rewards.get_cosine_scaled_reward itself"),
+                                             r"is driver.rewards.builtin.get_cosine_scaled_reward \(with its kwargs\)"),
     ("my_reward", r"'my_reward' must be a dotted path like package.module.function$"),
 ])
 def test_trl_reward_names_say_where_they_are_here(monkeypatch, path, message):
     from driver.cli import ConfigError, check_references
     from driver.config import Config
 
-    monkeypatch.setitem(sys.modules, "trl", None)  # as without trl installed (it is not a dependency)
+    for module in ("trl", "trl.rewards"):  # as without trl installed (the driver does not need it)
+        monkeypatch.setitem(sys.modules, module, None)
     config = Config.model_validate({"rewards": {"functions": [{"path": path}]}})
     with pytest.raises(ConfigError, match=r"rewards.functions\[0\].path: .*" + message):
         check_references(config)
+
+
+def test_every_trl_reward_is_built_in():
+    """Each reward trl.rewards exports has ours of the same name at the path the config error gives."""
+    import trl.rewards
+
+    from driver.cli import TRL_REWARDS, import_dotted
+
+    theirs = {name for name in dir(trl.rewards) if not name.startswith("_") and callable(getattr(trl.rewards, name))}
+    assert theirs == set(TRL_REWARDS)
+    for name, where in TRL_REWARDS.items():
+        assert where.split()[0] == f"driver.rewards.builtin.{name}"
+        import_dotted(where.split()[0], "test")
+
+
+# Completions of random tokens from small vocabularies (repeats likely), lengths 0 to past every n-gram size.
+RANDOM_IDS = [[rng.randrange(vocab) for _ in range(rng.randrange(0, 40))]
+              for rng in [random.Random(5)] for vocab in (1, 2, 3, 5, 50, 1000) for _ in range(12)]
+
+
+@pytest.mark.parametrize("ngram_size,max_penalty", [(3, -1.0), (1, -1.0), (2, -0.5), (5, -2.0), (7, 0.0), (40, -1.0)])
+def test_repetition_penalty_equals_trl(ngram_size, max_penalty):
+    ours = get_repetition_penalty_reward(ngram_size, max_penalty)(completion_ids=RANDOM_IDS)
+    assert ours == pytest.approx(trl_get_repetition_penalty_reward(ngram_size, max_penalty)(RANDOM_IDS), abs=1e-12)
+
+
+def test_repetition_penalty_by_hand():
+    """TRL's docstring example; one n-gram k times costs (1 - 1/k) of the penalty; none repeated, or too short:
+    0; n-grams counted over tokens, overlapping."""
+    reward = get_repetition_penalty_reward(ngram_size=2, max_penalty=-1.0)
+    assert reward(completion_ids=[[1, 2, 3, 4], [5, 5, 5, 5, 5]]) == [0.0, -0.75]
+    reward = get_repetition_penalty_reward()  # TRL's defaults: trigrams, -1
+    assert reward(completion_ids=[[], [1, 2], [1, 2, 3], [1, 2, 3, 1, 2, 3], [7, 8, 7, 8, 7, 8, 7]]) == pytest.approx(
+        [0.0, 0.0, 0.0, -1 / 4, -3 / 5])
+    assert reward.__name__ == "repetition_penalty_reward" == trl_get_repetition_penalty_reward().__name__
+    assert pickle.loads(pickle.dumps(reward))(completion_ids=[[4] * 6]) == [-0.75]
+
+
+@pytest.mark.parametrize("arguments,message", [
+    ({"ngram_size": 0}, "ngram_size must be a positive number of tokens, got 0"),
+    ({"ngram_size": 2.0}, "ngram_size must be a positive number of tokens, got 2.0"),
+    ({"max_penalty": 0.5}, r"max_penalty must be a finite number <= 0 \(a penalty\), got 0.5"),
+    ({"max_penalty": float("-inf")}, "max_penalty must be .* got -inf"),
+    ({"max_penalty": float("nan")}, "max_penalty must be .* got nan"),
+])
+def test_bad_repetition_settings_name_the_argument(arguments, message):
+    with pytest.raises(ValueError, match=message):
+        get_repetition_penalty_reward(**arguments)
