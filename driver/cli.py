@@ -117,6 +117,7 @@ TRL_NAMES = {
     "vllm_importance_sampling_mode": "algo.importance_sampling.mode",
     "vllm_importance_sampling_clip_max": "algo.importance_sampling.cap",
     "vllm_importance_sampling_clip_min": "algo.importance_sampling.cap_min",
+    "vllm_importance_sampling_cap": "algo.importance_sampling.cap",  # TRL's former name of clip_max
     "reward_funcs": "rewards.functions",
     "reward_weights": "rewards.functions",
     "multi_objective_aggregation": "rewards.aggregation",

@@ -72,6 +72,25 @@ def test_the_trl_table_in_the_docs_says_what_trl_names_says(name):
     assert all(named), (name, target, rows)
 
 
+def test_every_grpoconfig_field_of_the_tested_trl_is_placed():
+    """Each field GRPOConfig adds to transformers' TrainingArguments (trl 1.16.0, the test extra) leads to a
+    key here (TRL_NAMES, or ours by the same name) or is named in docs/coming-from-trl.md (not here, or
+    without effect): a TRL that adds one fails here until the docs say where it went."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+    from trl import GRPOConfig
+
+    inherited = {field.name for field in dataclasses.fields(TrainingArguments)}
+    grpo_fields = [field.name for field in dataclasses.fields(GRPOConfig) if field.name not in inherited]
+    assert len(grpo_fields) > 50 and "num_generations" in grpo_fields  # the oracle itself
+    ours = {key.rsplit(".", 1)[-1] for key in section_keys(Config)}
+    docs = TRL_DOC.read_text()
+    unplaced = [name for name in grpo_fields
+                if name not in TRL_NAMES and name not in ours and not re.search(rf"`{name}`", docs)]
+    assert not unplaced, f"GRPOConfig fields neither mapped nor named in docs/coming-from-trl.md: {unplaced}"
+
+
 TRL_FILE = """
 model_name_or_path: Qwen/Qwen2.5-0.5B-Instruct
 dataset_name: trl-lib/tldr
