@@ -190,7 +190,8 @@ def test_cli_help_exits_zero(capsys):
     assert code == 0 and "train.lr = " in out and "rollout.backend" in out
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-1.5b-gsm8k-lora.yaml", "qwen3-30b-a3b-qlora.yaml"])
+@pytest.mark.parametrize("name", ["qwen2.5-1.5b-gsm8k-lora.yaml", "qwen2.5-0.5b-deepmath-lora.yaml",
+                                  "qwen3-30b-a3b-qlora.yaml"])
 def test_gpu_examples_are_valid_configs(name):
     """They cannot run here (no GPU, no model download) but must validate and name real functions."""
     from pathlib import Path
@@ -200,7 +201,8 @@ def test_gpu_examples_are_valid_configs(name):
     config = Config.model_validate(read_yaml(Path("examples") / name))
     for function in config.rewards.functions:
         import_dotted(function.path, "rewards")
-    import_dotted(config.data.transform, "data.transform")
+    if config.data.transform is not None:
+        import_dotted(config.data.transform, "data.transform")
 
 
 def test_gsm8k_reward():
