@@ -78,7 +78,6 @@ class SoftOverlongPunishment:
         return rewards
 
 
-
 def get_repetition_penalty_reward(ngram_size: int = 3, max_penalty: float = -1.0) -> RepetitionPenalty:
     """A penalty for repeating oneself (arXiv 2502.03373, App. C.2; TRL's trl.rewards function of this
     name): max_penalty times the fraction of a completion's token n-grams that repeat an earlier one,
@@ -115,6 +114,7 @@ class RepetitionPenalty:
             distinct = len({tuple(ids[start:start + self.ngram_size]) for start in range(count)})
             rewards.append((1.0 - distinct / count) * self.max_penalty if distinct < count else 0.0)
         return rewards
+
 
 # TRL's math-verify limits (seconds): the gold solution's and the completion's parse, then their comparison.
 PARSE_TIMEOUT_S = 10
