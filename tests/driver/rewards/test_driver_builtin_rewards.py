@@ -10,9 +10,6 @@ import random
 import sys
 
 import pytest
-from trl.rewards import get_repetition_penalty_reward as trl_get_repetition_penalty_reward
-from trl.rewards import get_soft_overlong_punishment as trl_get_soft_overlong_punishment
-from trl.rewards import think_format_reward as trl_think_format_reward
 
 from driver.config import RewardFunction, RewardsConfig
 from driver.data.prompts import Prompt
@@ -20,6 +17,12 @@ from driver.data.records import Group, Sample
 from driver.rewards.builtin import get_repetition_penalty_reward, get_soft_overlong_punishment, think_format_reward
 from driver.rewards.calling import call_rewards
 from driver.rewards.functions import RewardFunctions, group_call, reward_table
+from tests.trl_oracle import import_trl
+
+TRL_REWARDS = import_trl("trl.rewards")
+trl_get_repetition_penalty_reward = TRL_REWARDS.get_repetition_penalty_reward
+trl_get_soft_overlong_punishment = TRL_REWARDS.get_soft_overlong_punishment
+trl_think_format_reward = TRL_REWARDS.think_format_reward
 
 FACTORY = "driver.rewards.builtin.get_soft_overlong_punishment"
 SETTINGS_8_4 = {"max_completion_len": 8, "soft_punish_cache": 4}
@@ -162,13 +165,12 @@ def test_trl_reward_names_say_where_they_are_here(monkeypatch, path, message):
 
 def test_every_trl_reward_is_built_in():
     """Each reward trl.rewards exports has ours of the same name at the path the config error gives."""
-    import trl.rewards
+    from driver.cli import TRL_REWARDS as OURS
+    from driver.cli import import_dotted
 
-    from driver.cli import TRL_REWARDS, import_dotted
-
-    theirs = {name for name in dir(trl.rewards) if not name.startswith("_") and callable(getattr(trl.rewards, name))}
-    assert theirs == set(TRL_REWARDS)
-    for name, where in TRL_REWARDS.items():
+    theirs = {name for name in dir(TRL_REWARDS) if not name.startswith("_") and callable(getattr(TRL_REWARDS, name))}
+    assert theirs == set(OURS)
+    for name, where in OURS.items():
         assert where.split()[0] == f"driver.rewards.builtin.{name}"
         import_dotted(where.split()[0], "test")
 

@@ -10,14 +10,17 @@ import sys
 import threading
 
 import pytest
-from trl.rewards import accuracy_reward as trl_accuracy_reward
-from trl.rewards import get_cosine_scaled_reward as trl_get_cosine_scaled_reward
-from trl.rewards import reasoning_accuracy_reward as trl_reasoning_accuracy_reward
 
 from driver.config import Config, RewardFunction, RewardsConfig
 from driver.rewards import builtin
 from driver.rewards.builtin import accuracy_reward, get_cosine_scaled_reward, reasoning_accuracy_reward
 from driver.rewards.functions import RewardError, RewardFunctions
+from tests.trl_oracle import import_trl
+
+TRL_REWARDS = import_trl("trl.rewards")
+trl_accuracy_reward = TRL_REWARDS.accuracy_reward
+trl_get_cosine_scaled_reward = TRL_REWARDS.get_cosine_scaled_reward
+trl_reasoning_accuracy_reward = TRL_REWARDS.reasoning_accuracy_reward
 
 # (solution, completion): equal forms, boxed answers before others, anchors, units, equations, several
 # answers, text that does not parse, and solutions math-verify cannot parse (not scored: None).
