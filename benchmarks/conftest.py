@@ -78,6 +78,9 @@ def bench_device() -> torch.device:
 
 
 AVX512_CPU_CLASSES = ("cpu", "cpu-zen4", "cpu-avx512", "cpu-amx")  # the same cases; each has its own floors
+# CPUs without AVX-512: torch's bf16 GEMMs have no vector path there, so smaller cases (the same in both
+# classes; each has its own floors).
+NARROW_CPU_CLASSES = ("cpu-scalar", "cpu-avx2")
 # The CI machines' classes (Zen 4, Intel Xeons without AVX-512 BF16, and those with AMX): there the runs
 # no rule of benchmarks/thresholds.toml reads are left out (the MoE forward without LoRA, grouped_mm's
 # MoE forward+backward without LoRA, chunked torch's logprobs forward: ~25 s of CI on Zen 4). Every
@@ -134,9 +137,11 @@ def cpu_flags() -> set[str]:
 def device_class(device: torch.device) -> str:
     """The thresholds section that judges a run on `device`, and the case set it times.
 
-    CPUs split in three. "cpu-scalar" runs our kernels' portable path (e.g. AVX2-only AMD Zen 3,
-    where torch's own bf16 GEMM also runs ~20 GFLOP/s on 2 cores): its cases are smaller so the
-    suite stays within CI's minutes. The AVX-512 (BF16) ones split by how wide their vector units
+    CPUs split in three. Without AVX-512 (NARROW_CPU_CLASSES) torch's own bf16 GEMM runs ~20 GFLOP/s
+    on 2 cores, so the cases are smaller, to keep the suite within CI's minutes: "cpu-avx2" (AVX2, FMA
+    and F16C: AMD Zen 1-3 such as CI's EPYC, Intel client cores), where our NF4 dequantize and gated
+    activation take their AVX2 kernels and the rest its portable code, and "cpu-scalar" (the portable
+    code alone: other architectures, older x86). The AVX-512 (BF16) ones split by how wide their vector units
     are, which decides how close torch's oneDNN GEMMs come to the peak that ours reaches: "cpu-zen4"
     (AMD family 0x19: 512-bit instructions on 256-bit units, where oneDNN's bf16 GEMM runs at
     ~85% of the peak and a GEMM-bound op of ours can win only that gap) and "cpu" (AMD Zen 5 and the
@@ -150,8 +155,8 @@ def device_class(device: torch.device) -> str:
     """
     if device.type == "cpu":
         isa = pykernels.build_info()["cpu_isa_detected"]
-        if isa == "scalar":
-            return "cpu-scalar"
+        if isa in ("scalar", "avx2"):
+            return f"cpu-{isa}"
         if isa == "amx":
             return "cpu-amx"
         if cpu_family() == ("AuthenticAMD", 0x19):
@@ -240,7 +245,7 @@ class Device:
     device_class: str
     peak_bandwidth: float  # bytes/s
     peak_source: str
-    peak_flops: float  # bf16 FLOP/s (fp32 on cpu-scalar)
+    peak_flops: float  # bf16 FLOP/s (fp32 on NARROW_CPU_CLASSES)
     flops_source: str
 
 
@@ -254,8 +259,8 @@ def device() -> Device:
                 return Device(dev, device_class(dev), peak, f"published ({name})", PEAK_BF16_FLOPS[key],
                               f"published bf16 dense ({name})")
     klass = device_class(dev)
-    # On cpu-scalar torch's bf16 a @ a crawls (~0.3 GFLOP/s, 3 minutes) and ours runs fp32 GEMMs.
-    dtype, label = (torch.float32, "fp32") if klass == "cpu-scalar" else (torch.bfloat16, "bf16")
+    # Without AVX-512 torch's bf16 a @ a crawls (~0.3 GFLOP/s, 3 minutes) and ours runs fp32 GEMMs.
+    dtype, label = (torch.float32, "fp32") if klass in NARROW_CPU_CLASSES else (torch.bfloat16, "bf16")
     return Device(dev, klass, measured_copy_bandwidth(dev), "measured copy", measured_matmul_flops(dev, dtype),
                   f"measured torch {label} matmul")
 

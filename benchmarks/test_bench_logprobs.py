@@ -15,7 +15,7 @@ times forward+backward with a trainable lm_head against materialized torch (~11 
 call, one timed round each), for its time floor. Zen 4 ("cpu-zen4", a CI machine) leaves it out:
 there both run at the GEMM's peak (0.96x, no floor can hold), the N=512 memory rule already catches
 materialized logits, and its three calls per implementation cost CI 155 s.
-A CPU without AVX-512 ("cpu-scalar": ours multiplies fp32 copies; torch's bf16 GEMM has no vector
+A CPU without AVX-512 ("cpu-scalar", "cpu-avx2": ours multiplies fp32 copies; torch's bf16 GEMM has no vector
 path there, ~1 s forward and 35-85 s forward+backward a call at N=64-256, H=1024) runs the forward
 at N=256, V=32000 and N=64, V=151936, and the backward modes at N=16, V=32000 only.
 Cases run one shape at a time (every mode and implementation of it), so each shape's tensors (up
@@ -30,7 +30,8 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from benchmarks.conftest import AVX512_CPU_CLASSES, peak_extra_memory, read_by_a_rule, run_device_class
+from benchmarks.conftest import (AVX512_CPU_CLASSES, NARROW_CPU_CLASSES, peak_extra_memory, read_by_a_rule,
+                                 run_device_class)
 from pykernels.logprobs import token_logprobs
 
 CHUNK = 1024
@@ -40,7 +41,7 @@ def cases(device_class: str) -> list[tuple[int, int, int]]:  # (N, H, V)
     if device_class in AVX512_CPU_CLASSES:
         # H = 4096 (one more K block of the same micro-kernel) ran ~2.5 minutes of CI: the GPUs time it.
         return [(512, 2048, 32000), (512, 2048, 151936)]
-    if device_class == "cpu-scalar":
+    if device_class in NARROW_CPU_CLASSES:
         return [(256, 1024, 32000), (64, 1024, 151936)]  # forward only: see params()
     return [(n, h, v) for n in (4096, 16384) for h in (2048, 4096) for v in (32000, 151936)]
 
@@ -51,15 +52,15 @@ def cases(device_class: str) -> list[tuple[int, int, int]]:  # (N, H, V)
 CPU_LARGE = (4096, 2048, 151936)
 CPU_LARGE_CLASSES = ("cpu",)
 MODES = ("forward", "forward_backward", "forward_backward_frozen")
-CPU_SCALAR_BACKWARD = (16, 1024, 32000)  # torch's bf16 backward GEMMs crawl without AVX-512
+NARROW_CPU_BACKWARD = (16, 1024, 32000)  # torch's bf16 backward GEMMs crawl without AVX-512
 
 
 def params() -> list:
     device_class = run_device_class()
     runs = [(impl, case, mode) for case in cases(device_class) for mode in MODES for impl in IMPLS]
-    if device_class == "cpu-scalar":
+    if device_class in NARROW_CPU_CLASSES:
         runs = [run for run in runs if run[2] == "forward"]
-        runs += [(impl, CPU_SCALAR_BACKWARD, mode) for mode in MODES[1:] for impl in IMPLS]
+        runs += [(impl, NARROW_CPU_BACKWARD, mode) for mode in MODES[1:] for impl in IMPLS]
     if device_class in CPU_LARGE_CLASSES:
         runs += [(impl, CPU_LARGE, "forward_backward") for impl in ("ours", "torch_materialized")]
     runs = [run for run in runs if read_by_a_rule("logprobs", run[2], run[0], device_class)]

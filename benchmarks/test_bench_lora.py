@@ -5,7 +5,7 @@ Shapes are Llama-3-8B-like projections (4096x4096, 4096x14336) and a Qwen3-30B-A
 over bitsandbytes' Linear4bit, the usual QLoRA stack). extra_info["overhead_pct"] is the time over
 the base matmul alone. GPUs run T in {1024, 8192} and r in {8, 16, 64}; the 2-core AVX-512 CPU runs
 T=1024 and r=16 (plus r in {8, 64} on 4096x4096) so the suite stays within minutes; a CPU without
-AVX-512 ("cpu-scalar": ours multiplies fp32 copies, torch's bf16 GEMMs have no vector path and
+AVX-512 ("cpu-scalar", "cpu-avx2": ours multiplies fp32 copies, torch's bf16 GEMMs have no vector path and
 PEFT's forward+backward takes 30 s at 4096x4096, T=256) runs 2048x768 at T=256 and 4096x4096 at
 T=32, r=16.
 """
@@ -18,7 +18,7 @@ from torch import nn
 
 import pykernels.lora as lora
 import pykernels.nf4 as nf4
-from benchmarks.conftest import AVX512_CPU_CLASSES, read_by_a_rule, run_device_class
+from benchmarks.conftest import AVX512_CPU_CLASSES, NARROW_CPU_CLASSES, read_by_a_rule, run_device_class
 
 SHAPES = {"4096x4096": (4096, 4096), "4096x14336": (4096, 14336), "2048x768": (2048, 768)}  # (in, out)
 
@@ -26,7 +26,7 @@ SHAPES = {"4096x4096": (4096, 4096), "4096x14336": (4096, 14336), "2048x768": (2
 def cases(device_class: str) -> list[tuple[str, int, int]]:
     if device_class in AVX512_CPU_CLASSES:
         return [(name, 1024, 16) for name in SHAPES] + [("4096x4096", 1024, r) for r in (8, 64)]
-    if device_class == "cpu-scalar":
+    if device_class in NARROW_CPU_CLASSES:
         return [("4096x4096", 32, 16), ("2048x768", 256, 16)]
     return [(name, tokens, r) for name in SHAPES for tokens in (1024, 8192) for r in (8, 16, 64)]
 

@@ -10,7 +10,7 @@ TFLOP/s counts 6 T k H I (forward) and 12 T k H I (forward+backward: dx only, th
 frozen), LoRA not counted. transformers' batched_mm gathers one [2I, H] weight per token-expert
 pair (25 GB at Qwen3-30B-A3B shapes and T=512) and is left out where that exceeds 2 GB.
 CPU: T=512 at Qwen3-30B-A3B shapes and at Mixtral's with I scaled 14336 -> 3584 (2-core budget).
-A CPU without AVX-512 ("cpu-scalar": torch's bf16 GEMMs have no vector path, and with LoRA the
+A CPU without AVX-512 ("cpu-scalar", "cpu-avx2": torch's bf16 GEMMs have no vector path, and with LoRA the
 baselines took 30-110 s a call at T=32) runs T=32 at Qwen3-30B-A3B shapes without LoRA;
 GPUs: T in {512, 4096, 16384} at Qwen3-30B-A3B shapes, {512, 4096} at Mixtral's.
 """
@@ -22,7 +22,7 @@ import torch
 import transformers
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from benchmarks.conftest import AVX512_CPU_CLASSES, read_by_a_rule, run_device_class
+from benchmarks.conftest import AVX512_CPU_CLASSES, NARROW_CPU_CLASSES, read_by_a_rule, run_device_class
 from pykernels.integrations.transformers import apply_moe_kernels
 
 LORA_RANK = 16
@@ -34,7 +34,7 @@ SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "mixtral": (4096, 14336, 8, 2),
 def cases(device_class: str) -> list[tuple[str, int]]:  # (shape, tokens)
     if device_class in AVX512_CPU_CLASSES:
         return [("qwen3-30b-a3b", 512), ("mixtral-i3584", 512)]
-    if device_class == "cpu-scalar":
+    if device_class in NARROW_CPU_CLASSES:
         return [("qwen3-30b-a3b", 32)]
     return [("qwen3-30b-a3b", t) for t in (512, 4096, 16384)] + [("mixtral", t) for t in (512, 4096)]
 
@@ -46,13 +46,13 @@ def impls(shape: str, tokens: int, mode: str, lora: bool, device_class: str) -> 
     # shapes (PEFT's dense B A for 128 experts, twice, and its backward; measured once in
     # results/cpu.md), ~6 s at Mixtral's 8 experts: only the latter is in the suite.
     slow_eager = device_class in AVX512_CPU_CLASSES and lora and mode == "forward_backward" and shape == "qwen3-30b-a3b"
-    batched = batched_bytes <= 2**31 and device_class != "cpu-scalar"  # 4.8 s a call there at T=32
+    batched = batched_bytes <= 2**31 and device_class not in NARROW_CPU_CLASSES  # 4.8 s a call there at T=32
     return ["ours"] + ([] if slow_eager else ["eager"]) + ["grouped_mm"] + (["batched_mm"] if batched else [])
 
 
 def params() -> list:
     device_class = run_device_class()
-    loras = (False,) if device_class == "cpu-scalar" else (False, True)
+    loras = (False,) if device_class in NARROW_CPU_CLASSES else (False, True)
     runs = [(impl, shape, tokens, mode, lora) for shape, tokens in cases(device_class)
             for mode in ("forward", "forward_backward") for lora in loras
             for impl in impls(shape, tokens, mode, lora, device_class)

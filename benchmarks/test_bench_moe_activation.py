@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.conftest import AVX512_CPU_CLASSES, read_by_a_rule, run_device_class
+from benchmarks.conftest import AVX512_CPU_CLASSES, NARROW_CPU_CLASSES, read_by_a_rule, run_device_class
 from benchmarks.test_bench_moe import SHAPES
 from pykernels import moe, moe_types
 
 
 def cases(device_class: str) -> list[tuple[str, int]]:  # (shape, tokens), the experts benchmarks' own
-    if device_class in AVX512_CPU_CLASSES or device_class == "cpu-scalar":
+    if device_class in AVX512_CPU_CLASSES + NARROW_CPU_CLASSES:
         return [("qwen3-30b-a3b", 512), ("mixtral-i3584", 512)]
     return [("qwen3-30b-a3b", 16384), ("mixtral", 4096)]
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import pykernels.nf4 as nf4
-from benchmarks.conftest import AVX512_CPU_CLASSES, run_device_class
+from benchmarks.conftest import AVX512_CPU_CLASSES, NARROW_CPU_CLASSES, run_device_class
 from pykernels.reference import nf4 as reference
 
 try:
@@ -36,15 +36,15 @@ SHAPES = {
     "experts-Ex2048x768": (128, 2048, 768),
 }
 CPU_SHAPES = {**SHAPES, "experts-Ex2048x768": (32, 2048, 768)}
-# Without AVX-512 ("cpu-scalar") bitsandbytes and the reference are slow: the two smaller shapes.
-CPU_SCALAR_SHAPES = {"4096x4096": (4096, 4096), "experts-Ex2048x768": (8, 2048, 768)}
+# Without AVX-512 (NARROW_CPU_CLASSES) bitsandbytes and the reference are slow: the two smaller shapes.
+NARROW_CPU_SHAPES = {"4096x4096": (4096, 4096), "experts-Ex2048x768": (8, 2048, 768)}
 IMPLS = ["ours", "bitsandbytes", "torch_reference"]
 
 
 def shapes(device_class: str) -> dict[str, tuple[int, ...]]:
     if device_class in AVX512_CPU_CLASSES:
         return CPU_SHAPES
-    return CPU_SCALAR_SHAPES if device_class == "cpu-scalar" else SHAPES
+    return NARROW_CPU_SHAPES if device_class in NARROW_CPU_CLASSES else SHAPES
 
 
 def quantize_fn(impl: str, x: torch.Tensor):

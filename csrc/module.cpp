@@ -83,8 +83,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_archs", &cuda_archs, "CUDA architectures compiled into this build");
   m.def(
       "set_cpu_isa", [](const std::string& name) { pykernels::force_cpu_isa(name); }, py::arg("name"),
-      "Force the CPU SIMD path: 'auto' (default), 'scalar', 'avx512' or 'amx' (AVX-512 with the bf16 GEMMs on "
-      "AMX tiles)");
+      "Force the CPU SIMD path: 'auto' (default), 'scalar', 'avx2', 'avx512' or 'amx' (AVX-512 with the bf16 "
+      "GEMMs on AMX tiles)");
   py::module_ host_logic = m.def_submodule(
       "host_logic", "Test-only: the CUDA kernels' __host__ __device__ index/tile arithmetic, compiled for the host");
   pykernels::define_host_logic(host_logic);

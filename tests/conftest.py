@@ -30,17 +30,25 @@ def _pin_xdist_worker_to_one_core() -> None:
 _pin_xdist_worker_to_one_core()
 
 
-def cpu_isas(gemm: bool = False) -> list[str]:
-    """Every CPU SIMD path this machine can run: tests cover each, not just the default. "amx" is
-    "avx512" with the bf16 GEMMs on AMX tiles (csrc/common/cpu_gemm_amx.h): the kernels of the ops
-    that run no such GEMM (NF4, LoRA, the gated activation) take the same code under both, so only
-    `gemm` tests (logprobs, MoE) run "avx512" too on an AMX machine."""
+def cpu_isas(gemm: bool = False, avx2: bool = False) -> list[str]:
+    """Every CPU SIMD path this machine can run that changes an op's code: tests cover each, not just
+    the default. "amx" is "avx512" with the bf16 GEMMs on AMX tiles (csrc/common/cpu_gemm_amx.h): the
+    kernels of the ops that run no such GEMM (NF4, LoRA, the gated activation) take the same code
+    under both, so only `gemm` tests (logprobs, MoE) run "avx512" too on an AMX machine. "avx2" has
+    kernels for NF4's dequantize and the gated activation only (every other op runs its portable code
+    there, the same as under "scalar"): `avx2` tests (theirs) run it wherever the CPU has it, AVX-512
+    CPUs included."""
     import pykernels
 
     detected = pykernels.build_info()["cpu_isa_detected"]
+    paths = ["scalar"]
+    if avx2 and detected != "scalar":
+        paths.append("avx2")
     if detected == "amx":
-        return ["scalar", "avx512", "amx"] if gemm else ["scalar", "amx"]
-    return ["scalar", detected] if detected != "scalar" else ["scalar"]
+        paths += ["avx512", "amx"] if gemm else ["amx"]
+    elif detected == "avx512":
+        paths.append("avx512")
+    return paths
 
 
 @contextlib.contextmanager
@@ -69,6 +77,13 @@ def oracle_once(key: tuple, compute):
 
 @pytest.fixture(params=cpu_isas())
 def cpu_isa(request):
+    with forced_cpu_isa(request.param) as name:
+        yield name
+
+
+@pytest.fixture(params=cpu_isas(avx2=True))
+def avx2_cpu_isa(request):
+    """cpu_isa for the ops with AVX2 kernels (NF4 dequantize, the gated activation): "avx2" as well."""
     with forced_cpu_isa(request.param) as name:
         yield name
 

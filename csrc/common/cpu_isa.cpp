@@ -18,12 +18,21 @@ bool cpu_has_avx512() {
 #endif
 }
 
+bool cpu_has_avx2() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  // FMA for the exp polynomial, F16C for fp16 outputs.
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
 std::atomic<int> forced_isa{-1};  // -1: auto
 
 }  // namespace
 
 CpuIsa detected_cpu_isa() {
-  static const CpuIsa detected = !cpu_has_avx512()   ? CpuIsa::kScalar
+  static const CpuIsa detected = !cpu_has_avx512()   ? (cpu_has_avx2() ? CpuIsa::kAvx2 : CpuIsa::kScalar)
                                  : gemm::amx_usable() ? CpuIsa::kAmx
                                                       : CpuIsa::kAvx512;
   return detected;
@@ -39,6 +48,11 @@ void force_cpu_isa(const std::string& name) {
     forced_isa.store(-1);
   } else if (name == "scalar") {
     forced_isa.store(static_cast<int>(CpuIsa::kScalar));
+  } else if (name == "avx2") {
+    if (detected_cpu_isa() == CpuIsa::kScalar) {  // every AVX-512 CPU has AVX2, FMA and F16C
+      throw std::invalid_argument("cpu isa 'avx2' requested but this CPU lacks AVX2 / FMA / F16C");
+    }
+    forced_isa.store(static_cast<int>(CpuIsa::kAvx2));
   } else if (name == "avx512") {
     if (!uses_avx512(detected_cpu_isa())) {
       throw std::invalid_argument("cpu isa 'avx512' requested but this CPU lacks AVX-512 F/BW/VL/DQ");
@@ -52,12 +66,18 @@ void force_cpu_isa(const std::string& name) {
     }
     forced_isa.store(static_cast<int>(CpuIsa::kAmx));
   } else {
-    throw std::invalid_argument("cpu isa must be 'auto', 'scalar', 'avx512' or 'amx', got '" + name + "'");
+    throw std::invalid_argument("cpu isa must be 'auto', 'scalar', 'avx2', 'avx512' or 'amx', got '" + name + "'");
   }
 }
 
 std::string cpu_isa_name(CpuIsa isa) {
-  return isa == CpuIsa::kAmx ? "amx" : isa == CpuIsa::kAvx512 ? "avx512" : "scalar";
+  switch (isa) {
+    case CpuIsa::kAmx: return "amx";
+    case CpuIsa::kAvx512: return "avx512";
+    case CpuIsa::kAvx2: return "avx2";
+    case CpuIsa::kScalar: break;
+  }
+  return "scalar";
 }
 
 }  // namespace pykernels

@@ -1,7 +1,7 @@
 // CPU implementation of the gated activation ops (the math and why: moe/gated_act.h): rows split
 // over threads, each element computed in fp32 from its gate and up and rounded once. bf16 SwiGLU
-// in transformers' layout takes the AVX-512 kernels (gated_act_cpu_kernels.h) where the CPU has
-// them; everything else the scalar formulas.
+// in transformers' layout takes the AVX2 or AVX-512 kernels (gated_act_cpu_kernels.h) where the CPU
+// has them; everything else the scalar formulas.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -9,7 +9,6 @@
 
 #include <optional>
 
-#include "common/cpu_isa.h"
 #include "moe/gated_act.h"
 #include "moe/gated_act_cpu_kernels.h"
 #include "moe/moe_torch_checks.h"
@@ -25,9 +24,9 @@ GatedActSpec spec_of(int64_t act, double alpha, double limit) {
 
 int64_t grain_rows(int64_t inner) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(inner, 1)); }
 
-bool avx512_silu(const at::Tensor& gate_up, int64_t act, bool interleaved) {
+bool vector_silu(const at::Tensor& gate_up, int64_t act, bool interleaved) {
   return act == static_cast<int64_t>(GatedAct::kSilu) && !interleaved && gate_up.scalar_type() == at::kBFloat16 &&
-         uses_avx512(active_cpu_isa());
+         cpu::has_silu_gated_bf16();
 }
 
 const uint16_t* bf16_bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
@@ -37,7 +36,7 @@ at::Tensor gated_act_cpu(const at::Tensor& gate_up, int64_t act, bool interleave
   const int64_t inner = check_gated_act(gate_up, act, kGatedActCount), rows = gate_up.size(0);
   const GatedActSpec spec = spec_of(act, alpha, limit);
   at::Tensor out = at::empty({rows, inner}, gate_up.options());
-  if (avx512_silu(gate_up, act, interleaved)) {
+  if (vector_silu(gate_up, act, interleaved)) {
     at::parallel_for(0, rows, grain_rows(inner), [&](int64_t begin, int64_t end) {
       cpu::silu_gated_bf16(bf16_bits(gate_up), begin, end, inner, bf16_bits(out));
     });
@@ -67,7 +66,7 @@ at::Tensor gated_act_backward_cpu(const at::Tensor& grad_inner, const at::Tensor
   const GatedActSpec spec = spec_of(act, alpha, limit);
   const bool out_interleaved = grad_interleaved.value_or(interleaved);
   at::Tensor grad_gate_up = at::empty_like(gate_up);
-  if (out_interleaved == interleaved && avx512_silu(gate_up, act, interleaved)) {
+  if (out_interleaved == interleaved && vector_silu(gate_up, act, interleaved)) {
     at::parallel_for(0, rows, grain_rows(inner), [&](int64_t begin, int64_t end) {
       cpu::silu_gated_backward_bf16(bf16_bits(gate_up), bf16_bits(grad_inner), begin, end, inner,
                                     bf16_bits(grad_gate_up));

@@ -1,5 +1,6 @@
-// NF4 CPU kernels: a portable scalar path that states the arithmetic, and an AVX-512 path that
-// must produce the same bits (compiled with a target attribute, chosen at run time).
+// NF4 CPU kernels: a portable scalar path that states the arithmetic, and AVX-512 and AVX2 paths
+// that must produce the same bits (compiled with target attributes, chosen at run time; AVX2 has
+// the dequantize only).
 //
 // Arithmetic contract (torch / bitsandbytes 0.50 on CPU, see pykernels/reference/nf4.py):
 //   full block:    absmax = max|x| (NaN wins); v = x * (1 / max(absmax, floor))
@@ -78,13 +79,16 @@ void quantize_block_scalar(const T* x, int64_t begin, int64_t count, bool partia
   }
 }
 
-// Elements [begin, begin + count) of one block (all scaled by `scale`) into dst[0, count).
+// Elements [begin, begin + count) of one block (all scaled by `scale`) into dst[0, count). The
+// block's 16 possible outputs are computed and rounded once, then looked up (the same bits as
+// converting each element, in a fraction of the work where a block is long).
 template <typename T>
 void dequantize_values_scalar(const uint8_t* packed, float scale, int64_t begin, int64_t count, T* dst) {
+  T table[16];
+  for (int code = 0; code < 16; ++code) table[code] = from_float<T>(dequantize_value(kCode[code], scale));
   for (int64_t i = 0; i < count; ++i) {
     const int64_t index = begin + i;
-    const int code = code_of_element(packed[packed_byte_of(index)], index);  // the CUDA kernel's decode
-    dst[i] = from_float<T>(dequantize_value(kCode[code], scale));
+    dst[i] = table[code_of_element(packed[packed_byte_of(index)], index)];  // the CUDA kernel's decode
   }
 }
 
@@ -210,6 +214,69 @@ PK_AVX512 void dequantize_block_avx512(const uint8_t* packed, float scale, int64
                         _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(second), table));
   }
 }
+
+// ---------------------------------------------------------------- AVX2 path (dequantize)
+
+// 8 codes (32-bit lanes, 0-15) -> table[code]: AVX2 permutes 8 lanes, so the low and high halves
+// of the 16-entry table are each looked up and bit 3 of the code (moved to the sign bit) picks one.
+PK_AVX2 inline __m256 lookup8(__m256i codes, __m256 table_low, __m256 table_high) {
+  const __m256 high_half = _mm256_castsi256_ps(_mm256_slli_epi32(codes, 28));
+  return _mm256_blendv_ps(_mm256_permutevar8x32_ps(table_low, codes), _mm256_permutevar8x32_ps(table_high, codes),
+                          high_half);
+}
+
+// Stores 8 consecutive values; kStream as store32's (non-temporal, 32-byte aligned for fp32, 16 for
+// 16-bit types).
+template <typename T, bool kStream>
+PK_AVX2 inline void store8(T* dst, __m256 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    if constexpr (kStream) {
+      _mm256_stream_ps(dst, v);
+    } else {
+      _mm256_storeu_ps(dst, v);
+    }
+  } else {
+    const __m128i bits = std::is_same_v<T, c10::BFloat16> ? round_to_bf16_x8(v)
+                                                          : _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    if constexpr (kStream) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst), bits);
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), bits);
+    }
+  }
+}
+
+// dequantize_block_avx512 on 8 lanes: the same table of products, so the same bits.
+template <typename T, bool kStream>
+PK_AVX2 void dequantize_block_avx2(const uint8_t* packed, float scale, int64_t begin, int64_t blocksize, T* dst) {
+  const __m256 factor = _mm256_set1_ps(scale);
+  const __m256 table_low = _mm256_mul_ps(_mm256_loadu_ps(kCode), factor);
+  const __m256 table_high = _mm256_mul_ps(_mm256_loadu_ps(kCode + 8), factor);
+  const __m128i low_mask = _mm_set1_epi8(0x0F);
+  const uint8_t* bytes = packed + begin / 2;
+  for (int64_t j = 0; j < blocksize / 2; j += 16) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + j));
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(raw, 4), low_mask);
+    const __m128i low = _mm_and_si128(raw, low_mask);
+    const __m128i halves[2] = {_mm_unpacklo_epi8(high, low), _mm_unpackhi_epi8(high, low)};  // element order
+    for (int h = 0; h < 2; ++h) {
+      T* out = dst + 2 * j + 16 * h;
+      store8<T, kStream>(out, lookup8(_mm256_cvtepu8_epi32(halves[h]), table_low, table_high));
+      store8<T, kStream>(out + 8, lookup8(_mm256_cvtepu8_epi32(_mm_srli_si128(halves[h], 8)), table_low, table_high));
+    }
+  }
+}
+
+// A full block on the AVX-512 kernel, or else the AVX2 one.
+template <typename T, bool kStream>
+void dequantize_block_vector(bool avx512, const uint8_t* packed, float scale, int64_t begin, int64_t blocksize,
+                             T* dst) {
+  if (avx512) {
+    dequantize_block_avx512<T, kStream>(packed, scale, begin, blocksize, dst);
+  } else {
+    dequantize_block_avx2<T, kStream>(packed, scale, begin, blocksize, dst);
+  }
+}
 #endif  // __x86_64__
 
 template <typename T>
@@ -233,11 +300,12 @@ void quantize_typed(const QuantizeParams& p, int64_t block_begin, int64_t block_
 template <typename T>
 void dequantize_typed(const DequantizeParams& p, int64_t block_begin, int64_t block_end) {
   T* out = static_cast<T*>(p.out);
-  const bool avx512 = uses_avx512(active_cpu_isa());
+  const CpuIsa isa = active_cpu_isa();
+  const bool avx512 = uses_avx512(isa), avx2 = uses_avx2(isa);
 #if defined(__x86_64__)
   // Streaming stores pay off once the output is far larger than the caches (and its consumer
   // will not find it there anyway); below that, keep it cache-resident for the next op.
-  const bool stream = avx512 && p.numel * int64_t(sizeof(T)) >= kStreamingStoreBytes &&
+  const bool stream = (avx512 || avx2) && p.numel * int64_t(sizeof(T)) >= kStreamingStoreBytes &&
                       reinterpret_cast<uintptr_t>(out) % 64 == 0;
 #endif
   for (int64_t b = block_begin; b < block_end; ++b) {
@@ -245,11 +313,11 @@ void dequantize_typed(const DequantizeParams& p, int64_t block_begin, int64_t bl
     const int64_t count = std::min(p.blocksize, p.numel - begin);
     const float scale = block_scale(p.scales, b);
 #if defined(__x86_64__)
-    if (avx512 && count == p.blocksize) {
+    if ((avx512 || avx2) && count == p.blocksize) {
       if (stream) {
-        dequantize_block_avx512<T, true>(p.packed, scale, begin, p.blocksize, out + begin);
+        dequantize_block_vector<T, true>(avx512, p.packed, scale, begin, p.blocksize, out + begin);
       } else {
-        dequantize_block_avx512<T, false>(p.packed, scale, begin, p.blocksize, out + begin);
+        dequantize_block_vector<T, false>(avx512, p.packed, scale, begin, p.blocksize, out + begin);
       }
       continue;
     }
@@ -265,15 +333,16 @@ void dequantize_typed(const DequantizeParams& p, int64_t block_begin, int64_t bl
 // blocks at either end the scalar one. For chunked use (a few weight rows at a time).
 template <typename T>
 void dequantize_range_typed(const DequantizeParams& p, int64_t begin, int64_t end, T* dst) {
-  const bool avx512 = uses_avx512(active_cpu_isa());
+  const CpuIsa isa = active_cpu_isa();
+  const bool avx512 = uses_avx512(isa), avx2 = uses_avx2(isa);
   for (int64_t b = begin / p.blocksize; b * p.blocksize < end; ++b) {
     const int64_t block_begin = b * p.blocksize;
     const int64_t first = std::max(begin, block_begin);
     const int64_t last = std::min({end, block_begin + p.blocksize, p.numel});
     const float scale = block_scale(p.scales, b);
 #if defined(__x86_64__)
-    if (avx512 && first == block_begin && last == block_begin + p.blocksize) {
-      dequantize_block_avx512<T, false>(p.packed, scale, first, p.blocksize, dst + (first - begin));
+    if ((avx512 || avx2) && first == block_begin && last == block_begin + p.blocksize) {
+      dequantize_block_vector<T, false>(avx512, p.packed, scale, first, p.blocksize, dst + (first - begin));
       continue;
     }
 #endif

@@ -96,7 +96,7 @@ def test_missing_results_file_is_reported(tmp_path, thresholds, capsys):
 
 
 def test_repository_thresholds_parse_for_every_device_class():
-    for device_class in ("cpu", "cpu-zen4", "cpu-avx512", "cpu-amx", "cpu-scalar", "h100", "h200"):
+    for device_class in ("cpu", "cpu-zen4", "cpu-avx512", "cpu-amx", "cpu-avx2", "cpu-scalar", "h100", "h200"):
         floors = gate.load_floors(gate.DEFAULT_THRESHOLDS, device_class)
         assert floors
         for rule, floor in ((rule, floor) for rule, rule_floors in floors.items() for floor in rule_floors):
@@ -230,7 +230,8 @@ def test_scope_judges_complete_families_strictly_and_subsets_on_what_ran(tmp_pat
     ("avx512", ("GenuineIntel", 6), {"avx512_bf16"}, "cpu"),  # Cooper Lake: BF16 without AMX
     ("avx512", ("GenuineIntel", 6), set(), "cpu-avx512"),  # Skylake-SP to Ice Lake
     ("avx512", ("AuthenticAMD", 0x19), {"avx512_bf16"}, "cpu-zen4"),
-    ("scalar", ("AuthenticAMD", 0x19), set(), "cpu-scalar"),  # Zen 3 is family 0x19 too, without AVX-512
+    ("avx2", ("AuthenticAMD", 0x19), set(), "cpu-avx2"),  # Zen 3 is family 0x19 too, without AVX-512
+    ("scalar", ("GenuineIntel", 6), set(), "cpu-scalar"),  # no AVX2 (or an older build's "scalar")
 ])
 def test_cpu_device_class_follows_the_kernels_cpu_path_and_the_vector_units(monkeypatch, isa, cpu, flags, expected):
     import torch

@@ -42,7 +42,7 @@ def test_family_ops_are_registered(family):
 
 
 def test_cpu_isa_switch_rejects_unknown_names():
-    with pytest.raises(ValueError, match="cpu isa must be 'auto', 'scalar', 'avx512' or 'amx', got 'sse9'"):
+    with pytest.raises(ValueError, match="cpu isa must be 'auto', 'scalar', 'avx2', 'avx512' or 'amx', got 'sse9'"):
         _C.set_cpu_isa("sse9")
     _C.set_cpu_isa("scalar")
     assert pykernels.build_info()["cpu_isa"] == "scalar"
@@ -52,12 +52,18 @@ def test_cpu_isa_switch_rejects_unknown_names():
 
 def test_cpu_isa_switch_refuses_a_path_this_cpu_cannot_run():
     detected = pykernels.build_info()["cpu_isa_detected"]
-    for name, lacks in (("avx512", "AVX-512"), ("amx", "AMX")):
-        if detected == name or (name == "avx512" and detected == "amx"):
+    runs = {"scalar": (), "avx2": ("avx2",), "avx512": ("avx2", "avx512"), "amx": ("avx2", "avx512", "amx")}[detected]
+    for name, lacks in (("avx2", "AVX2"), ("avx512", "AVX-512"), ("amx", "AMX")):
+        if name in runs:
             continue
         with pytest.raises(ValueError, match=f"cpu isa '{name}' requested but this CPU lacks {lacks}"):
             _C.set_cpu_isa(name)
         assert pykernels.build_info()["cpu_isa"] == detected
+
+
+@pytest.mark.skipif(not cpu_flags() >= {"avx2", "fma", "f16c"}, reason="this CPU has no AVX2 / FMA / F16C")
+def test_a_cpu_with_avx2_runs_a_vector_path():
+    assert pykernels.build_info()["cpu_isa_detected"] in ("avx2", "avx512", "amx")
 
 
 @pytest.mark.skipif(not cpu_flags() >= {"amx_tile", "amx_bf16", "avx512_bf16"}, reason="this CPU has no AMX")

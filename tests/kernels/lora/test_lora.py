@@ -75,6 +75,15 @@ def test_dense_against_fp64(features, r, dtype, cpu_isa):
     check_against_fp64(x, weight, a, b, 2.0, bias)
 
 
+def test_dense_bf16_weight_in_several_chunks_against_fp64(cpu_isa):
+    """Without AVX-512 the base products run in fp32 on 8 MiB chunks of the weight, through one reused
+    buffer: x W^T at K 2304 in chunks of 910 columns (the last 90) and dy W in chunks of 2097 (the
+    last 207) must still be the whole product."""
+    weight, a, b, bias = make(2304, 1000, 16, torch.bfloat16)
+    x = torch.randn(5, 2304).bfloat16().requires_grad_()
+    check_against_fp64(x, weight, a, b, 2.0, bias)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("r", [1, 16, 256])
 @pytest.mark.parametrize("double_quant", [False, True])

@@ -8,6 +8,7 @@ import torch
 
 import pykernels.nf4 as nf4
 from pykernels.reference import nf4 as reference
+from tests.conftest import cpu_isas, forced_cpu_isa
 
 SHAPES = [(1,), (2,), (7,), (83,), (769,), (5125,), (7, 769), (3, 5, 83), (64, 4096), (2, 4127)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -45,13 +46,13 @@ def assert_matches_bitsandbytes(x: torch.Tensor, blocksize: int, double_quant: b
 @pytest.mark.parametrize("blocksize", BLOCKSIZES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_matches_bitsandbytes(shape, dtype, blocksize, double_quant, cpu_isa):
+def test_matches_bitsandbytes(shape, dtype, blocksize, double_quant, avx2_cpu_isa):
     generator = torch.Generator().manual_seed(hash((shape, blocksize)) % 2**31)
     x = (torch.randn(shape, generator=generator) * 3).to(dtype)
     assert_matches_bitsandbytes(x, blocksize, double_quant)
 
 
-def test_random_shapes_match_bitsandbytes(cpu_isa):
+def test_random_shapes_match_bitsandbytes(avx2_cpu_isa):
     rng = random.Random(1234)
     for _ in range(150):
         shape = tuple(rng.randint(1, 97) for _ in range(rng.randint(1, 3)))
@@ -86,40 +87,30 @@ def special_values(dtype: torch.dtype) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(special_values(torch.float32)))
 @pytest.mark.parametrize("double_quant", [False, True])
-def test_special_values_match_bitsandbytes(case, dtype, double_quant, cpu_isa):
+def test_special_values_match_bitsandbytes(case, dtype, double_quant, avx2_cpu_isa):
     x = special_values(dtype)[case].to(dtype)
     for blocksize in (32, 64, 256):
         assert_matches_bitsandbytes(x, blocksize, double_quant)
 
 
 @pytest.mark.parametrize("layout", ["transposed", "strided", "offset"])
-def test_non_contiguous_input_is_quantized_in_logical_order(layout, cpu_isa):
+def test_non_contiguous_input_is_quantized_in_logical_order(layout, avx2_cpu_isa):
     base = torch.randn(96, 130, dtype=torch.bfloat16)
     x = {"transposed": base.t(), "strided": base[:, ::3], "offset": base[5:, 7:]}[layout]
     assert not x.is_contiguous()
     assert_matches_bitsandbytes(x, 64, double_quant=True)
 
 
-def test_scalar_and_avx512_paths_agree():
-    from pykernels import _C
-
-    if pykernels_isa_detected() not in ("avx512", "amx"):
-        pytest.skip("CPU has no AVX-512")
+@pytest.mark.parametrize("isa", [isa for isa in cpu_isas(avx2=True) if isa != "scalar"])
+def test_scalar_and_vector_paths_agree(isa):
     x = torch.randn(3, 4096 + 96, dtype=torch.bfloat16)
     results = {}
-    for isa in ("scalar", "avx512"):
-        _C.set_cpu_isa(isa)
-        w = nf4.quantize(x, 128, double_quant=True)
-        results[isa] = (w.packed, w.absmax_q, nf4.dequantize(w, torch.float32))
-    _C.set_cpu_isa("auto")
-    for a, b in zip(results["scalar"], results["avx512"]):
-        assert torch.equal(a, b)
-
-
-def pykernels_isa_detected() -> str:
-    import pykernels
-
-    return pykernels.build_info()["cpu_isa_detected"]
+    for path in ("scalar", isa):
+        with forced_cpu_isa(path):
+            w = nf4.quantize(x, 128, double_quant=True)
+            results[path] = (w.packed, w.absmax_q, *(nf4.dequantize(w, dtype) for dtype in DTYPES))
+    for a, b in zip(results["scalar"], results[isa], strict=True):
+        assert_bits_equal(b, a, isa)
 
 
 @pytest.mark.parametrize("blocksize", [64, 256, 1024])
@@ -173,7 +164,7 @@ def values_straddling(boundaries: torch.Tensor, scale: float, ulps: int = 3) -> 
 
 
 @pytest.mark.parametrize("blocksize", [32, 64, 4096])
-def test_values_at_nf4_decision_boundaries_match_bitsandbytes(blocksize, cpu_isa):
+def test_values_at_nf4_decision_boundaries_match_bitsandbytes(blocksize, avx2_cpu_isa):
     """Full blocks scale by x * (1 / absmax), the partial last block by x / absmax: at the
     midpoints the two differ by an ulp and pick different codes, so both are pinned here."""
     generator = torch.Generator().manual_seed(blocksize)
