@@ -195,23 +195,31 @@ PK_AVX512 void quantize_block_avx512(const T* x, int64_t begin, int64_t blocksiz
   }
 }
 
+// The 32 codes of 16 packed bytes, one a byte, in element order (high nibble first): elements 0-15
+// in `first`, 16-31 in `second`. SSE2, which every x86-64 has, so both vector paths inline it.
+struct ElementCodes {
+  __m128i first, second;
+};
+
+inline ElementCodes element_codes(const uint8_t* bytes) {
+  const __m128i low_mask = _mm_set1_epi8(0x0F);
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(raw, 4), low_mask);
+  const __m128i low = _mm_and_si128(raw, low_mask);
+  return {_mm_unpacklo_epi8(high, low), _mm_unpackhi_epi8(high, low)};
+}
+
 // A full block starting at element `begin` (even) into dst[0, blocksize): 16 products
 // code[i] * scale form a lookup table, so each output is exactly the scalar path's fp32 product.
 template <typename T, bool kStream>
 PK_AVX512 void dequantize_block_avx512(const uint8_t* packed, float scale, int64_t begin,
                                               int64_t blocksize, T* dst) {
   const __m512 table = _mm512_mul_ps(_mm512_loadu_ps(kCode), _mm512_set1_ps(scale));
-  const __m128i low_mask = _mm_set1_epi8(0x0F);
   const uint8_t* bytes = packed + begin / 2;
   for (int64_t j = 0; j < blocksize / 2; j += 16) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + j));
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(raw, 4), low_mask);
-    const __m128i low = _mm_and_si128(raw, low_mask);
-    // Interleave so codes come out in element order: high nibble first.
-    const __m128i first = _mm_unpacklo_epi8(high, low);
-    const __m128i second = _mm_unpackhi_epi8(high, low);
-    store32<T, kStream>(dst + 2 * j, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(first), table),
-                        _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(second), table));
+    const ElementCodes codes = element_codes(bytes + j);
+    store32<T, kStream>(dst + 2 * j, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes.first), table),
+                        _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes.second), table));
   }
 }
 
@@ -252,13 +260,10 @@ PK_AVX2 void dequantize_block_avx2(const uint8_t* packed, float scale, int64_t b
   const __m256 factor = _mm256_set1_ps(scale);
   const __m256 table_low = _mm256_mul_ps(_mm256_loadu_ps(kCode), factor);
   const __m256 table_high = _mm256_mul_ps(_mm256_loadu_ps(kCode + 8), factor);
-  const __m128i low_mask = _mm_set1_epi8(0x0F);
   const uint8_t* bytes = packed + begin / 2;
   for (int64_t j = 0; j < blocksize / 2; j += 16) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + j));
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(raw, 4), low_mask);
-    const __m128i low = _mm_and_si128(raw, low_mask);
-    const __m128i halves[2] = {_mm_unpacklo_epi8(high, low), _mm_unpackhi_epi8(high, low)};  // element order
+    const ElementCodes codes = element_codes(bytes + j);
+    const __m128i halves[2] = {codes.first, codes.second};
     for (int h = 0; h < 2; ++h) {
       T* out = dst + 2 * j + 16 * h;
       store8<T, kStream>(out, lookup8(_mm256_cvtepu8_epi32(halves[h]), table_low, table_high));
