@@ -38,6 +38,7 @@ from driver.distributed import world as distributed
 from driver.distributed.fsdp import reshard_before_steps, shard_policy
 from driver.engine import RolloutError, make_generator
 from driver.engine import adapter_sync as sync
+from driver.engine.colocate import set_cpu_defaults
 from driver.engine.launch import LOG_NAME as SERVER_LOG
 from driver.environments.factory import prompt_tools
 from driver.interrupt import GracefulInterrupt
@@ -402,6 +403,10 @@ def show_samples(logger: MetricsLogger, batch, count: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Before the config names (and so imports) the reward modules: a module importing trl sets
+    # VLLM_LOGGING_LEVEL=ERROR when unset (trl/_compat.py), and the engine, or a server launched from here,
+    # would then hide its warnings instead of showing them at the driver's level.
+    set_cpu_defaults()
     try:
         config = config_from_argv(sys.argv[1:] if argv is None else argv)
     except ConfigError as error:

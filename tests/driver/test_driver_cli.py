@@ -1,8 +1,10 @@
 """Config and CLI: every key documented, overrides, and config mistakes as one message + exit 2."""
 
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from pydantic import BaseModel
@@ -40,7 +42,7 @@ def test_every_field_has_help_text():
 
 def test_defaults_validate_and_examples_load():
     assert Config().train.steps > 0
-    config = load_config(__import__("pathlib").Path("examples/tiny-grpo.yaml"), {})
+    config = load_config(Path("examples/tiny-grpo.yaml"), {})
     assert config.model.path == "tiny://qwen2"
 
 
@@ -149,6 +151,43 @@ def run_main(capsys, *args) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+TRL_LIKE_REWARD = """
+import os
+
+os.environ["VLLM_LOGGING_LEVEL"] = os.getenv("VLLM_LOGGING_LEVEL", "ERROR")  # trl/_compat.py, at `import trl`
+
+
+def score(completions, **kwargs):
+    return [0.0 for _ in completions]
+"""
+
+
+@pytest.mark.parametrize("user_level", [None, "DEBUG"])
+def test_a_reward_module_importing_trl_leaves_vllm_at_the_drivers_log_level(tmp_path, monkeypatch, capsys,
+                                                                           user_level):
+    """A reward module that imports trl (trl.rewards, or a script written for TRL) runs trl's _compat on import,
+    which sets VLLM_LOGGING_LEVEL=ERROR unless it is set: the driver's engine (and a server it launches) then
+    logged no warnings. The module here does what trl's import does (the real trl may already be imported in
+    this process, where importing it again would do nothing); the driver's default, or the user's own setting,
+    must be what the run sees."""
+    (tmp_path / "trl_like_reward.py").write_text(TRL_LIKE_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "trl_like_reward", raising=False)  # the other case's import runs again
+    if user_level is None:
+        monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_LOGGING_LEVEL", user_level)
+    config = tmp_path / "run.yaml"
+    config.write_text(Path("examples/tiny-grpo.yaml").read_text().replace(
+        "driver.data.toy_tasks.digit_fraction", "trl_like_reward.score"))
+    seen = []
+    monkeypatch.setattr("driver.train.run", lambda _config: seen.append(os.environ.get("VLLM_LOGGING_LEVEL")))
+    code, _, err = run_main(capsys, str(config), f"--logging.output_dir={tmp_path / 'out'}")
+    assert (code, err) == (0, "")
+    assert sys.modules.pop("trl_like_reward").__file__ == str(tmp_path / "trl_like_reward.py")  # imported
+    assert seen == [user_level or "WARNING"]
+
+
 def test_an_output_dir_that_cannot_be_written_is_named_before_anything_loads(tmp_path, capsys):
     (tmp_path / "a-file").write_text("")
     code, _, err = run_main(capsys, "examples/tiny-grpo.yaml", f"--logging.output_dir={tmp_path / 'a-file' / 'run'}")
@@ -194,8 +233,6 @@ def test_cli_help_exits_zero(capsys):
                                   "qwen3-30b-a3b-qlora.yaml"])
 def test_gpu_examples_are_valid_configs(name):
     """They cannot run here (no GPU, no model download) but must validate and name real functions."""
-    from pathlib import Path
-
     from driver.cli import import_dotted, read_yaml
 
     config = Config.model_validate(read_yaml(Path("examples") / name))
@@ -217,8 +254,6 @@ def test_gsm8k_reward():
 
 
 def test_config_reference_doc_is_current():
-    from pathlib import Path
-
     from driver.cli import markdown_reference
 
     assert Path("docs/config.md").read_text() == markdown_reference(), \
