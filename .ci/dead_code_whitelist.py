@@ -34,6 +34,7 @@ driver.rewards.builtin.think_format_reward
 driver.rewards.builtin.accuracy_reward
 driver.rewards.builtin.reasoning_accuracy_reward
 driver.rewards.builtin.get_cosine_scaled_reward
+driver.rewards.builtin.get_reasoning_accuracy_reward
 driver.rewards.builtin.get_repetition_penalty_reward
 # The toy tool-calling task's tool and reward, and the environment's reward: named by path in YAML
 # (examples/tiny-tools-grpo.yaml, docs/environments.md).

@@ -7,8 +7,8 @@ workers may receive it by pickle, as TRL's async workers do):
 `{path: driver.rewards.builtin.get_soft_overlong_punishment, kwargs: {max_completion_len: 256, soft_punish_cache: 64}}`.
 
 Standard library only at import: a reward worker that imports it loads no torch. The math rewards
-(accuracy_reward, reasoning_accuracy_reward, get_cosine_scaled_reward) import math-verify on their
-first call (the `math` extra: `pip install math-verify==0.9.0`).
+(accuracy_reward, reasoning_accuracy_reward and its get_reasoning_accuracy_reward, get_cosine_scaled_reward)
+import math-verify on their first call (the `math` extra: `pip install math-verify==0.9.0`).
 """
 
 from __future__ import annotations
@@ -132,22 +132,57 @@ def accuracy_reward(completions: list, solution: list | None = None, **columns) 
         "accuracy_reward", completions, solution, columns)]
 
 
-_REASONING_END = "</think>"  # TRL's default reasoning delimiter
+_REASONING_DELIMITERS = ("</think>",)  # TRL's default
 
 
 def reasoning_accuracy_reward(completions: list, solution: list | None = None,
-                              **columns) -> list[float | None]:
-    """accuracy_reward on what follows the completion's reasoning: the text after its last
-    `</think>`; 0.0 for a completion that never closes its reasoning (TRL's
-    trl.rewards.reasoning_accuracy_reward with its default delimiter: an answer inside the reasoning
-    earns nothing)."""
+                              reasoning_delimiters: list[str] | None = None, **columns) -> list[float | None]:
+    """accuracy_reward on what follows the completion's reasoning; 0.0 for a completion that never
+    closes it (TRL's trl.rewards.reasoning_accuracy_reward: an answer inside the reasoning earns nothing).
+    `reasoning_delimiters`, TRL's argument, are the strings that close the reasoning (default
+    `["</think>"]`), tried in their order: the first a completion holds splits it, and the answer is the
+    text after its last occurrence. From a config, get_reasoning_accuracy_reward passes them."""
+    delimiters = _reasoning_delimiters(reasoning_delimiters)
     rewards = []
     for gold, text in _gold_and_texts("reasoning_accuracy_reward", completions, solution, columns):
-        if _REASONING_END not in text:
+        delimiter = next((d for d in delimiters if d in text), None)
+        if delimiter is None:
             rewards.append(0.0)
         else:
-            rewards.append(None if gold is None else _answer_is(gold, text.split(_REASONING_END)[-1]))
+            rewards.append(None if gold is None else _answer_is(gold, text.split(delimiter)[-1]))
     return rewards
+
+
+def get_reasoning_accuracy_reward(reasoning_delimiters: list[str]) -> ReasoningAccuracyReward:
+    """reasoning_accuracy_reward with other strings closing the reasoning, for a config (a TRL script passes
+    them with functools.partial): `{path: driver.rewards.builtin.get_reasoning_accuracy_reward, kwargs:
+    {reasoning_delimiters: ["</reasoning>", "</think>"]}}`. Same values, same name in the logs."""
+    return ReasoningAccuracyReward(_reasoning_delimiters(reasoning_delimiters))
+
+
+class ReasoningAccuracyReward:
+    """The reward get_reasoning_accuracy_reward returns: a class, not a closure, so that it pickles."""
+
+    __name__ = "reasoning_accuracy_reward"  # TRL's: the reward's name in the logs
+
+    def __init__(self, delimiters: tuple[str, ...]) -> None:
+        self.delimiters = delimiters
+
+    def __call__(self, completions: list, solution: list | None = None, **columns) -> list[float | None]:
+        return reasoning_accuracy_reward(completions, solution, list(self.delimiters), **columns)
+
+
+def _reasoning_delimiters(value: list[str] | None) -> tuple[str, ...]:
+    """TRL's reasoning_delimiters checked: a string alone would be taken character by character there."""
+    if value is None:
+        return _REASONING_DELIMITERS
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"reasoning_delimiters must be a list of strings, e.g. [{value!r}], got {value!r}"
+                         if isinstance(value, str) else
+                         f"reasoning_delimiters must be a list of strings, got {type(value).__name__}")
+    if not value or not all(isinstance(d, str) and d for d in value):
+        raise ValueError(f"reasoning_delimiters must be one or more non-empty strings, got {value!r}")
+    return tuple(value)
 
 
 def get_cosine_scaled_reward(max_len: int, min_value_wrong: float = -1.0, max_value_wrong: float = -0.5,

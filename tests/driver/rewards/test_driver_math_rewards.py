@@ -13,7 +13,8 @@ import pytest
 
 from driver.config import Config, RewardFunction, RewardsConfig
 from driver.rewards import builtin
-from driver.rewards.builtin import accuracy_reward, get_cosine_scaled_reward, reasoning_accuracy_reward
+from driver.rewards.builtin import (accuracy_reward, get_cosine_scaled_reward, get_reasoning_accuracy_reward,
+                                     reasoning_accuracy_reward)
 from driver.rewards.functions import RewardError, RewardFunctions
 from tests.trl_oracle import import_trl
 
@@ -155,6 +156,57 @@ def test_bad_cosine_settings_name_the_argument(arguments, message):
         get_cosine_scaled_reward(**arguments)
 
 
+# Completions for other delimiters: each alone, both (the first listed that a completion holds splits it,
+# wherever the other one is), neither, the first closing twice, and an answer only before the delimiter.
+DELIMITED_CASES = [
+    ("5", r"<reasoning> maybe \boxed{4} </reasoning> so \boxed{5}"),
+    ("4", r"<reasoning> maybe \boxed{4} </reasoning> so \boxed{5}"),
+    ("5", r"<think> \boxed{4} </think> \boxed{5}"),
+    ("5", r"a </think> \boxed{4} </reasoning> \boxed{5}"),
+    ("4", r"a </reasoning> \boxed{4} </think> b"),
+    ("4", r"\boxed{4} </think> b </reasoning> c"),
+    ("5", r"<reasoning> \boxed{5} with no end"),
+    ("5", r"a </reasoning> b </reasoning> \boxed{5}"),
+    ("no number here", r"a </reasoning> </think> \boxed{5}"),
+]
+
+
+@pytest.mark.parametrize("delimiters", [["</reasoning>"], ["</reasoning>", "</think>"], ["</think>", "</reasoning>"],
+                                        ("</think>",)])
+def test_other_reasoning_delimiters_score_as_trls(delimiters):
+    """TRL's reasoning_delimiters, given to the function (as a TRL script's functools.partial does) and through
+    the factory a config names; in either order of two, since the first listed that a completion holds wins."""
+    solutions, texts = columns(DELIMITED_CASES)
+    expected = trl_reasoning_accuracy_reward(chat(texts), solutions, reasoning_delimiters=list(delimiters))
+    assert 0.0 in expected and 1.0 in expected and None in expected  # every outcome is compared
+    assert reasoning_accuracy_reward(texts, solution=solutions, reasoning_delimiters=delimiters) == expected
+    reward = pickle.loads(pickle.dumps(get_reasoning_accuracy_reward(reasoning_delimiters=delimiters)))
+    assert reward(chat(texts), solution=solutions, prompts=["q"] * len(texts)) == expected
+    assert reward.__name__ == "reasoning_accuracy_reward"
+
+
+@pytest.mark.parametrize("delimiters,message", [
+    ("</reasoning>", r"reasoning_delimiters must be a list of strings, e.g. \['</reasoning>'\], got '</reasoning>'"),
+    ([], r"reasoning_delimiters must be one or more non-empty strings, got \[\]"),
+    (["</think>", ""], r"reasoning_delimiters must be one or more non-empty strings, got \['</think>', ''\]"),
+    ([1], r"reasoning_delimiters must be one or more non-empty strings, got \[1\]"),
+    ({"end": "</think>"}, "reasoning_delimiters must be a list of strings, got dict"),
+])
+def test_bad_reasoning_delimiters_are_named(delimiters, message):
+    """A string alone would be read character by character (TRL iterates it): every '<' would close the
+    reasoning."""
+    with pytest.raises(ValueError, match=message):
+        get_reasoning_accuracy_reward(delimiters)
+    with pytest.raises(ValueError, match=message):
+        reasoning_accuracy_reward([r"\boxed{1}"], solution=["1"], reasoning_delimiters=delimiters)
+    from driver.cli import ConfigError, reward_function
+
+    with pytest.raises(ConfigError, match=r"rewards.functions\[0\].path: driver.rewards.builtin."
+                                          r"get_reasoning_accuracy_reward\(\*\*.*\) failed: " + message):
+        reward_function("driver.rewards.builtin.get_reasoning_accuracy_reward",
+                        {"reasoning_delimiters": delimiters}, "rewards.functions[0].path")
+
+
 def test_in_a_thread_it_scores_without_math_verifys_alarm():
     """math-verify's timeouts use signal.alarm, which raises in any thread but the main one: there the
     rewards run without a limit (as TRL's), with the same values."""
@@ -181,11 +233,14 @@ def test_named_in_the_config_they_read_the_solution_column():
     functions = RewardFunctions(RewardsConfig(functions=[
         RewardFunction(path="driver.rewards.builtin.accuracy_reward"),
         RewardFunction(path="driver.rewards.builtin.reasoning_accuracy_reward"),
-        RewardFunction(path="driver.rewards.builtin.get_cosine_scaled_reward", kwargs={"max_len": 4})]))
-    assert functions.names == ["accuracy_reward", "reasoning_accuracy_reward", "cosine_scaled_reward"]
+        RewardFunction(path="driver.rewards.builtin.get_cosine_scaled_reward", kwargs={"max_len": 4}),
+        RewardFunction(path="driver.rewards.builtin.get_reasoning_accuracy_reward",
+                       kwargs={"reasoning_delimiters": ["</answer>"]})]))
+    assert functions.names == ["accuracy_reward", "reasoning_accuracy_reward", "cosine_scaled_reward",
+                               "reasoning_accuracy_reward"]
     table = functions(*group_of([r"<think>x</think>\boxed{2}", r"\boxed{3}"], {"solution": "2", "id": 7}))
-    assert table.tolist() == [[1.0, 1.0, pytest.approx(0.5 + 0.5 * (1 + math.cos(math.pi / 2)) / 2)],
-                              [0.0, 0.0, pytest.approx(-1.0 + 0.5 * (1 + math.cos(math.pi / 2)) / 2)]]
+    assert table.tolist() == [[1.0, 1.0, pytest.approx(0.5 + 0.5 * (1 + math.cos(math.pi / 2)) / 2), 0.0],
+                              [0.0, 0.0, pytest.approx(-1.0 + 0.5 * (1 + math.cos(math.pi / 2)) / 2), 0.0]]
     with pytest.raises(RewardError, match=r"(?s)reward 'accuracy_reward' raised .*accuracy_reward needs a "
                                           r"`solution` column \(each prompt's reference answer, as in TRL\): the "
                                           r"data's columns are answer, id$"):
