@@ -1,6 +1,5 @@
 // NF4 CPU kernels: a portable scalar path that states the arithmetic, and AVX-512 and AVX2 paths
-// that must produce the same bits (compiled with target attributes, chosen at run time; AVX2 has
-// the dequantize only).
+// that must produce the same bits (compiled with target attributes, chosen at run time).
 //
 // Arithmetic contract (torch / bitsandbytes 0.50 on CPU, see pykernels/reference/nf4.py):
 //   full block:    absmax = max|x| (NaN wins); v = x * (1 / max(absmax, floor))
@@ -223,7 +222,73 @@ PK_AVX512 void dequantize_block_avx512(const uint8_t* packed, float scale, int64
   }
 }
 
-// ---------------------------------------------------------------- AVX2 path (dequantize)
+// ---------------------------------------------------------------- AVX2 path
+
+template <typename T>
+PK_AVX2 inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return widen_bf16_x8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  } else {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+}
+
+// 8 NF4 codes of v (32-bit lanes) as the scalar path counts them: the midpoints m with !(m >= v)
+// (_CMP_NGE_UQ, true for NaN, so NaN ends at 15). Fifteen compares, no table: AVX2 permutes only 8
+// lanes, and a count is the definition itself.
+PK_AVX2 inline __m256i nf4_codes8(__m256 v) {
+  __m256i code = _mm256_setzero_si256();
+  for (float midpoint : kMidpoint) {  // a true compare is all ones: -1
+    code = _mm256_sub_epi32(code, _mm256_castps_si256(_mm256_cmp_ps(_mm256_set1_ps(midpoint), v, _CMP_NGE_UQ)));
+  }
+  return code;
+}
+
+// quantize_block_avx512 on 8 lanes, the same arithmetic (a full block, blocksize % 32 == 0).
+template <typename T>
+PK_AVX2 void quantize_block_avx2(const T* x, int64_t begin, int64_t blocksize, uint8_t* packed, float* absmax_out) {
+  const T* block = x + begin;
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 running_max = _mm256_setzero_ps();
+  int has_nan = 0;
+  for (int64_t i = 0; i < blocksize; i += 8) {
+    const __m256 v = load8(block + i);
+    has_nan |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    running_max = _mm256_max_ps(running_max, _mm256_and_ps(v, magnitude));
+  }
+  uint8_t* out = packed + begin / 2;
+  if (has_nan) {  // as the AVX-512 path: NaN absmax, code 15 everywhere
+    *absmax_out = std::numeric_limits<float>::quiet_NaN();
+    std::memset(out, 0xFF, blocksize / 2);
+    return;
+  }
+  __m128 max4 = _mm_max_ps(_mm256_castps256_ps128(running_max), _mm256_extractf128_ps(running_max, 1));
+  max4 = _mm_max_ps(max4, _mm_movehl_ps(max4, max4));
+  const float absmax = _mm_cvtss_f32(_mm_max_ss(max4, _mm_shuffle_ps(max4, max4, 1)));
+  *absmax_out = absmax;
+  const __m256 reciprocal = _mm256_set1_ps(1.0f / std::max(absmax, kAbsmaxFloor));
+  const __m256 one = _mm256_set1_ps(1.0f), minus_one = _mm256_set1_ps(-1.0f);
+  // Byte pairs: element 2k (low byte of a 16-bit lane) times 16 plus element 2k + 1 (the high byte).
+  const __m256i pair_weights = _mm256_set1_epi16(0x0110);
+  for (int64_t i = 0; i < blocksize; i += 32) {
+    __m256i codes[4];
+    for (int q = 0; q < 4; ++q) {
+      __m256 v = _mm256_mul_ps(load8(block + i + 8 * q), reciprocal);
+      v = _mm256_min_ps(one, _mm256_max_ps(minus_one, v));  // the second operand when one is NaN: NaN stays
+      codes[q] = nf4_codes8(v);
+    }
+    // 32 codes (32-bit lanes) -> 32 bytes: packs and packus work within 128-bit halves, leaving each
+    // half's four-code groups interleaved; the permute puts the 32-bit groups back in element order.
+    const __m256i bytes = _mm256_permutevar8x32_epi32(
+        _mm256_packus_epi16(_mm256_packs_epi32(codes[0], codes[1]), _mm256_packs_epi32(codes[2], codes[3])),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    const __m256i pairs = _mm256_maddubs_epi16(bytes, pair_weights);  // 16-bit lanes, each < 256
+    const __m256i pair_bytes = _mm256_permute4x64_epi64(_mm256_packus_epi16(pairs, pairs), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i / 2), _mm256_castsi256_si128(pair_bytes));
+  }
+}
 
 // 8 codes (32-bit lanes, 0-15) -> table[code]: AVX2 permutes 8 lanes, so the low and high halves
 // of the 16-entry table are each looked up and bit 3 of the code (moved to the sign bit) picks one.
@@ -287,7 +352,8 @@ void dequantize_block_vector(bool avx512, const uint8_t* packed, float scale, in
 template <typename T>
 void quantize_typed(const QuantizeParams& p, int64_t block_begin, int64_t block_end) {
   const T* x = static_cast<const T*>(p.x);
-  const bool avx512 = uses_avx512(active_cpu_isa());
+  const CpuIsa isa = active_cpu_isa();
+  const bool avx512 = uses_avx512(isa), avx2 = uses_avx2(isa);
   for (int64_t b = block_begin; b < block_end; ++b) {
     const int64_t begin = b * p.blocksize;
     const int64_t count = std::min(p.blocksize, p.numel - begin);
@@ -295,6 +361,10 @@ void quantize_typed(const QuantizeParams& p, int64_t block_begin, int64_t block_
 #if defined(__x86_64__)
     if (avx512 && !partial) {
       quantize_block_avx512(x, begin, p.blocksize, p.packed, p.absmax + b);
+      continue;
+    }
+    if (avx2 && !partial) {
+      quantize_block_avx2(x, begin, p.blocksize, p.packed, p.absmax + b);
       continue;
     }
 #endif

@@ -102,13 +102,20 @@ def test_non_contiguous_input_is_quantized_in_logical_order(layout, avx2_cpu_isa
 
 
 @pytest.mark.parametrize("isa", [isa for isa in cpu_isas(avx2=True) if isa != "scalar"])
-def test_scalar_and_vector_paths_agree(isa):
-    x = torch.randn(3, 4096 + 96, dtype=torch.bfloat16)
+@pytest.mark.parametrize("x_dtype", DTYPES)
+def test_scalar_and_vector_paths_agree(isa, x_dtype):
+    """Quantize from each input dtype (a block with inf, one with NaN, a zero block, values at every
+    midpoint, a partial last block) and dequantize to each, every vector path against the portable one."""
+    x = torch.randn(3, 4096 + 96) * 3
+    x[0, 40], x[1, 1000], x[2, 300:428] = float("inf"), float("nan"), 0.0
+    x[2, 1024:1024 + 30] = torch.cat([reference.nf4_midpoints(), -reference.nf4_midpoints()])
+    x = x.to(x_dtype)
     results = {}
     for path in ("scalar", isa):
         with forced_cpu_isa(path):
-            w = nf4.quantize(x, 128, double_quant=True)
-            results[path] = (w.packed, w.absmax_q, *(nf4.dequantize(w, dtype) for dtype in DTYPES))
+            single, double = nf4.quantize(x, 128, double_quant=False), nf4.quantize(x, 64, double_quant=True)
+            results[path] = (single.packed, single.absmax, double.packed, double.absmax_q,
+                             *(nf4.dequantize(double, dtype) for dtype in DTYPES))
     for a, b in zip(results["scalar"], results[isa], strict=True):
         assert_bits_equal(b, a, isa)
 
