@@ -176,10 +176,10 @@ def _reasoning_delimiters(value: list[str] | None) -> tuple[str, ...]:
     """TRL's reasoning_delimiters checked: a string alone would be taken character by character there."""
     if value is None:
         return _REASONING_DELIMITERS
-    if isinstance(value, str) or not isinstance(value, (list, tuple)):
-        raise ValueError(f"reasoning_delimiters must be a list of strings, e.g. [{value!r}], got {value!r}"
-                         if isinstance(value, str) else
-                         f"reasoning_delimiters must be a list of strings, got {type(value).__name__}")
+    if isinstance(value, str):
+        raise ValueError(f"reasoning_delimiters must be a list of strings, e.g. [{value!r}], got {value!r}")
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"reasoning_delimiters must be a list of strings, got {type(value).__name__}")
     if not value or not all(isinstance(d, str) and d for d in value):
         raise ValueError(f"reasoning_delimiters must be one or more non-empty strings, got {value!r}")
     return tuple(value)
